@@ -1,0 +1,47 @@
+"""The ``kfac-hpc`` command: one entry point, one module per subcommand.
+
+Each subcommand module provides ``add_arguments(parser)`` and ``run(args) -> int``.
+Modules are imported only when their subcommand runs, so ``kfac-hpc --help`` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "info": ("kfac_hpc.runtime.info", "versions, MPI library (CUDA-aware?), ranks and devices"),
+    "selfcheck": ("kfac_hpc.comm.selfcheck",
+                  "check every collective on the current ranks and time them"),
+}
+
+
+def build_parser(names: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kfac-hpc",
+        description="Distributed K-FAC and Shampoo for PyTorch over MPI.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if names is None or name in names:
+            importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser([command] if command in SUBCOMMANDS else [])
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[args.command][0])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Message fusion: many small tensors in one message, and symmetric-matrix packing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kfac_hpc.comm.communicator import Communicator, Handle, ReduceOp
+
+
+def flatten(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Concatenate the tensors' elements into one 1-D tensor (a copy)."""
+    if not tensors:
+        return torch.empty(0, dtype=dtype or torch.float32)
+    dtype = dtype or tensors[0].dtype
+    return torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
+
+
+def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive slices of ``flat`` back into ``tensors`` (their shapes and dtypes)."""
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset:offset + n].view(t.shape))
+            offset += n
+    if offset != flat.numel():
+        raise ValueError(f"flat tensor has {flat.numel()} elements, tensors hold {offset}")
+
+
+def triu_count(n: int) -> int:
+    """Elements of the upper triangle (diagonal included) of an ``n x n`` matrix."""
+    return n * (n + 1) // 2
+
+
+def pack_upper(matrix: torch.Tensor) -> torch.Tensor:
+    """The upper triangle (row-major, diagonal included) of a square matrix, 1-D."""
+    n = matrix.shape[-1]
+    if matrix.dim() != 2 or matrix.shape[0] != n:
+        raise ValueError(f"pack_upper needs a square matrix, got shape {tuple(matrix.shape)}")
+    rows, cols = torch.triu_indices(n, n, device=matrix.device)
+    return matrix[rows, cols]
+
+
+def unpack_upper(packed: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rebuild the symmetric ``n x n`` matrix from :func:`pack_upper`'s output."""
+    if packed.numel() != triu_count(n):
+        raise ValueError(f"{packed.numel()} elements cannot be the upper triangle of {n}x{n}")
+    if out is None:
+        out = torch.empty((n, n), dtype=packed.dtype, device=packed.device)
+    rows, cols = torch.triu_indices(n, n, device=packed.device)
+    with torch.no_grad():
+        out[rows, cols] = packed
+        out[cols, rows] = packed
+    return out
+
+
+def buckets_by_size(sizes_bytes: Sequence[int], cap_bytes: int) -> list[list[int]]:
+    """Group consecutive items into buckets of at most ``cap_bytes`` (an item larger than
+    the cap gets a bucket of its own). Returns lists of item indices, in order."""
+    if cap_bytes <= 0:
+        raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i, size in enumerate(sizes_bytes):
+        if current and used + size > cap_bytes:
+            buckets.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class FusedAllreduce:
+    """Allreduce a list of tensors as few fused messages (each at most ``cap_mb``).
+
+    ``start()`` posts non-blocking reductions; ``wait()`` completes them and writes
+    the results back into the original tensors.
+    """
+
+    def __init__(self, comm: Communicator, tensors: Sequence[torch.Tensor], *,
+                 op: ReduceOp = "avg", cap_mb: float = 25.0,
+                 dtype: torch.dtype | None = None) -> None:
+        self.comm, self.tensors, self.op = comm, list(tensors), op
+        self.dtype = dtype
+        sizes = [t.numel() * (dtype.itemsize if dtype else t.element_size()) for t in tensors]
+        self.groups = buckets_by_size(sizes, int(cap_mb * 2**20))
+        self._inflight: list[tuple[list[int], Handle[torch.Tensor]]] = []
+
+    def start(self) -> FusedAllreduce:
+        for group in self.groups:
+            flat = flatten([self.tensors[i] for i in group], self.dtype)
+            self._inflight.append((group, self.comm.iallreduce(flat, self.op)))
+        return self
+
+    def wait(self) -> list[torch.Tensor]:
+        for group, handle in self._inflight:
+            unflatten_into(handle.wait(), [self.tensors[i] for i in group])
+        self._inflight.clear()
+        return self.tensors
+
+
+def fused_call(tensors: Sequence[torch.Tensor],
+               collective: Callable[[torch.Tensor], torch.Tensor],
+               dtype: torch.dtype | None = None) -> None:
+    """Run one in-place collective on the tensors fused, and write results back."""
+    flat = flatten(tensors, dtype)
+    unflatten_into(collective(flat), tensors)

@@ -1,0 +1,108 @@
+"""Traffic accounting: calls and bytes per collective kind."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class KindCount:
+    """Calls and bytes of one collective kind."""
+
+    calls: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class TrafficStats:
+    """Counters of what a communicator put on the wire.
+
+    ``bytes`` of a call is the size of the message the collective operates on, in the
+    datatype that travels: the whole vector for allreduce, reduce, broadcast and
+    reduce-scatter (its input), the whole result for allgather(v), the payload for
+    point-to-point, the pickled size for object collectives. The value is the same on
+    every rank for collectives, so a test or the planner can predict it exactly.
+    Nothing is counted on a world of one rank: nothing crosses a wire there.
+    Counters can be tagged (``with stats.tagged("factors"): ...``) to attribute bytes
+    to a phase of an algorithm.
+    """
+
+    kinds: dict[str, KindCount] = field(default_factory=dict)
+    tags: dict[str, KindCount] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _tag_stack: list[str] = field(default_factory=list, repr=False)
+
+    def record(self, kind: str, nbytes: int) -> None:
+        """Add one call of ``kind`` carrying ``nbytes`` bytes."""
+        with self._lock:
+            count = self.kinds.setdefault(kind, KindCount())
+            count.calls += 1
+            count.bytes += nbytes
+            for tag in self._tag_stack:
+                tagged = self.tags.setdefault(tag, KindCount())
+                tagged.calls += 1
+                tagged.bytes += nbytes
+
+    def tagged(self, tag: str) -> _Tag:
+        """Context manager attributing the calls made inside it to ``tag`` as well."""
+        return _Tag(self, tag)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(c.bytes for c in self.kinds.values())
+
+    @property
+    def total_calls(self) -> int:
+        return sum(c.calls for c in self.kinds.values())
+
+    def bytes_of(self, kind: str) -> int:
+        return self.kinds.get(kind, KindCount()).bytes
+
+    def calls_of(self, kind: str) -> int:
+        return self.kinds.get(kind, KindCount()).calls
+
+    def tag_bytes(self, tag: str) -> int:
+        return self.tags.get(tag, KindCount()).bytes
+
+    def reset(self) -> None:
+        """Set every counter back to zero."""
+        with self._lock:
+            self.kinds.clear()
+            self.tags.clear()
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """A plain copy: ``{kind: {"calls": n, "bytes": b}}`` plus ``"tag:<name>"`` entries."""
+        with self._lock:
+            out = {k: {"calls": c.calls, "bytes": c.bytes} for k, c in self.kinds.items()}
+            out.update(
+                {f"tag:{k}": {"calls": c.calls, "bytes": c.bytes} for k, c in self.tags.items()}
+            )
+            return out
+
+    @staticmethod
+    def merged(stats: Iterable[TrafficStats]) -> TrafficStats:
+        """Sum of several counters (e.g. a communicator and its sub-communicators)."""
+        total = TrafficStats()
+        for s in stats:
+            for kind, c in s.kinds.items():
+                t = total.kinds.setdefault(kind, KindCount())
+                t.calls += c.calls
+                t.bytes += c.bytes
+            for tag, c in s.tags.items():
+                t = total.tags.setdefault(tag, KindCount())
+                t.calls += c.calls
+                t.bytes += c.bytes
+        return total
+
+
+class _Tag:
+    def __init__(self, stats: TrafficStats, tag: str) -> None:
+        self.stats, self.tag = stats, tag
+
+    def __enter__(self) -> None:
+        self.stats._tag_stack.append(self.tag)
+
+    def __exit__(self, *exc: object) -> None:
+        self.stats._tag_stack.remove(self.tag)

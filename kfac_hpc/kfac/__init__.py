@@ -1,0 +1,1 @@
+"""K-FAC: per-layer curvature, linear algebra, work assignment, strategies, preconditioner."""

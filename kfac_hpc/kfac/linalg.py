@@ -1,0 +1,181 @@
+"""Pure tensor functions for K-FAC: factor statistics, decompositions, preconditioning.
+
+Conventions (see DESIGN.md, "kfac — the math contract"):
+
+* A gradient matrix ``∇W̄`` has shape ``(g_dim, a_dim)`` (bias folded in as the last
+  column); ``A`` is ``(a_dim, a_dim)``, ``G`` is ``(g_dim, g_dim)``.
+* ``vec`` is column-major, so ``(A ⊗ G) vec(X) = vec(G X Aᵀ)``.
+* Matrix products here run with autocast disabled, so a caller inside
+  ``torch.autocast`` still gets the precision of the tensors it passes in.
+* Nothing here communicates or synchronises on its own, except where a
+  decomposition failure must be detected (``eigh_clamped``, ``damped_inverse``) and
+  the single ``.item()`` in ``kl_clip_scale``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "covariance",
+    "damped_inverse",
+    "eigh_clamped",
+    "kl_clip_scale",
+    "precondition_eigen",
+    "precondition_inverse",
+    "update_running_average",
+]
+
+_LINALG_DTYPES = (torch.float32, torch.float64)
+
+
+def _no_autocast(t: Tensor) -> contextlib.AbstractContextManager[None]:
+    """A context that disables autocast for ``t``'s device type."""
+    return torch.autocast(device_type=t.device.type, enabled=False)
+
+
+def _linalg_dtype(t: Tensor) -> torch.dtype:
+    """``t``'s dtype if LAPACK/cuSOLVER support it, else float32 (fp16/bf16 inputs)."""
+    return t.dtype if t.dtype in _LINALG_DTYPES else torch.float32
+
+
+def covariance(rows: Tensor) -> Tensor:
+    """``rowsᵀ rows / n_rows`` for ``rows`` of shape ``(n_rows, d)``, in ``rows``' dtype.
+
+    The result is made exactly symmetric with ``(M + Mᵀ)/2`` (a blocked GEMM does not
+    guarantee bitwise symmetry; exact symmetry makes upper-triangle packing lossless
+    and keeps ranks' copies identical). Raises ``ValueError`` for zero rows.
+    """
+    if rows.dim() != 2:
+        raise ValueError(f"covariance expects a 2-D (rows, dim) tensor, got {tuple(rows.shape)}")
+    n = rows.shape[0]
+    if n == 0:
+        raise ValueError("covariance of zero rows is undefined")
+    with _no_autocast(rows):
+        m = rows.t() @ (rows / n)
+    return (m + m.t()) / 2
+
+
+def update_running_average(current: Tensor | None, batch: Tensor, decay: float) -> Tensor:
+    """Exponential running average of a factor.
+
+    The first update (``current is None``) returns a copy of ``batch`` (never an
+    alias, so later in-place updates cannot modify the caller's batch tensor). Later
+    updates compute ``current ← decay·current + (1-decay)·batch`` **in place** on
+    ``current`` (keeping its dtype) and return it.
+    """
+    if not 0.0 <= decay <= 1.0:
+        raise ValueError(f"factor decay must be in [0, 1], got {decay}")
+    if current is None:
+        return batch.detach().clone()
+    if current.shape != batch.shape:
+        raise ValueError(
+            f"running average shape {tuple(current.shape)} != batch shape {tuple(batch.shape)}"
+        )
+    return current.mul_(decay).add_(batch, alpha=1.0 - decay)
+
+
+def eigh_clamped(F: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """Eigendecomposition ``F = Q diag(λ) Qᵀ`` of a symmetric factor, λ clamped at 0.
+
+    Computed in ``F``'s dtype (float32 for fp16/bf16 inputs); if that raises
+    ``torch.linalg.LinAlgError`` (non-convergence), it is retried in float64. Only the
+    lower triangle of ``F`` is read. Returns ``(Q, λ)`` cast to ``dtype``, with λ in
+    ascending order.
+    """
+    try:
+        evals, evecs = torch.linalg.eigh(F.to(_linalg_dtype(F)))
+    except torch.linalg.LinAlgError:
+        evals, evecs = torch.linalg.eigh(F.to(torch.float64))
+    return evecs.to(dtype), evals.clamp(min=0.0).to(dtype)
+
+
+def precondition_eigen(
+    grad: Tensor, qa: Tensor, la: Tensor, qg: Tensor, lg: Tensor, damping: float
+) -> Tensor:
+    """``V = Q_G [(Q_Gᵀ ∇W̄ Q_A) / (λ_G λ_Aᵀ + damping)] Q_Aᵀ = (A⊗G + damping·I)⁻¹ vec(∇W̄)``.
+
+    ``grad`` is ``(g_dim, a_dim)``; the product is computed in the eigenbases' dtype and
+    returned in ``grad``'s dtype.
+    """
+    with _no_autocast(grad):
+        g = grad.to(qa.dtype)
+        v = qg.t() @ g @ qa
+        v = v / (torch.outer(lg, la) + damping)
+        return (qg @ v @ qa.t()).to(grad.dtype)
+
+
+def damped_inverse(F: Tensor, damping: float, dtype: torch.dtype | None = None) -> Tensor:
+    """``(F + sqrt(damping)·I)⁻¹`` of a symmetric PSD factor, symmetrised.
+
+    The result is in ``dtype`` (default: ``F``'s dtype).
+
+    Cholesky in ``F``'s dtype (float32 for fp16/bf16) first; if the damped matrix is not
+    numerically positive definite there, Cholesky in float64; if that fails too (``F``
+    not PSD, e.g. corrupted), a general LU inverse in float64; and if the matrix is
+    singular, the float64 pseudo-inverse.
+    """
+    if damping < 0:
+        raise ValueError(f"damping must be >= 0, got {damping}")
+    out_dtype = F.dtype if dtype is None else dtype
+    shift = math.sqrt(damping)
+
+    def damped(dt: torch.dtype) -> Tensor:
+        m = F.to(dt)
+        return m + shift * torch.eye(m.shape[0], dtype=dt, device=m.device)
+
+    inv: Tensor | None = None
+    for dt in dict.fromkeys((_linalg_dtype(F), torch.float64)):
+        try:
+            inv = torch.cholesky_inverse(torch.linalg.cholesky(damped(dt)))
+            break
+        except torch.linalg.LinAlgError:
+            continue
+    if inv is None:
+        m64 = damped(torch.float64)
+        try:
+            inv = torch.linalg.inv(m64)
+        except torch.linalg.LinAlgError:
+            inv = torch.linalg.pinv(m64, hermitian=True)
+    return ((inv + inv.t()) / 2).to(out_dtype)
+
+
+def precondition_inverse(grad: Tensor, a_inv: Tensor, g_inv: Tensor) -> Tensor:
+    """``V = G⁻¹ ∇W̄ A⁻¹`` with precomputed (damped) inverses; result in ``grad``'s dtype."""
+    with _no_autocast(grad):
+        return (g_inv @ grad.to(a_inv.dtype) @ a_inv).to(grad.dtype)
+
+
+def kl_clip_scale(
+    pairs: Iterable[tuple[Tensor, Tensor]], lr: float, kl_clip: float | None
+) -> float:
+    """KL-clipping factor ``nu = min(1, sqrt(κ / |lr² Σ ⟨V, ∇W̄⟩|))`` over ``(V, ∇W̄)`` pairs.
+
+    ``kl_clip=None`` disables clipping (1.0, pairs not read). A zero or non-finite
+    denominator (``lr = 0``, all-zero gradients, or inf/NaN gradients that an AMP
+    GradScaler will reject anyway) gives 1.0 so nothing is masked. The inner products
+    are accumulated in float64 on the tensors' device with a single host sync.
+    """
+    if kl_clip is None:
+        return 1.0
+    if kl_clip < 0:
+        raise ValueError(f"kl_clip must be >= 0 or None, got {kl_clip}")
+    total: Tensor | None = None
+    for v, g in pairs:
+        if v.shape != g.shape:
+            raise ValueError(
+                f"shape mismatch in kl_clip_scale: {tuple(v.shape)} vs {tuple(g.shape)}"
+            )
+        term = (v.to(torch.float64) * g.to(torch.float64)).sum()
+        total = term if total is None else total + term.to(total.device)
+    if total is None:
+        return 1.0
+    denom = abs(lr * lr * float(total.item()))
+    if denom == 0.0 or not math.isfinite(denom):
+        return 1.0
+    return min(1.0, math.sqrt(kl_clip / denom))

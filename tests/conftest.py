@@ -1,0 +1,65 @@
+"""Test harness shared by serial and MPI runs.
+
+Serial: ``pytest``. MPI: ``mpiexec -n N python -m mpi4py -m pytest --with-mpi --only-mpi``;
+tests marked ``@pytest.mark.mpi(min_size=N)`` run there. Under MPI, the first failing
+test on any rank aborts every rank (no rank can wait forever in a collective that a
+failed rank never joins); ``python -m mpi4py`` and ``MPIEXEC_TIMEOUT`` are backstops.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+
+def _world_size() -> int:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_size()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Under MPI only rank 0 prints pytest's report; failures on any rank still print
+    # (see pytest_runtest_logreport).
+    if config.getoption("--with-mpi", default=False) and _world_size() > 1 and _world_rank() > 0:
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            config.pluginmanager.unregister(reporter)
+
+
+def _world_rank() -> int:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.failed and os.environ.get("KFAC_HPC_TEST_NO_ABORT") != "1":
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_size() > 1:
+            rank = MPI.COMM_WORLD.Get_rank()
+            sys.stderr.write(f"\n[rank {rank}] FAILED {report.nodeid} ({report.when}); "
+                             f"aborting all ranks\n{report.longreprtext}\n")
+            sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(1)
+
+
+@pytest.fixture
+def comm():
+    """A fresh Communicator over COMM_WORLD (its own traffic counters)."""
+    from kfac_hpc.comm import Communicator
+
+    return Communicator()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    has_cuda = torch.cuda.is_available()
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
