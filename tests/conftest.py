@@ -23,6 +23,7 @@ def _world_size() -> int:
     return MPI.COMM_WORLD.Get_size()
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_configure(config: pytest.Config) -> None:
     # Under MPI only rank 0 prints pytest's report; failures on any rank still print
     # (see pytest_runtest_logreport).

@@ -1,0 +1,90 @@
+"""Gradient averaging over MPI that overlaps with backward (for users without DDP/NCCL)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from kfac_hpc.comm.communicator import Communicator, Handle
+from kfac_hpc.comm.fusion import buckets_by_size, flatten, unflatten_into
+
+
+class GradientAverager:
+    """Average ``.grad`` of a model's parameters over ranks, bucketed and non-blocking.
+
+    Parameters are grouped into buckets of at most ``bucket_cap_mb`` in reverse
+    registration order (the order backward produces gradients). A bucket's allreduce
+    starts from a hook as soon as all its gradients are accumulated; buckets are posted
+    in bucket order on every rank (non-blocking collectives must match across ranks).
+    ``synchronize()`` posts what is left (parameters without gradients travel as zeros
+    and keep ``grad=None``), waits, and writes the averages back.
+
+    With torch DDP the gradients are already averaged: do not use both.
+    Inside ``with averager.no_sync():`` (gradient accumulation) nothing is sent.
+    """
+
+    def __init__(self, model: nn.Module, comm: Communicator, *, bucket_cap_mb: float = 25.0,
+                 dtype: torch.dtype | None = None) -> None:
+        self.comm = comm
+        self.params = [p for p in model.parameters() if p.requires_grad][::-1]
+        sizes = [p.numel() * (dtype.itemsize if dtype else p.element_size()) for p in self.params]
+        self.buckets = buckets_by_size(sizes, int(bucket_cap_mb * 2**20))
+        self.dtype = dtype
+        self._bucket_of = {id(p): b for b, idx in enumerate(self.buckets)
+                           for p in (self.params[i] for i in idx)}
+        self._ready: list[set[int]] = [set() for _ in self.buckets]
+        self._handles: list[Handle[torch.Tensor] | None] = [None] * len(self.buckets)
+        self._next = 0
+        self._enabled = True
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self._enabled or self.comm.size == 1:
+            return
+        b = self._bucket_of[id(param)]
+        self._ready[b].add(id(param))
+        while self._next < len(self.buckets) and len(self._ready[self._next]) == len(
+                self.buckets[self._next]):
+            self._post(self._next)
+
+    def _post(self, b: int) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p)
+                 for p in (self.params[i] for i in self.buckets[b])]
+        self._handles[b] = self.comm.iallreduce(flatten(grads, self.dtype), "avg")
+        self._next = b + 1
+
+    def synchronize(self) -> None:
+        """Complete the averaging of every gradient (call after backward, before step)."""
+        if self.comm.size == 1:
+            return
+        while self._next < len(self.buckets):
+            self._post(self._next)
+        for b, handle in enumerate(self._handles):
+            assert handle is not None
+            params = [self.params[i] for i in self.buckets[b]]
+            flat = handle.wait()
+            offset = 0
+            for p in params:
+                n = p.numel()
+                if p.grad is not None:
+                    unflatten_into(flat[offset:offset + n], [p.grad])
+                offset += n
+        self._handles = [None] * len(self.buckets)
+        self._ready = [set() for _ in self.buckets]
+        self._next = 0
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no communication) inside this block."""
+        previous, self._enabled = self._enabled, False
+        try:
+            yield
+        finally:
+            self._enabled = previous
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()

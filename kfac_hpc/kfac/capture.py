@@ -1,0 +1,100 @@
+"""Statistics capture: forward/backward hooks that turn activations into batch factors.
+
+A in the forward hook, G in a hook on the layer's output gradient. Each micro-batch
+adds its factor to a running sum, so only ``a_dim²`` and ``g_dim²`` numbers are kept per
+layer (never the activations). Nothing is captured in eval mode, under ``no_grad``, or
+when the owner of the capture says this step does not update factors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from kfac_hpc.kfac.layers import LayerCurvature
+
+FactorCallback = Callable[["LayerStatistics", str], None]
+
+
+@dataclass
+class LayerStatistics:
+    """Sums of per-micro-batch factors of one layer since the last factor update."""
+
+    name: str
+    curvature: LayerCurvature
+    sums: dict[str, Tensor | None] = field(default_factory=lambda: {"A": None, "G": None})
+    counts: dict[str, int] = field(default_factory=lambda: {"A": 0, "G": 0})
+
+    def add(self, factor: str, value: Tensor) -> None:
+        current = self.sums[factor]
+        self.sums[factor] = value if current is None else current.add_(value)
+        self.counts[factor] += 1
+
+    def clear(self) -> None:
+        self.sums = {"A": None, "G": None}
+        self.counts = {"A": 0, "G": 0}
+
+    @property
+    def captured(self) -> bool:
+        return self.counts["A"] > 0 and self.counts["G"] > 0
+
+
+class StatisticsCapture:
+    """Hooks on a set of layers; ``active()`` decides whether a pass is captured.
+
+    ``grad_scale()`` gives the factor the loss was multiplied by (AMP loss scale times
+    ``1/accumulation_steps``) so that G is computed from unscaled gradients.
+    ``on_ready(stats, factor)`` is called when a micro-batch's A or G has been added
+    (SPD-KFAC's pipelining starts communication from there).
+    """
+
+    def __init__(self, layers: dict[str, LayerCurvature], *, dtype_of: Callable[[str], torch.dtype],
+                 active: Callable[[], bool], grad_scale: Callable[[], float],
+                 on_ready: FactorCallback | None = None) -> None:
+        self.stats = {name: LayerStatistics(name, curv) for name, curv in layers.items()}
+        self._dtype_of = dtype_of
+        self._active = active
+        self._grad_scale = grad_scale
+        self._on_ready = on_ready
+        self._handles: list[RemovableHandle] = []
+        for name, curv in layers.items():
+            self._handles.append(curv.module.register_forward_hook(self._forward_hook(name)))
+
+    def _forward_hook(self, name: str) -> Callable[[nn.Module, tuple[Tensor, ...], Tensor], None]:
+        stats = self.stats[name]
+
+        def hook(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+            if not (module.training and torch.is_grad_enabled() and self._active()):
+                return
+            if not isinstance(output, Tensor) or not output.requires_grad:
+                return
+            dtype = self._dtype_of(name)
+            stats.add("A", stats.curvature.a_factor(inputs[0], dtype=dtype))
+            self._ready(stats, "A")
+
+            def grad_hook(grad: Tensor) -> None:
+                stats.add("G", stats.curvature.g_factor(grad, dtype=dtype,
+                                                        grad_scale=self._grad_scale()))
+                self._ready(stats, "G")
+
+            output.register_hook(grad_hook)
+
+        return hook
+
+    def _ready(self, stats: LayerStatistics, factor: str) -> None:
+        if self._on_ready is not None:
+            self._on_ready(stats, factor)
+
+    def clear(self) -> None:
+        for stats in self.stats.values():
+            stats.clear()
+
+    def remove(self) -> None:
+        """Detach every hook from the model."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

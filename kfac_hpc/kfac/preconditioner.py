@@ -1,0 +1,473 @@
+"""The K-FAC preconditioner: ``step()`` replaces gradients by preconditioned gradients.
+
+One step, as the algorithm reads (DESIGN.md, "kfac — distribution"):
+
+1. factor update  — batch factors from the hooks are summed onto their owners
+                     (one fused reduce-scatter; DP-KFAC: owners use their own batch),
+                     owners update the running averages;
+2. inverse update — owners decompose their factors; decompositions are broadcast
+                     inside the layer's gradient-worker group;
+3. precondition   — gradient workers precondition their layers; the results are
+                     broadcast inside receiver groups (fused per sender);
+4. KL clipping    — every rank scales all preconditioned gradients by the same ν.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from kfac_hpc.comm import Communicator, pack_upper, triu_count, unpack_upper, world
+from kfac_hpc.kfac import linalg
+from kfac_hpc.kfac.capture import StatisticsCapture
+from kfac_hpc.kfac.exchange import Layout, broadcast_parts, reduce_scatter_parts
+from kfac_hpc.kfac.hyperparams import (
+    Scalar,
+    non_negative,
+    positive,
+    unit_interval,
+    whole_positive,
+)
+from kfac_hpc.kfac.layers import LayerCurvature, curvature_for, unsupported_reason
+from kfac_hpc.kfac.placement import FACTORS, LayerShape, Placement, grad_workers_for, place
+
+log = logging.getLogger("kfac_hpc")
+
+Strategy = Literal["comm-opt", "mem-opt", "hybrid-opt", "dp-kfac"]
+STRATEGIES = ("comm-opt", "mem-opt", "hybrid-opt", "dp-kfac")
+COMPUTE_METHODS = ("eigen", "inverse")
+
+
+@dataclass
+class FactorState:
+    """A factor's running average (on its owner only) and its update count."""
+
+    dim: int
+    average: Tensor | None = None
+    updates: int = 0
+
+
+class KFACPreconditioner:
+    """Distributed K-FAC over MPI for ``nn.Linear`` and ``nn.Conv2d`` layers.
+
+    Use between ``loss.backward()`` (gradients already averaged over ranks) and
+    ``optimizer.step()``: ``step()`` replaces the ``.grad`` of every registered layer
+    by its preconditioned gradient. Hyper-parameters accept a constant or a callable
+    of the K-FAC step. See the README for the strategies.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        comm: Communicator | None = None,
+        strategy: Strategy = "comm-opt",
+        grad_worker_fraction: float | None = None,
+        compute_method: Literal["eigen", "inverse"] = "eigen",
+        damping: Scalar = 0.001,
+        factor_decay: Scalar = 0.95,
+        kl_clip: Scalar | None = 0.001,
+        lr: Scalar = 0.1,
+        factor_update_steps: Scalar = 1,
+        inv_update_steps: Scalar = 1,
+        skip_layers: Iterable[str] = (),
+        factor_dtype: torch.dtype | None = None,
+        inv_dtype: torch.dtype = torch.float32,
+        accumulation_steps: int = 1,
+        grad_scaler: Any | None = None,
+        symmetric_packing: bool = False,
+        check_replicas: bool = True,
+    ) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if compute_method not in COMPUTE_METHODS:
+            raise ValueError(f"compute_method must be one of {COMPUTE_METHODS}, "
+                             f"got {compute_method!r}")
+        if strategy != "hybrid-opt" and grad_worker_fraction is not None:
+            raise ValueError(f"grad_worker_fraction applies to strategy='hybrid-opt' only "
+                             f"(strategy={strategy!r} fixes it)")
+        if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be an integer >= 1, "
+                             f"got {accumulation_steps!r}")
+        if isinstance(skip_layers, str):
+            skip_layers = (skip_layers,)
+        self.comm = comm if comm is not None else world()
+        self.strategy: Strategy = strategy
+        self.compute_method = compute_method
+        self.damping = positive("damping", damping)
+        self.factor_decay = unit_interval("factor_decay", factor_decay)
+        self.kl_clip = None if kl_clip is None else positive("kl_clip", kl_clip)
+        self.lr = non_negative("lr", lr)
+        self.factor_update_steps = whole_positive("factor_update_steps", factor_update_steps)
+        self.inv_update_steps = whole_positive("inv_update_steps", inv_update_steps)
+        self.inv_dtype = inv_dtype
+        self.accumulation_steps = accumulation_steps
+        self.grad_scaler = grad_scaler
+        self.symmetric_packing = symmetric_packing
+        self.steps = 0
+
+        model = getattr(model, "module", model) if _is_wrapper(model) else model
+        self.layers = _register_layers(model, tuple(skip_layers), self.comm.rank)
+        if not self.layers:
+            raise ValueError("the model has no layer K-FAC can precondition "
+                             "(nn.Linear / nn.Conv2d with trainable weights)")
+        self.factor_dtype = factor_dtype or _default_factor_dtype(self.layers)
+        if check_replicas:
+            _check_replicas(model, self.comm)
+
+        grad_workers = grad_workers_for(strategy, self.comm.size, grad_worker_fraction)
+        shapes = [LayerShape(n, c.a_dim, c.g_dim) for n, c in self.layers.items()]
+        self.placement: Placement = place(shapes, self.comm.size, grad_workers)
+        self.worker_comm, self.receiver_comm = self._group_communicators()
+
+        rank = self.comm.rank
+        self.factors = {self._key(n, f): FactorState(self._dim(n, f))
+                        for n in self.layers for f in FACTORS
+                        if self.placement.factor_owner[(n, f)] == rank}
+        self.decompositions: dict[str, dict[str, Tensor]] = {}
+        self._decomposed_at: int | None = None
+        captured = {n: c for n, c in self.layers.items()
+                    if strategy != "dp-kfac" or self.placement.factor_owner[(n, "A")] == rank}
+        self.capture = StatisticsCapture(
+            captured, dtype_of=lambda _: self.factor_dtype, active=self._capturing,
+            grad_scale=self._grad_scale)
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self) -> None:
+        """Precondition the gradients of every registered layer (call after backward)."""
+        k = self.steps
+        if self._is_factor_step(k):
+            self._update_factors(k)
+        if self._is_inverse_step(k) or self._decomposed_at is None:
+            self._update_decompositions()
+        updates = self._precondition_my_layers(k)
+        updates = self._share_preconditioned(updates)
+        nu = linalg.kl_clip_scale(
+            ((v, self.layers[n].grad_matrix(v.dtype)) for n, v in updates.items()),
+            self.lr(k), None if self.kl_clip is None else self.kl_clip(k))
+        for name, v in updates.items():
+            self.layers[name].set_grad(v.mul_(nu) if nu != 1.0 else v)
+        self.steps += 1
+
+    # ------------------------------------------------------------ factor update
+    def _update_factors(self, k: int) -> None:
+        stats = self.capture.stats
+        if stats and not any(s.captured for s in stats.values()):
+            raise RuntimeError(
+                "KFACPreconditioner.step(): no statistics were captured since the last step; "
+                "run forward and backward in train mode (not under torch.no_grad()) before "
+                "step(), once per step() call")
+        sums: dict[str, Tensor] = {}
+        counts: dict[str, int] = {}
+        for name, s in stats.items():
+            for f in FACTORS:
+                key = self._key(name, f)
+                total = s.sums[f]
+                sums[key] = total if total is not None else torch.zeros(
+                    self._dim(name, f), self._dim(name, f), dtype=self.factor_dtype)
+                counts[key] = s.counts[f]
+        if self.strategy == "dp-kfac":
+            received = {key: (sums[key], counts[key]) for key in self.factors if key in sums}
+        else:
+            received = self._reduce_to_owners(sums, counts)
+        decay = self.factor_decay(k)
+        for key, (total, count) in received.items():
+            if count == 0:
+                continue  # the layer was not used on any rank this step
+            state = self.factors[key]
+            state.average = linalg.update_running_average(state.average, total / count, decay)
+            state.updates += 1
+        self.capture.clear()
+
+    def _reduce_to_owners(self, sums: Mapping[str, Tensor],
+                          counts: Mapping[str, int]) -> dict[str, tuple[Tensor, int]]:
+        """Sum every rank's factor sums onto the factor's owner (one fused reduce-scatter)."""
+        pack = self.symmetric_packing
+        values: dict[str, Tensor] = {}
+        for key, total in sums.items():
+            values[key] = pack_upper(total) if pack else total
+            values[key + "#count"] = torch.tensor([float(counts[key])])
+        parts: list[list[tuple[str, int]]] = [[] for _ in range(self.comm.size)]
+        for (layer, f), owner in self.placement.factor_owner.items():
+            key, n = self._key(layer, f), self._dim(layer, f)
+            parts[owner] += [(key, triu_count(n) if pack else n * n), (key + "#count", 1)]
+        with self.comm.stats.tagged("factors"):
+            mine = reduce_scatter_parts(self.comm, Layout.of(parts), values, self.factor_dtype)
+        out = {}
+        for key, state in self.factors.items():
+            flat = mine[key]
+            matrix = unpack_upper(flat, state.dim) if pack else flat.view(state.dim, state.dim)
+            out[key] = (matrix, round(float(mine[key + "#count"].item())))
+        return out
+
+    # ----------------------------------------------------------- decompositions
+    def _update_decompositions(self) -> None:
+        group, g = self.placement.worker_group_of_rank(self.comm.rank), self.placement.grad_workers
+        my_layers = [n for n in self.layers if self.placement.layer_group[n] == group]
+        parts: list[list[tuple[str, int]]] = [[] for _ in range(g)]
+        for layer in my_layers:
+            for f in FACTORS:
+                owner = self.placement.factor_owner[(layer, f)]
+                parts[owner - group * g] += self._decomposition_pieces(layer, f)
+
+        def decompose_own() -> dict[str, Tensor]:
+            out: dict[str, Tensor] = {}
+            for key, state in self.factors.items():
+                out.update(self._decompose(key, state))
+            return out
+
+        with self.comm.stats.tagged("decompositions"):
+            pieces = broadcast_parts(self.worker_comm, Layout.of(parts), decompose_own,
+                                     self.inv_dtype, torch.empty(0))
+        self.decompositions = {}
+        for layer in my_layers:
+            for f in FACTORS:
+                key = self._key(layer, f)
+                n = self._dim(layer, f)
+                if pieces[key + "#valid"].item() == 0:
+                    continue
+                if self.compute_method == "eigen":
+                    self.decompositions[key] = {"Q": pieces[key + ":Q"].view(n, n),
+                                                "lambda": pieces[key + ":lambda"]}
+                else:
+                    self.decompositions[key] = {"inv": pieces[key + ":inv"].view(n, n)}
+        self._decomposed_at = self.steps
+
+    def _decomposition_pieces(self, layer: str, f: str) -> list[tuple[str, int]]:
+        key, n = self._key(layer, f), self._dim(layer, f)
+        if self.compute_method == "eigen":
+            return [(key + ":Q", n * n), (key + ":lambda", n), (key + "#valid", 1)]
+        return [(key + ":inv", n * n), (key + "#valid", 1)]
+
+    def _decompose(self, key: str, state: FactorState) -> dict[str, Tensor]:
+        if state.average is None:  # never saw statistics: marked invalid, not preconditioned
+            layer, f = key.rsplit("/", 1)
+            return {p: torch.zeros(m, dtype=self.inv_dtype)
+                    for p, m in self._decomposition_pieces(layer, f)}
+        valid = {key + "#valid": torch.ones(1, dtype=self.inv_dtype)}
+        if self.compute_method == "eigen":
+            q, lam = linalg.eigh_clamped(state.average, dtype=self.inv_dtype)
+            return {key + ":Q": q, key + ":lambda": lam, **valid}
+        damping = self.damping(self.steps)
+        inv = linalg.damped_inverse(state.average, damping, dtype=self.inv_dtype)
+        return {key + ":inv": inv, **valid}
+
+    # ------------------------------------------------------------ preconditioning
+    def _precondition_my_layers(self, k: int) -> dict[str, Tensor]:
+        damping = self.damping(k)
+        out: dict[str, Tensor] = {}
+        for name, curv in self.layers.items():
+            if not self.placement.is_grad_worker(name, self.comm.rank):
+                continue
+            a, g = self.decompositions.get(name + "/A"), self.decompositions.get(name + "/G")
+            if a is None or g is None or curv.module.weight.grad is None:
+                continue
+            grad = curv.grad_matrix(self.inv_dtype)
+            if self.compute_method == "eigen":
+                v = linalg.precondition_eigen(grad, a["Q"], a["lambda"], g["Q"], g["lambda"],
+                                              damping)
+            else:
+                v = linalg.precondition_inverse(grad, a["inv"], g["inv"])
+            out[name] = v
+        return out
+
+    def _share_preconditioned(self, mine: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Gradient workers send preconditioned gradients to their receiver groups."""
+        if self.placement.n_groups == 1:
+            return mine
+        parts: list[list[tuple[str, int]]] = [[] for _ in range(self.placement.n_groups)]
+        for name, curv in self.layers.items():
+            parts[self.placement.layer_group[name]] += [
+                (name, curv.g_dim * curv.a_dim), (name + "#valid", 1)]
+        values: dict[str, Tensor] = {}
+        for name, curv in self.layers.items():
+            v = mine.get(name)
+            values[name] = v if v is not None else torch.zeros(curv.g_dim, curv.a_dim)
+            values[name + "#valid"] = torch.ones(1) if v is not None else torch.zeros(1)
+        with self.comm.stats.tagged("gradients"):
+            pieces = broadcast_parts(self.receiver_comm, Layout.of(parts), lambda: values,
+                                     self.inv_dtype, torch.empty(0))
+        return {name: pieces[name].view(curv.g_dim, curv.a_dim).clone()
+                for name, curv in self.layers.items() if pieces[name + "#valid"].item() != 0}
+
+    # ------------------------------------------------------------------ helpers
+    def _capturing(self) -> bool:
+        return self._is_factor_step(self.steps)
+
+    def _grad_scale(self) -> float:
+        scale = 1.0 / self.accumulation_steps
+        scaler = self.grad_scaler
+        if scaler is not None and scaler.is_enabled():
+            scale *= float(scaler.get_scale())
+        return scale
+
+    def _is_factor_step(self, k: int) -> bool:
+        return k % int(self.factor_update_steps(k)) == 0
+
+    def _is_inverse_step(self, k: int) -> bool:
+        return k % int(self.inv_update_steps(k)) == 0
+
+    @staticmethod
+    def _key(layer: str, factor: str) -> str:
+        return f"{layer}/{factor}"
+
+    def _dim(self, layer: str, factor: str) -> int:
+        curv = self.layers[layer]
+        return curv.a_dim if factor == "A" else curv.g_dim
+
+    def _group_communicators(self) -> tuple[Communicator, Communicator]:
+        """Sub-communicators of KAISA's grid (the world itself where a group spans it)."""
+        p, rank = self.placement, self.comm.rank
+        worker = self.comm if p.n_groups == 1 else self.comm.split(
+            p.worker_group_of_rank(rank), name="grad-workers")
+        receiver = self.comm if p.grad_workers == 1 else self.comm.split(
+            p.receiver_group_of_rank(rank), name="receivers")
+        return worker, receiver
+
+    # ---------------------------------------------------------------- state
+    def factor_keys(self) -> list[str]:
+        """Every factor's name in model order (``"<layer>/A"``, ``"<layer>/G"``)."""
+        return [self._key(n, f) for n in self.layers for f in FACTORS]
+
+    def factor_owner(self, key: str) -> int:
+        """The rank that holds factor ``key`` under the current world size and strategy."""
+        layer, f = key.rsplit("/", 1)
+        return self.placement.factor_owner[(layer, f)]
+
+    def factor_shape(self, key: str) -> tuple[int, int]:
+        layer, f = key.rsplit("/", 1)
+        n = self._dim(layer, f)
+        return (n, n)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step counter, config and the factors this rank owns (keyed by name)."""
+        return {
+            "step": self.steps,
+            "factors": {k: s.average for k, s in self.factors.items() if s.average is not None},
+            "factor_updates": {k: s.updates for k, s in self.factors.items()},
+            "config": self.config(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take the factors this rank owns from ``state`` (which may hold more)."""
+        factors = state["factors"]
+        updates = state.get("factor_updates", {})
+        missing = [k for k in self.factors if k not in factors and updates.get(k, 0) > 0]
+        missing += [k for k in self.factors if k not in updates]
+        if missing:
+            raise KeyError(f"factor state missing for {sorted(set(missing))} (owned by rank "
+                           f"{self.comm.rank}); was the checkpoint written for this model?")
+        for key, s in self.factors.items():
+            value = factors.get(key)
+            if value is not None and tuple(value.shape) != (s.dim, s.dim):
+                raise ValueError(f"factor {key} has shape {tuple(value.shape)}, "
+                                 f"expected {(s.dim, s.dim)}")
+            s.average = None if value is None else value.detach().to(self.factor_dtype).clone()
+            s.updates = int(updates[key])
+        self.steps = int(state["step"])
+        self._decomposed_at = None  # recomputed from the loaded factors at the next step
+
+    def config(self) -> dict[str, Any]:
+        """The settings, JSON-able (schedules are shown as ``"<schedule>"``)."""
+        sched = {s.name: s.describe() for s in (self.damping, self.factor_decay, self.lr,
+                                                self.factor_update_steps, self.inv_update_steps)}
+        return {"strategy": self.strategy, "grad_workers": self.placement.grad_workers,
+                "compute_method": self.compute_method,
+                "kl_clip": None if self.kl_clip is None else self.kl_clip.describe(),
+                "factor_dtype": str(self.factor_dtype), "inv_dtype": str(self.inv_dtype),
+                "symmetric_packing": self.symmetric_packing,
+                "accumulation_steps": self.accumulation_steps, "world_size": self.comm.size,
+                **sched}
+
+    # ----------------------------------------------------------- introspection
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of K-FAC state held by this rank: factors and decompositions."""
+        factors = sum(s.average.nbytes for s in self.factors.values() if s.average is not None)
+        decomp = sum(t.numel() * t.element_size()
+                     for pieces in self.decompositions.values() for t in pieces.values())
+        return {"factors": factors, "decompositions": decomp}
+
+    def describe(self) -> str:
+        """Registered layers, factor sizes, owners and this rank's memory."""
+        p = self.placement
+        head = (f"KFACPreconditioner(strategy={self.strategy}, ranks={self.comm.size}, "
+                f"grad_workers={p.grad_workers}, method={self.compute_method})")
+        rows = [f"  {'layer':<28} {'A':>6} {'G':>6}  owners(A,G)  group"]
+        for name, c in self.layers.items():
+            rows.append(f"  {name:<28} {c.a_dim:>6} {c.g_dim:>6}  "
+                        f"{p.factor_owner[(name, 'A')]:>4},{p.factor_owner[(name, 'G')]:<6}  "
+                        f"{p.layer_group[name]:>5}")
+        mem = self.memory_bytes()
+        rows.append(f"  rank {self.comm.rank}: factors {mem['factors'] / 2**20:.2f} MiB, "
+                    f"decompositions {mem['decompositions'] / 2**20:.2f} MiB")
+        return "\n".join([head, *rows])
+
+    def __repr__(self) -> str:
+        return self.describe()
+
+    def remove_hooks(self) -> None:
+        """Detach from the model (the preconditioner can no longer step)."""
+        self.capture.remove()
+
+
+def _is_wrapper(model: nn.Module) -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(model, DistributedDataParallel)
+
+
+def _register_layers(model: nn.Module, skip: tuple[str, ...],
+                     rank: int) -> dict[str, LayerCurvature]:
+    layers: dict[str, LayerCurvature] = {}
+    skipped: list[str] = []
+    for name, module in model.named_modules():
+        if any(s == name or s == type(module).__name__ for s in skip):
+            skipped.append(f"{name or '<model>'} ({type(module).__name__}: skip_layers)")
+            continue
+        reason = unsupported_reason(module)
+        if reason is not None:
+            skipped.append(f"{name} ({reason})")
+            continue
+        curv = curvature_for(module)
+        if curv is None:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is None or not weight.requires_grad:
+            skipped.append(f"{name} (frozen)")
+            continue
+        layers[name or type(module).__name__] = curv
+    if skipped and rank == 0:
+        log.info("K-FAC skips %d layer(s): %s", len(skipped), "; ".join(skipped))
+    return layers
+
+
+def _default_factor_dtype(layers: Mapping[str, LayerCurvature]) -> torch.dtype:
+    dtypes = {c.module.weight.dtype for c in layers.values()}
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def _check_replicas(model: nn.Module, comm: Communicator) -> None:
+    """Fail fast when ranks start from different parameters (a cheap checksum)."""
+    if comm.size == 1:
+        return
+    with torch.no_grad():
+        sums = torch.tensor([[p.double().sum().item(), p.double().abs().sum().item()]
+                             for p in model.parameters()] or [[0.0, 0.0]], dtype=torch.float64)
+    reference = sums.clone()
+    comm.broadcast(reference, root=0)
+    bad = torch.nonzero(~torch.isclose(sums, reference, rtol=1e-9, atol=0).all(dim=1))
+    names = [n for n, _ in model.named_parameters()]
+    mine = [names[i] for i in bad.flatten().tolist()]
+    if comm.any(bool(mine)):
+        everyone = comm.allgather_object(mine)
+        bad_ranks = {r: m for r, m in enumerate(everyone) if m}
+        raise ValueError(
+            "model parameters differ across ranks (rank: parameters differing from rank 0): "
+            f"{bad_ranks}; seed every rank identically or broadcast the model from rank 0 "
+            "before building the preconditioner")

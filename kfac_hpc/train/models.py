@@ -1,0 +1,337 @@
+"""Model zoo of the reference training driver.
+
+Every model is built from ``nn.Linear``, ``nn.Conv2d`` (``groups=1``) and
+``nn.BatchNorm2d`` only (plus parameter-free ReLU/pooling/flatten), so every weight
+layer is one that K-FAC supports. Activations are never in-place: full backward
+hooks on a layer's output forbid in-place changes of that output.
+
+Initialisation draws only from torch's global RNG, so ``torch.manual_seed(s)``
+followed by :func:`build_model` gives bit-identical parameters on every rank.
+
+Names (see :func:`model_names`):
+
+* ``mlp``: Linear-ReLU-...-Linear on flattened input (``hidden=(128, 64)``).
+* ``resnet20`` / ``resnet32`` / ``resnet56``: CIFAR ResNets of He et al. (2016),
+  3 stages of n basic blocks (n = 3, 5, 9) with 16/32/64 channels. Shortcuts that
+  change shape are 1x1 conv + BN ("option B"), so K-FAC sees them as Conv2d layers;
+  this adds 2,752 parameters to the paper's option-A count (0.27M for resnet20).
+* ``resnet50``: ImageNet bottleneck ResNet-50 ([3, 4, 6, 3], stride in the 3x3
+  conv as in torchvision, 25,557,032 parameters for 1000 classes). ``stem="auto"``
+  uses the 7x7/2 conv + 3x3/2 max-pool stem, or a 3x3/1 conv without pooling (the
+  usual CIFAR stem) when ``image_size < 64``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["BasicBlock", "Bottleneck", "build_model", "model_names", "register_model"]
+
+ModelBuilder = Callable[..., nn.Module]
+
+#: name -> builder(num_classes=, in_channels=, image_size=, input_dim=, **options)
+_REGISTRY: dict[str, ModelBuilder] = {}
+_COMMON_ARGS = ("num_classes", "in_channels", "image_size", "input_dim")
+
+
+def register_model(name: str) -> Callable[[ModelBuilder], ModelBuilder]:
+    """Decorator adding a builder to the registry under ``name``.
+
+    A builder takes the keyword arguments ``num_classes``, ``in_channels``,
+    ``image_size``, ``input_dim`` plus its own keyword-only options.
+    """
+
+    def wrap(fn: ModelBuilder) -> ModelBuilder:
+        if name in _REGISTRY:
+            raise ValueError(f"model {name!r} is already registered")
+        _REGISTRY[name] = fn
+        return fn
+
+    return wrap
+
+
+def model_names() -> list[str]:
+    """Sorted names accepted by :func:`build_model`."""
+    return sorted(_REGISTRY)
+
+
+def build_model(
+    name: str,
+    *,
+    num_classes: int,
+    in_channels: int = 3,
+    image_size: int | None = None,
+    input_dim: int | None = None,
+    **options: object,
+) -> nn.Module:
+    """Build the model registered as ``name``.
+
+    Args:
+        name: one of :func:`model_names`.
+        num_classes: size of the output layer.
+        in_channels: input channels of the conv nets (ignored by ``mlp``).
+        image_size: input height/width; conv nets do not need it (global average
+            pooling) except ``resnet50``'s automatic stem choice; ``mlp`` uses
+            ``in_channels * image_size**2`` when ``input_dim`` is not given.
+        input_dim: number of input features of ``mlp`` (ignored by conv nets).
+        options: model-specific keyword options, e.g. ``hidden=(256, 128)`` for
+            ``mlp``, ``stem="cifar"`` for ``resnet50``, ``zero_init_residual=True``.
+
+    Raises:
+        ValueError: unknown name or option, or inconsistent sizes.
+    """
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown model {name!r}; valid names: {', '.join(model_names())}")
+    if num_classes < 1:
+        raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+    if in_channels < 1:
+        raise ValueError(f"in_channels must be >= 1, got {in_channels}")
+    builder = _REGISTRY[name]
+    accepted = [p for p in inspect.signature(builder).parameters if p not in _COMMON_ARGS]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"model {name!r} does not take option(s) {', '.join(unknown)}; "
+            f"its options are: {', '.join(accepted) or '(none)'}"
+        )
+    return builder(
+        num_classes=num_classes,
+        in_channels=in_channels,
+        image_size=image_size,
+        input_dim=input_dim,
+        **options,
+    )
+
+
+# ---------------------------------------------------------------------------- mlp
+
+
+class MLP(nn.Sequential):
+    """Flatten, then Linear-ReLU blocks of widths ``hidden``, then a Linear classifier."""
+
+    def __init__(self, input_dim: int, hidden: Sequence[int], num_classes: int) -> None:
+        layers: list[nn.Module] = [nn.Flatten()]
+        width = input_dim
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            width = h
+        layers.append(nn.Linear(width, num_classes))
+        super().__init__(*layers)
+
+
+@register_model("mlp")
+def _mlp(
+    *,
+    num_classes: int,
+    in_channels: int,
+    image_size: int | None,
+    input_dim: int | None,
+    hidden: Sequence[int] = (128, 64),
+) -> nn.Module:
+    if input_dim is None:
+        if image_size is None:
+            raise ValueError(
+                "mlp needs input_dim (or image_size, giving in_channels*image_size**2)"
+            )
+        input_dim = in_channels * image_size * image_size
+    if input_dim < 1:
+        raise ValueError(f"input_dim must be >= 1, got {input_dim}")
+    hidden = tuple(int(h) for h in hidden)
+    if any(h < 1 for h in hidden):
+        raise ValueError(f"hidden widths must be >= 1, got {hidden}")
+    return MLP(input_dim, hidden, num_classes)
+
+
+# ------------------------------------------------------------------------ resnets
+
+
+def _conv3x3(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(cin, cout, kernel_size=3, stride=stride, padding=1, bias=False)
+
+
+def _conv1x1(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(cin, cout, kernel_size=1, stride=stride, bias=False)
+
+
+def _projection(cin: int, cout: int, stride: int) -> nn.Module | None:
+    """1x1 conv + BN shortcut when the shape changes, else ``None`` (identity)."""
+    if stride == 1 and cin == cout:
+        return None
+    return nn.Sequential(_conv1x1(cin, cout, stride), nn.BatchNorm2d(cout))
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 convs with BN; ReLU after the residual sum."""
+
+    expansion = 1
+
+    def __init__(self, cin: int, width: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = _conv3x3(cin, width, stride)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = _conv3x3(width, width)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU()
+        self.shortcut = _projection(cin, width, stride)
+
+    def last_bn(self) -> nn.BatchNorm2d:
+        return self.bn2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        identity = x if self.shortcut is None else self.shortcut(x)
+        return self.relu(out + identity)
+
+
+class Bottleneck(nn.Module):
+    """1x1 reduce, 3x3 (carries the stride), 1x1 expand by 4; ReLU after the sum."""
+
+    expansion = 4
+
+    def __init__(self, cin: int, width: int, stride: int = 1) -> None:
+        super().__init__()
+        cout = width * self.expansion
+        self.conv1 = _conv1x1(cin, width)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = _conv3x3(width, width, stride)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = _conv1x1(width, cout)
+        self.bn3 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU()
+        self.shortcut = _projection(cin, cout, stride)
+
+    def last_bn(self) -> nn.BatchNorm2d:
+        return self.bn3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        identity = x if self.shortcut is None else self.shortcut(x)
+        return self.relu(out + identity)
+
+
+class ResNet(nn.Module):
+    """Stem, stages of residual blocks, global average pooling, Linear classifier."""
+
+    def __init__(
+        self,
+        block: type[BasicBlock] | type[Bottleneck],
+        depths: Sequence[int],
+        widths: Sequence[int],
+        *,
+        stem: nn.Module,
+        stem_channels: int,
+        num_classes: int,
+        zero_init_residual: bool = False,
+    ) -> None:
+        super().__init__()
+        self.stem = stem
+        stages: list[nn.Module] = []
+        cin = stem_channels
+        for i, (depth, width) in enumerate(zip(depths, widths, strict=True)):
+            blocks: list[nn.Module] = []
+            for j in range(depth):
+                stride = 2 if (i > 0 and j == 0) else 1
+                blocks.append(block(cin, width, stride))
+                cin = width * block.expansion
+            stages.append(nn.Sequential(*blocks))
+        self.stages = nn.Sequential(*stages)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(cin, num_classes)
+        self._init_weights(zero_init_residual)
+
+    def _init_weights(self, zero_init_residual: bool) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+        # nn.Linear keeps PyTorch's default init (seeded by the global RNG).
+        if zero_init_residual:
+            for m in self.modules():
+                if isinstance(m, BasicBlock | Bottleneck):
+                    nn.init.zeros_(m.last_bn().weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stages(self.stem(x))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+def _cifar_stem(in_channels: int, channels: int) -> nn.Module:
+    return nn.Sequential(_conv3x3(in_channels, channels), nn.BatchNorm2d(channels), nn.ReLU())
+
+
+def _imagenet_stem(in_channels: int, channels: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(in_channels, channels, kernel_size=7, stride=2, padding=3, bias=False),
+        nn.BatchNorm2d(channels),
+        nn.ReLU(),
+        nn.MaxPool2d(kernel_size=3, stride=2, padding=1),
+    )
+
+
+def _cifar_resnet(n: int, num_classes: int, in_channels: int, zero_init_residual: bool) -> ResNet:
+    return ResNet(
+        BasicBlock,
+        (n, n, n),
+        (16, 32, 64),
+        stem=_cifar_stem(in_channels, 16),
+        stem_channels=16,
+        num_classes=num_classes,
+        zero_init_residual=zero_init_residual,
+    )
+
+
+def _register_cifar_resnet(depth: int) -> None:
+    n = (depth - 2) // 6
+
+    def builder(
+        *,
+        num_classes: int,
+        in_channels: int,
+        image_size: int | None,
+        input_dim: int | None,
+        zero_init_residual: bool = False,
+    ) -> nn.Module:
+        return _cifar_resnet(n, num_classes, in_channels, zero_init_residual)
+
+    builder.__doc__ = f"CIFAR ResNet-{depth}: 3 stages of {n} basic blocks, 16/32/64 channels."
+    register_model(f"resnet{depth}")(builder)
+
+
+for _depth in (20, 32, 56):
+    _register_cifar_resnet(_depth)
+
+
+@register_model("resnet50")
+def _resnet50(
+    *,
+    num_classes: int,
+    in_channels: int,
+    image_size: int | None,
+    input_dim: int | None,
+    stem: str = "auto",
+    zero_init_residual: bool = False,
+) -> nn.Module:
+    """ImageNet ResNet-50; ``stem`` is ``"imagenet"``, ``"cifar"`` or ``"auto"``."""
+    if stem == "auto":
+        stem = "cifar" if image_size is not None and image_size < 64 else "imagenet"
+    if stem not in ("imagenet", "cifar"):
+        raise ValueError(f"resnet50 stem must be 'auto', 'imagenet' or 'cifar', got {stem!r}")
+    stem_module = (_imagenet_stem if stem == "imagenet" else _cifar_stem)(in_channels, 64)
+    return ResNet(
+        Bottleneck,
+        (3, 4, 6, 3),
+        (64, 128, 256, 512),
+        stem=stem_module,
+        stem_channels=64,
+        num_classes=num_classes,
+        zero_init_residual=zero_init_residual,
+    )

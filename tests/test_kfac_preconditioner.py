@@ -1,0 +1,381 @@
+"""KFACPreconditioner: the whole step against a dense reference, and distributed == 1 rank.
+
+Distributed tests run the 1-rank reference in the same process over ``MPI.COMM_SELF``
+on the whole global batch, so each rank compares against an independent run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from mpi4py import MPI
+from torch import nn
+
+from kfac_hpc import GradientAverager, KFACPreconditioner
+from kfac_hpc.comm import Communicator
+
+GLOBAL_BATCH = 16
+
+
+def tiny_mlp(dtype=torch.float64, seed=0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 4, bias=False), nn.Tanh(),
+                         nn.Linear(4, 3)).to(dtype)
+
+
+def tiny_cnn(dtype=torch.float32, seed=0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(),
+                         nn.Conv2d(4, 4, 3, stride=2, dilation=1, bias=False), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(4 * 2 * 2, 3)).to(dtype)
+
+
+def batch(step: int, shape, dtype, n=GLOBAL_BATCH):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(n, *shape, generator=g, dtype=dtype), torch.randint(0, 3, (n,), generator=g)
+
+
+# ------------------------------------------------------------- dense reference
+def dense_reference_grads(model: nn.Module, x, y, damping: float) -> list[torch.Tensor]:
+    """(A⊗G + γI)⁻¹ vec(∇W̄) per Linear layer, A and G from explicit per-example loops."""
+    linears = [m for m in model if isinstance(m, nn.Linear)]
+    inputs, outputs = {}, {}
+
+    def keep(module, args, output):
+        inputs[module], outputs[module] = args[0], output
+
+    hooks = [m.register_forward_hook(keep) for m in linears]
+    b = x.shape[0]
+    per_example_deltas = {m: [] for m in linears}
+    for i in range(b):
+        model.zero_grad()
+        out = model(x[i:i + 1])
+        for m in linears:
+            outputs[m].retain_grad()
+        nn.functional.cross_entropy(out, y[i:i + 1]).backward()
+        for m in linears:
+            per_example_deltas[m].append(outputs[m].grad[0].clone())
+    model.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    for h in hooks:
+        h.remove()
+    results = []
+    for m in linears:
+        a_rows = inputs[m]
+        if m.bias is not None:
+            a_rows = torch.cat([a_rows, torch.ones(b, 1, dtype=a_rows.dtype)], dim=1)
+        A = sum(torch.outer(a_rows[i], a_rows[i]) for i in range(b)) / b
+        G = sum(torch.outer(d, d) for d in per_example_deltas[m]) / b
+        grad = m.weight.grad if m.bias is None else torch.cat([m.weight.grad,
+                                                                m.bias.grad[:, None]], 1)
+        vec = grad.T.reshape(-1)  # column-major vec
+        big = torch.kron(A, G) + damping * torch.eye(A.shape[0] * G.shape[0], dtype=A.dtype)
+        v = torch.linalg.solve(big, vec)
+        results.append(v.reshape(grad.shape[1], grad.shape[0]).T)
+    return results
+
+
+def grads_of(model: nn.Module) -> list[torch.Tensor]:
+    out = []
+    for m in model:
+        if isinstance(m, nn.Linear):
+            out.append(m.weight.grad if m.bias is None else
+                       torch.cat([m.weight.grad, m.bias.grad[:, None]], 1))
+    return out
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_step_matches_dense_reference(method):
+    damping = 0.05
+    model = tiny_mlp()
+    x, y = batch(0, (6,), torch.float64)
+    expected = dense_reference_grads(model, x, y, damping)
+    if method == "inverse":  # ((A+√γI)⊗(G+√γI))⁻¹ instead: recompute for this method
+        expected = None
+    comm = Communicator(MPI.COMM_SELF)
+    pre = KFACPreconditioner(model, comm=comm, compute_method=method, damping=damping,
+                             kl_clip=None, inv_dtype=torch.float64)
+    model.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    raw = [g.clone() for g in grads_of(model)]
+    pre.step()
+    got = grads_of(model)
+    if expected is None:
+        expected = inverse_reference(pre, raw, damping)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+
+
+def inverse_reference(pre, raw, damping):
+    out = []
+    root = math.sqrt(damping)
+    for (name, _), grad in zip(pre.layers.items(), raw):
+        A = pre.factors[name + "/A"].average
+        G = pre.factors[name + "/G"].average
+        big = torch.kron(A + root * torch.eye(A.shape[0], dtype=A.dtype),
+                         G + root * torch.eye(G.shape[0], dtype=G.dtype))
+        v = torch.linalg.solve(big, grad.T.reshape(-1))
+        out.append(v.reshape(grad.shape[1], grad.shape[0]).T)
+    return out
+
+
+def test_kl_clip_scales_by_nu():
+    damping, lr, kl = 0.05, 0.3, 1e-4
+    model = tiny_mlp()
+    x, y = batch(0, (6,), torch.float64)
+    expected = dense_reference_grads(model, x, y, damping)
+    raw = [g.clone() for g in grads_of(model)]
+    vg = float(sum((v * g).sum() for v, g in zip(expected, raw)))
+    nu = min(1.0, math.sqrt(kl / abs(lr ** 2 * vg)))
+    assert nu < 1.0  # the clipping regime is exercised
+    pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), damping=damping,
+                             kl_clip=kl, lr=lambda k: lr, inv_dtype=torch.float64)
+    model.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    pre.step()
+    for g, e in zip(grads_of(model), expected):
+        torch.testing.assert_close(g, nu * e, rtol=1e-10, atol=1e-12)
+
+
+def test_stale_inverse_and_schedules():
+    """inv_update_steps=3: steps 1 and 2 reuse the eigenbases of step 0 with new factors."""
+    model = tiny_mlp()
+    seen_damping = []
+    pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), kl_clip=None,
+                             damping=lambda k: seen_damping.append(k) or 0.01 * (k + 1),
+                             factor_decay=0.5, inv_update_steps=3, inv_dtype=torch.float64)
+    snapshots = []
+    for step in range(4):
+        x, y = batch(step, (6,), torch.float64)
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        raw = [g.clone() for g in grads_of(model)]
+        pre.step()
+        snapshots.append({k: s.average.clone() for k, s in pre.factors.items()})
+        # expected: eigenbases from the factors of the last inverse step (0 or 3)
+        basis_step = 3 * (step // 3)
+        facs = snapshots[basis_step]
+        for (name, _), grad, got in zip(pre.layers.items(), raw, grads_of(model)):
+            la, qa = torch.linalg.eigh(facs[name + "/A"])
+            lg, qg = torch.linalg.eigh(facs[name + "/G"])
+            v = qg.T @ grad @ qa / (lg.clamp(min=0)[:, None] * la.clamp(min=0)[None, :]
+                                    + 0.01 * (step + 1))
+            torch.testing.assert_close(got, qg @ v @ qa.T, rtol=1e-9, atol=1e-11)
+    assert 0 in seen_damping and 3 in seen_damping
+    # running average: F1 = 0.5 F0 + 0.5 B1 (no compounding of the schedule)
+    assert not torch.equal(snapshots[0]["0/A"], snapshots[1]["0/A"])
+
+
+def test_factor_update_steps_skip_capture():
+    model = tiny_mlp()
+    pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), factor_update_steps=2,
+                             inv_update_steps=2)
+    for step in range(4):
+        x, y = batch(step, (6,), torch.float64)
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        captured = pre.capture.stats["0"].counts["A"]
+        assert captured == (1 if step % 2 == 0 else 0)
+        pre.step()
+    assert pre.factors["0/A"].updates == 2
+
+
+def test_eval_and_no_grad_capture_nothing():
+    model = tiny_mlp()
+    pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF))
+    x, _ = batch(0, (6,), torch.float64)
+    with torch.no_grad():
+        model(x)
+    model.eval()
+    model(x)
+    assert all(s.counts["A"] == 0 for s in pre.capture.stats.values())
+    with pytest.raises(RuntimeError, match="no statistics were captured"):
+        pre.step()
+
+
+def test_accumulation_steps_equal_one_big_batch():
+    """Two micro-batches with loss/2 each give the factors of the whole batch."""
+    x, y = batch(0, (6,), torch.float64)
+    results = []
+    for accumulation in (1, 2):
+        model = tiny_mlp()
+        pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), kl_clip=None,
+                                 accumulation_steps=accumulation, inv_dtype=torch.float64)
+        model.zero_grad()
+        for chunk_x, chunk_y in zip(x.chunk(accumulation), y.chunk(accumulation)):
+            (nn.functional.cross_entropy(model(chunk_x), chunk_y) / accumulation).backward()
+        pre.step()
+        results.append((grads_of(model), {k: s.average for k, s in pre.factors.items()}))
+    for key in results[0][1]:
+        torch.testing.assert_close(results[0][1][key], results[1][1][key], rtol=1e-12, atol=1e-14)
+    for a, b in zip(results[0][0], results[1][0]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_skip_layers_unsupported_and_frozen(caplog):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(), nn.Linear(4, 3),
+                          nn.Linear(3, 3), nn.Linear(3, 2))
+    model[3].weight.requires_grad_(False)
+    with caplog.at_level("INFO", logger="kfac_hpc"):
+        pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), skip_layers=["4"])
+    assert list(pre.layers) == ["2"]
+    assert "grouped convolution" in caplog.text and "frozen" in caplog.text
+    with pytest.raises(ValueError, match="no layer K-FAC can precondition"):
+        KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), skip_layers=["Linear"])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"damping": 0}, "damping must be > 0"),
+    ({"factor_decay": 1.0}, r"factor_decay must be in \[0, 1\)"),
+    ({"kl_clip": -1}, "kl_clip must be > 0"),
+    ({"inv_update_steps": 1.5}, "inv_update_steps must be a whole number"),
+    ({"strategy": "fast"}, "strategy must be one of"),
+    ({"compute_method": "svd"}, "compute_method must be one of"),
+    ({"grad_worker_fraction": 0.5}, "applies to strategy='hybrid-opt' only"),
+    ({"strategy": "hybrid-opt"}, "needs grad_worker_fraction"),
+    ({"strategy": "hybrid-opt", "grad_worker_fraction": 1.5}, r"must be in \(0, 1\]"),
+    ({"accumulation_steps": 0}, "accumulation_steps must be an integer"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        KFACPreconditioner(tiny_mlp(), comm=Communicator(MPI.COMM_SELF), **kwargs)
+
+
+def test_schedule_value_checked_when_used():
+    model = tiny_mlp()
+    pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), damping=lambda k: -1.0)
+    x, y = batch(0, (6,), torch.float64)
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(ValueError, match=r"damping must be > 0, got -1.0 \(at step 0\)"):
+        pre.step()
+
+
+def test_state_dict_round_trip_single_rank():
+    model = tiny_mlp()
+    pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), inv_update_steps=1)
+    for step in range(2):
+        x, y = batch(step, (6,), torch.float64)
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        pre.step()
+    state = pre.state_dict()
+    assert set(state["factors"]) == set(pre.factor_keys()) and state["step"] == 2
+    other = KFACPreconditioner(tiny_mlp(seed=1), comm=Communicator(MPI.COMM_SELF))
+    other.load_state_dict(state)
+    assert other.steps == 2
+    for key in pre.factor_keys():
+        assert torch.equal(other.factors[key].average, pre.factors[key].average)
+    with pytest.raises(KeyError, match="factor state missing"):
+        other.load_state_dict({"step": 0, "factors": {}, "factor_updates": {}})
+
+
+def test_describe_lists_layers_and_owners():
+    pre = KFACPreconditioner(tiny_cnn(), comm=Communicator(MPI.COMM_SELF))
+    text = pre.describe()
+    assert "strategy=comm-opt" in text and "19" in text  # conv 0: A = 2*3*3+1
+    assert text.count("\n") >= 4
+
+
+# -------------------------------------------------------------- distributed
+STRATEGY_CASES = [
+    ("comm-opt", None, "eigen"), ("mem-opt", None, "eigen"), ("comm-opt", None, "inverse"),
+    ("mem-opt", None, "inverse"), ("hybrid-opt", 0.5, "eigen"), ("hybrid-opt", 0.5, "inverse"),
+]
+
+
+def train(model, comm, steps, *, rank, size, strategy, fraction, method, make_batch,
+          averager=True, **kwargs):
+    pre = KFACPreconditioner(model, comm=comm, strategy=strategy, grad_worker_fraction=fraction,
+                             compute_method=method, damping=0.01, lr=0.1, kl_clip=0.01,
+                             inv_update_steps=3, **kwargs)
+    avg = GradientAverager(model, comm) if averager else None
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    per_rank = GLOBAL_BATCH // size
+    for step in range(steps):
+        x, y = make_batch(step)
+        x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        if avg is not None:
+            avg.synchronize()
+        pre.step()
+        opt.step()
+    return pre
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("strategy, fraction, method", STRATEGY_CASES)
+@pytest.mark.parametrize("net", ["mlp", "cnn"])
+def test_world_size_invariance(comm, strategy, fraction, method, net):
+    if strategy == "hybrid-opt" and comm.size < 4:
+        pytest.skip("hybrid-opt with fraction 1/2 needs 4 ranks to differ from the others")
+    build, shape = (tiny_mlp, (6,)) if net == "mlp" else (tiny_cnn, (2, 5, 5))
+    make_batch = lambda step: batch(step, shape, torch.float32)
+    distributed = build(torch.float32)
+    train(distributed, comm, 10, rank=comm.rank, size=comm.size, strategy=strategy,
+          fraction=fraction, method=method, make_batch=make_batch)
+    single = build(torch.float32)
+    train(single, Communicator(MPI.COMM_SELF), 10, rank=0, size=1, strategy="comm-opt",
+          fraction=None, method=method, make_batch=make_batch)
+    # float32: reductions in a different order over 10 steps of SGD with momentum
+    for (name, p), q in zip(distributed.named_parameters(), single.parameters()):
+        torch.testing.assert_close(p, q, rtol=2e-4, atol=2e-5, msg=f"{name} differs")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("strategy, fraction", [("comm-opt", None), ("mem-opt", None),
+                                                ("hybrid-opt", 0.5)])
+def test_memory_and_ownership(comm, strategy, fraction):
+    if strategy == "hybrid-opt" and comm.size % 2:
+        pytest.skip("fraction 1/2 needs an even world")
+    model = tiny_cnn()
+    pre = train(model, comm, 1, rank=comm.rank, size=comm.size, strategy=strategy,
+                fraction=fraction, method="eigen",
+                make_batch=lambda s: batch(s, (2, 5, 5), torch.float32))
+    owned = [k for k in pre.factor_keys() if pre.factor_owner(k) == comm.rank]
+    assert sorted(pre.factors) == sorted(owned)
+    assert all(pre.factors[k].average is not None for k in owned)
+    workers = pre.placement.grad_workers
+    expected_decomp = [k for k in pre.factor_keys()
+                       if pre.placement.is_grad_worker(k.rsplit("/", 1)[0], comm.rank)]
+    assert sorted(pre.decompositions) == sorted(expected_decomp)
+    if strategy == "mem-opt":  # only own factors and own eigenbases
+        assert sorted(pre.decompositions) == sorted(owned)
+    mem = pre.memory_bytes()
+    assert mem["factors"] == sum(4 * pre.factor_shape(k)[0] ** 2 for k in owned)
+    n_sq = {k: pre.factor_shape(k)[0] for k in expected_decomp}
+    assert mem["decompositions"] == sum(4 * (n * n + n) for n in n_sq.values())
+    assert workers == {"comm-opt": comm.size, "mem-opt": 1}.get(strategy, comm.size // 2)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_factor_traffic_exact(comm):
+    model = tiny_cnn()
+    comm.reset_traffic()
+    pre = train(model, comm, 1, rank=comm.rank, size=comm.size, strategy="comm-opt",
+                fraction=None, method="eigen", averager=False,
+                make_batch=lambda s: batch(s, (2, 5, 5), torch.float32))
+    dims = [pre.factor_shape(k)[0] for k in pre.factor_keys()]
+    stats = comm.stats
+    assert stats.calls_of("reduce_scatter") == 1
+    assert stats.tag_bytes("factors") == 4 * sum(n * n + 1 for n in dims)
+    # eigenbases: every owner broadcasts its factors' Q, λ and a flag once
+    assert stats.tag_bytes("decompositions") == 4 * sum(n * n + n + 1 for n in dims)
+    assert stats.tag_bytes("gradients") == 0  # comm-opt sends no gradients
+
+
+@pytest.mark.mpi(min_size=2)
+def test_replica_check(comm):
+    model = tiny_mlp(seed=comm.rank)  # different on every rank
+    with pytest.raises(ValueError, match="model parameters differ across ranks"):
+        KFACPreconditioner(model, comm=comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_fraction_must_divide_world(comm):
+    with pytest.raises(ValueError, match=r"whole number|does not divide"):
+        KFACPreconditioner(tiny_mlp(), comm=comm, strategy="hybrid-opt",
+                           grad_worker_fraction=1 / (comm.size + 1))
