@@ -24,8 +24,9 @@ from torch import Tensor, nn
 
 from kfac_hpc.comm import Communicator, pack_upper, triu_count, unpack_upper, world
 from kfac_hpc.kfac import linalg
-from kfac_hpc.kfac.capture import StatisticsCapture
+from kfac_hpc.kfac.capture import LayerStatistics, StatisticsCapture
 from kfac_hpc.kfac.exchange import Layout, broadcast_parts, reduce_scatter_parts
+from kfac_hpc.kfac.factor_sync import LocalAverage
 from kfac_hpc.kfac.hyperparams import (
     Scalar,
     non_negative,
@@ -34,6 +35,7 @@ from kfac_hpc.kfac.hyperparams import (
     whole_positive,
 )
 from kfac_hpc.kfac.layers import LayerCurvature, curvature_for, unsupported_reason
+from kfac_hpc.kfac.pipeline import FactorPipeline
 from kfac_hpc.kfac.placement import FACTORS, LayerShape, Placement, grad_workers_for, place
 
 log = logging.getLogger("kfac_hpc")
@@ -81,6 +83,9 @@ class KFACPreconditioner:
         accumulation_steps: int = 1,
         grad_scaler: Any | None = None,
         symmetric_packing: bool = False,
+        overlap: bool = False,
+        bucket_cap_mb: float = 25.0,
+        factor_sync: Literal["step", "inverse"] = "step",
         check_replicas: bool = True,
     ) -> None:
         if strategy not in STRATEGIES:
@@ -94,6 +99,16 @@ class KFACPreconditioner:
         if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be an integer >= 1, "
                              f"got {accumulation_steps!r}")
+        if factor_sync not in ("step", "inverse"):
+            raise ValueError(f"factor_sync must be 'step' or 'inverse', got {factor_sync!r}")
+        if strategy == "dp-kfac" and (overlap or factor_sync != "step" or symmetric_packing):
+            raise ValueError("overlap, symmetric_packing and factor_sync apply to strategies "
+                             "that reduce factors; strategy='dp-kfac' sends no factors")
+        if overlap and factor_sync == "inverse":
+            raise ValueError("overlap=True pipelines the reduction of every factor update; "
+                             "with factor_sync='inverse' there is none to pipeline: pick one")
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
         if isinstance(skip_layers, str):
             skip_layers = (skip_layers,)
         self.comm = comm if comm is not None else world()
@@ -109,6 +124,9 @@ class KFACPreconditioner:
         self.accumulation_steps = accumulation_steps
         self.grad_scaler = grad_scaler
         self.symmetric_packing = symmetric_packing
+        self.overlap = overlap
+        self.bucket_cap_mb = bucket_cap_mb
+        self.factor_sync = factor_sync
         self.steps = 0
 
         model = getattr(model, "module", model) if _is_wrapper(model) else model
@@ -133,9 +151,18 @@ class KFACPreconditioner:
         self._decomposed_at: int | None = None
         captured = {n: c for n, c in self.layers.items()
                     if strategy != "dp-kfac" or self.placement.factor_owner[(n, "A")] == rank}
+        deferred = factor_sync == "inverse"
+        self.local_averages = {self._key(n, f): LocalAverage()
+                               for n in captured for f in FACTORS} if deferred else {}
+        self._has_history: set[str] = set()
+        keys = self.factor_keys()
+        self.pipeline = FactorPipeline(
+            self.comm, self._readiness_order(), {k: self.factor_owner(k) for k in keys},
+            {k: self._wire_numel(k) for k in keys},
+            cap_bytes=int(bucket_cap_mb * 2**20), dtype=self.factor_dtype) if overlap else None
         self.capture = StatisticsCapture(
             captured, dtype_of=lambda _: self.factor_dtype, active=self._capturing,
-            grad_scale=self._grad_scale)
+            grad_scale=self._grad_scale, on_ready=self._on_factor_ready if overlap else None)
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -145,6 +172,8 @@ class KFACPreconditioner:
         if self._is_factor_step(k):
             self._update_factors(k)
         if self._is_inverse_step(k) or self._decomposed_at is None:
+            if self.factor_sync == "inverse":
+                self._synchronise_local_averages()
             self._update_decompositions()
         updates = self._precondition_my_layers(k)
         updates = self._share_preconditioned(updates)
@@ -163,20 +192,27 @@ class KFACPreconditioner:
                 "KFACPreconditioner.step(): no statistics were captured since the last step; "
                 "run forward and backward in train mode (not under torch.no_grad()) before "
                 "step(), once per step() call")
-        sums: dict[str, Tensor] = {}
-        counts: dict[str, int] = {}
-        for name, s in stats.items():
-            for f in FACTORS:
-                key = self._key(name, f)
-                total = s.sums[f]
-                sums[key] = total if total is not None else torch.zeros(
-                    self._dim(name, f), self._dim(name, f), dtype=self.factor_dtype)
-                counts[key] = s.counts[f]
-        if self.strategy == "dp-kfac":
-            received = {key: (sums[key], counts[key]) for key in self.factors if key in sums}
-        else:
-            received = self._reduce_to_owners(sums, counts)
         decay = self.factor_decay(k)
+        if self.factor_sync == "inverse":  # fold into local averages; reduced at inverse steps
+            for key, local in self.local_averages.items():
+                total, count = self._local_sum(key)
+                if count:
+                    first = key not in self._has_history and local.updates == 0
+                    local.fold(total / count, decay, first)
+            self.capture.clear()
+            return
+        if self.strategy == "dp-kfac":
+            received = {key: self._local_sum(key) for key in self.factors}
+        else:
+            with self.comm.stats.tagged("factors"):
+                if self.pipeline is not None:
+                    mine = self.pipeline.finish(self._wire_pieces)
+                else:
+                    mine = reduce_scatter_parts(self.comm, self._factor_layout(),
+                                                _merge(map(self._wire_pieces, self.factor_keys())),
+                                                self.factor_dtype)
+            received = {key: (self._from_wire(key, mine[key]),
+                              round(float(mine[key + "#count"].item()))) for key in self.factors}
         for key, (total, count) in received.items():
             if count == 0:
                 continue  # the layer was not used on any rank this step
@@ -185,26 +221,77 @@ class KFACPreconditioner:
             state.updates += 1
         self.capture.clear()
 
-    def _reduce_to_owners(self, sums: Mapping[str, Tensor],
-                          counts: Mapping[str, int]) -> dict[str, tuple[Tensor, int]]:
-        """Sum every rank's factor sums onto the factor's owner (one fused reduce-scatter)."""
-        pack = self.symmetric_packing
+    def _synchronise_local_averages(self) -> None:
+        """factor_sync='inverse': owners get ``c·F + mean_r D_r`` (one fused reduce-scatter)."""
         values: dict[str, Tensor] = {}
-        for key, total in sums.items():
-            values[key] = pack_upper(total) if pack else total
-            values[key + "#count"] = torch.tensor([float(counts[key])])
-        parts: list[list[tuple[str, int]]] = [[] for _ in range(self.comm.size)]
-        for (layer, f), owner in self.placement.factor_owner.items():
-            key, n = self._key(layer, f), self._dim(layer, f)
-            parts[owner] += [(key, triu_count(n) if pack else n * n), (key + "#count", 1)]
+        for key in self.factor_keys():
+            local = self.local_averages[key]
+            n = self.factor_shape(key)[0]
+            delta = local.delta if local.delta is not None else torch.zeros(
+                n, n, dtype=self.factor_dtype)
+            values[key] = pack_upper(delta) if self.symmetric_packing else delta
+            values[key + "#count"] = torch.tensor([1.0 if local.updates else 0.0])
         with self.comm.stats.tagged("factors"):
-            mine = reduce_scatter_parts(self.comm, Layout.of(parts), values, self.factor_dtype)
-        out = {}
+            mine = reduce_scatter_parts(self.comm, self._factor_layout(), values,
+                                        self.factor_dtype)
         for key, state in self.factors.items():
-            flat = mine[key]
-            matrix = unpack_upper(flat, state.dim) if pack else flat.view(state.dim, state.dim)
-            out[key] = (matrix, round(float(mine[key + "#count"].item())))
-        return out
+            local = self.local_averages[key]
+            ranks = round(float(mine[key + "#count"].item()))
+            if ranks == 0:
+                continue
+            mean_delta = self._from_wire(key, mine[key]) / ranks
+            if state.average is None or local.coefficient == 0.0:
+                state.average = mean_delta.clone()
+            else:
+                state.average.mul_(local.coefficient).add_(mean_delta)
+            state.updates += local.updates
+        for key, local in self.local_averages.items():
+            if local.updates:
+                self._has_history.add(key)
+            local.reset()
+
+    def _local_sum(self, key: str) -> tuple[Tensor, int]:
+        """This rank's sum of micro-batch factors of ``key`` and how many were added."""
+        layer, f = key.rsplit("/", 1)
+        stats = self.capture.stats.get(layer)
+        total = None if stats is None else stats.sums[f]
+        if total is None:
+            n = self._dim(layer, f)
+            return torch.zeros(n, n, dtype=self.factor_dtype), 0
+        assert stats is not None
+        return total, stats.counts[f]
+
+    def _wire_numel(self, key: str) -> int:
+        n = self.factor_shape(key)[0]
+        return triu_count(n) if self.symmetric_packing else n * n
+
+    def _wire_pieces(self, key: str) -> dict[str, Tensor]:
+        """What a rank sends for factor ``key``: its (packed) sum and its count."""
+        total, count = self._local_sum(key)
+        return {key: pack_upper(total) if self.symmetric_packing else total,
+                key + "#count": torch.tensor([float(count)])}
+
+    def _from_wire(self, key: str, flat: Tensor) -> Tensor:
+        n = self.factor_shape(key)[0]
+        return unpack_upper(flat, n) if self.symmetric_packing else flat.view(n, n)
+
+    def _factor_layout(self) -> Layout:
+        parts: list[list[tuple[str, int]]] = [[] for _ in range(self.comm.size)]
+        for key in self.factor_keys():
+            parts[self.factor_owner(key)] += [(key, self._wire_numel(key)), (key + "#count", 1)]
+        return Layout.of(parts)
+
+    def _readiness_order(self) -> list[str]:
+        """Factor keys in the order the hooks complete them: A forward, then G backward."""
+        names = list(self.layers)
+        return [self._key(n, "A") for n in names] + [self._key(n, "G") for n in names[::-1]]
+
+    def _on_factor_ready(self, stats: LayerStatistics, factor: str) -> None:
+        assert self.pipeline is not None
+        if stats.counts[factor] == self.accumulation_steps:
+            self.pipeline.mark_ready(self._key(stats.name, factor), self._wire_pieces)
+        else:
+            self.pipeline.progress()
 
     # ----------------------------------------------------------- decompositions
     def _update_decompositions(self) -> None:
@@ -381,7 +468,8 @@ class KFACPreconditioner:
                 "compute_method": self.compute_method,
                 "kl_clip": None if self.kl_clip is None else self.kl_clip.describe(),
                 "factor_dtype": str(self.factor_dtype), "inv_dtype": str(self.inv_dtype),
-                "symmetric_packing": self.symmetric_packing,
+                "symmetric_packing": self.symmetric_packing, "overlap": self.overlap,
+                "bucket_cap_mb": self.bucket_cap_mb, "factor_sync": self.factor_sync,
                 "accumulation_steps": self.accumulation_steps, "world_size": self.comm.size,
                 **sched}
 
@@ -414,6 +502,13 @@ class KFACPreconditioner:
     def remove_hooks(self) -> None:
         """Detach from the model (the preconditioner can no longer step)."""
         self.capture.remove()
+
+
+def _merge(dicts: Iterable[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    out: dict[str, Tensor] = {}
+    for d in dicts:
+        out.update(d)
+    return out
 
 
 def _is_wrapper(model: nn.Module) -> bool:

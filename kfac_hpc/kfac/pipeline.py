@@ -1,0 +1,80 @@
+"""SPD-KFAC pipelining: factor reductions start from the hooks, fused into buckets.
+
+The bucket plan is fixed and identical on every rank: factor keys in the order the
+hooks produce them (A in forward order, then G in backward order), cut into buckets
+of at most ``bucket_cap_mb``. A bucket's non-blocking reduce-scatter is posted as soon
+as all its factors hold their last micro-batch, and never before the buckets ahead of
+it (non-blocking collectives must be posted in the same order on every rank). Every
+hook also tests the requests in flight, which is what makes MPI progress while
+backward runs. ``finish()`` at ``step()`` posts what is left and waits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from kfac_hpc.comm import Communicator, Handle, buckets_by_size
+from kfac_hpc.kfac.exchange import Layout
+
+PieceFn = Callable[[str], dict[str, Tensor]]
+
+
+class FactorPipeline:
+    """Buckets of factor reductions posted from hooks and completed at ``finish()``."""
+
+    def __init__(self, comm: Communicator, keys: Sequence[str], owner: Mapping[str, int],
+                 numel: Mapping[str, int], *, cap_bytes: int, dtype: torch.dtype) -> None:
+        self.comm, self.dtype = comm, dtype
+        sizes = [(numel[k] + 1) * dtype.itemsize for k in keys]
+        self.buckets = [[keys[i] for i in idx] for idx in buckets_by_size(sizes, cap_bytes)]
+        self.layouts = []
+        for bucket in self.buckets:
+            parts: list[list[tuple[str, int]]] = [[] for _ in range(comm.size)]
+            for key in bucket:
+                parts[owner[key]] += [(key, numel[key]), (key + "#count", 1)]
+            self.layouts.append(Layout.of(parts))
+        self._ready: set[str] = set()
+        self._next = 0
+        self._inflight: list[tuple[int, Handle[Tensor]]] = []
+
+    def mark_ready(self, key: str, pieces: PieceFn) -> None:
+        """``key`` holds its final statistics: post every bucket that is now complete."""
+        self._ready.add(key)
+        while self._next < len(self.buckets) and all(k in self._ready
+                                                       for k in self.buckets[self._next]):
+            self._post(self._next, pieces)
+        self.progress()
+
+    def progress(self) -> None:
+        """Let MPI advance the reductions in flight (cheap; call from hooks)."""
+        for _, handle in self._inflight:
+            handle.test()
+
+    def _post(self, b: int, pieces: PieceFn) -> None:
+        values: dict[str, Tensor] = {}
+        for key in self.buckets[b]:
+            values.update(pieces(key))
+        layout = self.layouts[b]
+        flat = layout.pack(values, dtype=self.dtype)
+        self._inflight.append((b, self.comm.ireduce_scatter(flat, layout.counts(), "sum")))
+        self._next = b + 1
+
+    def finish(self, pieces: PieceFn) -> dict[str, Tensor]:
+        """Post the remaining buckets, wait for all; this rank's pieces by name."""
+        while self._next < len(self.buckets):
+            self._post(self._next, pieces)
+        out: dict[str, Tensor] = {}
+        for b, handle in self._inflight:
+            out.update(self.layouts[b].unpack(handle.wait(), self.comm.rank))
+        self._inflight.clear()
+        self._ready.clear()
+        self._next = 0
+        return out
+
+    @property
+    def posted_early(self) -> int:
+        """Buckets posted before ``finish()`` in the current step (for tests/benchmarks)."""
+        return self._next
