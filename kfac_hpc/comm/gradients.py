@@ -16,9 +16,12 @@ class GradientAverager:
     """Average ``.grad`` of a model's parameters over ranks, bucketed and non-blocking.
 
     Parameters are grouped into buckets of at most ``bucket_cap_mb`` in reverse
-    registration order (the order backward produces gradients). A bucket's allreduce
-    starts from a hook as soon as all its gradients are accumulated; buckets are posted
-    in bucket order on every rank (non-blocking collectives must match across ranks).
+    registration order. Non-blocking collectives must be posted in the same order on
+    every rank, so the first ``synchronize()`` posts every bucket in index order and the
+    ranks agree on the order in which buckets completed during that backward (buckets
+    that never completed, e.g. of unused parameters, go last). From then on a bucket's
+    allreduce starts from a gradient hook as soon as it and every bucket before it in
+    the agreed order are complete: communication overlaps with backward.
     ``synchronize()`` posts what is left (parameters without gradients travel as zeros
     and keep ``grad=None``), waits, and writes the averages back.
 
@@ -37,7 +40,10 @@ class GradientAverager:
                            for p in (self.params[i] for i in idx)}
         self._ready: list[set[int]] = [set() for _ in self.buckets]
         self._handles: list[Handle[torch.Tensor] | None] = [None] * len(self.buckets)
-        self._next = 0
+        self._next = 0  # position in the posting order
+        self._order: list[int] | None = None  # agreed posting order (after the first step)
+        self._completed: list[int] = []  # buckets in the order they completed this step
+        self._posted: set[int] = set()
         self._enabled = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
@@ -46,22 +52,29 @@ class GradientAverager:
             return
         b = self._bucket_of[id(param)]
         self._ready[b].add(id(param))
-        while self._next < len(self.buckets) and len(self._ready[self._next]) == len(
-                self.buckets[self._next]):
-            self._post(self._next)
+        if len(self._ready[b]) == len(self.buckets[b]) and b not in self._completed:
+            self._completed.append(b)
+        if self._order is None:
+            return
+        while self._next < len(self._order) and len(self._ready[self._order[self._next]]) == len(
+                self.buckets[self._order[self._next]]):
+            self._post(self._order[self._next])
 
     def _post(self, b: int) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p)
                  for p in (self.params[i] for i in self.buckets[b])]
         self._handles[b] = self.comm.iallreduce(flatten(grads, self.dtype), "avg")
-        self._next = b + 1
+        self._posted.add(b)
+        self._next += 1
 
     def synchronize(self) -> None:
         """Complete the averaging of every gradient (call after backward, before step)."""
         if self.comm.size == 1:
             return
-        while self._next < len(self.buckets):
-            self._post(self._next)
+        order = self._order if self._order is not None else list(range(len(self.buckets)))
+        for b in order:
+            if b not in self._posted:
+                self._post(b)
         for b, handle in enumerate(self._handles):
             assert handle is not None
             params = [self.params[i] for i in self.buckets[b]]
@@ -72,9 +85,17 @@ class GradientAverager:
                 if p.grad is not None:
                     unflatten_into(flat[offset:offset + n], [p.grad])
                 offset += n
+        if self._order is None:
+            self._order = self._agree_on_order()
         self._handles = [None] * len(self.buckets)
         self._ready = [set() for _ in self.buckets]
-        self._next = 0
+        self._completed, self._posted, self._next = [], set(), 0
+
+    def _agree_on_order(self) -> list[int]:
+        """The completion order of this step if every rank saw the same, else index order."""
+        mine = self._completed + [b for b in range(len(self.buckets)) if b not in self._completed]
+        orders = self.comm.allgather_object(mine)
+        return mine if all(o == mine for o in orders) else list(range(len(self.buckets)))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -216,6 +216,10 @@ class KFACPreconditioner:
         for key, (total, count) in received.items():
             if count == 0:
                 continue  # the layer was not used on any rank this step
+            if self.grad_scaler is not None and not bool(torch.isfinite(total).all()):
+                log.warning("K-FAC skips the update of factor %s at step %d: non-finite "
+                            "statistics (AMP overflow)", key, k)
+                continue
             state = self.factors[key]
             state.average = linalg.update_running_average(state.average, total / count, decay)
             state.updates += 1
