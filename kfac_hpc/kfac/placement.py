@@ -120,16 +120,21 @@ def place(
 ) -> Placement:
     """Place layers on worker groups and factors on ranks (LPT by ``cost(dim)``).
 
-    Factors of dimension below ``local_threshold`` are marked *local*: every gradient
-    worker of the layer decomposes them itself instead of receiving a broadcast.
+    Factors of dimension below ``local_threshold`` are *local* (SPD-KFAC's rule) when a
+    layer has several gradient workers: each of them keeps the factor and decomposes it
+    itself instead of receiving a broadcast. A local factor still has an owner (the rank
+    that saves it in checkpoints) but adds no load to the balancing.
     """
     if world_size % grad_workers:
         raise ValueError(f"{grad_workers} gradient workers do not divide {world_size} ranks")
+    if local_threshold < 0:
+        raise ValueError(f"local_decomposition_threshold must be >= 0, got {local_threshold}")
     n_groups = world_size // grad_workers
     layer_cost = [(layer.name, cost(layer.a_dim) + cost(layer.g_dim)) for layer in layers]
     layer_group = lpt_assign(layer_cost, n_groups)
     group_load = [[0.0] * grad_workers for _ in range(n_groups)]
     factor_owner: dict[tuple[str, str], int] = {}
+    local: set[tuple[str, str]] = set()
     order = sorted(((-cost(layer.dim(f)), i, j, layer, f)
                     for i, layer in enumerate(layers) for j, f in enumerate(FACTORS)),
                    key=lambda t: (t[0], t[1], t[2]))
@@ -137,10 +142,11 @@ def place(
         group = layer_group[layer.name]
         loads = group_load[group]
         slot = min(range(grad_workers), key=lambda k: (loads[k], k))
-        loads[slot] -= neg_cost
+        if grad_workers > 1 and layer.dim(f) < local_threshold:
+            local.add((layer.name, f))
+        else:
+            loads[slot] -= neg_cost
         factor_owner[(layer.name, f)] = group * grad_workers + slot
     ordered_owner = {(layer.name, f): factor_owner[(layer.name, f)]
                      for layer in layers for f in FACTORS}
-    local = frozenset(key for key in ordered_owner
-                      if next(x for x in layers if x.name == key[0]).dim(key[1]) < local_threshold)
-    return Placement(world_size, grad_workers, dict(layer_group), ordered_owner, local)
+    return Placement(world_size, grad_workers, dict(layer_group), ordered_owner, frozenset(local))

@@ -86,6 +86,7 @@ class KFACPreconditioner:
         overlap: bool = False,
         bucket_cap_mb: float = 25.0,
         factor_sync: Literal["step", "inverse"] = "step",
+        local_decomposition_threshold: int = 16,
         check_replicas: bool = True,
     ) -> None:
         if strategy not in STRATEGIES:
@@ -140,13 +141,17 @@ class KFACPreconditioner:
 
         grad_workers = grad_workers_for(strategy, self.comm.size, grad_worker_fraction)
         shapes = [LayerShape(n, c.a_dim, c.g_dim) for n, c in self.layers.items()]
-        self.placement: Placement = place(shapes, self.comm.size, grad_workers)
+        self.placement: Placement = place(shapes, self.comm.size, grad_workers,
+                                          local_threshold=local_decomposition_threshold)
+        self.local_decomposition_threshold = local_decomposition_threshold
         self.worker_comm, self.receiver_comm = self._group_communicators()
 
         rank = self.comm.rank
-        self.factors = {self._key(n, f): FactorState(self._dim(n, f))
-                        for n in self.layers for f in FACTORS
-                        if self.placement.factor_owner[(n, f)] == rank}
+        # owned factors, plus replicas of the local (small) factors of this rank's layers
+        self.factors = {key: FactorState(self.factor_shape(key)[0]) for key in self.factor_keys()
+                        if self.factor_owner(key) == rank or (
+                            self._is_local(key)
+                            and self.placement.is_grad_worker(key.rsplit("/", 1)[0], rank))}
         self.decompositions: dict[str, dict[str, Tensor]] = {}
         self._decomposed_at: int | None = None
         captured = {n: c for n, c in self.layers.items()
@@ -155,9 +160,10 @@ class KFACPreconditioner:
         self.local_averages = {self._key(n, f): LocalAverage()
                                for n in captured for f in FACTORS} if deferred else {}
         self._has_history: set[str] = set()
-        keys = self.factor_keys()
+        keys = [k for k in self.factor_keys() if not self._is_local(k)]
         self.pipeline = FactorPipeline(
-            self.comm, self._readiness_order(), {k: self.factor_owner(k) for k in keys},
+            self.comm, [k for k in self._readiness_order() if not self._is_local(k)],
+            {k: self.factor_owner(k) for k in keys},
             {k: self._wire_numel(k) for k in keys},
             cap_bytes=int(bucket_cap_mb * 2**20), dtype=self.factor_dtype) if overlap else None
         self.capture = StatisticsCapture(
@@ -211,6 +217,8 @@ class KFACPreconditioner:
                     mine = reduce_scatter_parts(self.comm, self._factor_layout(),
                                                 _merge(map(self._wire_pieces, self.factor_keys())),
                                                 self.factor_dtype)
+                mine.update(self._allreduce_local_factors(
+                    _merge(map(self._wire_pieces, self._local_keys()))))
             received = {key: (self._from_wire(key, mine[key]),
                               round(float(mine[key + "#count"].item()))) for key in self.factors}
         for key, (total, count) in received.items():
@@ -238,6 +246,7 @@ class KFACPreconditioner:
         with self.comm.stats.tagged("factors"):
             mine = reduce_scatter_parts(self.comm, self._factor_layout(), values,
                                         self.factor_dtype)
+            mine.update(self._allreduce_local_factors(values))
         for key, state in self.factors.items():
             local = self.local_averages[key]
             ranks = round(float(mine[key + "#count"].item()))
@@ -282,8 +291,27 @@ class KFACPreconditioner:
     def _factor_layout(self) -> Layout:
         parts: list[list[tuple[str, int]]] = [[] for _ in range(self.comm.size)]
         for key in self.factor_keys():
-            parts[self.factor_owner(key)] += [(key, self._wire_numel(key)), (key + "#count", 1)]
+            if not self._is_local(key):
+                parts[self.factor_owner(key)] += [(key, self._wire_numel(key)),
+                                                  (key + "#count", 1)]
         return Layout.of(parts)
+
+    def _is_local(self, key: str) -> bool:
+        layer, f = key.rsplit("/", 1)
+        return (layer, f) in self.placement.local_factors
+
+    def _local_keys(self) -> list[str]:
+        return [k for k in self.factor_keys() if self._is_local(k)]
+
+    def _allreduce_local_factors(self, values: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Local (small) factors: one fused allreduce, every gradient worker keeps the sum."""
+        keys = self._local_keys()
+        if not keys:
+            return {}
+        layout = Layout.of([[p for k in keys for p in ((k, self._wire_numel(k)),
+                                                         (k + "#count", 1))]])
+        flat = self.comm.allreduce(layout.pack(values, dtype=self.factor_dtype), "sum")
+        return layout.unpack(flat, 0)
 
     def _readiness_order(self) -> list[str]:
         """Factor keys in the order the hooks complete them: A forward, then G backward."""
@@ -304,18 +332,22 @@ class KFACPreconditioner:
         parts: list[list[tuple[str, int]]] = [[] for _ in range(g)]
         for layer in my_layers:
             for f in FACTORS:
-                owner = self.placement.factor_owner[(layer, f)]
-                parts[owner - group * g] += self._decomposition_pieces(layer, f)
+                if (layer, f) not in self.placement.local_factors:
+                    owner = self.placement.factor_owner[(layer, f)]
+                    parts[owner - group * g] += self._decomposition_pieces(layer, f)
 
-        def decompose_own() -> dict[str, Tensor]:
+        def decompose(local: bool) -> dict[str, Tensor]:
             out: dict[str, Tensor] = {}
             for key, state in self.factors.items():
-                out.update(self._decompose(key, state))
+                if self._is_local(key) == local:
+                    out.update(self._decompose(key, state))
             return out
 
         with self.comm.stats.tagged("decompositions"):
-            pieces = broadcast_parts(self.worker_comm, Layout.of(parts), decompose_own,
-                                     self.inv_dtype, torch.empty(0))
+            pieces = broadcast_parts(self.worker_comm, Layout.of(parts),
+                                     lambda: decompose(local=False), self.inv_dtype,
+                                     torch.empty(0))
+        pieces.update(decompose(local=True))
         self.decompositions = {}
         for layer in my_layers:
             for f in FACTORS:
@@ -440,29 +472,67 @@ class KFACPreconditioner:
         """Step counter, config and the factors this rank owns (keyed by name)."""
         return {
             "step": self.steps,
-            "factors": {k: s.average for k, s in self.factors.items() if s.average is not None},
-            "factor_updates": {k: s.updates for k, s in self.factors.items()},
+            "factors": {k: s.average for k, s in self._owned_states().items()
+                        if s.average is not None},
+            "factor_updates": {k: s.updates for k, s in self._owned_states().items()},
             "config": self.config(),
         }
 
+    def _owned_states(self) -> dict[str, FactorState]:
+        return {k: s for k, s in self.factors.items() if self.factor_owner(k) == self.comm.rank}
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Take the factors this rank owns from ``state`` (which may hold more)."""
+        """Take the factors this rank owns from ``state`` (which may hold more).
+
+        Collective when local (small) factors are replicated: their owners send them
+        to the other gradient workers of the layer.
+        """
         factors = state["factors"]
         updates = state.get("factor_updates", {})
-        missing = [k for k in self.factors if k not in factors and updates.get(k, 0) > 0]
-        missing += [k for k in self.factors if k not in updates]
+        owned = self._owned_states()
+        missing = [k for k in owned if k not in factors and updates.get(k, 0) > 0]
+        missing += [k for k in owned if k not in updates]
         if missing:
             raise KeyError(f"factor state missing for {sorted(set(missing))} (owned by rank "
                            f"{self.comm.rank}); was the checkpoint written for this model?")
-        for key, s in self.factors.items():
+        for key, s in owned.items():
             value = factors.get(key)
             if value is not None and tuple(value.shape) != (s.dim, s.dim):
                 raise ValueError(f"factor {key} has shape {tuple(value.shape)}, "
                                  f"expected {(s.dim, s.dim)}")
             s.average = None if value is None else value.detach().to(self.factor_dtype).clone()
             s.updates = int(updates[key])
+        self._share_local_replicas()
         self.steps = int(state["step"])
         self._decomposed_at = None  # recomputed from the loaded factors at the next step
+
+    def _share_local_replicas(self) -> None:
+        """Owners of local factors broadcast them (and their counts) in the worker group."""
+        if not self.placement.local_factors:
+            return
+        group, g = self.placement.worker_group_of_rank(self.comm.rank), self.placement.grad_workers
+        parts: list[list[tuple[str, int]]] = [[] for _ in range(g)]
+        for key in self._local_keys():
+            layer = key.rsplit("/", 1)[0]
+            if self.placement.layer_group[layer] == group:
+                n = self.factor_shape(key)[0]
+                parts[self.factor_owner(key) - group * g] += [(key, n * n), (key + "#updates", 1)]
+
+        def own() -> dict[str, Tensor]:
+            out = {}
+            for key, s in self._owned_states().items():
+                if self._is_local(key):
+                    n = s.dim
+                    out[key] = s.average if s.average is not None else torch.zeros(n, n)
+                    out[key + "#updates"] = torch.tensor([float(s.updates)])
+            return out
+
+        pieces = broadcast_parts(self.worker_comm, Layout.of(parts), own, self.factor_dtype,
+                                 torch.empty(0))
+        for key, s in self.factors.items():
+            if self._is_local(key) and self.factor_owner(key) != self.comm.rank:
+                s.updates = round(float(pieces[key + "#updates"].item()))
+                s.average = pieces[key].view(s.dim, s.dim).clone() if s.updates else None
 
     def config(self) -> dict[str, Any]:
         """The settings, JSON-able (schedules are shown as ``"<schedule>"``)."""
@@ -474,6 +544,7 @@ class KFACPreconditioner:
                 "factor_dtype": str(self.factor_dtype), "inv_dtype": str(self.inv_dtype),
                 "symmetric_packing": self.symmetric_packing, "overlap": self.overlap,
                 "bucket_cap_mb": self.bucket_cap_mb, "factor_sync": self.factor_sync,
+                "local_decomposition_threshold": self.local_decomposition_threshold,
                 "accumulation_steps": self.accumulation_steps, "world_size": self.comm.size,
                 **sched}
 

@@ -1,0 +1,104 @@
+"""How a parameter becomes Shampoo blocks: merge small dimensions, then tile.
+
+A parameter of shape ``(d_1, ..., d_n)`` is first viewed with consecutive dimensions
+merged while their product stays ``<= max_dim`` (dimensions of size 1 vanish; a
+0-d parameter is ``(1,)``), e.g. a conv weight ``(64, 32, 3, 3)`` with
+``max_dim=1024`` becomes ``(64, 288)``. That *merged* tensor is tiled into blocks of
+at most ``max_dim`` along every dimension, numbered in row-major order of the tile
+grid. A block of order k keeps k Kronecker factors, one per dimension.
+
+Everything here is a pure function of the shape and ``max_dim``: the block list, and
+so a block's identity ``(parameter name, block index)``, never depends on the world
+size.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["BlockSpec", "block_param", "merge_dims", "split_dim"]
+
+
+def merge_dims(shape: Sequence[int], max_dim: int) -> tuple[int, ...]:
+    """Merge consecutive dimensions while their product is ``<= max_dim``.
+
+    Dimensions of size 1 are dropped; a 0-d or all-ones shape gives ``(1,)``.
+    A dimension larger than ``max_dim`` stays as it is (it is split into blocks later).
+    """
+    if max_dim < 1:
+        raise ValueError(f"max_dim must be >= 1, got {max_dim}")
+    merged: list[int] = []
+    current = 1
+    for d in shape:
+        d = int(d)
+        if d < 0:
+            raise ValueError(f"negative dimension in shape {tuple(shape)}")
+        if d == 1:
+            continue
+        if current * d <= max_dim:
+            current *= d
+        else:
+            if current > 1:
+                merged.append(current)
+            current = d
+    if current > 1 or not merged:
+        merged.append(current)
+    return tuple(merged)
+
+
+def split_dim(dim: int, max_dim: int) -> list[int]:
+    """Sizes of the chunks of a dimension: ``max_dim`` each, the remainder last."""
+    full, rest = divmod(dim, max_dim)
+    return [max_dim] * full + ([rest] if rest else [])
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """One block of one parameter (a pure function of the parameter's shape)."""
+
+    param_name: str
+    index: int  # position in the parameter's row-major tile grid
+    merged_shape: tuple[int, ...]  # the parameter viewed with small dimensions merged
+    offsets: tuple[int, ...]  # start of the block in the merged view, per dimension
+    shape: tuple[int, ...]  # block shape; order = len(shape)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """The world-size-independent identity ``(parameter name, block index)``."""
+        return (self.param_name, self.index)
+
+    @property
+    def order(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def slices(self) -> tuple[slice, ...]:
+        """Indexing of the block in the merged view of the parameter."""
+        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.shape))
+
+    @property
+    def cost(self) -> float:
+        """Work of the block's root computations: ``sum(d_i**3)`` over its factors."""
+        return float(sum(d**3 for d in self.shape))
+
+
+def block_param(name: str, shape: Sequence[int], max_dim: int) -> list[BlockSpec]:
+    """The blocks of a parameter named ``name`` of ``shape`` (empty if it has no elements)."""
+    if math.prod(shape) == 0:
+        return []
+    merged = merge_dims(shape, max_dim)
+    chunks = [split_dim(d, max_dim) for d in merged]
+    starts = [list(itertools.accumulate([0, *sizes[:-1]])) for sizes in chunks]
+    blocks = []
+    for index, grid in enumerate(itertools.product(*(range(len(c)) for c in chunks))):
+        offsets = tuple(starts[dim][g] for dim, g in enumerate(grid))
+        sizes = tuple(chunks[dim][g] for dim, g in enumerate(grid))
+        blocks.append(BlockSpec(name, index, merged, offsets, sizes))
+    return blocks

@@ -1,0 +1,50 @@
+"""Numerical failures of Shampoo, reported identically on every rank.
+
+An owner never raises before the step's collective (that would leave the other
+ranks waiting in it). It sets bits in its status word, fills the failing blocks'
+updates with NaN, and joins the ``allgatherv``; then every rank sees the same status
+words and the same NaN blocks and raises the same :class:`ShampooNumericalError`
+naming the parameters and blocks. Parameters are not updated by that step. Any other
+exception on an owner is handled alike: the owner reports :data:`STATUS_EXCEPTION`,
+joins the collective, then re-raises its exception; the other ranks raise
+:class:`ShampooNumericalError` naming that rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["STATUS_EXCEPTION", "STATUS_NONFINITE_STATISTICS", "STATUS_NONFINITE_UPDATE",
+           "STATUS_ROOT_FAILURES", "ShampooNumericalError", "describe_status"]
+
+STATUS_NONFINITE_STATISTICS = 1
+STATUS_ROOT_FAILURES = 2
+STATUS_NONFINITE_UPDATE = 4
+STATUS_EXCEPTION = 8
+
+_MEANINGS = {
+    STATUS_NONFINITE_STATISTICS: "non-finite values (NaN/Inf) in the factor statistics",
+    STATUS_ROOT_FAILURES: "too many consecutive failed eigendecompositions (float32 and float64)",
+    STATUS_NONFINITE_UPDATE: ("a non-finite update (NaN/Inf gradient or parameter, or overflow "
+                              "in communication_dtype)"),
+    STATUS_EXCEPTION: "an exception while updating a rank's blocks (raised on that rank)",
+}
+
+
+class ShampooNumericalError(FloatingPointError):
+    """A block's statistics, root or update became unusable.
+
+    ``blocks`` lists ``(parameter name, block index)`` of the affected blocks; the
+    optimizer state should be considered lost (restore a checkpoint).
+    """
+
+    def __init__(self, message: str, blocks: Sequence[tuple[str, int]], status: int) -> None:
+        super().__init__(message)
+        self.blocks = list(blocks)
+        self.status = status
+
+
+def describe_status(status: int) -> str:
+    """Human-readable meaning of a status bit mask."""
+    parts = [text for bit, text in _MEANINGS.items() if status & bit]
+    return "; ".join(parts) if parts else "no failure"

@@ -1,0 +1,500 @@
+"""``DistributedShampoo``: the optimizer, its block distribution and its state dict.
+
+Where state lives: each block's state (factors, roots, grafting moment, filtered
+gradient, momentum) exists only on the block's owner. Per step the owner computes
+its blocks' final directions and one ``allgatherv`` hands every rank every
+direction; parameters are replicated and every rank applies ``p ← p − lr·d`` with
+the same (gathered) values, so they stay bitwise identical across ranks.
+``state_dict()`` is collective: it gathers all blocks' state onto every rank (CPU
+tensors), keyed by ``(parameter name, block index)``; ``load_state_dict()`` is
+local: each rank keeps the blocks it owns under the current world size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kfac_hpc.comm import Communicator, world
+from kfac_hpc.shampoo import blocking
+from kfac_hpc.shampoo import hyperparameters as hyper
+from kfac_hpc.shampoo.block_update import BlockHyper, BlockState, new_block_state, update_block
+from kfac_hpc.shampoo.blocking import BlockSpec
+from kfac_hpc.shampoo.errors import (
+    STATUS_EXCEPTION,
+    STATUS_NONFINITE_UPDATE,
+    ShampooNumericalError,
+    describe_status,
+)
+from kfac_hpc.shampoo.ownership import Layout
+from kfac_hpc.shampoo.state_io import gather_block_states
+
+__all__ = ["STATE_DICT_FORMAT", "STATE_DICT_VERSION", "DistributedShampoo"]
+
+STATE_DICT_FORMAT = "kfac_hpc.shampoo"
+STATE_DICT_VERSION = 1
+_FACTOR_KEYS = ("factor_", "root_")
+_INT_KEYS = ("step", "root_failures")
+
+
+class DistributedShampoo(torch.optim.Optimizer):
+    """Blocked Shampoo with grafting, distributed over MPI ranks by block.
+
+    Args:
+        params: ``model.named_parameters()`` (names become the state keys), an
+            iterable of tensors (named ``"param_<i>"`` by their position over all
+            groups, in order), or parameter groups (dicts) of either kind.
+        lr: learning rate.
+        betas: ``(β1, β2)``: β1 filters the gradient (0: off), β2 is the factors'
+            running-average coefficient (1: plain sum, as in AdaGrad-style Shampoo).
+        epsilon: added to the factors' eigenvalues before the root.
+        momentum, nesterov: heavy-ball / Nesterov momentum on the final direction.
+        weight_decay, decoupled_weight_decay: decay added to the direction after
+            preconditioning (decoupled, AdamW-style) or to the gradient (L2).
+        max_preconditioner_dim: largest block side; read when a group is added.
+        precondition_frequency: steps between root recomputations.
+        start_preconditioning_step: first step (1-based) that uses Shampoo's direction;
+            earlier steps use the grafting direction alone.
+        grafting: ``"sgd"``, ``"adagrad"``, ``"rmsprop"``, ``"adam"`` or ``None``.
+        grafting_epsilon, grafting_beta2: the grafting method's ε and second-moment β.
+        use_bias_correction: Adam-style bias correction of β1, β2 and Adam grafting.
+        comm: the :class:`~kfac_hpc.comm.Communicator` (default: the world).
+        factor_dtype: dtype of factors and roots (float32 or float64).
+        communication_dtype: dtype of the gathered directions (float16, bfloat16,
+            float32, float64); every rank, the owner included, applies the
+            rounded values, so parameters stay identical across ranks.
+        max_consecutive_root_failures: a block whose roots fail this many times in a
+            row raises :class:`~kfac_hpc.shampoo.errors.ShampooNumericalError`.
+
+    ``step()`` expects ``.grad`` already averaged over ranks and identical on every
+    rank; a parameter whose ``.grad`` is ``None`` is skipped (no state change, no
+    update). Every rank must call ``step()`` and ``state_dict()`` (collectives) —
+    also ranks that own no block.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        epsilon: float = 1e-12,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+        decoupled_weight_decay: bool = True,
+        max_preconditioner_dim: int = 1024,
+        precondition_frequency: int = 1,
+        start_preconditioning_step: int = 1,
+        grafting: str | None = "adam",
+        grafting_epsilon: float = 1e-8,
+        grafting_beta2: float = 0.999,
+        use_bias_correction: bool = True,
+        comm: Communicator | None = None,
+        factor_dtype: torch.dtype = torch.float32,
+        communication_dtype: torch.dtype = torch.float32,
+        max_consecutive_root_failures: int = 5,
+    ) -> None:
+        defaults = dict(
+            lr=lr, betas=betas, epsilon=epsilon, momentum=momentum, nesterov=nesterov,
+            weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
+            max_preconditioner_dim=max_preconditioner_dim,
+            precondition_frequency=precondition_frequency,
+            start_preconditioning_step=start_preconditioning_step, grafting=grafting,
+            grafting_epsilon=grafting_epsilon, grafting_beta2=grafting_beta2,
+            use_bias_correction=use_bias_correction,
+        )
+        hyper.validate_group(defaults)
+        if comm is not None and not isinstance(comm, Communicator):
+            raise ValueError(f"DistributedShampoo: invalid comm={comm!r}; allowed: a "
+                             "kfac_hpc.comm.Communicator or None (the world)")
+        self.factor_dtype = hyper.validate_dtype("factor_dtype", factor_dtype, hyper.FACTOR_DTYPES)
+        self.communication_dtype = hyper.validate_dtype(
+            "communication_dtype", communication_dtype, hyper.COMMUNICATION_DTYPES)
+        self.max_consecutive_root_failures = hyper.validate_int(
+            "max_consecutive_root_failures", max_consecutive_root_failures, 1)
+        self.comm: Communicator = comm if comm is not None else world()
+        self._layout: Layout | None = None
+        self._steps = 0
+        super().__init__(params, defaults)
+        self._build()
+
+    # ------------------------------------------------------------ structure
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group. After construction this is collective (all ranks must call it):
+        block ownership is recomputed and the existing state moves to its new owners."""
+        if getattr(self, "_layout", None) is None:  # during __init__
+            super().add_param_group(param_group)
+            hyper.validate_group(self.param_groups[-1])
+            return
+        saved = self._gather_states()
+        super().add_param_group(param_group)
+        try:
+            hyper.validate_group(self.param_groups[-1])
+            self._build()
+        except Exception:
+            self.param_groups.pop()
+            self._build()
+            self._install_states(saved)
+            raise
+        self._install_states(saved)
+
+    def _param_names(self) -> list[list[str]]:
+        """Names of every group's parameters ("param_<i>" for unnamed ones)."""
+        names: list[list[str]] = []
+        position = 0
+        for group in self.param_groups:
+            given = group.get("param_names")
+            group_names = []
+            for j, _ in enumerate(group["params"]):
+                group_names.append(str(given[j]) if given is not None else f"param_{position}")
+                position += 1
+            names.append(group_names)
+        return names
+
+    def _build(self) -> None:
+        """Blocks, owners and the gather buffers (pure function of names, shapes, world size)."""
+        blocks: list[BlockSpec] = []
+        block_param: list[Tensor] = []
+        self._name_of: dict[Tensor, str] = {}
+        self._param_by_name: dict[str, Tensor] = {}
+        self._blocks_of: dict[Tensor, list[int]] = {}
+        self._group_of_block: list[int] = []
+        device: torch.device | None = None
+        for gi, (group, names) in enumerate(zip(self.param_groups, self._param_names())):
+            for p, name in zip(group["params"], names):
+                if name in self._param_by_name:
+                    raise ValueError(f"DistributedShampoo: parameter name {name!r} appears twice; "
+                                     "names must be unique (they key the state)")
+                if p.is_sparse or p.is_complex() or not p.is_floating_point():
+                    raise ValueError(f"DistributedShampoo: parameter {name!r} has unsupported "
+                                     f"type {p.dtype}{' (sparse)' if p.is_sparse else ''}; "
+                                     "allowed: dense real floating-point tensors")
+                if device is None:
+                    device = p.device
+                elif p.device != device:
+                    raise ValueError(f"DistributedShampoo: parameter {name!r} is on {p.device} "
+                                     f"but others are on {device}; use one device per rank")
+                self._name_of[p] = name
+                self._param_by_name[name] = p
+                self._blocks_of[p] = []
+                max_dim = group["max_preconditioner_dim"]
+                for spec in blocking.block_param(name, tuple(p.shape), max_dim):
+                    self._blocks_of[p].append(len(blocks))
+                    blocks.append(spec)
+                    block_param.append(p)
+                    self._group_of_block.append(gi)
+        self._block_param = block_param
+        layout = self._layout = Layout.build(blocks, self.comm.size)
+        self._owned = layout.owned(self.comm.rank)
+        self._device = device if device is not None else torch.device("cpu")
+        dtype = self.communication_dtype
+        self._send = torch.zeros(layout.counts[self.comm.rank], dtype=dtype, device=self._device)
+        self._recv = torch.zeros(layout.total, dtype=dtype, device=self._device)
+        self._status_at = torch.tensor(layout.status_offsets, device=self._device)
+        self.state = defaultdict(dict)
+
+    @property
+    def layout(self) -> Layout:
+        """Blocks, owners and gather offsets."""
+        assert self._layout is not None
+        return self._layout
+
+    def block_owners(self) -> dict[tuple[str, int], int]:
+        """Owner rank of every block, keyed ``(parameter name, block index)``."""
+        return {b.key: r for b, r in zip(self.layout.blocks, self.layout.owners)}
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One optimisation step (collective: every rank must call it)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._steps += 1
+        layout = self.layout
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.is_sparse:
+                    raise ValueError(f"DistributedShampoo: parameter {self._name_of[p]!r} has a "
+                                     "sparse gradient; Shampoo needs dense gradients")
+        hypers = [BlockHyper.from_group(g, self.max_consecutive_root_failures)
+                  for g in self.param_groups]
+        error: BaseException | None = None
+        try:
+            status = self._update_owned_blocks(hypers)
+        except Exception as exc:  # report, join the collective, then re-raise
+            error, status = exc, STATUS_EXCEPTION
+        self._send[0] = status
+        recv = self.comm.allgatherv(self._send, layout.counts, out=self._recv)
+        if error is not None:
+            raise error
+        statuses = recv[self._status_at]
+        if bool((statuses != 0).any()):
+            self._raise_failure(recv, statuses)
+        self._apply(recv)
+        return loss
+
+    def _update_owned_blocks(self, hypers: list[BlockHyper]) -> int:
+        """Write this rank's block directions into the send buffer; return its status."""
+        layout, send = self.layout, self._send
+        status = 0
+        flagged: set[int] = set()
+        for i in self._owned:
+            spec, p = layout.blocks[i], self._block_param[i]
+            slot = send[layout.local_span(i)]
+            if p.grad is None:
+                slot.zero_()
+                continue
+            state = self.state[p].get(spec.index)
+            if state is None:
+                state = self.state[p][spec.index] = new_block_state(
+                    spec.shape, self.factor_dtype, p.device)
+            grad = p.grad.reshape(spec.merged_shape)[spec.slices]
+            param = p.detach().reshape(spec.merged_shape)[spec.slices]
+            direction, code = update_block(state, grad, param, hypers[self._group_of_block[i]])
+            if code:
+                status |= code
+                flagged.add(i)
+                slot.fill_(math.nan)
+            else:
+                slot.copy_(direction.reshape(-1))
+        if len(send) > 1 and not torch.isfinite(send[1:]).all():
+            for i in self._owned:
+                if i not in flagged and not torch.isfinite(send[layout.local_span(i)]).all():
+                    status |= STATUS_NONFINITE_UPDATE
+        return status
+
+    def _raise_failure(self, recv: Tensor, statuses: Tensor) -> None:
+        layout = self.layout
+        mask = 0
+        affected: list[tuple[str, int]] = []
+        for rank, value in enumerate(statuses.tolist()):
+            if value == 0:
+                continue
+            mask |= int(value)
+            for i in layout.owned(rank):
+                if not torch.isfinite(recv[layout.span(i)]).all():
+                    affected.append(layout.blocks[i].key)
+        where = ", ".join(f"parameter {n!r} block {b}" for n, b in affected[:10])
+        if len(affected) > 10:
+            where += f" and {len(affected) - 10} more blocks"
+        failed = [r for r, v in enumerate(statuses.tolist()) if int(v) & STATUS_EXCEPTION]
+        if failed:
+            where += ("; " if where else "") + f"rank(s) {failed} raised an exception"
+        raise ShampooNumericalError(
+            f"DistributedShampoo step {self._steps}: {describe_status(mask)} in {where}. "
+            "Parameters were not updated; check the loss and gradients (lower lr, clip "
+            "gradients, raise epsilon) and restore a checkpoint.", affected, mask)
+
+    def _apply(self, recv: Tensor) -> None:
+        layout = self.layout
+        for group in self.param_groups:
+            lr = group["lr"]
+            for p in group["params"]:
+                indices = self._blocks_of[p]
+                if p.grad is None or not indices:
+                    continue
+                if len(indices) == 1:
+                    update = recv[layout.span(indices[0])].view(p.shape)
+                    p.add_(update.to(p.dtype), alpha=-lr)
+                    continue
+                spec0 = layout.blocks[indices[0]]
+                target = p.view(spec0.merged_shape) if p.is_contiguous() else torch.empty(
+                    spec0.merged_shape, dtype=p.dtype, device=p.device)
+                for i in indices:
+                    spec = layout.blocks[i]
+                    update = recv[layout.span(i)].view(spec.shape).to(p.dtype)
+                    if p.is_contiguous():
+                        target[spec.slices].add_(update, alpha=-lr)
+                    else:
+                        target[spec.slices].copy_(update)
+                if not p.is_contiguous():
+                    p.add_(target.view(p.shape), alpha=-lr)
+
+    # ------------------------------------------------------------ state dict
+    def _local_states(self) -> list[tuple[tuple[str, int], BlockState]]:
+        out = []
+        for i in self._owned:
+            spec = self.layout.blocks[i]
+            state = self.state.get(self._block_param[i], {}).get(spec.index)
+            if state is not None:
+                out.append((spec.key, state))
+        return out
+
+    def _gather_states(self) -> dict[tuple[str, int], BlockState]:
+        """Every block's state on every rank (collective)."""
+        return gather_block_states(self.comm, self._local_states())
+
+    def _install_states(self, states: dict[tuple[str, int], BlockState]) -> None:
+        """Keep (copies of) the states of the blocks this rank owns now."""
+        self.state = defaultdict(dict)
+        for i in self._owned:
+            spec, p = self.layout.blocks[i], self._block_param[i]
+            saved = states.get(spec.key)
+            if saved is None:
+                continue
+            state: BlockState = {}
+            for key, value in saved.items():
+                if isinstance(value, Tensor):
+                    dtype = self.factor_dtype if key.startswith(_FACTOR_KEYS) else p.dtype
+                    value = value.to(device=p.device, dtype=dtype, copy=True)
+                state[key] = value
+            self.state[p][spec.index] = state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole optimizer state, keyed by parameter name and block index.
+
+        Collective (every rank must call it); every rank returns the same dict::
+
+            {"format": "kfac_hpc.shampoo", "format_version": 1, "steps": int,
+             "state": {param_name: {block_index: {"step": int, "root_failures": int,
+                       "factor_<i>": T, "root_<i>": T, "second_moment": T,
+                       "filtered_grad": T, "momentum_buffer": T}}},
+             "blocks": {param_name: {"shape": [...], "merged_shape": [...],
+                        "block_shapes": [[...], ...]}},
+             "param_groups": [{hyper-parameters..., "params": [param_name, ...]}]}
+
+        Tensors are CPU copies; blocks that never took a step have no entry. The
+        world size appears nowhere: the dict loads on any number of ranks.
+        """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        gathered = self._gather_states()
+        state: dict[str, dict[int, BlockState]] = {}
+        blocks: dict[str, dict[str, Any]] = {}
+        for spec in self.layout.blocks:
+            if spec.key in gathered:
+                state.setdefault(spec.param_name, {})[spec.index] = gathered[spec.key]
+        for group, names in zip(self.param_groups, self._param_names()):
+            for p, name in zip(group["params"], names):
+                specs = [self.layout.blocks[i] for i in self._blocks_of[p]]
+                blocks[name] = {"shape": list(p.shape),
+                                "merged_shape": list(specs[0].merged_shape) if specs else [],
+                                "block_shapes": [list(s.shape) for s in specs]}
+        groups = []
+        for group, names in zip(self.param_groups, self._param_names()):
+            packed = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+            packed["params"] = list(names)
+            groups.append(packed)
+        result: dict[str, Any] = {
+            "format": STATE_DICT_FORMAT, "format_version": STATE_DICT_VERSION,
+            "steps": self._steps, "state": state, "blocks": blocks, "param_groups": groups,
+        }
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            changed = post_hook(self, result)
+            if changed is not None:
+                result = changed
+        return result
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict` saved on any number of ranks (local, no collective).
+
+        Checks that the format, the parameter names per group and the block shapes
+        match this optimizer; restores the groups' hyper-parameters and the state of
+        the blocks this rank owns.
+        """
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            changed = pre_hook(self, state_dict)
+            if changed is not None:
+                state_dict = changed
+        self._check_state_dict(state_dict)
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            restored = dict(group)
+            restored.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+            if isinstance(restored.get("betas"), list):
+                restored["betas"] = tuple(restored["betas"])
+            hyper.validate_group(restored)
+            group.update(restored)
+        self._install_states(_normalise_states(state_dict["state"]))
+        self._steps = int(state_dict.get("steps", 0))
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _check_state_dict(self, sd: dict[str, Any]) -> None:
+        def bad(why: str) -> ValueError:
+            return ValueError(f"DistributedShampoo.load_state_dict: {why}")
+
+        if not isinstance(sd, dict) or sd.get("format") != STATE_DICT_FORMAT:
+            raise bad(f"not a DistributedShampoo state dict (format {sd.get('format')!r}, "
+                      f"expected {STATE_DICT_FORMAT!r})" if isinstance(sd, dict) else
+                      f"expected a dict, got {type(sd).__name__}")
+        if sd.get("format_version") != STATE_DICT_VERSION:
+            raise bad(f"format_version {sd.get('format_version')!r} is not supported "
+                      f"(this version reads {STATE_DICT_VERSION})")
+        groups = sd["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise bad(f"it has {len(groups)} parameter groups, this optimizer has "
+                      f"{len(self.param_groups)}")
+        for gi, (saved, names) in enumerate(zip(groups, self._param_names())):
+            if list(saved["params"]) != names:
+                missing = sorted(set(names) - set(saved["params"]))
+                extra = sorted(set(saved["params"]) - set(names))
+                raise bad(f"parameter group {gi} differs: missing {missing}, unexpected {extra}"
+                          + (" (same names, different order)" if not missing and not extra else ""))
+        current = {b.key: b for b in self.layout.blocks}
+        states = _normalise_states(sd["state"])
+        for name, info in sd.get("blocks", {}).items():
+            mine = [list(self.layout.blocks[i].shape) for i in self._blocks_of[self._param(name)]]
+            if [list(s) for s in info["block_shapes"]] != mine:
+                raise bad(f"parameter {name!r} was split into blocks {info['block_shapes']} "
+                          f"but is split into {mine} here (different shape or "
+                          "max_preconditioner_dim)")
+        for (name, index), block_state in states.items():
+            spec = current.get((name, index))
+            if spec is None:
+                raise bad(f"state for unknown block ({name!r}, {index})")
+            for i, d in enumerate(spec.shape):
+                factor = block_state.get(f"factor_{i}")
+                if factor is None or tuple(factor.shape) != (d, d):
+                    raise bad(f"block ({name!r}, {index}) factor_{i} should be {d}x{d}, got "
+                              f"{None if factor is None else tuple(factor.shape)}")
+
+    def _param(self, name: str) -> Tensor:
+        if name not in self._param_by_name:
+            raise ValueError(f"DistributedShampoo.load_state_dict: unknown parameter {name!r}")
+        return self._param_by_name[name]
+
+    # ---------------------------------------------------------- inspection
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds, by kind: factors, roots, grafting, filtered_grad,
+        momentum, and the two gather buffers."""
+        kinds = {"factors": 0, "roots": 0, "grafting": 0, "filtered_grad": 0, "momentum": 0}
+        names = {"factor_": "factors", "root_": "roots", "second_moment": "grafting",
+                 "filtered_grad": "filtered_grad", "momentum_buffer": "momentum"}
+        for per_param in self.state.values():
+            for block_state in per_param.values():
+                for key, value in block_state.items():
+                    if isinstance(value, Tensor):
+                        kind = next(v for k, v in names.items() if key.startswith(k))
+                        kinds[kind] += value.numel() * value.element_size()
+        kinds["buffers"] = (self._send.numel() + self._recv.numel()) * self._send.element_size()
+        return kinds
+
+
+def _block_index(key: Any) -> int:
+    """A block index from ``3``, ``"3"`` or ``"block_3"`` (keys after a file round trip)."""
+    text = str(key)
+    return int(text.removeprefix("block_"))
+
+
+def _normalise_states(state: dict[str, Any]) -> dict[tuple[str, int], BlockState]:
+    """``{name: {index: block_state}}`` → ``{(name, index): block_state}`` with tensors
+    (numpy arrays accepted) and Python ints for the counters."""
+    out: dict[tuple[str, int], BlockState] = {}
+    for name, per_block in state.items():
+        for index, block_state in per_block.items():
+            block: BlockState = {}
+            for key, value in block_state.items():
+                if key in _INT_KEYS:
+                    value = int(value)
+                elif not isinstance(value, Tensor):
+                    value = torch.as_tensor(value)
+                block[key] = value
+            out[(str(name), _block_index(index))] = block
+    return out

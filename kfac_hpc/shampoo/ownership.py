@@ -1,0 +1,83 @@
+"""Which rank owns which block, and where each block's update travels in the gather.
+
+Owners come from :func:`kfac_hpc.assignment.lpt_assign` over the blocks in their
+global order (parameter order, then block index) with cost ``sum(d_i**3)``: a pure
+function of parameter names, shapes, ``max_preconditioner_dim`` and the world size,
+computed identically on every rank, so no communication is needed to agree on it.
+
+Wire layout of the one ``allgatherv`` per step: rank r sends ``1 + sum(numel of its
+blocks)`` elements: a status word (0 = fine, else a bit mask, see
+:mod:`kfac_hpc.shampoo.errors`) followed by the updates of its blocks in global order.
+The layout never changes after construction, so the counts are known on every rank
+and a rank owning no block still sends its status word.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kfac_hpc.assignment import lpt_assign
+from kfac_hpc.shampoo.blocking import BlockSpec
+
+__all__ = ["Layout", "assign_owners"]
+
+
+def assign_owners(blocks: Sequence[BlockSpec], world_size: int) -> dict[tuple[str, int], int]:
+    """Owner rank of every block (LPT by cost, deterministic; ties by position)."""
+    return lpt_assign([(b.key, b.cost) for b in blocks], world_size)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Blocks, their owners, and their offsets in the gathered buffer."""
+
+    blocks: tuple[BlockSpec, ...]  # global order
+    owners: tuple[int, ...]  # owners[i] owns blocks[i]
+    offsets: tuple[int, ...]  # offsets[i]: start of blocks[i]'s update in the gathered buffer
+    counts: tuple[int, ...]  # elements sent by each rank (status word included)
+    status_offsets: tuple[int, ...]  # where each rank's status word lands in the gathered buffer
+    world_size: int
+
+    @staticmethod
+    def build(blocks: Sequence[BlockSpec], world_size: int) -> Layout:
+        owner_of = assign_owners(blocks, world_size)
+        owners = tuple(owner_of[b.key] for b in blocks)
+        counts = [1] * world_size
+        for b, r in zip(blocks, owners):
+            counts[r] += b.numel
+        starts = [0] * world_size
+        for r in range(1, world_size):
+            starts[r] = starts[r - 1] + counts[r - 1]
+        cursor = [s + 1 for s in starts]  # after each rank's status word
+        offsets = []
+        for b, r in zip(blocks, owners):
+            offsets.append(cursor[r])
+            cursor[r] += b.numel
+        return Layout(tuple(blocks), owners, tuple(offsets), tuple(counts), tuple(starts),
+                      world_size)
+
+    @property
+    def total(self) -> int:
+        """Elements of the gathered buffer."""
+        return sum(self.counts)
+
+    def owned(self, rank: int) -> list[int]:
+        """Indices (into :attr:`blocks`) of the blocks ``rank`` owns, in global order."""
+        return [i for i, r in enumerate(self.owners) if r == rank]
+
+    def span(self, i: int) -> slice:
+        """Where block ``i``'s update lies in the gathered buffer."""
+        return slice(self.offsets[i], self.offsets[i] + self.blocks[i].numel)
+
+    def local_span(self, i: int) -> slice:
+        """Where block ``i``'s update lies in its owner's send buffer."""
+        start = self.offsets[i] - self.status_offsets[self.owners[i]]
+        return slice(start, start + self.blocks[i].numel)
+
+    def load(self) -> list[float]:
+        """Total cost per rank (for inspection)."""
+        loads = [0.0] * self.world_size
+        for b, r in zip(self.blocks, self.owners):
+            loads[r] += b.cost
+        return loads

@@ -1,0 +1,150 @@
+"""Shampoo building blocks: blocking, ownership and wire layout, roots, Kronecker products."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from kfac_hpc.shampoo import Layout, RootComputationError, block_param, inverse_root, merge_dims
+from kfac_hpc.shampoo.blocking import split_dim
+from kfac_hpc.shampoo.kronecker import factor_statistics, precondition
+
+
+@pytest.mark.parametrize("shape,max_dim,merged", [
+    ((64, 32, 3, 3), 1024, (64, 288)),
+    ((3, 4), 1024, (12,)),
+    ((3, 4), 4, (3, 4)),
+    ((2000, 10), 1024, (2000, 10)),
+    ((1, 10, 1), 4, (10,)),
+    ((), 8, (1,)),
+    ((1, 1), 8, (1,)),
+    ((5, 2, 2, 7), 4, (5, 4, 7)),
+])
+def test_merge_dims(shape: tuple[int, ...], max_dim: int, merged: tuple[int, ...]) -> None:
+    assert merge_dims(shape, max_dim) == merged
+
+
+def test_split_dim() -> None:
+    assert split_dim(10, 4) == [4, 4, 2]
+    assert split_dim(8, 4) == [4, 4]
+    assert split_dim(3, 4) == [3]
+
+
+@pytest.mark.parametrize("shape,max_dim", [((7, 10), 3), ((4, 5, 6), 4), ((9,), 2),
+                                           ((64, 32, 3, 3), 100), ((), 5), ((0, 3), 2)])
+def test_blocks_partition_the_parameter(shape: tuple[int, ...], max_dim: int) -> None:
+    blocks = block_param("w", shape, max_dim)
+    n = math.prod(shape)
+    assert sum(b.numel for b in blocks) == n
+    if n == 0:
+        assert blocks == []
+        return
+    cover = torch.zeros(blocks[0].merged_shape, dtype=torch.int64)
+    for index, b in enumerate(blocks):
+        assert b.key == ("w", index)
+        assert all(d <= max_dim for d in b.shape)
+        cover[b.slices] += 1
+    assert bool((cover == 1).all())
+    # Row-major tile order: offsets increase lexicographically.
+    assert [b.offsets for b in blocks] == sorted(b.offsets for b in blocks)
+
+
+def _blocks() -> list:
+    shapes = {"a": (10, 6), "b": (6,), "c": (3, 3, 3), "d": (2,)}
+    return [b for name, s in shapes.items() for b in block_param(name, s, 4)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 16])
+def test_layout_offsets_counts_and_status_words(world_size: int) -> None:
+    blocks = _blocks()
+    layout = Layout.build(blocks, world_size)
+    assert layout == Layout.build(blocks, world_size)  # deterministic
+    assert layout.total == sum(b.numel for b in blocks) + world_size
+    used = torch.zeros(layout.total, dtype=torch.int64)
+    used[list(layout.status_offsets)] += 1
+    for i in range(len(blocks)):
+        used[layout.span(i)] += 1
+        owner = layout.owners[i]
+        lo = layout.status_offsets[owner]
+        assert lo < layout.offsets[i] and layout.span(i).stop <= lo + layout.counts[owner]
+        assert layout.local_span(i).start == layout.offsets[i] - lo
+    assert bool((used == 1).all())  # every element belongs to exactly one thing
+    if world_size > len(blocks):
+        assert any(not layout.owned(r) for r in range(world_size))
+
+
+def test_ownership_balances_cost() -> None:
+    blocks = _blocks()
+    loads = Layout.build(blocks, 2).load()
+    total = sum(b.cost for b in blocks)
+    assert max(loads) <= total / 2 + max(b.cost for b in blocks)
+    owners = Layout.build(blocks, 4).owners
+    assert len(set(owners)) == 4
+
+
+# ------------------------------------------------------------------ roots
+def _spd(n: int, rank: int, seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, rank, generator=g, dtype=dtype)
+    return x @ x.T
+
+
+@pytest.mark.parametrize("p", [2, 4, 6])
+def test_inverse_root_against_matrix_power(p: int) -> None:
+    """``root^p (A + εI) = I`` checked with integer matrix powers (no eigendecomposition)."""
+    a, eps = _spd(5, 3, seed=p), 1e-2  # rank-deficient: ε matters
+    root = inverse_root(a, p, eps)
+    eye = torch.eye(5, dtype=torch.float64)
+    product = torch.linalg.matrix_power(root, p) @ (a + eps * eye)
+    torch.testing.assert_close(product, eye, rtol=0, atol=1e-9)
+    torch.testing.assert_close(root, root.T, rtol=0, atol=1e-12)
+
+
+def test_inverse_root_keeps_dtype_and_retries_in_float64(monkeypatch: pytest.MonkeyPatch) -> None:
+    a = _spd(4, 4, seed=0, dtype=torch.float32)
+    real = torch.linalg.eigh
+    seen: list[torch.dtype] = []
+
+    def eigh(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(m.dtype)
+        if m.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("injected")
+        return real(m)
+
+    monkeypatch.setattr(torch.linalg, "eigh", eigh)
+    root = inverse_root(a, 2, 1e-6)
+    assert seen == [torch.float32, torch.float64] and root.dtype == torch.float32
+    torch.testing.assert_close(root @ root @ (a + 1e-6 * torch.eye(4)), torch.eye(4),
+                               rtol=0, atol=1e-4)
+
+
+def test_inverse_root_raises_when_both_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    def nan_eigh(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.full(m.shape[:1], math.nan, dtype=m.dtype), m
+    monkeypatch.setattr(torch.linalg, "eigh", nan_eigh)
+    with pytest.raises(RootComputationError, match="float64"):
+        inverse_root(_spd(3, 3, seed=1), 2, 1e-6)
+    with pytest.raises(ValueError, match="square"):
+        inverse_root(torch.zeros(2, 3), 2, 1e-6)
+
+
+# --------------------------------------------------------------- kronecker
+@pytest.mark.parametrize("shape", [(5,), (3, 4), (2, 3, 4)])
+def test_factors_and_preconditioning_against_kron(shape: tuple[int, ...]) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g, dtype=torch.float64)
+    for i, f in enumerate(factor_statistics(x)):
+        expected = torch.zeros(shape[i], shape[i], dtype=torch.float64)
+        for a, b in itertools.product(range(shape[i]), repeat=2):
+            expected[a, b] = (x.select(i, a) * x.select(i, b)).sum()
+        torch.testing.assert_close(f, expected, rtol=1e-12, atol=1e-12)
+    # Non-symmetric roots make the multiplication side visible.
+    roots = [torch.randn(d, d, generator=g, dtype=torch.float64) for d in shape]
+    kron = roots[0]
+    for r in roots[1:]:
+        kron = torch.kron(kron, r)
+    torch.testing.assert_close(precondition(x, roots), (kron @ x.reshape(-1)).reshape(shape),
+                               rtol=1e-12, atol=1e-12)
