@@ -3,7 +3,7 @@
 # Every MPI run has a hard timeout and aborts on the first failure on any rank.
 # pytest's exit code 5 ("no tests collected") is accepted for a stage and reported.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 
 PYTHON="${PYTHON:-python}"
 MPI_TIMEOUT="${MPI_TIMEOUT:-900}"

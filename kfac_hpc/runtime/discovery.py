@@ -1,0 +1,135 @@
+"""Where this process runs: rank, size, local rank, node, job, device.
+
+MPI is the source of truth (``Split_type(COMM_TYPE_SHARED)`` gives the local rank);
+the launcher's variables (SLURM, Open MPI, MPICH/PMI) are the fallback when MPI is not
+initialised yet, e.g. to choose the GPU before the first MPI call touches device memory.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+# (rank, size, local rank, local size) variables, by launcher, in order of preference
+_LAUNCHER_VARIABLES: dict[str, tuple[str, str, str, str | None]] = {
+    "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+    "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    "pmi": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+}
+
+
+@dataclass(frozen=True)
+class JobEnvironment:
+    """What a rank knows of the job it belongs to."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    nodes: int
+    host: str
+    source: str  # "mpi", "slurm", "openmpi", "pmi" or "single"
+    job_id: str | None = None
+    restart_count: int = 0
+
+
+def from_environment(env: Mapping[str, str] | None = None) -> JobEnvironment:
+    """The job as the launcher's variables describe it (no MPI call)."""
+    env = os.environ if env is None else env
+    for source, (rank_v, size_v, local_v, local_size_v) in _LAUNCHER_VARIABLES.items():
+        if rank_v in env and size_v in env:
+            rank, size = _int(env, rank_v), _int(env, size_v)
+            local_rank = _int(env, local_v) if local_v in env else 0
+            local_size = _local_size(env, local_size_v) if local_size_v else 1
+            nodes = _int(env, "SLURM_NNODES") if "SLURM_NNODES" in env else max(
+                1, -(-size // max(local_size, 1)))
+            if not 0 <= rank < size or not 0 <= local_rank < max(local_size, local_rank + 1):
+                raise ValueError(f"inconsistent launcher variables: {rank_v}={rank}, "
+                                 f"{size_v}={size}, {local_v}={local_rank}")
+            return JobEnvironment(rank, size, local_rank, local_size, nodes,
+                                  env.get("SLURMD_NODENAME", os.uname().nodename), source,
+                                  env.get("SLURM_JOB_ID"), _int(env, "SLURM_RESTART_COUNT", 0))
+    return JobEnvironment(0, 1, 0, 1, 1, os.uname().nodename, "single",
+                          env.get("SLURM_JOB_ID"), _int(env, "SLURM_RESTART_COUNT", 0))
+
+
+def from_mpi(env: Mapping[str, str] | None = None) -> JobEnvironment:
+    """The job as MPI sees it: world rank/size, local rank from the shared-memory split."""
+    from mpi4py import MPI
+
+    env = os.environ if env is None else env
+    world = MPI.COMM_WORLD
+    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    try:
+        leaders = world.allreduce(1 if node.Get_rank() == 0 else 0)
+        return JobEnvironment(world.Get_rank(), world.Get_size(), node.Get_rank(),
+                              node.Get_size(), leaders, MPI.Get_processor_name(), "mpi",
+                              env.get("SLURM_JOB_ID"), _int(env, "SLURM_RESTART_COUNT", 0))
+    finally:
+        node.Free()
+
+
+def select_device(local_rank: int, *, prefer_cuda: bool = True) -> torch.device:
+    """The device of this rank: ``cuda:<local_rank mod visible GPUs>`` or the CPU.
+
+    Respects ``CUDA_VISIBLE_DEVICES`` and srun's per-task binding (one visible GPU ->
+    ``cuda:0``). Sets it as the current CUDA device, which must happen before any MPI
+    call touches device memory.
+    """
+    if not (prefer_cuda and torch.cuda.is_available()):
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    device = torch.device("cuda", local_rank % count)
+    torch.cuda.set_device(device)
+    return device
+
+
+def time_left(env: Mapping[str, str] | None = None, now: float | None = None) -> float | None:
+    """Seconds until SLURM ends the job (``SLURM_JOB_END_TIME``), or None if unknown."""
+    env = os.environ if env is None else env
+    end = env.get("SLURM_JOB_END_TIME")
+    if not end:
+        return None
+    try:
+        return float(end) - (time.time() if now is None else now)
+    except ValueError:
+        return None
+
+
+def banner(job: JobEnvironment, *, device: torch.device, mpi_library: str,
+           cuda_aware: bool) -> str:
+    """The one-line job description rank 0 prints at start."""
+    gpus = f"{torch.cuda.device_count()} GPU(s) per node" if device.type == "cuda" else "CPU"
+    job_id = f" job {job.job_id}" if job.job_id else ""
+    restart = f", restart {job.restart_count}" if job.restart_count else ""
+    return (f"kfac_hpc{job_id}: {job.size} rank(s) on {job.nodes} node(s), {gpus}, "
+            f"{mpi_library}, CUDA-aware MPI: {'yes' if cuda_aware else 'no'}{restart}")
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    value = env.get(name)
+    if value is None:
+        if default is None:
+            raise KeyError(name)
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer") from None
+
+
+def _local_size(env: Mapping[str, str], name: str) -> int:
+    """SLURM writes e.g. ``SLURM_NTASKS_PER_NODE=4`` or ``4(x2)``; take the first count."""
+    value = env.get(name)
+    if value is None:
+        return 1
+    head = value.split("(")[0].split(",")[0]
+    try:
+        return int(head)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a task count") from None

@@ -1,0 +1,104 @@
+"""Preemption: a signal only sets a flag; all ranks agree at a step boundary.
+
+SLURM sends ``USR1`` (``#SBATCH --signal=B:USR1@120``, forwarded to the tasks by the
+batch script) or ``TERM`` (preemption without ``send_user_signal``) before it kills a
+job. The handler records the signal and returns; the training loop asks
+:meth:`PreemptionGuard.should_stop` at each step boundary, which agrees across ranks
+(allreduce MAX) so every rank checkpoints at the same step, then exits with
+:data:`REQUEUE_EXIT_CODE` for the batch script to requeue the job. A second signal
+while the checkpoint is written only sets the flag again: nothing is interrupted.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable
+from types import FrameType
+
+from kfac_hpc.comm import Communicator
+from kfac_hpc.runtime.discovery import time_left
+
+REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "checkpointed, run me again"
+
+
+def parse_signal(name: str | int) -> signal.Signals:
+    """``"USR1"``, ``"SIGUSR1"`` or ``10`` -> ``signal.SIGUSR1``, with a clear error."""
+    if isinstance(name, int):
+        return signal.Signals(name)
+    text = name.upper()
+    text = text if text.startswith("SIG") else "SIG" + text
+    try:
+        return signal.Signals[text]
+    except KeyError:
+        raise ValueError(f"unknown signal {name!r}; use e.g. USR1, USR2 or TERM") from None
+
+
+class PreemptionGuard:
+    """Turns signals and the job's time limit into one agreed "stop now" per step.
+
+    ``time_margin_s``: stop when SLURM's remaining wall time (``SLURM_JOB_END_TIME``,
+    or ``deadline`` as a UNIX time) falls below this margin.
+    ``check_every``: agree every N steps (the agreement costs one 4-byte allreduce).
+    """
+
+    def __init__(self, comm: Communicator, *, signals: Iterable[str | int] = ("USR1", "TERM"),
+                 time_margin_s: float | None = None, deadline: float | None = None,
+                 check_every: int = 1, clock: Callable[[], float] = time.time) -> None:
+        if check_every < 1:
+            raise ValueError(f"check_every must be >= 1, got {check_every}")
+        self.comm = comm
+        self.signals = [parse_signal(s) for s in signals]
+        self.time_margin_s = time_margin_s
+        self.deadline = deadline
+        self.check_every = check_every
+        self.clock = clock
+        self.received: list[str] = []
+        self._previous: dict[signal.Signals, object] = {}
+        self._calls = 0
+        self.reason: str | None = None
+
+    def install(self) -> PreemptionGuard:
+        """Install the handlers (main thread only); returns self."""
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("PreemptionGuard.install() must run in the main thread")
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def __enter__(self) -> PreemptionGuard:
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received.append(signal.Signals(signum).name)
+
+    def local_reason(self) -> str | None:
+        """Why this rank wants to stop, if it does (no communication)."""
+        if self.received:
+            return f"signal {self.received[0]}"
+        if self.time_margin_s is not None:
+            remaining = (self.deadline - self.clock()) if self.deadline is not None else (
+                time_left(now=self.clock()))
+            if remaining is not None and remaining < self.time_margin_s:
+                return f"{remaining:.0f} s of wall time left (margin {self.time_margin_s:.0f} s)"
+        return None
+
+    def should_stop(self, *, force_check: bool = False) -> bool:
+        """At a step boundary: True on every rank if any rank wants to stop (collective)."""
+        self._calls += 1
+        if not force_check and self._calls % self.check_every:
+            return False
+        reason = self.local_reason()
+        stop = self.comm.any(reason is not None)
+        if stop and self.reason is None:
+            self.reason = reason or "another rank was signalled"
+        return stop
