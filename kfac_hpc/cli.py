@@ -15,6 +15,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "info": ("kfac_hpc.runtime.info", "versions, MPI library (CUDA-aware?), ranks and devices"),
     "selfcheck": ("kfac_hpc.comm.selfcheck",
                   "check every collective on the current ranks and time them"),
+    "train": ("kfac_hpc.train.cli", "train a model with K-FAC/Shampoo/SGD/Adam over MPI ranks"),
+    "plot": ("kfac_hpc.train.plot", "loss/accuracy curves of runs (metrics.jsonl) as a PNG"),
+    "ckpt": ("kfac_hpc.checkpoint.cli", "inspect or verify HDF5 checkpoints (exit 0 ok, 1 bad)"),
+    "plan": ("kfac_hpc.plan.cli",
+             "predict iteration time, bytes and memory per rank of every K-FAC strategy"),
+    "calibrate": ("kfac_hpc.plan.calibrate",
+                  "measure MPI and compute speed of these ranks into a planner profile"),
 }
 
 

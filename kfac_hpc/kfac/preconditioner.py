@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -42,6 +42,7 @@ log = logging.getLogger("kfac_hpc")
 
 Strategy = Literal["comm-opt", "mem-opt", "hybrid-opt", "dp-kfac"]
 STRATEGIES = ("comm-opt", "mem-opt", "hybrid-opt", "dp-kfac")
+AUTO = "auto"  # resolved by the planner (kfac_hpc.plan.auto) in __init__
 COMPUTE_METHODS = ("eigen", "inverse")
 
 
@@ -68,7 +69,7 @@ class KFACPreconditioner:
         model: nn.Module,
         *,
         comm: Communicator | None = None,
-        strategy: Strategy = "comm-opt",
+        strategy: Strategy | Literal["auto"] = "comm-opt",
         grad_worker_fraction: float | None = None,
         compute_method: Literal["eigen", "inverse"] = "eigen",
         damping: Scalar = 0.001,
@@ -88,9 +89,24 @@ class KFACPreconditioner:
         factor_sync: Literal["step", "inverse"] = "step",
         local_decomposition_threshold: int = 16,
         check_replicas: bool = True,
+        plan_profile: Any | None = None,
     ) -> None:
+        if strategy == AUTO:
+            if grad_worker_fraction is not None:
+                raise ValueError("strategy='auto' chooses grad_worker_fraction itself; "
+                                 "give a concrete strategy to set it")
+            strategy, grad_worker_fraction = _resolve_auto(
+                model, comm if comm is not None else world(), plan_profile,
+                skip_layers=skip_layers, compute_method=compute_method,
+                symmetric_packing=symmetric_packing, overlap=overlap,
+                bucket_cap_mb=bucket_cap_mb, factor_sync=factor_sync,
+                local_decomposition_threshold=local_decomposition_threshold,
+                factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps,
+                factor_dtype=factor_dtype, inv_dtype=inv_dtype)
+        elif plan_profile is not None:
+            raise ValueError("plan_profile applies to strategy='auto' only")
         if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+            raise ValueError(f"strategy must be one of {(*STRATEGIES, AUTO)}, got {strategy!r}")
         if compute_method not in COMPUTE_METHODS:
             raise ValueError(f"compute_method must be one of {COMPUTE_METHODS}, "
                              f"got {compute_method!r}")
@@ -113,7 +129,7 @@ class KFACPreconditioner:
         if isinstance(skip_layers, str):
             skip_layers = (skip_layers,)
         self.comm = comm if comm is not None else world()
-        self.strategy: Strategy = strategy
+        self.strategy: Strategy = cast(Strategy, strategy)
         self.compute_method = compute_method
         self.damping = positive("damping", damping)
         self.factor_decay = unit_interval("factor_decay", factor_decay)
@@ -154,6 +170,7 @@ class KFACPreconditioner:
                             and self.placement.is_grad_worker(key.rsplit("/", 1)[0], rank))}
         self.decompositions: dict[str, dict[str, Tensor]] = {}
         self._decomposed_at: int | None = None
+        self._restored: dict[str, Tensor] | None = None  # loaded decompositions (owned)
         captured = {n: c for n, c in self.layers.items()
                     if strategy != "dp-kfac" or self.placement.factor_owner[(n, "A")] == rank}
         deferred = factor_sync == "inverse"
@@ -180,7 +197,11 @@ class KFACPreconditioner:
         if self._is_inverse_step(k) or self._decomposed_at is None:
             if self.factor_sync == "inverse":
                 self._synchronise_local_averages()
-            self._update_decompositions()
+            # after a load between inverse steps, the stored (stale) decompositions are
+            # what an uninterrupted run would use: restore them instead of recomputing
+            self._update_decompositions(
+                restore=self._restored is not None and not self._is_inverse_step(k))
+            self._restored = None
         updates = self._precondition_my_layers(k)
         updates = self._share_preconditioned(updates)
         nu = linalg.kl_clip_scale(
@@ -326,13 +347,16 @@ class KFACPreconditioner:
             self.pipeline.progress()
 
     # ----------------------------------------------------------- decompositions
-    def _update_decompositions(self) -> None:
+    def _update_decompositions(self, restore: bool = False) -> None:
+        """Owners decompose their factors and broadcast them in the worker group; local
+        factors are decomposed by every worker. ``restore``: owners send the loaded
+        decompositions instead, local ones included."""
         group, g = self.placement.worker_group_of_rank(self.comm.rank), self.placement.grad_workers
         my_layers = [n for n in self.layers if self.placement.layer_group[n] == group]
         parts: list[list[tuple[str, int]]] = [[] for _ in range(g)]
         for layer in my_layers:
             for f in FACTORS:
-                if (layer, f) not in self.placement.local_factors:
+                if restore or (layer, f) not in self.placement.local_factors:
                     owner = self.placement.factor_owner[(layer, f)]
                     parts[owner - group * g] += self._decomposition_pieces(layer, f)
 
@@ -343,11 +367,25 @@ class KFACPreconditioner:
                     out.update(self._decompose(key, state))
             return out
 
+        def restored() -> dict[str, Tensor]:
+            out: dict[str, Tensor] = {}
+            for key, state in self._owned_states().items():
+                layer, f = key.rsplit("/", 1)
+                names = [p for p, _ in self._decomposition_pieces(layer, f) if "#" not in p]
+                loaded = self._restored or {}
+                if all(p in loaded for p in names):
+                    out.update({p: loaded[p] for p in names})
+                    out[key + "#valid"] = torch.ones(1, dtype=self.inv_dtype)
+                else:
+                    out.update(self._decompose(key, state))
+            return out
+
         with self.comm.stats.tagged("decompositions"):
             pieces = broadcast_parts(self.worker_comm, Layout.of(parts),
-                                     lambda: decompose(local=False), self.inv_dtype,
-                                     torch.empty(0))
-        pieces.update(decompose(local=True))
+                                     restored if restore else lambda: decompose(local=False),
+                                     self.inv_dtype, torch.empty(0))
+        if not restore:
+            pieces.update(decompose(local=True))
         self.decompositions = {}
         for layer in my_layers:
             for f in FACTORS:
@@ -468,15 +506,24 @@ class KFACPreconditioner:
         n = self._dim(layer, f)
         return (n, n)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Step counter, config and the factors this rank owns (keyed by name)."""
-        return {
+    def state_dict(self, eigenbases: bool = False) -> dict[str, Any]:
+        """Step counter, config and the factors this rank owns (keyed by name).
+
+        ``eigenbases=True`` adds the owned factors' current decompositions
+        (``{"Q", "lambda"}`` or ``{"inv"}``): a run resumed between two inverse updates
+        then uses the same stale decompositions as an uninterrupted run (exact resume).
+        """
+        state: dict[str, Any] = {
             "step": self.steps,
             "factors": {k: s.average for k, s in self._owned_states().items()
                         if s.average is not None},
             "factor_updates": {k: s.updates for k, s in self._owned_states().items()},
             "config": self.config(),
         }
+        if eigenbases:
+            state["eigenbases"] = {k: dict(self.decompositions[k]) for k in self._owned_states()
+                                   if k in self.decompositions}
+        return state
 
     def _owned_states(self) -> dict[str, FactorState]:
         return {k: s for k, s in self.factors.items() if self.factor_owner(k) == self.comm.rank}
@@ -504,7 +551,11 @@ class KFACPreconditioner:
             s.updates = int(updates[key])
         self._share_local_replicas()
         self.steps = int(state["step"])
-        self._decomposed_at = None  # recomputed from the loaded factors at the next step
+        self._decomposed_at = None  # restored or recomputed at the next step
+        eig = state.get("eigenbases") or {}
+        self._restored = {f"{key}:{part}": value.detach().to(self.inv_dtype).reshape(-1)
+                          for key in owned for part, value in (eig.get(key) or {}).items()
+                          } if eig else None
 
     def _share_local_replicas(self) -> None:
         """Owners of local factors broadcast them (and their counts) in the worker group."""
@@ -577,6 +628,25 @@ class KFACPreconditioner:
     def remove_hooks(self) -> None:
         """Detach from the model (the preconditioner can no longer step)."""
         self.capture.remove()
+
+
+def _resolve_auto(model: nn.Module, comm: Communicator, profile: Any,
+                  **options: Any) -> tuple[Strategy, float | None]:
+    """strategy='auto': the planner's fastest exact strategy (same on every rank)."""
+    from kfac_hpc.plan.auto import resolve_auto
+
+    model = getattr(model, "module", model) if _is_wrapper(model) else model
+    strategy, fraction, best, _ = resolve_auto(model, comm.size, profile=profile, **options)
+    if comm.rank == 0:
+        if best is None:
+            log.info("K-FAC strategy='auto': one rank, using comm-opt")
+        else:
+            log.info("K-FAC strategy='auto' chose %s on %d ranks (profile %s): predicted "
+                     "%.4f s/iteration, %.1f MiB K-FAC traffic per rank per step",
+                     best.options.label(), comm.size, best.profile, best.total_s,
+                     best.kfac_bytes / 2**20)
+    assert strategy in STRATEGIES
+    return strategy, fraction  # type: ignore[return-value]
 
 
 def _merge(dicts: Iterable[Mapping[str, Tensor]]) -> dict[str, Tensor]:

@@ -11,8 +11,12 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kfac_hpc.comm import Communicator
 
 # (rank, size, local rank, local size) variables, by launcher, in order of preference
 _LAUNCHER_VARIABLES: dict[str, tuple[str, str, str, str | None]] = {
@@ -58,20 +62,25 @@ def from_environment(env: Mapping[str, str] | None = None) -> JobEnvironment:
                           env.get("SLURM_JOB_ID"), _int(env, "SLURM_RESTART_COUNT", 0))
 
 
-def from_mpi(env: Mapping[str, str] | None = None) -> JobEnvironment:
+def from_mpi(comm: Communicator | None = None,
+             env: Mapping[str, str] | None = None) -> JobEnvironment:
     """The job as MPI sees it: world rank/size, local rank from the shared-memory split."""
     from mpi4py import MPI
 
+    from kfac_hpc.comm import world
+
     env = os.environ if env is None else env
-    world = MPI.COMM_WORLD
-    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    comm = comm if comm is not None else world()
+    node = comm.split_shared()
     try:
-        leaders = world.allreduce(1 if node.Get_rank() == 0 else 0)
-        return JobEnvironment(world.Get_rank(), world.Get_size(), node.Get_rank(),
-                              node.Get_size(), leaders, MPI.Get_processor_name(), "mpi",
-                              env.get("SLURM_JOB_ID"), _int(env, "SLURM_RESTART_COUNT", 0))
+        leader = torch.tensor([1 if node.rank == 0 else 0], dtype=torch.int64)
+        nodes = int(comm.allreduce(leader).item())
+        return JobEnvironment(comm.rank, comm.size, node.rank, node.size, nodes,
+                              MPI.Get_processor_name(), "mpi", env.get("SLURM_JOB_ID"),
+                              _int(env, "SLURM_RESTART_COUNT", 0))
     finally:
-        node.Free()
+        comm.children.remove(node)
+        node.free()
 
 
 def select_device(local_rank: int, *, prefer_cuda: bool = True) -> torch.device:

@@ -72,6 +72,15 @@ class PreemptionGuard:
             signal.signal(sig, previous)  # type: ignore[arg-type]
         self._previous.clear()
 
+    def ignore_from_now_on(self) -> None:
+        """Ignore the signals for the rest of the process (its last moments: MPI_Finalize,
+        interpreter shutdown), so that a repeated signal cannot kill a rank that has
+        checkpointed and is exiting with the requeue status. Python only restores default
+        handlers at shutdown for signals it was catching, not for ignored ones."""
+        for sig in self.signals:
+            signal.signal(sig, signal.SIG_IGN)
+        self._previous.clear()
+
     def __enter__(self) -> PreemptionGuard:
         return self.install()
 

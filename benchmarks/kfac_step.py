@@ -1,0 +1,790 @@
+"""K-FAC step: where an iteration's time goes, bytes and memory per strategy.
+
+    launch/local -n 4 python benchmarks/kfac_step.py [--model all|mlp|resnet20]
+        [--steps N] [--warmup W] [--quick] [--markdown] [--out benchmarks/out]
+
+Models: an MLP on 64-feature inputs (hidden 256, 128; 10 classes) and the CIFAR
+ResNet-20 on a synthetic 32x32x3 batch; per-rank batch ``--batch`` (32), a fixed
+synthetic batch per rank (data loading is not measured). Every rank averages
+gradients with :class:`kfac_hpc.GradientAverager` (its own communicator) and takes a
+plain SGD step; K-FAC runs ``KFACPreconditioner.step()`` in between.
+
+Sections (at the current world size):
+
+* ``ratio``: SGD against K-FAC (comm-opt, eigen; also inverse, dp-kfac at more than
+  one rank, and ``factor_sync="inverse"`` when the constructor has it). Three kinds of K-FAC
+  iteration are timed: ``fi`` (factor and inverse update), ``f`` (factor update
+  only), ``p`` (neither: stale eigenbases). An iteration of the schedule with
+  ``(factor, inverse)`` update steps ``(F, I)`` is composed as
+  ``fi/I + f·(1/F - 1/I) + p·(1 - 1/F)``, giving (1,1), (1,10), (10,100). The kind is
+  chosen per iteration by passing schedules (callables of the step) as
+  ``factor_update_steps`` / ``inv_update_steps``. The inverse and factor_sync variants
+  time only the kinds in which they differ (inverse: ``fi``; factor_sync: ``f``) and
+  borrow the others from the eigen run. Outside ``--quick``, (1,10) is also timed
+  directly over one period with constant settings, as a check of the composition.
+* ``matrix`` (world size > 1): comm-opt, mem-opt, hybrid-opt(0.5), dp-kfac, each with
+  and without ``symmetric_packing`` (and ``overlap`` when the constructor has it), all
+  at (1,1) — every iteration is a second-order update. Combinations the constructor
+  rejects are listed as such. Ratios are against comm-opt without options.
+
+How it is measured (from outside the library, which is not modified):
+
+* Each configuration has its own copy of the model (same initial weights), its own
+  communicator (a ``Dup`` of the world) and preconditioner. Configurations and kinds are
+  run round-robin, one iteration each per round, so slow drifts of a shared,
+  oversubscribed machine hit all of them alike. A barrier precedes every iteration.
+* The time of an iteration is the slowest rank's; the reported number is the median
+  over ``--steps`` rounds after ``--warmup`` rounds. The split is per rank (median per
+  phase over rounds), then averaged over ranks; it sums to the mean rank's iteration.
+* Phases: *forward* and *backward* are wall time of ``model(x)`` + loss and of
+  ``loss.backward()`` + ``GradientAverager.synchronize()`` (so backward includes
+  gradient averaging), each minus the time spent inside the K-FAC hooks;
+  *factor stats* is the time inside ``LayerCurvature.a_factor`` / ``g_factor`` called
+  by the hooks (the per-layer instances are wrapped); *factor comm* is the time in the
+  capture's ``on_ready`` callback (SPD-KFAC pipelining, in hooks), in
+  ``pre._update_factors`` and ``pre._synchronise_local_averages`` minus the running-
+  average arithmetic (``linalg.update_running_average`` / ``LocalAverage.fold``, patched
+  to be timed); *decomposition* is ``pre._decompose`` (eigh or inverse of this rank's
+  factors); *decomp bcast* is ``pre._update_decompositions`` minus ``_decompose``
+  (broadcasts of eigenbases/inverses, including waiting for their owners);
+  *precondition* is ``pre._precondition_my_layers``; *grad bcast* is
+  ``pre._share_preconditioned`` (mem-opt/hybrid/dp broadcasts of preconditioned
+  gradients); *other* is the rest: running averages, KL clipping, writing ``.grad``,
+  ``zero_grad`` and ``optimizer.step()``. The bound methods are wrapped per instance.
+* Bytes: the library's counters (``Communicator.traffic()``, merged with the
+  sub-communicators), which count per call the size of the message the collective
+  operates on (the whole vector of a reduce-scatter or broadcast), on every rank: not
+  the bytes a given MPI algorithm puts on a link. They are attributed to phases by the
+  counter's change across the wrapped methods (factors / decompositions / gradients),
+  measured in the last warm-up round (the counters are deterministic per kind);
+  gradient averaging is counted on its own communicator. The library's own tags
+  (``stats.tag_bytes``) are recorded in the JSON too.
+* Memory per rank: ``pre.memory_bytes()`` (factors + decompositions this rank holds)
+  plus, with ``factor_sync="inverse"``, the local running averages; max over ranks.
+
+Writes ``kfac_step_<model>_n<ranks>.json`` and PNG plots (stacked time split; bytes,
+time and memory per strategy) under ``--out``; prints the tables on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from common import OUT_DIR, describe, format_table, machine, pyplot, save_figure, write_json
+from mpi4py import MPI
+from torch import nn
+
+import kfac_hpc.kfac.linalg as kfac_linalg
+from kfac_hpc import GradientAverager, KFACPreconditioner
+from kfac_hpc.comm import Communicator
+from kfac_hpc.train.models import build_model
+
+PHASES = ("forward", "backward", "factor stats", "factor comm", "decomposition",
+          "decomp bcast", "precondition", "grad bcast", "other")
+COLORS = ("#4e79a7", "#a0cbe8", "#f28e2b", "#e15759", "#59a14f", "#8cd17d", "#b07aa1",
+          "#ff9da7", "#bab0ac")
+BYTE_TAGS = ("factors", "decompositions", "gradients", "other")
+KINDS = ("fi", "f", "p")
+SCHEDULES = ((1, 1), (1, 10), (10, 100))
+DEFAULT_STEPS = {"mlp": (30, 20), "resnet20": (4, 3)}  # timed rounds: ratio, matrix
+NEVER = 10**9  # an update interval that no step number below it is a multiple of
+WORLD = MPI.COMM_WORLD
+ACCEPTED = set(inspect.signature(KFACPreconditioner).parameters)
+
+
+# --------------------------------------------------------------------------- probes
+class Probe:
+    """Times (and, on request, counts bytes of) one preconditioner's phases.
+
+    Wraps bound methods on the instance (and the hooks' curvature objects), so the
+    library runs unchanged; methods a version of the library lacks are skipped.
+    """
+
+    METHODS = {  # method -> byte tag (None: nested in a tagged one, or no traffic)
+        "_update_factors": "factors",
+        "_synchronise_local_averages": "factors",
+        "_update_decompositions": "decompositions",
+        "_decompose": None,
+        "_precondition_my_layers": None,
+        "_share_preconditioned": "gradients",
+    }
+
+    def __init__(self, pre: KFACPreconditioner) -> None:
+        self.pre = pre
+        self.t: defaultdict[str, float] = defaultdict(float)
+        self.bytes: defaultdict[str, int] = defaultdict(int)
+        self.count_bytes = False
+        self.wrapped: list[str] = []
+        for name, tag in self.METHODS.items():
+            fn = getattr(pre, name, None)
+            if callable(fn):
+                setattr(pre, name, self._wrap(name, fn, tag))
+                self.wrapped.append(name)
+        for stats in pre.capture.stats.values():
+            curv = stats.curvature
+            curv.a_factor = self._wrap("stats", curv.a_factor, None)  # type: ignore[method-assign]
+            curv.g_factor = self._wrap("stats", curv.g_factor, None)  # type: ignore[method-assign]
+        ready = getattr(pre.capture, "_on_ready", None)
+        if ready is not None:
+            pre.capture._on_ready = self._wrap("on_ready", ready, "factors")
+            self.wrapped.append("capture._on_ready")
+
+    def _wrap(self, name: str, fn: Callable[..., Any], tag: str | None) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            before = self.pre.comm.traffic().total_bytes if tag and self.count_bytes else 0
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.t[name] += time.perf_counter() - t0
+                if tag and self.count_bytes:
+                    self.bytes[tag] += self.pre.comm.traffic().total_bytes - before
+
+        return timed
+
+    def reset(self) -> None:
+        self.t.clear()
+        self.bytes.clear()
+
+
+_ACTIVE: list[Probe | None] = [None]
+
+
+def _patch_running_averages() -> None:
+    """Time the running-average arithmetic (module function and LocalAverage.fold)."""
+    def timing(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                probe = _ACTIVE[0]
+                if probe is not None:
+                    probe.t["average"] += time.perf_counter() - t0
+
+        return timed
+
+    kfac_linalg.update_running_average = timing(  # type: ignore[assignment]
+        kfac_linalg.update_running_average)
+    try:
+        from kfac_hpc.kfac.factor_sync import LocalAverage
+    except ImportError:
+        return
+    LocalAverage.fold = timing(LocalAverage.fold)  # type: ignore[method-assign]
+
+
+# ------------------------------------------------------------------------ workloads
+@dataclass
+class Workload:
+    name: str
+    model: nn.Module
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+def make_workload(name: str, batch: int) -> Workload:
+    """The model (same weights on every rank) and this rank's fixed synthetic batch."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        model = build_model("mlp", num_classes=10, input_dim=64, hidden=(256, 128))
+        shape: tuple[int, ...] = (batch, 64)
+    else:
+        model = build_model(name, num_classes=10, in_channels=3, image_size=32)
+        shape = (batch, 3, 32, 32)
+    g = torch.Generator().manual_seed(1000 + WORLD.Get_rank())
+    x = torch.randn(shape, generator=g)
+    y = torch.randint(0, 10, (batch,), generator=g)
+    return Workload(name, model, x, y)
+
+
+@dataclass
+class Mode:
+    """Which kind of K-FAC iteration the next step is (read by the schedules)."""
+
+    factor: bool = True
+    inverse: bool = True
+
+
+@dataclass
+class Runner:
+    """One configuration: a model copy, its optimizer, averager and (maybe) preconditioner."""
+
+    label: str
+    kinds: tuple[str, ...]
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    averager: GradientAverager
+    pre: KFACPreconditioner | None = None
+    probe: Probe | None = None
+    mode: Mode = field(default_factory=Mode)
+    options: dict[str, Any] = field(default_factory=dict)
+    # kind -> list over timed rounds of {phase: seconds, "total": seconds}
+    samples: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+    bytes: dict[str, dict[str, float]] = field(default_factory=dict)
+    lib_tags: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+def build_runner(label: str, work: Workload, grad_comm: Communicator, kinds: Sequence[str],
+                 options: dict[str, Any] | None, fixed_schedule: bool = False) -> Runner | str:
+    """A runner; a string (the reason) when the constructor rejects the options."""
+    model = copy.deepcopy(work.model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    averager = GradientAverager(model, grad_comm)
+    runner = Runner(label, tuple(kinds), model, opt, averager, options=dict(options or {}))
+    if options is None:
+        return runner
+    mode = runner.mode
+    kwargs = dict(options)
+    if not fixed_schedule:
+        kwargs["factor_update_steps"] = lambda k: 1 if mode.factor else NEVER
+        kwargs["inv_update_steps"] = lambda k: 1 if mode.inverse else NEVER
+    comm = Communicator(WORLD.Dup(), name=f"kfac[{label}]")
+    try:
+        pre = KFACPreconditioner(model, comm=comm, lr=0.01, **kwargs)
+    except (ValueError, TypeError) as e:
+        averager.remove()
+        comm.free()
+        return str(e).split(";")[0]
+    runner.pre = pre
+    runner.probe = Probe(pre)
+    return runner
+
+
+# ----------------------------------------------------------------------- iterations
+def iteration(r: Runner, work: Workload, kind: str, grad_comm: Communicator,
+              count_bytes: bool = False) -> dict[str, float]:
+    """One training iteration of ``kind``; this rank's phase times (seconds)."""
+    probe = r.probe
+    if probe is not None:
+        r.mode.factor, r.mode.inverse = kind in ("fi", "f"), kind == "fi"
+        probe.reset()
+        probe.count_bytes = count_bytes
+    _ACTIVE[0] = probe
+    tags_before = _tag_snapshot(r.pre) if count_bytes and r.pre is not None else {}
+    grad_before = grad_comm.traffic().total_bytes
+    WORLD.Barrier()
+    t0 = time.perf_counter()
+    r.opt.zero_grad()
+    loss = F.cross_entropy(r.model(work.x), work.y)
+    t1 = time.perf_counter()
+    hooks_fwd = dict(probe.t) if probe is not None else {}
+    loss.backward()
+    r.averager.synchronize()
+    t2 = time.perf_counter()
+    hooks_bwd = dict(probe.t) if probe is not None else {}
+    if r.pre is not None:
+        r.pre.step()
+    t3 = time.perf_counter()
+    r.opt.step()
+    t4 = time.perf_counter()
+    _ACTIVE[0] = None
+    t = dict(probe.t) if probe is not None else {}
+
+    def hooks(d: dict[str, float]) -> float:
+        return d.get("stats", 0.0) + d.get("on_ready", 0.0)
+
+    in_fwd = hooks(hooks_fwd)
+    in_bwd = hooks(hooks_bwd) - in_fwd
+    out = dict.fromkeys(PHASES, 0.0)
+    out["forward"] = (t1 - t0) - in_fwd
+    out["backward"] = (t2 - t1) - in_bwd
+    out["factor stats"] = t.get("stats", 0.0)
+    out["factor comm"] = (t.get("on_ready", 0.0) + t.get("_update_factors", 0.0)
+                          + t.get("_synchronise_local_averages", 0.0) - t.get("average", 0.0))
+    out["decomposition"] = t.get("_decompose", 0.0)
+    out["decomp bcast"] = t.get("_update_decompositions", 0.0) - t.get("_decompose", 0.0)
+    out["precondition"] = t.get("_precondition_my_layers", 0.0)
+    out["grad bcast"] = t.get("_share_preconditioned", 0.0)
+    step_known = sum(out[p] for p in PHASES[3:8]) - t.get("on_ready", 0.0)
+    out["other"] = (t3 - t2) - step_known + (t4 - t3)
+    out["total"] = t4 - t0
+    if count_bytes:
+        b = dict(probe.bytes) if probe is not None else {}
+        kfac_total = 0
+        if r.pre is not None:
+            kfac_total = r.pre.comm.traffic().total_bytes - tags_before.pop("__total__")
+            after = _tag_snapshot(r.pre)
+            after.pop("__total__")
+            r.lib_tags[kind] = {k: v - tags_before.get(k, 0) for k, v in after.items()}
+        row = {tag: float(b.get(tag, 0)) for tag in BYTE_TAGS[:3]}
+        row["other"] = float(kfac_total - sum(row.values()))
+        row["kfac"] = float(kfac_total)
+        row["grad avg"] = float(grad_comm.traffic().total_bytes - grad_before)
+        r.bytes[kind] = row
+    return out
+
+
+def _tag_snapshot(pre: KFACPreconditioner | None) -> dict[str, int]:
+    if pre is None:
+        return {"__total__": 0}
+    traffic = pre.comm.traffic()
+    out = {tag: c.bytes for tag, c in traffic.tags.items()}
+    out["__total__"] = traffic.total_bytes
+    return out
+
+
+def run_round_robin(runners: Sequence[Runner], work: Workload, grad_comm: Communicator,
+                    steps: int, warmup: int, say: Callable[[str], None], what: str) -> None:
+    """Warm up (counting bytes in the last warm-up round), then time ``steps`` rounds.
+
+    A round runs every runner's kinds once. The very first step of a preconditioner
+    always updates factors and decompositions, so a runner whose first kind is not
+    ``fi`` gets one extra untimed ``fi`` step first.
+    """
+    start = time.perf_counter()
+    for r in runners:
+        if r.pre is not None and r.pre.steps == 0 and r.kinds[0] != "fi":
+            iteration(r, work, "fi", grad_comm)
+    for rnd in range(max(1, warmup) + steps):
+        counting = rnd == max(1, warmup) - 1
+        for r in runners:
+            for kind in r.kinds:
+                sample = iteration(r, work, kind, grad_comm, count_bytes=counting)
+                if rnd >= max(1, warmup):
+                    r.samples.setdefault(kind, []).append(sample)
+        if rnd == 0:
+            say(f"  {what}: first round {time.perf_counter() - start:.1f} s")
+    say(f"  {what}: {len(runners)} configs x {max(1, warmup) + steps} rounds in "
+        f"{time.perf_counter() - start:.1f} s")
+
+
+# ------------------------------------------------------------------------- analysis
+def summarise(r: Runner) -> dict[str, Any]:
+    """Collective: per kind, iteration (median of slowest rank) and mean-rank split."""
+    everyone = WORLD.allgather(r.samples)
+    kinds: dict[str, Any] = {}
+    for kind in r.kinds:
+        per_rank = [s[kind] for s in everyone]
+        rounds = len(per_rank[0])
+        slowest = [max(rank[i]["total"] for rank in per_rank) for i in range(rounds)]
+        split = {p: statistics.fmean(statistics.median(x[p] for x in rank) for rank in per_rank)
+                 for p in PHASES}
+        kinds[kind] = {
+            "iteration_s": statistics.median(slowest),
+            "iteration_samples_s": slowest,
+            "split_s": split,
+            "split_max_rank_s": {p: max(statistics.median(x[p] for x in rank)
+                                        for rank in per_rank) for p in PHASES},
+            "bytes_per_rank": r.bytes.get(kind, {}),
+            "library_tags": r.lib_tags.get(kind, {}),
+        }
+    memory = {}
+    if r.pre is not None:
+        mem = dict(r.pre.memory_bytes())
+        local = getattr(r.pre, "local_averages", {}) or {}
+        mem["local averages"] = sum(a.delta.nbytes for a in local.values()
+                                    if getattr(a, "delta", None) is not None)
+        everyone_mem = WORLD.allgather(mem)
+        totals = [sum(m.values()) for m in everyone_mem]
+        memory = {"per_rank": everyone_mem, "max_bytes": max(totals),
+                  "mean_bytes": statistics.fmean(totals)}
+    return {"label": r.label, "options": _jsonable(r.options), "kinds": kinds,
+            "memory": memory, "wrapped": r.probe.wrapped if r.probe else []}
+
+
+def compose(kinds: dict[str, Any], f: int, i: int) -> dict[str, Any]:
+    """Mean iteration of the (f, i) schedule from the fi / f / p kinds."""
+    w = {"fi": 1 / i, "f": 1 / f - 1 / i, "p": 1 - 1 / f}
+    w = {k: v for k, v in w.items() if v > 1e-12}
+    missing = [k for k in w if k not in kinds]
+    if missing:
+        raise KeyError(missing)
+    out: dict[str, Any] = {"iteration_s": sum(v * kinds[k]["iteration_s"] for k, v in w.items())}
+    out["split_s"] = {p: sum(v * kinds[k]["split_s"][p] for k, v in w.items()) for p in PHASES}
+    tags = set().union(*(kinds[k]["bytes_per_rank"] for k in w))
+    out["bytes_per_rank"] = {t: sum(v * kinds[k]["bytes_per_rank"].get(t, 0.0)
+                                    for k, v in w.items()) for t in tags}
+    return out
+
+
+def per_round_ratio(kinds: dict[str, Any], sgd: dict[str, Any], f: int, i: int) -> float:
+    """Median over rounds of (composed K-FAC iteration / SGD iteration) of the same round.
+
+    Neighbouring iterations share the machine's momentary load, so this ratio is less
+    sensitive to other work on a shared machine than the ratio of the medians.
+    """
+    w = {"fi": 1 / i, "f": 1 / f - 1 / i, "p": 1 - 1 / f}
+    rounds = len(sgd["iteration_samples_s"])
+    return statistics.median(
+        sum(v * kinds[k]["iteration_samples_s"][n] for k, v in w.items() if v > 1e-12)
+        / sgd["iteration_samples_s"][n] for n in range(rounds))
+
+
+def _jsonable(options: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v if isinstance(v, int | float | str | bool | None) else repr(v))
+            for k, v in options.items()}
+
+
+def ms(s: float) -> str:
+    return f"{s * 1e3:.1f}"
+
+
+def kib(b: float) -> str:
+    return f"{b / 1024:.1f}"
+
+
+# ------------------------------------------------------------------------ sections
+def ratio_section(work: Workload, grad_comm: Communicator, args: argparse.Namespace,
+                  say: Callable[[str], None]) -> dict[str, Any]:
+    specs: list[tuple[str, tuple[str, ...], dict[str, Any] | None]] = [
+        ("SGD", ("p",), None),
+        ("K-FAC eigen", KINDS, {"strategy": "comm-opt", "compute_method": "eigen"}),
+        ("K-FAC inverse", ("fi",), {"strategy": "comm-opt", "compute_method": "inverse"}),
+    ]
+    if WORLD.Get_size() > 1:
+        specs.append(("K-FAC dp-kfac", KINDS, {"strategy": "dp-kfac"}))
+    if "factor_sync" in ACCEPTED and not args.quick and WORLD.Get_size() > 1:
+        specs.append(("K-FAC eigen, factor_sync=inverse", ("f",),
+                      {"strategy": "comm-opt", "factor_sync": "inverse"}))
+    runners = []
+    for label, kinds, opts in specs:
+        r = build_runner(label, work, grad_comm, kinds, opts)
+        if isinstance(r, str):
+            say(f"  {label}: rejected ({r})")
+            continue
+        runners.append(r)
+    run_round_robin(runners, work, grad_comm, args.ratio_steps, args.warmup, say, "ratio")
+    results = {r.label: summarise(r) for r in runners}
+    sgd = results["SGD"]["kinds"]["p"]
+    composed: dict[str, Any] = {"SGD": compose({"fi": sgd}, 1, 1) | {"ratio": 1.0}}
+    for label, res in results.items():
+        if label == "SGD":
+            continue
+        kinds = dict(res["kinds"])
+        if label != "K-FAC eigen" and set(kinds) != set(KINDS):  # borrow untimed kinds
+            for k in KINDS:
+                kinds.setdefault(k, results["K-FAC eigen"]["kinds"][k])
+        for f, i in SCHEDULES:
+            if label.endswith("factor_sync=inverse") and (f, i) == (1, 1):
+                continue  # identical to factor_sync="step" at (1, 1)
+            c = compose(kinds, f, i)
+            c["ratio_of_medians"] = c["iteration_s"] / sgd["iteration_s"]
+            c["ratio"] = per_round_ratio(kinds, sgd, f, i)
+            composed[f"{label} ({f},{i})"] = c
+    direct = None
+    if not args.quick:
+        direct = direct_check(work, grad_comm, say)
+    for r in runners:
+        _dispose(r)
+    return {"configs": results, "composed": composed, "direct_1_10": direct}
+
+
+def direct_check(work: Workload, grad_comm: Communicator,
+                 say: Callable[[str], None]) -> dict[str, Any]:
+    """(1,10) with constant settings over one full period, interleaved with SGD."""
+    sgd = build_runner("SGD", work, grad_comm, ("p",), None)
+    kfac = build_runner("K-FAC eigen (1,10) constant", work, grad_comm, ("p",),
+                        {"strategy": "comm-opt", "factor_update_steps": 1,
+                         "inv_update_steps": 10}, fixed_schedule=True)
+    assert isinstance(sgd, Runner) and isinstance(kfac, Runner)
+    start = time.perf_counter()
+    for r in (sgd, kfac):  # step 0 (factor + inverse) is warm-up
+        iteration(r, work, "p", grad_comm)
+    t_sgd, t_kfac = [], []
+    for _ in range(10):  # steps 1..10: nine factor-only steps and one inverse step
+        t_sgd.append(iteration(sgd, work, "p", grad_comm)["total"])
+        t_kfac.append(iteration(kfac, work, "p", grad_comm)["total"])
+    both = WORLD.allgather((t_sgd, t_kfac))
+    sgd_s = statistics.median(max(b[0][i] for b in both) for i in range(10))
+    kfac_mean = statistics.fmean(max(b[1][i] for b in both) for i in range(10))
+    say(f"  direct (1,10): {time.perf_counter() - start:.1f} s")
+    _dispose(sgd)
+    _dispose(kfac)
+    return {"kfac_mean_iteration_s": kfac_mean, "sgd_median_iteration_s": sgd_s,
+            "ratio": kfac_mean / sgd_s}
+
+
+def matrix_configs() -> list[tuple[str, dict[str, Any]]]:
+    strategies = [("comm-opt", {"strategy": "comm-opt"}),
+                  ("mem-opt", {"strategy": "mem-opt"}),
+                  ("hybrid-opt(0.5)", {"strategy": "hybrid-opt", "grad_worker_fraction": 0.5}),
+                  ("dp-kfac", {"strategy": "dp-kfac"})]
+    variants: list[tuple[str, dict[str, Any]]] = [("", {})]
+    if "symmetric_packing" in ACCEPTED:
+        variants.append(("+pack", {"symmetric_packing": True}))
+    if "overlap" in ACCEPTED:
+        variants += [("+overlap", {"overlap": True}),
+                     ("+pack+overlap", {"symmetric_packing": True, "overlap": True})]
+    return [(s + v, {**so, **vo}) for s, so in strategies for v, vo in variants]
+
+
+def matrix_section(work: Workload, grad_comm: Communicator, args: argparse.Namespace,
+                   say: Callable[[str], None]) -> dict[str, Any]:
+    runners: list[Runner] = []
+    rejected: dict[str, str] = {}
+    for label, opts in matrix_configs():
+        if opts.get("strategy") == "hybrid-opt" and WORLD.Get_size() * 0.5 % 1:
+            rejected[label] = "0.5 x world is not a whole number of workers"
+            continue
+        r = build_runner(label, work, grad_comm, ("fi",), opts)
+        if isinstance(r, str):
+            rejected[label] = r
+        else:
+            runners.append(r)
+    sgd = build_runner("SGD", work, grad_comm, ("p",), None)
+    assert isinstance(sgd, Runner)
+    run_round_robin([sgd, *runners], work, grad_comm, args.matrix_steps, args.warmup, say,
+                    "matrix")
+    results = {r.label: summarise(r) for r in [sgd, *runners]}
+    for r in [sgd, *runners]:
+        _dispose(r)
+    base = results.get("comm-opt")
+    if base is not None:
+        b_it = base["kinds"]["fi"]["iteration_s"]
+        b_bytes = base["kinds"]["fi"]["bytes_per_rank"].get("kfac", 0.0)
+        b_mem = base["memory"]["max_bytes"]
+        for label, res in results.items():
+            if label == "SGD":
+                continue
+            k = res["kinds"]["fi"]
+            mine, ref = k["iteration_samples_s"], base["kinds"]["fi"]["iteration_samples_s"]
+            res["vs_comm_opt"] = {
+                "iteration": statistics.median(a / b for a, b in zip(mine, ref)),
+                "iteration_ratio_of_medians": k["iteration_s"] / b_it,
+                "kfac_bytes": (k["bytes_per_rank"].get("kfac", 0.0) / b_bytes) if b_bytes else None,
+                "memory": res["memory"]["max_bytes"] / b_mem if b_mem else None,
+            }
+    return {"configs": results, "rejected": rejected}
+
+
+def _dispose(r: Runner) -> None:
+    r.averager.remove()
+    if r.pre is not None:
+        r.pre.remove_hooks()
+
+
+# ----------------------------------------------------------------------- reporting
+def ratio_tables(res: dict[str, Any], md: bool) -> str:
+    out = []
+    rows = []
+    for label, c in res["composed"].items():
+        s = c["split_s"]
+        rows.append([label, ms(c["iteration_s"]), f"{c['ratio']:.2f}",
+                     f"{c.get('ratio_of_medians', 1.0):.2f}"] + [ms(s[p]) for p in PHASES])
+    out += ["K-FAC / SGD iteration time (ms; split = mean rank; (F,I) = factor, inverse "
+            "update steps, composed from timed iteration kinds; x SGD = median over rounds "
+            "of the ratio within a round):",
+            format_table(["config", "iter ms", "x SGD", "x SGD (medians)", *PHASES], rows,
+                         md)]
+    rows = []
+    for label, cfg in res["configs"].items():
+        for kind, k in cfg["kinds"].items():
+            s = k["split_s"]
+            b = k["bytes_per_rank"]
+            rows.append([f"{label} [{kind}]", ms(k["iteration_s"])]
+                        + [ms(s[p]) for p in PHASES]
+                        + [kib(b.get(t, 0.0)) for t in ("factors", "decompositions",
+                                                        "gradients", "grad avg")])
+    out += ["\nTimed iteration kinds (fi = factor+inverse update, f = factor update only, "
+            "p = neither; ms, bytes in KiB per rank per step):",
+            format_table(["config [kind]", "iter ms", *PHASES, "KiB factors", "KiB decomp",
+                          "KiB grads", "KiB grad avg"], rows, md)]
+    d = res.get("direct_1_10")
+    if d:
+        comp = res["composed"].get("K-FAC eigen (1,10)")
+        out.append(f"\nDirect (1,10) over one period: K-FAC {ms(d['kfac_mean_iteration_s'])} ms "
+                   f"mean vs SGD {ms(d['sgd_median_iteration_s'])} ms: {d['ratio']:.2f}x "
+                   f"(composed: {comp['ratio']:.2f}x)" if comp else "")
+    return "\n".join(out)
+
+
+def matrix_tables(res: dict[str, Any], md: bool) -> str:
+    rows = []
+    for label, cfg in res["configs"].items():
+        if label == "SGD":
+            continue
+        k = cfg["kinds"]["fi"]
+        b = k["bytes_per_rank"]
+        mem = cfg["memory"]
+        v = cfg.get("vs_comm_opt", {})
+
+        def x(key: str, v: dict[str, Any] = v) -> str:
+            return "-" if v.get(key) is None else f"{v[key]:.2f}"
+
+        kfac_ms = sum(k["split_s"][p] for p in PHASES[3:])
+        rows.append([label, ms(k["iteration_s"]), x("iteration"), ms(kfac_ms),
+                     kib(b.get("kfac", 0.0)), kib(b.get("factors", 0.0)),
+                     kib(b.get("decompositions", 0.0)), kib(b.get("gradients", 0.0)),
+                     x("kfac_bytes"), kib(mem.get("max_bytes", 0)), x("memory")])
+    sgd = res["configs"]["SGD"]["kinds"]["p"]
+    out = [f"Strategy matrix at (1,1) (every iteration a second-order update; x comm-opt of "
+           f"time = median over rounds of the ratio within a round; step ms excl. stats = "
+           f"mean rank's time in factor comm .. other, the strategy-dependent part); SGD "
+           f"{ms(sgd['iteration_s'])} ms, gradient allreduce "
+           f"{kib(sgd['bytes_per_rank'].get('grad avg', 0.0))} KiB/rank/step:",
+           format_table(["strategy", "iter ms", "x comm-opt", "step ms excl. stats",
+                         "K-FAC KiB/rank/step",
+                         "factors", "decomp", "grads", "bytes x comm-opt", "mem KiB/rank",
+                         "mem x comm-opt"], rows, md)]
+    rows = []
+    for label, cfg in res["configs"].items():
+        s = cfg["kinds"]["fi" if label != "SGD" else "p"]["split_s"]
+        rows.append([label] + [ms(s[p]) for p in PHASES])
+    out += ["\nTime split per strategy (ms, mean rank):",
+            format_table(["strategy", *PHASES], rows, md)]
+    if res["rejected"]:
+        out.append("\nRejected by the constructor: " + "; ".join(
+            f"{k} ({v})" for k, v in res["rejected"].items()))
+    return "\n".join(out)
+
+
+def plot_split(bars: dict[str, dict[str, float]], title: str, path: Path) -> Path:
+    plt = pyplot()
+    labels = list(bars)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(labels) + 2), 4.8))
+    bottom = [0.0] * len(labels)
+    for phase, color in zip(PHASES, COLORS):
+        vals = [bars[lab][phase] * 1e3 for lab in labels]
+        ax.bar(range(len(labels)), vals, bottom=bottom, color=color, label=phase)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("ms per iteration (mean rank)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.grid(True, axis="y", alpha=0.3)
+    return save_figure(fig, path)
+
+
+def plot_matrix(res: dict[str, Any], title: str, path: Path) -> Path:
+    plt = pyplot()
+    cfgs = {k: v for k, v in res["configs"].items() if k != "SGD"}
+    labels = list(cfgs)
+    xs = range(len(labels))
+    fig, axes = plt.subplots(3, 1, figsize=(max(7.0, 0.7 * len(labels) + 3), 11), sharex=True)
+    bottom = [0.0] * len(labels)
+    for tag, color in zip(BYTE_TAGS, COLORS[3:]):
+        vals = [cfgs[lab]["kinds"]["fi"]["bytes_per_rank"].get(tag, 0.0) / 2**20
+                for lab in labels]
+        axes[0].bar(xs, vals, bottom=bottom, color=color, label=tag)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    axes[0].set_ylabel("K-FAC MiB per rank per step")
+    axes[0].legend(fontsize=7)
+    bottom = [0.0] * len(labels)
+    for phase, color in zip(PHASES, COLORS):
+        vals = [cfgs[lab]["kinds"]["fi"]["split_s"][phase] * 1e3 for lab in labels]
+        axes[1].bar(xs, vals, bottom=bottom, color=color, label=phase)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    sgd = res["configs"]["SGD"]["kinds"]["p"]["iteration_s"] * 1e3
+    axes[1].axhline(sgd, color="k", ls=":", lw=1, label="SGD")
+    axes[1].set_ylabel("ms per iteration (mean rank)")
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    axes[2].bar(xs, [cfgs[lab]["memory"]["max_bytes"] / 2**20 for lab in labels],
+                color=COLORS[4])
+    axes[2].set_ylabel("K-FAC state MiB (max rank)")
+    axes[2].set_xticks(list(xs))
+    axes[2].set_xticklabels(labels, rotation=35, ha="right", fontsize=8)
+    for ax in axes:
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].set_title(title, fontsize=9)
+    return save_figure(fig, path)
+
+
+# ---------------------------------------------------------------------------- main
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=("all", "mlp", "resnet20"), default=None,
+                   help="default: all (mlp with --quick)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed rounds per configuration and kind (default: mlp 30 in the "
+                        "ratio section, 20 in the matrix; resnet20 4 and 3; 2 with --quick)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed rounds first (default 1; bytes are counted in the last)")
+    p.add_argument("--batch", type=int, default=32, help="per-rank batch size (default 32)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per rank (default: cores / ranks on the node, >= 1)")
+    p.add_argument("--sections", nargs="+", choices=("ratio", "matrix"),
+                   default=["ratio", "matrix"])
+    p.add_argument("--quick", action="store_true", help="few rounds, MLP only: a smoke run")
+    p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
+    p.add_argument("--out", type=Path, default=OUT_DIR, help=f"output folder (default {OUT_DIR})")
+    return p.parse_args(argv)
+
+
+def models_of(args: argparse.Namespace) -> Iterator[str]:
+    choice = args.model or ("mlp" if args.quick else "all")
+    yield from (("mlp", "resnet20") if choice == "all" else (choice,))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    info = machine()
+    threads = args.threads or max(1, (info["cores"] or 1) // max(1, info["ranks_on_node"]))
+    torch.set_num_threads(threads)
+    info["torch_threads_per_rank"] = threads
+
+    def say(msg: str) -> None:
+        if rank == 0:
+            print(msg, flush=True)
+
+    _patch_running_averages()
+    present = [o for o in ("symmetric_packing", "overlap", "bucket_cap_mb", "factor_sync",
+                           "local_decomposition_threshold") if o in ACCEPTED]
+    say(f"# kfac_step: {describe(info)}; {threads} torch thread(s)/rank")
+    say(f"# preconditioner options present: {', '.join(present) or '(none)'}")
+    grad_comm = Communicator(WORLD.Dup(), name="grad-avg")
+    for name in models_of(args):
+        ratio_steps, matrix_steps = DEFAULT_STEPS[name]
+        if args.quick:
+            ratio_steps = matrix_steps = 2
+        if args.steps:
+            ratio_steps = matrix_steps = args.steps
+        run_args = argparse.Namespace(**{**vars(args), "ratio_steps": ratio_steps,
+                                         "matrix_steps": matrix_steps,
+                                         "warmup": max(1, args.warmup)})
+        work = make_workload(name, args.batch)
+        say(f"\n## {name} at {size} rank(s), per-rank batch {args.batch}, "
+            f"{ratio_steps} (ratio) / {matrix_steps} (matrix) timed rounds after "
+            f"{run_args.warmup} warm-up")
+        record: dict[str, Any] = {"machine": info, "model": name, "world_size": size,
+                                  "batch_per_rank": args.batch,
+                                  "steps": {"ratio": ratio_steps, "matrix": matrix_steps},
+                                  "warmup": run_args.warmup, "options_present": present,
+                                  "option_defaults": {
+                                      o: repr(inspect.signature(KFACPreconditioner)
+                                              .parameters[o].default) for o in present},
+                                  "quick": args.quick}
+        if "ratio" in args.sections:
+            res = ratio_section(work, grad_comm, run_args, say)
+            record["ratio"] = res
+            say(ratio_tables(res, args.markdown))
+            if rank == 0:
+                bars = {k.replace("K-FAC ", ""): c["split_s"] for k, c in res["composed"].items()}
+                p = plot_split(bars, f"{name}, {size} rank(s), {threads} thread(s)/rank, "
+                               f"{info['cores']} cores: time split per iteration",
+                               args.out / f"kfac_step_{name}_n{size}_split.png")
+                say(f"wrote {p}")
+        if "matrix" in args.sections and size > 1:
+            res = matrix_section(work, grad_comm, run_args, say)
+            record["matrix"] = res
+            say("\n" + matrix_tables(res, args.markdown))
+            if rank == 0:
+                p = plot_matrix(res, f"{name}, {size} ranks, (1,1): bytes, time split and "
+                                f"memory per strategy", args.out /
+                                f"kfac_step_{name}_n{size}_matrix.png")
+                say(f"wrote {p}")
+        if hasattr(os, "getloadavg"):
+            record["load_average_1m_end"] = round(os.getloadavg()[0], 2)
+            say(f"# load average (1 min) at the end: {record['load_average_1m_end']}")
+        if rank == 0:
+            say(f"wrote {write_json(args.out / f'kfac_step_{name}_n{size}.json', record)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

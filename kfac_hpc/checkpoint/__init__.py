@@ -1,0 +1,36 @@
+"""HDF5 checkpoints: atomic, verifiable, exact resume, restart on another number of ranks.
+
+::
+
+    from kfac_hpc import checkpoint
+    checkpoint.save(directory_or_path, model=..., optimizer=..., preconditioner=None,
+                    step=..., comm=None, extra=None, keep_last=3)       # -> path
+    info = checkpoint.load(directory_or_path, model=..., optimizer=...,
+                           preconditioner=None, comm=None, strict=True)  # dir -> latest
+    checkpoint.latest(directory)                                         # -> path | None
+    checkpoint.verify_file(path).ok
+
+``save`` and ``load`` are collective (every rank calls them); ``verify_file``,
+``latest`` and the ``kfac-hpc ckpt`` command run on one process without ``mpiexec``.
+See ``docs/checkpoints.md``.
+"""
+
+from kfac_hpc.checkpoint.atomic import latest, list_checkpoints
+from kfac_hpc.checkpoint.errors import CheckpointError
+from kfac_hpc.checkpoint.layout import FORMAT, FORMAT_VERSION
+from kfac_hpc.checkpoint.reader import LoadInfo, load
+from kfac_hpc.checkpoint.verify import VerifyReport, verify_file
+from kfac_hpc.checkpoint.writer import save
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "CheckpointError",
+    "LoadInfo",
+    "VerifyReport",
+    "latest",
+    "list_checkpoints",
+    "load",
+    "save",
+    "verify_file",
+]

@@ -1,0 +1,166 @@
+"""Crash-safe files: tmp + flush + fsync + ``os.replace`` + directory fsync.
+
+A checkpoint directory holds ``ckpt_<step>.h5`` files and a ``latest`` pointer (a
+one-line text file naming the newest complete checkpoint). The order of a save is:
+
+1. write ``ckpt_<step>.h5.tmp``, flush, fsync it;
+2. ``os.replace`` it to ``ckpt_<step>.h5`` and fsync the directory;
+3. write ``latest.tmp``, fsync, ``os.replace`` to ``latest``, fsync the directory;
+4. delete checkpoints beyond the last ``keep_last`` (never the one ``latest`` names).
+
+A crash (kill -9, node failure) at any instant therefore leaves ``latest`` naming a
+complete checkpoint (the new one or the previous one), and a complete file under
+every ``ckpt_*.h5`` name: an incomplete file only ever exists under a ``.tmp`` name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+from kfac_hpc.checkpoint.layout import LATEST, TMP_SUFFIX, checkpoint_name, step_of_name
+
+__all__ = [
+    "checkpoint_name",
+    "commit",
+    "fsync_dir",
+    "fsync_file",
+    "latest",
+    "list_checkpoints",
+    "prune",
+    "read_pointer",
+    "remove_stale_tmp",
+    "tmp_path",
+    "write_pointer",
+]
+
+
+def tmp_path(final: Path) -> Path:
+    """Where ``final`` is written before it is committed."""
+    return final.with_name(final.name + TMP_SUFFIX)
+
+
+def fsync_file(path: Path) -> None:
+    """Flush ``path``'s data and metadata to stable storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make renames and deletions in ``directory`` durable (no-op where unsupported)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def commit(tmp: Path, final: Path) -> None:
+    """fsync ``tmp``, atomically rename it to ``final``, fsync the directory."""
+    fsync_file(tmp)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+
+
+def write_pointer(directory: Path, target: str) -> None:
+    """Atomically make ``directory/latest`` name ``target`` (a file name in ``directory``)."""
+    final = directory / LATEST
+    tmp = tmp_path(final)
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(target + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, final)
+    fsync_dir(directory)
+
+
+def read_pointer(directory: Path) -> str | None:
+    """The file name ``directory/latest`` names, or None."""
+    try:
+        text = (Path(directory) / LATEST).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not text or "/" in text or text in (".", ".."):
+        return None
+    return text
+
+
+def list_checkpoints(directory: str | os.PathLike[str]) -> list[Path]:
+    """Complete checkpoints in ``directory`` (``ckpt_<step>.h5``), oldest step first."""
+    directory = Path(directory)
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    found = [(s, n) for n in names if (s := step_of_name(n)) is not None]
+    return [directory / n for _, n in sorted(found)]
+
+
+def latest(directory: str | os.PathLike[str], *, valid: bool = False) -> Path | None:
+    """The checkpoint ``directory/latest`` names, or None when there is none.
+
+    Without a usable pointer (never written, or naming a deleted file) the newest
+    ``ckpt_<step>.h5`` is returned: such a file is always complete (see the module
+    docstring). ``valid=True`` returns the newest checkpoint that passes
+    :func:`kfac_hpc.checkpoint.verify_file` instead (reads every checkpoint it tries).
+    """
+    directory = Path(directory)
+    found = list_checkpoints(directory)
+    pointed = read_pointer(directory)
+    order = list(reversed(found))
+    if pointed is not None and (directory / pointed).is_file():
+        order = [directory / pointed] + [p for p in order if p.name != pointed]
+    if not valid:
+        return order[0] if order else None
+    from kfac_hpc.checkpoint.verify import verify_file
+
+    for path in order:
+        if verify_file(path).ok:
+            return path
+    return None
+
+
+def prune(directory: Path, keep_last: int | None, protect: str | None = None) -> list[Path]:
+    """Keep ``keep_last`` checkpoints: ``protect`` (the one just written) and the newest
+    others by step; delete the rest."""
+    if keep_last is None or keep_last <= 0:
+        return []
+    found = list_checkpoints(directory)
+    others = [p for p in found if p.name != protect]
+    keep_others = keep_last - (len(others) < len(found))
+    removed = []
+    for path in others[:len(others) - keep_others] if keep_others > 0 else others:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    if removed:
+        fsync_dir(directory)
+    return removed
+
+
+def remove_stale_tmp(directory: Path, keep: Path | None = None) -> None:
+    """Delete leftovers of interrupted saves (``ckpt_*.h5.tmp``, ``latest.tmp``)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        if not name.endswith(TMP_SUFFIX):
+            continue
+        base = name[:-len(TMP_SUFFIX)]
+        if step_of_name(base) is None and base != LATEST:
+            continue
+        if keep is not None and name == keep.name:
+            continue
+        with contextlib.suppress(OSError):
+            (directory / name).unlink()
+

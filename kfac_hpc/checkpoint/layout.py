@@ -1,0 +1,192 @@
+"""The file format: names, attributes, format version, dtypes, digests, chunking.
+
+One HDF5 file per checkpoint (see ``docs/checkpoints.md`` for the layout). Everything
+that identifies an object is a name (parameter name, factor key, ``rank_<r>``), never a
+position, so a file written on P ranks is read on Q ranks.
+
+Integrity: every dataset carries a ``digest`` attribute (CRC-32 of its bytes as
+stored, C order) that the reader recomputes, so corruption is caught for every
+dataset, including tiny and contiguous ones; datasets of at least
+:data:`CHUNK_MIN_BYTES` are also chunked with HDF5's ``fletcher32`` filter, which any
+HDF5 reader checks. The root ``manifest`` attribute lists every dataset (shape, dtype,
+digest) and ``attrs_digest`` covers every attribute in the file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.parse
+import zlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+FORMAT = "kfac_hpc"
+FORMAT_VERSION = 1
+
+# top-level groups
+MODEL = "model"
+OPTIMIZER = "optimizer"
+KFAC = "kfac"
+RNG = "rng"
+TRAIN = "train"
+SECTIONS = (MODEL, OPTIMIZER, KFAC, RNG, TRAIN)
+
+# root attributes
+ROOT_ATTRS = ("format", "format_version", "step", "world_size", "strategy", "created_utc",
+              "versions", "config", "contents", "manifest", "attrs_digest")
+
+# files in a checkpoint directory
+PREFIX = "ckpt_"
+SUFFIX = ".h5"
+TMP_SUFFIX = ".tmp"
+LATEST = "latest"
+
+# HDF5 file-format bounds: readable by HDF5 1.10 tools (h5ls/h5dump at most sites).
+LIBVER = ("earliest", "v110")
+CHUNK_BYTES = 1 << 20  # target chunk size of fletcher32-checked datasets
+CHUNK_MIN_BYTES = 16 << 10  # smaller datasets are contiguous (digest-checked only)
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+DIGEST_ALGORITHM = "crc32"
+
+
+def escape(name: str) -> str:
+    """A dict key or parameter name as one HDF5 link name (``/`` and ``%`` escaped)."""
+    if name == "":
+        return "%"
+    out = name.replace("%", "%25").replace("/", "%2F")
+    return out.replace(".", "%2E") if out in (".", "..") else out
+
+
+def unescape(link: str) -> str:
+    """Inverse of :func:`escape`."""
+    return "" if link == "%" else urllib.parse.unquote(link)
+
+
+# ------------------------------------------------------------------ dtypes
+def c_order(arr: np.ndarray) -> np.ndarray:
+    """``arr`` in C order, shape kept (unlike ``np.ascontiguousarray`` for 0-d arrays)."""
+    arr = np.asarray(arr)
+    return arr if arr.flags.c_contiguous else arr.copy(order="C")
+
+
+def tensor_to_storage(t: torch.Tensor) -> tuple[np.ndarray, str]:
+    """A CPU, C-contiguous NumPy view of ``t`` and its torch dtype name.
+
+    Dtypes NumPy lacks (bfloat16, float8, ...) are stored as unsigned integers of the
+    same width (their exact bits); the ``torch_dtype`` attribute says how to view them.
+    """
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    t = t.resolve_conj().resolve_neg().contiguous()
+    name = str(t.dtype).removeprefix("torch.")
+    try:
+        arr = t.numpy()
+    except TypeError:
+        raw = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
+        arr = t.view(raw[t.element_size()]).numpy()
+    return arr, name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"float32"`` -> ``torch.float32`` (ValueError for an unknown name)."""
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown torch dtype {name!r}")
+    return dtype
+
+
+def storage_to_tensor(arr: np.ndarray, name: str) -> torch.Tensor:
+    """Inverse of :func:`tensor_to_storage` (a tensor that owns its memory)."""
+    arr = c_order(arr)
+    if not arr.flags.writeable:
+        arr = arr.copy()
+    t = torch.from_numpy(arr)
+    want = torch_dtype(name)
+    return t if t.dtype == want else t.view(want)
+
+
+def storage_dtype(name: str) -> np.dtype:
+    """The NumPy dtype a tensor of torch dtype ``name`` is stored as."""
+    arr, _ = tensor_to_storage(torch.empty(0, dtype=torch_dtype(name)))
+    return arr.dtype
+
+
+# ------------------------------------------------------------------ digests
+def digest(arr: np.ndarray) -> str:
+    """``"crc32:<8 hex digits>"`` of the array's bytes in C order."""
+    arr = c_order(arr)
+    return f"{DIGEST_ALGORITHM}:{zlib.crc32(arr.data if arr.size else b'') & 0xFFFFFFFF:08x}"
+
+
+def text_digest(text: str) -> str:
+    return f"{DIGEST_ALGORITHM}:{zlib.crc32(text.encode()) & 0xFFFFFFFF:08x}"
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, np.ndarray):
+        return [str(value.dtype), value.tolist()]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def canonical_attrs(objects: Iterator[tuple[str, Any]]) -> str:
+    """One JSON text of every attribute of ``(path, h5py object)`` pairs, sorted.
+
+    The root's ``attrs_digest`` is left out (it is the digest of this text).
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for path, obj in objects:
+        attrs = {k: _canonical(v) for k, v in obj.attrs.items()
+                 if not (path == "/" and k == "attrs_digest")}
+        out[path] = attrs
+    return json.dumps(out, sort_keys=True, default=repr)
+
+
+def walk(f: Any) -> Iterator[tuple[str, Any]]:
+    """``("/", root)`` then every group and dataset of an open h5py file, by path."""
+    yield "/", f
+    items: list[tuple[str, Any]] = []
+    f.visititems(lambda name, obj: items.append(("/" + name, obj)))
+    yield from sorted(items, key=lambda kv: kv[0])
+
+
+# ------------------------------------------------------------------ storage
+def chunk_shape(shape: Sequence[int], itemsize: int,
+                target: int = CHUNK_BYTES) -> tuple[int, ...] | None:
+    """Chunks of about ``target`` bytes (leading dimensions split first), or None for
+    contiguous storage (scalars, empty and small datasets)."""
+    numel = math.prod(shape)
+    if not shape or numel == 0 or numel * itemsize < CHUNK_MIN_BYTES:
+        return None
+    chunk = list(shape)
+    for i in range(len(chunk)):
+        while chunk[i] > 1 and math.prod(chunk) * itemsize > target:
+            chunk[i] = (chunk[i] + 1) // 2
+    return tuple(chunk)
+
+
+def to_json(value: Any) -> str:
+    """Compact JSON (non-JSON values shown by ``repr``)."""
+    return json.dumps(value, sort_keys=True, default=repr)
+
+
+def checkpoint_name(step: int) -> str:
+    """File name of the checkpoint of ``step`` in a checkpoint directory."""
+    return f"{PREFIX}{step:08d}{SUFFIX}"
+
+
+def step_of_name(name: str) -> int | None:
+    """Inverse of :func:`checkpoint_name` (None for other names)."""
+    if not (name.startswith(PREFIX) and name.endswith(SUFFIX)):
+        return None
+    core = name[len(PREFIX):-len(SUFFIX)]
+    return int(core) if core.isdigit() else None

@@ -1,0 +1,542 @@
+"""``load``: verify, then stage, then apply, so that nothing is ever partially loaded.
+
+1. *Check* (rank 0): open the file, check format, version, manifest and attribute
+   digests, and compare names and shapes with the live model, optimizer and
+   preconditioner. The outcome (a routing plan or one error) is broadcast, so every
+   rank raises the same :class:`CheckpointError` or none does.
+2. *Stage*: every dataset goes to the ranks that need it under the *current* world
+   size: replicated state to all, each K-FAC factor to its current owner
+   (``preconditioner.factor_owner``), each rank's RNG state to that rank. With
+   ``read_mode="root"`` rank 0 reads (one dataset at a time) and broadcasts / sends;
+   with ``"owners"`` each rank reads its own factors and RNG state itself (rank 0
+   still broadcasts replicated state); with ``"all"`` every rank opens the file
+   read-only and reads everything it needs. Every dataset's CRC-32 is checked (in a
+   thread, overlapping the reads). Failures are agreed on.
+3. *Apply* (only when every rank staged everything): optimizer, preconditioner, model,
+   RNG, each step agreed on before the next.
+
+RNG on a different world size: when every rank's state was identical at save time
+(``/rng`` attribute ``identical``) that state is restored on every rank; otherwise
+RNG states are left as they are (per-rank streams do not map onto a new rank count),
+and ``LoadInfo.rng`` says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import h5py
+import numpy as np
+import torch
+from torch import nn
+
+from kfac_hpc.checkpoint import atomic, rng, tree
+from kfac_hpc.checkpoint.errors import CheckpointError
+from kfac_hpc.checkpoint.layout import (
+    KFAC,
+    MODEL,
+    OPTIMIZER,
+    RNG,
+    TRAIN,
+    c_order,
+    digest,
+    escape,
+    storage_to_tensor,
+)
+from kfac_hpc.checkpoint.state import (
+    TORCH_LAYOUT,
+    optimizer_layout,
+    torch_state_from_names,
+    unwrap,
+)
+from kfac_hpc.checkpoint.verify import FileInfo, open_checkpoint, read_chunks, read_header
+from kfac_hpc.checkpoint.writer import TAG, _resolve_comm, agree, factor_path
+
+if TYPE_CHECKING:
+    from kfac_hpc.comm import Communicator
+
+__all__ = ["LoadInfo", "load"]
+
+EVERY_RANK = -1
+
+
+@dataclass
+class LoadInfo:
+    """What :func:`load` did (identical on every rank except ``rng``)."""
+
+    path: Path
+    step: int
+    world_size: int  # of the run that saved
+    strategy: str
+    extra: dict[str, Any] | None
+    loaded: list[str] = field(default_factory=list)  # sections applied
+    mismatches: list[str] = field(default_factory=list)  # strict=False: what was skipped
+    rng: str = ""
+    created_utc: str = ""
+    versions: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Route:
+    path: str
+    dest: int  # a rank, or EVERY_RANK
+    shape: tuple[int, ...]
+    dtype: str
+    digest: str
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.dtype(self.dtype).itemsize * int(np.prod(self.shape, dtype=np.int64)))
+
+
+@dataclass
+class _Plan:
+    path: str
+    routes: list[_Route]
+    torch_dtypes: dict[str, str]
+    root: dict[str, Any]
+    groups: dict[str, dict[str, Any]]
+    mismatches: list[str]
+    sections: list[str]  # to apply: "optimizer", "kfac", "model", "rng"
+    model_names: list[str]  # model entries to load
+    skip_optimizer_state: list[str]
+    rng_source: dict[int, int]  # dest rank (or EVERY_RANK) -> saved rank
+    rng_note: str
+    notes: list[str]
+
+
+class _Placeholder:
+    """Stands for a tensor while only the structure of a saved object is examined."""
+
+
+# ----------------------------------------------------------------- phase 1
+def _check(path: str, f: h5py.File, info: FileInfo, comm: Communicator, model: nn.Module,
+           optimizer: Any, preconditioner: Any, strict: bool, restore_rng: bool) -> _Plan:
+    """Compare the file with the live objects (rank 0) and route every dataset."""
+    manifest = info.manifest
+    mismatches: list[str] = []
+    notes: list[str] = []
+    routes: list[_Route] = []
+    sections: list[str] = []
+
+    def route(p: str, dest: int) -> None:
+        m = manifest[p]
+        routes.append(_Route(p, dest, tuple(m["shape"]), m["dtype"], m["digest"]))
+
+    # ---- model
+    net = unwrap(model)
+    live = net.state_dict()
+    saved_names = info.json_attr(MODEL, "names")
+    model_names: list[str] = []
+    bad_shape: set[str] = set()
+    if saved_names is None:
+        mismatches.append("model: the checkpoint has no model state (/model)")
+    else:
+        for name in saved_names:
+            p = f"/{MODEL}/{escape(name)}"
+            if name not in live:
+                mismatches.append(f"model: {name} is in the checkpoint, not in the model")
+            elif list(live[name].shape) != list(manifest[p]["shape"]):
+                bad_shape.add(name)
+                mismatches.append(f"model: {name} has shape {tuple(manifest[p]['shape'])} "
+                                  f"in the checkpoint, {tuple(live[name].shape)} in the model")
+            else:
+                model_names.append(name)
+                route(p, EVERY_RANK)
+        saved_set = set(saved_names)
+        missing = [n for n in live if n not in saved_set]
+        mismatches += [f"model: {n} is missing from the checkpoint" for n in missing]
+        sections.append("model")
+
+    # ---- optimizer
+    skip_state: list[str] = []
+    if optimizer is not None:
+        attrs = info.group(OPTIMIZER)
+        ok = True
+        if attrs is None:
+            mismatches.append("optimizer: the checkpoint has no optimizer state (/optimizer)")
+            ok = False
+        elif attrs.get("class") != type(optimizer).__name__ or \
+                attrs.get("layout") != optimizer_layout(optimizer):
+            mismatches.append(f"optimizer: the checkpoint holds {attrs.get('class')} state, the "
+                              f"optimizer is {type(optimizer).__name__}")
+            ok = False
+        if ok and attrs is not None:
+            structure = json.loads(attrs["structure"])
+            if attrs.get("layout") == TORCH_LAYOUT:
+                saved = tree.decode(structure, lambda _: _Placeholder())
+                skip_state = sorted(bad_shape)
+                _, problems = torch_state_from_names(optimizer, model, saved, set(skip_state),
+                                                     strict=False)
+                mismatches += problems
+            for rel in tree.leaf_paths(structure):
+                route(f"/{OPTIMIZER}/{rel}", EVERY_RANK)
+            sections.append("optimizer")
+
+    elif info.group(OPTIMIZER) is not None:
+        notes.append("optimizer state in the checkpoint not loaded (no optimizer given)")
+
+    # ---- K-FAC
+    kattrs = info.group(KFAC)
+    if preconditioner is not None:
+        if kattrs is None:
+            mismatches.append("preconditioner: the checkpoint has no K-FAC state (/kfac)")
+        else:
+            table = json.loads(kattrs["factors"])
+            keys = list(preconditioner.factor_keys())
+            problems = [f"preconditioner: factor {k} is missing from the checkpoint"
+                        for k in keys if k not in table]
+            problems += [f"preconditioner: factor {k} is in the checkpoint, not in the "
+                         "preconditioner" for k in table if k not in set(keys)]
+            for k in keys:
+                if k in table and tuple(table[k]["shape"]) != tuple(preconditioner.factor_shape(k)):
+                    problems.append(f"preconditioner: factor {k} is {tuple(table[k]['shape'])} "
+                                    f"in the checkpoint, {tuple(preconditioner.factor_shape(k))} "
+                                    "in the preconditioner")
+            mismatches += problems
+            if problems:
+                notes.append("K-FAC state not loaded (it does not match the preconditioner)")
+            else:
+                for k in keys:
+                    owner = int(preconditioner.factor_owner(k))
+                    prefix = factor_path(k)
+                    for p in manifest:
+                        if p == prefix or (p.startswith(prefix + "_") and
+                                           "/" not in p[len(prefix) + 1:]):
+                            route(p, owner)
+                sections.append("kfac")
+    elif kattrs is not None:
+        notes.append("K-FAC state in the checkpoint not loaded (no preconditioner given)")
+
+    # ---- RNG
+    rattrs = info.group(RNG) or {}
+    saved_ws = int(rattrs.get("world_size", info.world_size))
+    rng_source: dict[int, int] = {}
+    if not restore_rng:
+        rng_note = "not restored (restore_rng=False)"
+    elif not rattrs:
+        rng_note = "not restored (no RNG state in the checkpoint)"
+    elif saved_ws == comm.size:
+        rng_source = {r: r for r in range(comm.size)}
+        rng_note = "restored: each rank its own state"
+    elif bool(rattrs.get("identical")):
+        rng_source = {EVERY_RANK: 0}
+        rng_note = (f"restored: the state every rank shared at save time "
+                    f"({saved_ws} ranks -> {comm.size})")
+    else:
+        rng_note = (f"not restored: world size changed ({saved_ws} -> {comm.size}) and the "
+                    "ranks' states differed")
+    for dest, src in rng_source.items():
+        prefix = f"/{RNG}/rank_{src}/"
+        for p in manifest:
+            if p.startswith(prefix):
+                route(p, dest)
+    if rng_source:
+        sections.append("rng")
+
+    # ---- extra
+    tattrs = info.group(TRAIN)
+    if tattrs is not None:
+        for rel in tree.leaf_paths(json.loads(tattrs["structure"])):
+            route(f"/{TRAIN}/{rel}", EVERY_RANK)
+
+    if strict and mismatches:
+        raise CheckpointError(f"{path} does not match the model/optimizer/preconditioner "
+                              "(nothing was loaded; strict=False loads what matches)",
+                              mismatches, path)
+    torch_dtypes = {p: m["torch_dtype"] for p, m in manifest.items() if "torch_dtype" in m}
+    groups = {g: a for g, a in info.groups.items()
+              if g in (f"/{KFAC}", f"/{OPTIMIZER}", f"/{TRAIN}", f"/{RNG}") or
+              any(g == f"/{RNG}/rank_{s}" for s in rng_source.values())}
+    return _Plan(path, routes, torch_dtypes, info.root, groups, mismatches, sections,
+                 model_names, skip_state, rng_source, rng_note, notes)
+
+
+# ----------------------------------------------------------------- phase 2
+def _stage_root(comm: Communicator, plan: _Plan, f: h5py.File | None,
+                owners_read: bool = False) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Rank 0 reads each dataset and broadcasts it or sends it to its destination.
+
+    ``owners_read``: datasets for one rank (factors, RNG) are read by that rank itself
+    from its own read-only handle; rank 0 still reads and broadcasts replicated ones.
+    """
+    staged: dict[str, np.ndarray] = {}
+    problems: list[str] = []
+    checks = _Checks()
+    if owners_read:
+        mine = [r for r in plan.routes if r.dest == comm.rank and comm.rank != 0]
+        if mine:
+            own, own_problems = _read_own(plan, mine)
+            staged.update(own)
+            problems += own_problems
+    for r in plan.routes:
+        if owners_read and r.dest not in (EVERY_RANK, 0):
+            continue
+        arr = np.zeros(r.shape if not r.nbytes else (0,), dtype=np.dtype(r.dtype))
+        if comm.rank == 0:
+            read, problem = _read(f, r)
+            if problem or read is None:
+                problems.append(problem or f"dataset {r.path}: unreadable")
+                arr = np.zeros(r.shape, dtype=np.dtype(r.dtype))  # sent in its place
+            else:
+                arr = read
+                if r.dest in (EVERY_RANK, 0):
+                    checks.add(r, arr, "")
+        if r.nbytes and r.dest == EVERY_RANK and comm.size > 1:
+            buf = _as_bytes(arr) if comm.rank == 0 else torch.empty(r.nbytes, dtype=torch.uint8)
+            comm.broadcast(buf, root=0)
+            arr = _from_bytes(buf, r)
+        elif r.nbytes and r.dest not in (EVERY_RANK, 0):
+            if comm.rank == 0:
+                comm.send(_as_bytes(arr), r.dest, TAG)
+            elif comm.rank == r.dest:
+                buf = torch.empty(r.nbytes, dtype=torch.uint8)
+                comm.recv(buf, 0, TAG)
+                arr = _from_bytes(buf, r)
+                checks.add(r, arr, " after transfer")
+        if r.dest in (EVERY_RANK, comm.rank):
+            staged[r.path] = arr
+    return staged, problems + checks.problems()
+
+
+class _Checks:
+    """CRC-32 checks run in a thread (zlib releases the GIL) while the next dataset is
+    read or received."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-check")
+        self._pending: list[tuple[_Route, str, Future[str]]] = []
+
+    def add(self, r: _Route, arr: np.ndarray, where: str) -> None:
+        self._pending.append((r, where, self._pool.submit(digest, arr)))
+
+    def problems(self) -> list[str]:
+        out = [f"dataset {r.path}: checksum mismatch{where} (stored {r.digest}, data {got})"
+               for r, where, fut in self._pending if (got := fut.result()) != r.digest]
+        self._pool.shutdown()
+        return out
+
+
+def _stage_all(comm: Communicator, plan: _Plan) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Every rank opens the file read-only and reads what it needs."""
+    return _read_own(plan, [r for r in plan.routes if r.dest in (EVERY_RANK, comm.rank)])
+
+
+def _read_own(plan: _Plan, routes: list[_Route]) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Open the file read-only and read (and check) ``routes``."""
+    staged: dict[str, np.ndarray] = {}
+    problems: list[str] = []
+    try:
+        f = h5py.File(plan.path, "r", locking=False)
+    except OSError as exc:
+        return staged, [f"cannot open {plan.path}: {exc}"]
+    checks = _Checks()
+    with f:
+        for r in routes:
+            arr, problem = _read(f, r)
+            if problem or arr is None:
+                problems.append(problem or f"dataset {r.path}: unreadable")
+            else:
+                checks.add(r, arr, "")
+                staged[r.path] = arr
+    return staged, problems + checks.problems()
+
+
+def _read(f: h5py.File | None, r: _Route) -> tuple[np.ndarray | None, str | None]:
+    try:
+        assert f is not None
+        arr = c_order(read_chunks(f[r.path]))
+    except (OSError, KeyError, ValueError) as exc:
+        return None, f"dataset {r.path}: cannot read ({exc}); fletcher32 checksum failure or damage"
+    if arr.shape != r.shape or arr.dtype.str != r.dtype:
+        return None, f"dataset {r.path}: {arr.dtype.str}{list(arr.shape)} read, " \
+                     f"{r.dtype}{list(r.shape)} expected"
+    return arr, None
+
+
+def _as_bytes(arr: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(c_order(arr).reshape(-1).view(np.uint8))
+
+
+def _from_bytes(buf: torch.Tensor, r: _Route) -> np.ndarray:
+    return buf.numpy().view(np.dtype(r.dtype)).reshape(r.shape)
+
+
+# ----------------------------------------------------------------- phase 3
+def _apply(comm: Communicator, plan: _Plan, staged: dict[str, np.ndarray], model: nn.Module,
+           optimizer: Any, preconditioner: Any, strict: bool) -> list[str]:
+    """Load the staged state into the live objects, each section agreed on in turn."""
+    def fetcher(prefix: str) -> Callable[[str], Any]:
+        return _fetch(plan, staged, prefix)
+
+    done: list[str] = []
+
+    def step(section: str, action: Callable[[], None]) -> None:
+        if section not in plan.sections:
+            return
+        error = None
+        try:
+            action()
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        try:
+            agree(comm, error, f"loading the {section} state")
+        except CheckpointError as exc:
+            state = (f"already loaded: {', '.join(done)}" if done else "nothing was loaded")
+            raise CheckpointError(f"{plan.path}: {exc.args[0].splitlines()[0]} ({state})",
+                                  exc.problems, plan.path) from None
+        done.append(section)
+
+    def load_optimizer() -> None:
+        attrs = plan.groups[f"/{OPTIMIZER}"]
+        saved = tree.decode(json.loads(attrs["structure"]), fetcher(f"/{OPTIMIZER}"))
+        if attrs["layout"] == TORCH_LAYOUT:
+            sd, _ = torch_state_from_names(optimizer, model, saved,
+                                           set(plan.skip_optimizer_state), strict=False)
+            optimizer.load_state_dict(sd)
+        else:
+            optimizer.load_state_dict(saved)
+
+    def load_kfac() -> None:
+        attrs = plan.groups[f"/{KFAC}"]
+        table = json.loads(attrs["factors"])
+        factors: dict[str, torch.Tensor] = {}
+        eigen: dict[str, dict[str, torch.Tensor]] = {}
+        for key in table:
+            prefix = factor_path(key)
+            for p in staged:
+                if p == prefix:
+                    factors[key] = fetcher("")(p[1:])
+                elif p.startswith(prefix + "_") and "/" not in p[len(prefix) + 1:]:
+                    eigen.setdefault(key, {})[p[len(prefix) + 1:]] = fetcher("")(p[1:])
+        state: dict[str, Any] = {
+            "step": int(attrs["step"]), "factors": factors,
+            "factor_updates": {k: int(v["updates"]) for k, v in table.items()},
+            "config": json.loads(attrs["config"])}
+        if eigen:
+            state["eigenbases"] = eigen
+        preconditioner.load_state_dict(state)
+
+    def load_model() -> None:
+        fetch = fetcher(f"/{MODEL}")
+        sd = {name: fetch(escape(name)) for name in plan.model_names}
+        unwrap(model).load_state_dict(sd, strict=strict and not plan.mismatches)
+
+    def load_rng() -> None:
+        src = plan.rng_source.get(comm.rank, plan.rng_source.get(EVERY_RANK))
+        if src is None:
+            return
+        prefix = f"/{RNG}/rank_{src}/"
+        arrays = {p[len(prefix):]: a for p, a in staged.items() if p.startswith(prefix)}
+        rng.restore(arrays, plan.groups[f"/{RNG}/rank_{src}"])
+
+    step("optimizer", load_optimizer)
+    step("kfac", load_kfac)
+    step("model", load_model)
+    step("rng", load_rng)
+    return done
+
+
+def _locate(directory_or_path: str | os.PathLike[str]) -> Path:
+    path = Path(directory_or_path)
+    if path.is_dir():
+        found = atomic.latest(path)
+        if found is None:
+            raise CheckpointError(f"no checkpoint in {path}", path=str(path))
+        return found
+    return path
+
+
+def load(directory_or_path: str | os.PathLike[str], *, model: nn.Module, optimizer: Any,
+         preconditioner: Any = None, comm: Communicator | None = None, strict: bool = True,
+         read_mode: Literal["root", "owners", "all"] = "root",
+         restore_rng: bool = True) -> LoadInfo:
+    """Load a checkpoint (collective) into live objects; a directory means its latest.
+
+    Raises :class:`CheckpointError` on every rank, with the same message, when the file
+    is missing, damaged, of a newer format, or (``strict=True``) does not match the
+    model, optimizer or preconditioner; nothing is loaded then. ``strict=False`` loads
+    what matches (a mismatched preconditioner is left as it is) and lists the rest in
+    ``LoadInfo.mismatches``. ``read_mode``: ``"root"`` (rank 0 reads everything and
+    broadcasts / sends it), ``"owners"`` (rank 0 reads and broadcasts replicated state;
+    each rank reads its own factors and RNG state) or ``"all"`` (every rank reads all
+    it needs, replicated state included). Returns a :class:`LoadInfo`.
+    """
+    if read_mode not in ("root", "owners", "all"):
+        raise ValueError(f"read_mode must be 'root', 'owners' or 'all', got {read_mode!r}")
+    comm = _resolve_comm(comm, preconditioner)
+    plan: _Plan | None = None
+    f: h5py.File | None = None
+    error: CheckpointError | None = None
+    if comm.rank == 0:
+        try:
+            path = _locate(directory_or_path)
+            f = open_checkpoint(path)
+            info, problems = read_header(f, str(path))
+            if problems:
+                raise CheckpointError(f"{path} is damaged (nothing was loaded)", problems,
+                                      str(path))
+            plan = _check(str(path), f, info, comm, model, optimizer, preconditioner, strict,
+                          restore_rng)
+        except CheckpointError as exc:
+            error = exc
+        except Exception as exc:
+            error = CheckpointError(f"cannot load {directory_or_path}: "
+                                    f"{type(exc).__name__}: {exc}")
+        if error is not None and f is not None:
+            f.close()
+            f = None
+    outcome = comm.broadcast_object(
+        (plan, None) if error is None else (None, (str(error), error.problems, error.path)))
+    if outcome[1] is not None:
+        message, problems, where = outcome[1]
+        raise CheckpointError(message.split("\n")[0], problems, where)
+    plan = outcome[0]
+    assert plan is not None
+
+    try:
+        if read_mode in ("root", "owners"):
+            staged, problems = _stage_root(comm, plan, f, owners_read=read_mode == "owners")
+        else:
+            if f is not None:
+                f.close()
+                f = None
+            staged, problems = _stage_all(comm, plan)
+    finally:
+        if f is not None:
+            f.close()
+    everyone = comm.allgather_object(problems)
+    found = sorted({p for rank_problems in everyone for p in rank_problems})
+    if found:
+        raise CheckpointError(f"{plan.path} is damaged (nothing was loaded)", found, plan.path)
+
+    done = _apply(comm, plan, staged, model, optimizer, preconditioner, strict)
+    extra = None
+    tattrs = plan.groups.get(f"/{TRAIN}")
+    if tattrs is not None:
+        extra = tree.decode(json.loads(tattrs["structure"]), _fetch(plan, staged, f"/{TRAIN}"))
+    root = plan.root
+    return LoadInfo(
+        path=Path(plan.path), step=int(root["step"]), world_size=int(root["world_size"]),
+        strategy=str(root.get("strategy", "none")), extra=extra, loaded=done,
+        mismatches=list(plan.mismatches) + plan.notes, rng=plan.rng_note,
+        created_utc=str(root.get("created_utc", "")),
+        versions=json.loads(root.get("versions", "{}")),
+        config=json.loads(root.get("config", "{}")))
+
+
+def _fetch(plan: _Plan, staged: dict[str, np.ndarray], prefix: str) -> Callable[[str], Any]:
+    """``rel -> tensor`` (an array for datasets stored from NumPy) under ``prefix``."""
+    def fetch(rel: str) -> Any:
+        p = f"{prefix}/{rel}"
+        name = plan.torch_dtypes.get(p)
+        arr = staged[p]
+        return storage_to_tensor(arr, name) if name else arr.copy()
+    return fetch

@@ -1,0 +1,114 @@
+"""Model and optimizer state keyed by names (never by positions or ranks).
+
+* The model is unwrapped from DDP / DataParallel, so a checkpoint written with a
+  wrapper loads without one and vice versa; its ``state_dict()`` keys are the names.
+* A *torch-layout* optimizer (one that keeps ``torch.optim.Optimizer.state_dict``)
+  is stored with its parameter indices replaced by the model's parameter names, so
+  it survives a change of parameter order or of parameter groups' positions.
+* Any other optimizer (e.g. ``kfac_hpc.shampoo.DistributedShampoo``) is *generic*:
+  its ``state_dict()`` is stored as it is and handed back to its ``load_state_dict()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+TORCH_LAYOUT = "torch"
+GENERIC_LAYOUT = "generic"
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside a DDP / DataParallel wrapper (the model itself otherwise)."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    while isinstance(model, DistributedDataParallel | DataParallel):
+        model = model.module
+    return model
+
+
+def optimizer_layout(optimizer: Any) -> str:
+    """``"torch"`` for optimizers that keep torch's state_dict layout, else ``"generic"``."""
+    if isinstance(optimizer, torch.optim.Optimizer) and (
+            type(optimizer).state_dict is torch.optim.Optimizer.state_dict
+            and type(optimizer).load_state_dict is torch.optim.Optimizer.load_state_dict):
+        return TORCH_LAYOUT
+    return GENERIC_LAYOUT
+
+
+def _names_by_id(model: nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in unwrap(model).named_parameters()}
+
+
+def group_param_names(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[list[str | None]]:
+    """Model names of every group's parameters (None for one the model lacks)."""
+    names = _names_by_id(model)
+    return [[names.get(id(p)) for p in group["params"]] for group in optimizer.param_groups]
+
+
+def torch_state_by_name(optimizer: torch.optim.Optimizer, model: nn.Module,
+                        sd: Mapping[str, Any]) -> dict[str, Any]:
+    """A torch optimizer ``state_dict`` with parameter indices replaced by names.
+
+    Raises ValueError when the optimizer holds a parameter that is not the model's.
+    """
+    index_to_name: dict[int, str] = {}
+    for g, (saved, names) in enumerate(zip(sd["param_groups"],
+                                           group_param_names(optimizer, model))):
+        for index, name in zip(saved["params"], names):
+            if name is None:
+                raise ValueError(f"optimizer parameter group {g} holds a parameter (index "
+                                 f"{index}) that is not a parameter of the model")
+            index_to_name[int(index)] = name
+    state = {index_to_name[int(i)]: s for i, s in sd["state"].items()}
+    groups = [{**saved, "params": [index_to_name[int(i)] for i in saved["params"]]}
+              for saved in sd["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def torch_state_from_names(optimizer: torch.optim.Optimizer, model: nn.Module,
+                           saved: Mapping[str, Any], skip: set[str],
+                           strict: bool) -> tuple[dict[str, Any], list[str]]:
+    """Inverse of :func:`torch_state_by_name` against the live optimizer.
+
+    Returns the ``state_dict`` to load and the problems found. Parameter groups are
+    matched by position and must hold the same names (in any order); with
+    ``strict=False`` a group that differs keeps its live hyper-parameters and every
+    parameter present in both keeps its saved state (except names in ``skip``).
+    """
+    live = optimizer.state_dict()
+    live_names = group_param_names(optimizer, model)
+    problems: list[str] = []
+    saved_groups = list(saved["param_groups"])
+    if len(saved_groups) != len(live["param_groups"]):
+        problems.append(f"optimizer: {len(saved_groups)} parameter group(s) in the file, "
+                        f"{len(live['param_groups'])} in the optimizer")
+    groups = []
+    name_to_index: dict[str, int] = {}
+    for g, (group, names) in enumerate(zip(live["param_groups"], live_names)):
+        for index, name in zip(group["params"], names):
+            if name is not None:
+                name_to_index[name] = int(index)
+        # State is keyed by name, so only the set of names matters, not their order.
+        match = g < len(saved_groups) and set(saved_groups[g]["params"]) == set(names) \
+            and None not in names
+        if g < len(saved_groups) and not match:
+            have, want = set(saved_groups[g]["params"]), {n for n in names if n is not None}
+            problems.append(f"optimizer: parameter group {g} differs (missing "
+                            f"{sorted(want - have)}, unexpected {sorted(have - want)})")
+        base = saved_groups[g] if match else group
+        groups.append({**base, "params": list(group["params"])})
+    state: dict[int, Any] = {}
+    for name, value in saved["state"].items():
+        if name in skip:
+            continue
+        if name not in name_to_index:
+            problems.append(f"optimizer: state for {name!r}, which the optimizer does not hold")
+            continue
+        state[name_to_index[name]] = value
+    if strict and problems:
+        return {}, problems
+    return {"state": state, "param_groups": groups}, problems

@@ -1,0 +1,138 @@
+"""Nested state (dicts, lists, tuples of tensors and scalars) <-> datasets + a JSON structure.
+
+:func:`encode` turns e.g. an optimizer ``state_dict()`` into a JSON-able *structure*
+and the list of its tensors with the relative dataset paths they are stored under;
+:func:`decode` rebuilds the exact object from the structure and the loaded tensors.
+Dict keys may be ``str``, ``int``, ``float``, ``bool``, ``None`` or tuples of those;
+leaves may be tensors, NumPy arrays and scalars, ``None``, strings, NumPy scalars and
+``torch.dtype``. Floats round-trip exactly (JSON keeps ``repr`` precision, NaN/inf
+included).
+
+Structure nodes are one-key dicts: ``{"tensor": path}``, ``{"ndarray": path}``,
+``{"value": x}``, ``{"npscalar": [dtype, x]}``, ``{"dtype": name}``,
+``{"dict": [[key, node], ...]}``, ``{"list": [...]}``, ``{"tuple": [...]}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from kfac_hpc.checkpoint.layout import escape, torch_dtype
+
+Leaf = torch.Tensor | np.ndarray
+
+
+class UnsupportedValue(TypeError):
+    """A value :func:`encode` cannot store (the message names where it is)."""
+
+
+def _encode_key(key: Any) -> tuple[Any, str]:
+    """(JSON form, link-name form) of a dict key."""
+    if isinstance(key, str):
+        return key, escape(key)
+    if isinstance(key, bool):
+        return {"bool": key}, str(key)
+    if isinstance(key, int):
+        return {"int": int(key)}, str(int(key))
+    if isinstance(key, float):
+        return {"float": key}, escape(repr(key))
+    if key is None:
+        return {"none": None}, "None"
+    if isinstance(key, tuple):
+        parts = [_encode_key(k) for k in key]
+        return {"tuple": [p[0] for p in parts]}, ",".join(p[1] for p in parts) or "()"
+    raise UnsupportedValue(f"dict key {key!r} of type {type(key).__name__}")
+
+
+def _decode_key(key: Any) -> Any:
+    if isinstance(key, str):
+        return key
+    (kind, value), = key.items()
+    if kind == "tuple":
+        return tuple(_decode_key(k) for k in value)
+    if kind in ("bool", "int", "float", "none"):
+        return value
+    raise ValueError(f"unknown key form {key!r}")
+
+
+def encode(obj: Any, where: str = "") -> tuple[Any, list[tuple[str, Leaf]]]:
+    """The JSON structure of ``obj`` and its ``(relative path, tensor or array)`` leaves."""
+    leaves: list[tuple[str, Leaf]] = []
+
+    def name(path: list[str]) -> str:
+        return "/".join(path) or "value"
+
+    def enc(o: Any, path: list[str]) -> Any:
+        if isinstance(o, torch.Tensor):
+            if o.is_sparse or o.layout != torch.strided:
+                raise UnsupportedValue(f"{where}/{name(path)}: sparse tensors are not supported")
+            leaves.append((name(path), o))
+            return {"tensor": name(path)}
+        if isinstance(o, np.ndarray):
+            if o.dtype.hasobject:
+                raise UnsupportedValue(f"{where}/{name(path)}: object arrays are not supported")
+            leaves.append((name(path), o))
+            return {"ndarray": name(path)}
+        if o is None or isinstance(o, bool | int | float | str):
+            return {"value": o}
+        if isinstance(o, np.generic):
+            return {"npscalar": [o.dtype.str, o.item()]}
+        if isinstance(o, torch.dtype):
+            return {"dtype": str(o).removeprefix("torch.")}
+        if isinstance(o, dict):
+            items, used = [], set()
+            for k, v in o.items():
+                key_json, link = _encode_key(k)
+                unique, n = link, 1
+                while unique in used:
+                    n += 1
+                    unique = f"{link}~{n}"
+                used.add(unique)
+                items.append([key_json, enc(v, [*path, unique])])
+            return {"dict": items}
+        if isinstance(o, list | tuple):
+            kind = "list" if isinstance(o, list) else "tuple"
+            return {kind: [enc(v, [*path, str(i)]) for i, v in enumerate(o)]}
+        raise UnsupportedValue(f"{where}/{name(path)}: cannot store a {type(o).__name__} "
+                               "(use tensors, arrays, numbers, strings, None, dicts, lists)")
+
+    return enc(obj, []), leaves
+
+
+def decode(structure: Any, fetch: Callable[[str], Any]) -> Any:
+    """Rebuild the object; ``fetch(path)`` returns the tensor (or array) under ``path``."""
+    (kind, value), = structure.items()
+    if kind == "tensor":
+        return fetch(value)
+    if kind == "ndarray":
+        leaf = fetch(value)
+        return leaf.numpy() if isinstance(leaf, torch.Tensor) else leaf
+    if kind == "value":
+        return value
+    if kind == "npscalar":
+        return np.dtype(value[0]).type(value[1])
+    if kind == "dtype":
+        return torch_dtype(value)
+    if kind == "dict":
+        return {_decode_key(k): decode(v, fetch) for k, v in value}
+    if kind == "list":
+        return [decode(v, fetch) for v in value]
+    if kind == "tuple":
+        return tuple(decode(v, fetch) for v in value)
+    raise ValueError(f"unknown structure node {kind!r}")
+
+
+def leaf_paths(structure: Any) -> list[str]:
+    """Relative dataset paths referenced by a structure, in order."""
+    (kind, value), = structure.items()
+    if kind in ("tensor", "ndarray"):
+        return [value]
+    if kind == "dict":
+        return [p for _, v in value for p in leaf_paths(v)]
+    if kind in ("list", "tuple"):
+        return [p for v in value for p in leaf_paths(v)]
+    return []

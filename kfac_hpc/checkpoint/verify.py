@@ -1,0 +1,234 @@
+"""Verification of a checkpoint file on its own (no model needed, no MPI).
+
+Checks, in order: the file exists and is HDF5 (signature, not truncated); the root says
+``format="kfac_hpc"`` with a ``format_version`` this code reads; every dataset the
+manifest lists exists with its shape, dtype and digest attribute, and nothing else is
+there; the attributes match ``attrs_digest``; and (``data=True``) every dataset reads
+through HDF5's filters (which check fletcher32 on chunked datasets) and matches its
+CRC-32. ``load`` checks the CRC-32 only (it covers the same bytes) and reads chunks
+directly, which is faster (:func:`read_chunks`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from kfac_hpc.checkpoint.errors import CheckpointError
+from kfac_hpc.checkpoint.layout import (
+    FORMAT,
+    FORMAT_VERSION,
+    HDF5_SIGNATURE,
+    KFAC,
+    MODEL,
+    OPTIMIZER,
+    RNG,
+    TRAIN,
+    canonical_attrs,
+    digest,
+    text_digest,
+    walk,
+)
+
+__all__ = ["FileInfo", "VerifyReport", "open_checkpoint", "read_dataset", "read_header",
+           "verify_file"]
+
+
+@dataclass
+class FileInfo:
+    """Everything about a checkpoint except its data (read by :func:`read_header`)."""
+
+    path: str
+    root: dict[str, Any]
+    manifest: dict[str, dict[str, Any]]
+    groups: dict[str, dict[str, Any]]  # attributes of the section groups and /rng/rank_<r>
+
+    @property
+    def step(self) -> int:
+        return int(self.root.get("step", -1))
+
+    @property
+    def world_size(self) -> int:
+        return int(self.root.get("world_size", 0))
+
+    def group(self, name: str) -> dict[str, Any] | None:
+        return self.groups.get(f"/{name}")
+
+    def json_attr(self, group: str, name: str, default: Any = None) -> Any:
+        attrs = self.groups.get(f"/{group}") or {}
+        return json.loads(attrs[name]) if name in attrs else default
+
+
+@dataclass
+class VerifyReport:
+    """Outcome of :func:`verify_file`: ``ok`` and the problems found."""
+
+    path: str
+    ok: bool
+    problems: list[str] = field(default_factory=list)
+    info: FileInfo | None = None
+    datasets: int = 0
+    nbytes: int = 0
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return value
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> h5py.File:
+    """Open read-only, turning every way of not being an HDF5 file into a clear error."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint", path=str(path))
+    if path.is_dir():
+        raise CheckpointError(f"{path} is a directory, not a checkpoint file", path=str(path))
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(len(HDF5_SIGNATURE))
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read: {exc}", path=str(path)) from exc
+    if head != HDF5_SIGNATURE:
+        what = "an empty file" if not head else "not an HDF5 file (no HDF5 signature)"
+        raise CheckpointError(f"{path}: {what}; not a kfac_hpc checkpoint", path=str(path))
+    try:
+        return h5py.File(path, "r", locking=False)
+    except OSError as exc:
+        text = str(exc)
+        m = re.search(r"eof = (\d+).*stored_eof = (\d+)", text)
+        if m:
+            raise CheckpointError(
+                f"{path}: truncated checkpoint ({m.group(1)} of {m.group(2)} bytes); "
+                "the write was interrupted or the copy is incomplete", path=str(path)) from exc
+        raise CheckpointError(f"{path}: damaged HDF5 file ({text})", path=str(path)) from exc
+
+
+def read_header(f: h5py.File, path: str) -> tuple[FileInfo, list[str]]:
+    """Root attributes, manifest and section attributes, and the structural problems.
+
+    Raises CheckpointError at once for a file that is not a kfac_hpc checkpoint or has
+    a format version this code cannot read.
+    """
+    root = {k: _plain(v) for k, v in f.attrs.items()}
+    if root.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a kfac_hpc checkpoint (root attribute format="
+                              f"{root.get('format')!r}, expected {FORMAT!r})", path=path)
+    try:
+        version = int(root.get("format_version", -1))
+    except (TypeError, ValueError):
+        version = -1
+    if version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: written in checkpoint format version {version} by a newer kfac_hpc; "
+            f"this version reads up to format version {FORMAT_VERSION}: upgrade kfac_hpc",
+            path=path)
+    if version < 1:
+        raise CheckpointError(f"{path}: invalid format_version {root.get('format_version')!r}",
+                              path=path)
+    problems: list[str] = []
+    try:
+        manifest = json.loads(root["manifest"])
+    except (KeyError, TypeError, ValueError) as exc:
+        problems.append(f"the manifest (root attribute) is missing or unreadable: {exc}")
+        manifest = {}
+    present: dict[str, h5py.Dataset] = {}
+    groups: dict[str, dict[str, Any]] = {}
+    for p, obj in walk(f):
+        if isinstance(obj, h5py.Dataset):
+            present[p] = obj
+        elif p in {f"/{s}" for s in (MODEL, OPTIMIZER, KFAC, RNG, TRAIN)} or \
+                p.startswith(f"/{RNG}/rank_"):
+            groups[p] = {k: _plain(v) for k, v in obj.attrs.items()}
+    for p, want in manifest.items():
+        d = present.get(p)
+        if d is None:
+            problems.append(f"missing dataset {p} (listed in the manifest)")
+            continue
+        if list(d.shape) != list(want["shape"]) or d.dtype.str != want["dtype"]:
+            problems.append(f"dataset {p} is {d.dtype.str}{list(d.shape)}, the manifest says "
+                            f"{want['dtype']}{list(want['shape'])}")
+        if _plain(d.attrs.get("digest")) != want["digest"]:
+            problems.append(f"dataset {p}: digest attribute differs from the manifest")
+    for p in sorted(set(present) - set(manifest)):
+        problems.append(f"unexpected dataset {p} (not in the manifest)")
+    stored = root.get("attrs_digest")
+    if stored is None:
+        problems.append("root attribute attrs_digest is missing")
+    elif text_digest(canonical_attrs(walk(f))) != stored:
+        problems.append("attributes do not match attrs_digest (metadata corrupted or edited)")
+    return FileInfo(path, root, manifest, groups), problems
+
+
+def read_chunks(d: h5py.Dataset) -> np.ndarray:
+    """A dataset's data; chunked fletcher32-only datasets are read chunk by chunk without
+    the filter (HDF5's fletcher32 re-check is skipped: the caller checks the CRC-32,
+    which covers the same bytes), about 2.5x faster than a filtered read."""
+    plist = d.id.get_create_plist()
+    if not (d.chunks and plist.get_nfilters() == 1
+            and plist.get_filter(0)[0] == h5py.h5z.FILTER_FLETCHER32):
+        return np.asarray(d[()])
+    out = np.empty(d.shape, dtype=d.dtype)
+    chunk = tuple(d.chunks)
+    nbytes = int(np.prod(chunk)) * d.dtype.itemsize
+    for i in range(d.id.get_num_chunks()):
+        offset = d.id.get_chunk_info(i).chunk_offset
+        mask, raw = d.id.read_direct_chunk(offset)
+        if mask != 0 or len(raw) != nbytes + 4:  # 4: the fletcher32 trailer
+            raise OSError(f"chunk at {offset}: {len(raw)} bytes (filter mask {mask}), "
+                          f"expected {nbytes + 4}")
+        block = np.frombuffer(raw, dtype=d.dtype, count=nbytes // d.dtype.itemsize)
+        block = block.reshape(chunk)
+        region = tuple(slice(o, min(o + c, s)) for o, c, s in zip(offset, chunk, d.shape))
+        out[region] = block[tuple(slice(0, r.stop - r.start) for r in region)]
+    return out
+
+
+def read_dataset(f: h5py.File, path: str, want_digest: str) -> tuple[np.ndarray | None, str | None]:
+    """Read a dataset and check it: (array, None) or (None, problem)."""
+    try:
+        arr = np.asarray(f[path][()])
+    except (OSError, KeyError, ValueError) as exc:
+        return None, f"dataset {path}: cannot read ({exc}); fletcher32 checksum failure or damage"
+    got = digest(arr)
+    if got != want_digest:
+        return None, f"dataset {path}: checksum mismatch (stored {want_digest}, data {got})"
+    return arr, None
+
+
+def verify_file(path: str | os.PathLike[str], *, data: bool = True) -> VerifyReport:
+    """Check a checkpoint file; never raises for a bad file (see ``report.problems``)."""
+    spath = str(path)
+    try:
+        f = open_checkpoint(path)
+    except CheckpointError as exc:
+        return VerifyReport(spath, False, [str(exc)])
+    with f:
+        try:
+            info, problems = read_header(f, spath)
+        except CheckpointError as exc:
+            return VerifyReport(spath, False, [str(exc)])
+        report = VerifyReport(spath, False, problems, info)
+        for p, want in info.manifest.items():
+            if p not in f:
+                continue
+            report.datasets += 1
+            if data:
+                arr, problem = read_dataset(f, p, want["digest"])
+                if problem:
+                    problems.append(problem)
+                elif arr is not None:
+                    report.nbytes += arr.nbytes
+    report.ok = not report.problems
+    return report

@@ -1,0 +1,91 @@
+"""``KFACPreconditioner(strategy="auto")``: pick the strategy and fraction with the planner.
+
+Only the strategies whose preconditioned gradient equals the single-rank one are
+candidates (COMM-OPT, HYBRID-OPT at every fraction the world size allows, MEM-OPT);
+DP-KFAC changes the curvature (each layer's factors come from one rank's batch), so
+it is never chosen silently. The user's other options (packing, overlap, factor_sync,
+update steps, dtypes, thresholds) are kept as given. The choice is a pure function of
+the layer shapes, the world size, the options and the profile, so every rank makes
+the same one without communicating.
+
+The batch size and input resolution are not known when the preconditioner is built:
+the estimate uses one row per sample and batch 32, which changes only terms that are
+the same for every candidate (forward, backward, factor statistics).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from kfac_hpc.plan.choose import choose, hybrid_fractions
+from kfac_hpc.plan.cost import Estimate, KFACOptions, estimate
+from kfac_hpc.plan.model_shapes import model_spec
+from kfac_hpc.plan.profile import Profile, load_profile
+
+__all__ = ["resolve_auto"]
+
+ASSUMED_BATCH = 32
+
+
+def _steps(value: int | Callable[[int], Any]) -> int:
+    return max(1, int(value(0) if callable(value) else value))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def resolve_auto(
+    model: nn.Module,
+    world_size: int,
+    *,
+    profile: Profile | str | os.PathLike[str] | None = None,
+    skip_layers: Sequence[str] = (),
+    compute_method: str = "eigen",
+    symmetric_packing: bool = False,
+    overlap: bool = False,
+    bucket_cap_mb: float = 25.0,
+    factor_sync: str = "step",
+    local_decomposition_threshold: int = 16,
+    factor_update_steps: int | Callable[[int], Any] = 1,
+    inv_update_steps: int | Callable[[int], Any] = 1,
+    factor_dtype: torch.dtype | None = None,
+    inv_dtype: torch.dtype = torch.float32,
+    memory_budget: int | None = None,
+) -> tuple[str, float | None, Estimate | None, list[Estimate]]:
+    """``(strategy, grad_worker_fraction, chosen estimate, all estimates)`` for ``model``.
+
+    World size 1: ``("comm-opt", None, None, [])`` (every strategy is the same there).
+    ``profile``: a :class:`Profile`, a JSON path or bundled name; default
+    :func:`~kfac_hpc.plan.profile.load_profile` ``(None)``. ``memory_budget`` (bytes
+    per rank) defaults to the profile's memory per rank.
+    """
+    if world_size == 1:
+        return "comm-opt", None, None, []
+    prof = load_profile(profile)
+    if isinstance(skip_layers, str):
+        skip_layers = (skip_layers,)
+    spec = model_spec(model, skip_layers=tuple(skip_layers))
+    if factor_dtype is None:
+        weights = {p.dtype for p in model.parameters()}
+        factor_dtype = torch.float64 if torch.float64 in weights else torch.float32
+    base = KFACOptions(
+        compute_method=compute_method, symmetric_packing=symmetric_packing, overlap=overlap,
+        bucket_cap_mb=bucket_cap_mb, factor_sync=factor_sync,
+        local_decomposition_threshold=local_decomposition_threshold,
+        factor_update_steps=_steps(factor_update_steps),
+        inv_update_steps=_steps(inv_update_steps),
+        factor_dtype=_dtype_name(factor_dtype), inv_dtype=_dtype_name(inv_dtype))
+    configs = [KFACOptions(**{**base.to_json(), "strategy": "comm-opt"})]
+    configs += [KFACOptions(**{**base.to_json(), "strategy": "hybrid-opt",
+                               "grad_worker_fraction": f}) for f in hybrid_fractions(world_size)]
+    configs.append(KFACOptions(**{**base.to_json(), "strategy": "mem-opt"}))
+    estimates = [estimate(spec, c, world_size, ASSUMED_BATCH, prof) for c in configs]
+    budget = memory_budget if memory_budget is not None else prof.memory_per_rank_bytes
+    best = choose(estimates, budget).best
+    return best.options.strategy, best.options.grad_worker_fraction, best, estimates

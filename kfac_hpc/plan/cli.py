@@ -1,0 +1,184 @@
+"""``kfac-hpc plan``: predicted iteration time, bytes and memory per rank, per strategy.
+
+    kfac-hpc plan --model resnet50 --ranks 64 128 --profile a100-ib200
+    kfac-hpc plan --model resnet50 --ranks 64 --batch 32 --profile spd-kfac-2080ti-ib100 \
+        --compute-method inverse --baselines --breakdown
+
+Prints, per world size, every candidate configuration (strategy x options) fastest
+first, marking with ``*`` the fastest whose peak memory per rank fits the budget
+(``--memory-budget``, default: the profile's memory per rank). Runs on one process;
+no MPI job needed. (The CLI, like ``kfac-hpc train``, sits on top of the package and
+takes its models from the training driver's zoo; the library part of the planner does
+not import ``kfac_hpc.train``.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from kfac_hpc.plan.choose import baselines, plan
+from kfac_hpc.plan.cost import PHASES, STRATEGIES, Estimate, KFACOptions, estimate, estimate_sgd
+from kfac_hpc.plan.model_shapes import model_spec
+from kfac_hpc.plan.profile import bundled_profiles, load_profile
+
+__all__ = ["add_arguments", "builtin_model", "parse_bytes", "run"]
+
+_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB": 10**6,
+          "MIB": 2**20, "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12,
+          "TIB": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"16GiB"``, ``"512M"``, ``"1e9"`` -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
+    if m is None or m.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 16GiB, 512MB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+#: builtin model -> (build_model keyword arguments, per-sample input shape)
+_BUILTIN: dict[str, tuple[dict[str, object], tuple[int, ...]]] = {
+    "resnet50": ({"num_classes": 1000, "in_channels": 3, "image_size": 224}, (3, 224, 224)),
+    "resnet20": ({"num_classes": 10, "in_channels": 3, "image_size": 32}, (3, 32, 32)),
+    "resnet32": ({"num_classes": 10, "in_channels": 3, "image_size": 32}, (3, 32, 32)),
+    "resnet56": ({"num_classes": 10, "in_channels": 3, "image_size": 32}, (3, 32, 32)),
+    "mlp": ({"num_classes": 10, "input_dim": 64, "hidden": (256, 128)}, (64,)),
+}
+
+
+def builtin_model(name: str) -> tuple[nn.Module, tuple[int, ...]]:
+    """A model of the training driver's zoo with its usual sizes, and its input shape.
+
+    ``resnet50``: ImageNet (1000 classes, 3x224x224); CIFAR ResNets: 10 classes,
+    3x32x32; ``mlp``: 64 inputs, hidden (256, 128), 10 classes (the benchmarks' MLP).
+    """
+    from kfac_hpc.train.models import build_model
+
+    if name not in _BUILTIN:
+        raise ValueError(f"no planner defaults for model {name!r}; "
+                         f"known: {', '.join(sorted(_BUILTIN))}")
+    kwargs, shape = _BUILTIN[name]
+    return build_model(name, **kwargs), shape  # type: ignore[arg-type]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="resnet50",
+                        help="model of the training driver's zoo: resnet50 (ImageNet), "
+                             "resnet20/32/56 (CIFAR), mlp (default resnet50)")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[64, 128],
+                        help="world sizes to plan for (default 64 128)")
+    parser.add_argument("--batch", type=int, default=32, help="batch per rank (default 32)")
+    parser.add_argument("--profile", default=None,
+                        help=f"profile JSON or bundled name ({', '.join(bundled_profiles())}); "
+                             "default $KFAC_HPC_PLAN_PROFILE or a100-ib200")
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    parser.add_argument("--compute-method", choices=("eigen", "inverse"), default="eigen")
+    parser.add_argument("--factor-update-steps", type=int, default=1)
+    parser.add_argument("--inv-update-steps", type=int, default=1)
+    parser.add_argument("--local-thresholds", type=int, nargs="+", default=[16],
+                        help="local_decomposition_threshold values to try (default 16)")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    parser.add_argument("--factor-dtype", default="float32")
+    parser.add_argument("--no-options", action="store_true",
+                        help="strategies only: no packing/overlap/factor_sync variants")
+    parser.add_argument("--memory-budget", type=parse_bytes, default=None,
+                        help="peak bytes per rank allowed (default: the profile's memory)")
+    parser.add_argument("--no-budget", action="store_true", help="ignore memory")
+    parser.add_argument("--baselines", action="store_true",
+                        help="add D-KFAC, MPD-KFAC, SPD-KFAC, DP-KFAC and S-SGD as modelled")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="print the time per phase of the chosen configuration")
+    parser.add_argument("--top", type=int, default=0, help="rows per world size (0: all)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the plan as JSON")
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def _row(label: str, e: Estimate, best_s: float, mark: str, fits: bool) -> list[str]:
+    b = e.bytes_per_step
+    return [mark + label, f"{e.total_s:.4f}", f"{e.total_s / best_s:.2f}",
+            _mb(b["factors"]), _mb(b["decompositions"]), _mb(b["gradients"]),
+            _mb(e.memory_state), _mb(e.memory_peak), "yes" if fits else "NO"]
+
+
+HEADERS = ["configuration", "iter s", "x best", "factor MB", "decomp MB", "grad MB",
+           "state MB", "peak MB", "fits"]
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [HEADERS, *rows]) for i in range(len(HEADERS))]
+
+    def line(r: list[str]) -> str:
+        return "  ".join([r[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(r[1:],
+                                                                               widths[1:]))])
+
+    return "\n".join([line(HEADERS), *(line(r) for r in rows)])
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        profile = load_profile(args.profile)
+        model, shape = builtin_model(args.model)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"kfac-hpc plan: {err}", file=sys.stderr)
+        return 2
+    spec = model_spec(model, input_shape=shape, name=args.model)
+    base = KFACOptions(compute_method=args.compute_method,
+                       factor_update_steps=args.factor_update_steps,
+                       inv_update_steps=args.inv_update_steps,
+                       local_decomposition_threshold=args.local_thresholds[0],
+                       bucket_cap_mb=args.bucket_cap_mb, factor_dtype=args.factor_dtype)
+    budget = None if args.no_budget else (args.memory_budget or profile.memory_per_rank_bytes)
+    print(f"# kfac-hpc plan: {args.model} ({len(spec.layers)} K-FAC layers, "
+          f"{spec.param_numel / 1e6:.1f} M parameters), batch {args.batch}/rank; profile "
+          f"{profile.name} ({profile.source})")
+    print(f"# factors every {args.factor_update_steps} step(s), inverses every "
+          f"{args.inv_update_steps}; {args.compute_method}; memory budget "
+          f"{'none' if budget is None else f'{budget / 2**30:.1f} GiB'} per rank "
+          f"(peak = K-FAC state + transient buffers + weights/grads/momentum)")
+    choices = plan(spec, args.ranks, args.batch, profile, base, strategies=args.strategies,
+                   vary_options=not args.no_options, local_thresholds=args.local_thresholds[1:],
+                   budget=budget)
+    out: dict[str, Any] = {"model": args.model, "batch": args.batch,
+                           "profile": profile.name, "worlds": []}
+    for choice in choices:
+        world = choice.world
+        best_s = choice.estimates[0].total_s
+        rows = [_row(e.options.label(), e, best_s, "* " if e is choice.best else "  ",
+                     choice.fits(e))
+                for e in (choice.estimates[:args.top] if args.top else choice.estimates)]
+        extra: dict[str, Any] = {}
+        if args.baselines:
+            for name, opts in baselines(base).items():
+                b = estimate(spec, opts, world, args.batch, profile)
+                extra[name] = b.to_json()
+                rows.append(_row(f"[{name}] {opts.label()}", b, best_s, "  ", choice.fits(b)))
+            sgd = estimate_sgd(spec, world, args.batch, profile)
+            extra["S-SGD"] = sgd
+            rows.append(["  [S-SGD] no K-FAC", f"{sum(sgd.values()):.4f}",
+                         f"{sum(sgd.values()) / best_s:.2f}", "0.0", "0.0", "0.0", "0.0",
+                         _mb(3 * spec.param_numel * 4), "-"])
+        print(f"\n== {world} ranks ==" + ("" if choice.fits_budget else
+                                           "  (nothing fits the budget: smallest marked)"))
+        print(_table(rows))
+        if args.breakdown:
+            t = choice.best.time
+            print("  chosen, s/iteration: " + ", ".join(f"{p} {t[p]:.4f}" for p in PHASES
+                                                        if t[p] > 0))
+        out["worlds"].append({"world": world, "best": choice.best.options.label(),
+                              "estimates": [e.to_json() for e in choice.estimates],
+                              "baselines": extra})
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+        print(f"\nwrote {args.json}")
+    return 0

@@ -1,0 +1,661 @@
+"""Cost model of one training iteration with distributed K-FAC: bytes, time and memory.
+
+Everything here is a pure function of the layer shapes (:class:`ModelSpec`), the
+preconditioner's settings (:class:`KFACOptions`), the world size and, for times, a
+:class:`~kfac_hpc.plan.profile.Profile`. Placement is the library's own
+(:func:`kfac_hpc.kfac.placement.place`), so the owners here are the owners there.
+
+**Bytes** follow :class:`kfac_hpc.comm.TrafficStats` exactly (the size of each message
+in the datatype that travels, on every rank, nothing at world size 1):
+
+* factors (at factor steps; with ``factor_sync="inverse"`` at inverse steps): one
+  reduce-scatter of ``Σ (w(n) + 1)`` over non-local factors (``w(n) = n²``, or
+  ``n(n+1)/2`` with ``symmetric_packing``; the ``+1`` is the ``#count`` element), split
+  into buckets with ``overlap``; plus one allreduce of the same over the local (small)
+  factors if there are any. DP-KFAC sends none.
+* decompositions (at inverse steps, when a layer has more than one gradient worker):
+  per non-empty slot of the rank's worker group one broadcast of
+  ``Σ (n² + n + 1)`` (eigen: Q, λ, ``#valid``) or ``Σ (n² + 1)`` (inverse).
+* gradients (every step, when there is more than one worker group): per non-empty
+  group one broadcast of ``Σ (g·a + 1)`` inside the receiver group.
+* construction: the replica check, a broadcast of ``16 · (parameter tensors)`` bytes
+  and a 4-byte allreduce.
+
+**Times** are seconds per iteration, averaged over the factor/inverse update schedule;
+per phase, computation is the slowest rank's and communication follows
+:mod:`kfac_hpc.plan.collectives`. See :func:`estimate` for the terms.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from kfac_hpc.comm.buffers import WIDENED_DTYPES
+from kfac_hpc.comm.fusion import buckets_by_size, triu_count
+from kfac_hpc.kfac.placement import FACTORS, LayerShape, Placement, grad_workers_for, place
+from kfac_hpc.plan.model_shapes import LayerSpec, ModelSpec
+from kfac_hpc.plan.profile import Profile
+
+__all__ = ["PHASES", "STRATEGIES", "Distribution", "Estimate", "KFACOptions", "StepTraffic",
+           "construction_traffic", "estimate", "estimate_sgd", "wire_itemsize"]
+
+STRATEGIES = ("comm-opt", "mem-opt", "hybrid-opt", "dp-kfac")
+PHASES = ("forward", "backward", "grad avg", "factor stats", "factor comm", "decomposition",
+          "decomp bcast", "precondition", "grad bcast", "other")
+BYTE_PHASES = ("factors", "decompositions", "gradients")
+
+# Tensor operations per unit of work (framework overhead = count × op_overhead_s).
+# Rough counts of the library's code paths; they matter only where layers are tiny.
+_OPS = {"module_fwd": 1, "module_bwd": 2, "stats_factor": 8, "fold": 3, "wire_factor": 4,
+        "decompose": 4, "precondition": 10, "share": 3, "other_layer": 10,
+        "collective": 6}
+
+
+def wire_itemsize(dtype: str | torch.dtype, reduction: bool) -> int:
+    """Bytes per element on the wire: bf16 (and fp16 without an MPI type) is reduced in
+    fp32 and moved as raw 16-bit words (:mod:`kfac_hpc.comm.buffers`)."""
+    dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if dt in WIDENED_DTYPES:
+        return 4 if reduction else 2
+    return int(dt.itemsize)
+
+
+def _itemsize(dtype: str) -> int:
+    return int(getattr(torch, dtype).itemsize)
+
+
+@dataclass(frozen=True)
+class KFACOptions:
+    """The preconditioner settings that change cost (names as in ``KFACPreconditioner``).
+
+    Planner-only fields (baselines of published systems; the preconditioner always
+    reduce-scatters and posts its decomposition broadcasts before computing):
+    ``factor_reduction="allreduce"`` (every rank receives every factor, as D-KFAC and
+    SPD-KFAC do) and ``pipelined_broadcasts=False`` (decompositions are broadcast after
+    all of them are computed).
+    """
+
+    strategy: str = "comm-opt"
+    grad_worker_fraction: float | None = None
+    compute_method: str = "eigen"
+    symmetric_packing: bool = False
+    overlap: bool = False
+    bucket_cap_mb: float = 25.0
+    factor_sync: str = "step"
+    local_decomposition_threshold: int = 16
+    factor_update_steps: int = 1
+    inv_update_steps: int = 1
+    factor_dtype: str = "float32"
+    inv_dtype: str = "float32"
+    factor_reduction: str = "reduce_scatter"
+    check_replicas: bool = True
+    pipelined_broadcasts: bool = True
+
+    def problem(self) -> str | None:
+        """Why the preconditioner would reject these options, or ``None``."""
+        if self.strategy not in STRATEGIES:
+            return f"unknown strategy {self.strategy!r}"
+        if self.strategy == "dp-kfac" and (self.overlap or self.symmetric_packing
+                                           or self.factor_sync != "step"):
+            return "dp-kfac sends no factors (no overlap/packing/factor_sync)"
+        if self.overlap and self.factor_sync == "inverse":
+            return "overlap and factor_sync='inverse' exclude each other"
+        if self.factor_reduction not in ("reduce_scatter", "allreduce"):
+            return f"unknown factor_reduction {self.factor_reduction!r}"
+        if self.strategy != "hybrid-opt" and self.grad_worker_fraction is not None:
+            return "grad_worker_fraction applies to hybrid-opt only"
+        return None
+
+    def label(self) -> str:
+        """Short name, e.g. ``hybrid-opt(1/2)+pack+overlap``."""
+        name = self.strategy
+        if self.strategy == "hybrid-opt" and self.grad_worker_fraction is not None:
+            name += f"({_fraction_text(self.grad_worker_fraction)})"
+        extras = [("allreduce" if self.factor_reduction == "allreduce" else ""),
+                  ("pack" if self.symmetric_packing else ""),
+                  ("overlap" if self.overlap else ""),
+                  ("sync@inv" if self.factor_sync == "inverse" else ""),
+                  ("inverse" if self.compute_method == "inverse" else "")]
+        return "+".join([name, *[e for e in extras if e]])
+
+    def preconditioner_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``KFACPreconditioner`` for these options."""
+        if self.factor_reduction != "reduce_scatter" or not self.pipelined_broadcasts:
+            raise ValueError("factor_reduction='allreduce' and pipelined_broadcasts=False "
+                             "are planner-only baselines")
+        kw: dict[str, Any] = {
+            "strategy": self.strategy, "compute_method": self.compute_method,
+            "symmetric_packing": self.symmetric_packing, "overlap": self.overlap,
+            "bucket_cap_mb": self.bucket_cap_mb, "factor_sync": self.factor_sync,
+            "local_decomposition_threshold": self.local_decomposition_threshold,
+            "factor_update_steps": self.factor_update_steps,
+            "inv_update_steps": self.inv_update_steps,
+            "factor_dtype": getattr(torch, self.factor_dtype),
+            "inv_dtype": getattr(torch, self.inv_dtype), "check_replicas": self.check_replicas}
+        if self.grad_worker_fraction is not None:
+            kw["grad_worker_fraction"] = self.grad_worker_fraction
+        return kw
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _fraction_text(f: float) -> str:
+    inv = 1 / f
+    return f"1/{round(inv)}" if abs(inv - round(inv)) < 1e-9 else f"{f:g}"
+
+
+@dataclass
+class StepTraffic:
+    """Bytes and calls one rank puts on the counters in one step, by phase."""
+
+    bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BYTE_PHASES, 0))
+    calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BYTE_PHASES, 0))
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+    def add(self, phase: str, nbytes: int, calls: int = 1) -> None:
+        self.bytes[phase] += nbytes
+        self.calls[phase] += calls
+
+
+class Distribution:
+    """Who owns, decomposes and sends what, for one model, options and world size."""
+
+    def __init__(self, model: ModelSpec, options: KFACOptions, world: int) -> None:
+        problem = options.problem()
+        if problem is not None:
+            raise ValueError(problem)
+        if world < 1:
+            raise ValueError(f"world size must be >= 1, got {world}")
+        if not model.layers:
+            raise ValueError(f"model {model.name!r} has no K-FAC layer")
+        self.model, self.options, self.world = model, options, world
+        self.grad_workers = grad_workers_for(options.strategy, world,
+                                             options.grad_worker_fraction)
+        shapes = [LayerShape(s.name, s.a_dim, s.g_dim) for s in model.layers]
+        self.placement: Placement = place(shapes, world, self.grad_workers,
+                                          local_threshold=options.local_decomposition_threshold)
+        self.layers: dict[str, LayerSpec] = {s.name: s for s in model.layers}
+
+    # -------------------------------------------------------------- structure
+    @property
+    def n_groups(self) -> int:
+        return self.placement.n_groups
+
+    def factors(self) -> Iterator[tuple[LayerSpec, str]]:
+        """Every factor, in model order."""
+        for layer in self.model.layers:
+            for f in FACTORS:
+                yield layer, f
+
+    def is_local(self, layer: LayerSpec, f: str) -> bool:
+        return (layer.name, f) in self.placement.local_factors
+
+    def wire_numel(self, n: int) -> int:
+        return triu_count(n) if self.options.symmetric_packing else n * n
+
+    @cached_property
+    def reduce_numel(self) -> tuple[int, int]:
+        """Elements of the factor reduce-scatter (non-local) and allreduce (local)."""
+        rs = sum(self.wire_numel(layer.dim(f)) + 1 for layer, f in self.factors()
+                 if not self.is_local(layer, f))
+        ar = sum(self.wire_numel(layer.dim(f)) + 1 for layer, f in self.factors()
+                 if self.is_local(layer, f))
+        return rs, ar
+
+    @cached_property
+    def buckets(self) -> list[int]:
+        """Elements of each overlap bucket (readiness order: A forward, G backward)."""
+        names = [s.name for s in self.model.layers]
+        order = [(n, "A") for n in names] + [(n, "G") for n in names[::-1]]
+        numel = [self.wire_numel(self.layers[n].dim(f)) + 1 for n, f in order
+                 if (n, f) not in self.placement.local_factors]
+        size = _itemsize(self.options.factor_dtype)
+        groups = buckets_by_size([e * size for e in numel],
+                                 int(self.options.bucket_cap_mb * 2**20))
+        return [sum(numel[i] for i in g) for g in groups]
+
+    def decomposition_numel(self, n: int) -> int:
+        return n * n + n + 1 if self.options.compute_method == "eigen" else n * n + 1
+
+    @cached_property
+    def slot_numel(self) -> list[list[int]]:
+        """Per worker group, per slot: elements of the decomposition broadcast."""
+        g = self.grad_workers
+        out = [[0] * g for _ in range(self.n_groups)]
+        for layer, f in self.factors():
+            if self.is_local(layer, f):
+                continue
+            group = self.placement.layer_group[layer.name]
+            owner = self.placement.factor_owner[(layer.name, f)]
+            out[group][owner - group * g] += self.decomposition_numel(layer.dim(f))
+        return out
+
+    @cached_property
+    def group_grad_numel(self) -> list[int]:
+        """Per worker group: elements of its preconditioned-gradient broadcast."""
+        out = [0] * self.n_groups
+        for layer in self.model.layers:
+            out[self.placement.layer_group[layer.name]] += layer.grad_numel + 1
+        return out
+
+    def group_of(self, rank: int) -> int:
+        return self.placement.worker_group_of_rank(rank)
+
+    # -------------------------------------------------------------- schedule
+    def is_factor_step(self, step: int) -> bool:
+        return step % self.options.factor_update_steps == 0
+
+    def is_inverse_step(self, step: int) -> bool:
+        return step == 0 or step % self.options.inv_update_steps == 0
+
+    def reduces_factors(self, step: int) -> bool:
+        if self.options.strategy == "dp-kfac":
+            return False
+        if self.options.factor_sync == "inverse":
+            return self.is_inverse_step(step)
+        return self.is_factor_step(step)
+
+    def period(self) -> list[tuple[bool, bool]]:
+        """(factor step, inverse step) of every step of one steady-state period."""
+        f, i = self.options.factor_update_steps, self.options.inv_update_steps
+        length = math.lcm(f, i)
+        if length > 100_000:
+            raise ValueError(f"update steps {f}, {i}: period {length} is too long to average")
+        return [(k % f == 0, k % i == 0) for k in range(length, 2 * length)]
+
+    # -------------------------------------------------------------- bytes
+    def step_traffic(self, step: int, rank: int) -> StepTraffic:
+        """Exactly what rank ``rank``'s counters gain in step ``step`` (0-based)."""
+        return self.kind_traffic(self.is_factor_step(step), self.is_inverse_step(step),
+                                 rank, reduce=self.reduces_factors(step))
+
+    def kind_traffic(self, factor: bool, inverse: bool, rank: int,
+                     reduce: bool | None = None) -> StepTraffic:
+        """Traffic of a step that does (or not) factor and inverse updates."""
+        out = StepTraffic()
+        o, p = self.options, self.world
+        if p == 1:
+            return out
+        if reduce is None:
+            reduce = o.strategy != "dp-kfac" and (inverse if o.factor_sync == "inverse"
+                                                  else factor)
+        if reduce:
+            fsize = wire_itemsize(o.factor_dtype, reduction=True)
+            rs, ar = self.reduce_numel
+            if o.factor_reduction == "allreduce":
+                out.add("factors", (rs + ar) * fsize,
+                        len(self.buckets) + bool(ar) if o.overlap else 1)
+            else:
+                if o.overlap:
+                    out.add("factors", rs * fsize, len(self.buckets))
+                else:
+                    out.add("factors", rs * fsize, 1)
+                if ar:
+                    out.add("factors", ar * fsize, 1)
+        isize = wire_itemsize(o.inv_dtype, reduction=False)
+        if inverse and self.grad_workers > 1:
+            slots = self.slot_numel[self.group_of(rank)]
+            out.add("decompositions", sum(slots) * isize, sum(1 for s in slots if s))
+        if self.n_groups > 1:
+            groups = self.group_grad_numel
+            out.add("gradients", sum(groups) * isize, sum(1 for s in groups if s))
+        return out
+
+    def mean_traffic(self, rank: int) -> dict[str, float]:
+        """Bytes per step on ``rank`` by phase, averaged over the update schedule."""
+        period = self.period()
+        total = dict.fromkeys(BYTE_PHASES, 0.0)
+        for factor, inverse in period:
+            for k, v in self.kind_traffic(factor, inverse, rank).bytes.items():
+                total[k] += v / len(period)
+        return total
+
+    # -------------------------------------------------------------- memory
+    def memory(self, rank: int) -> dict[str, int]:
+        """K-FAC state bytes on ``rank`` once every factor has been updated.
+
+        ``factors`` and ``decompositions`` are what ``KFACPreconditioner.memory_bytes()``
+        reports; ``local averages`` (``factor_sync="inverse"``, between synchronisations)
+        and ``transient`` (batch-factor sums and message buffers at their peak) come on top.
+        """
+        o, pl = self.options, self.placement
+        fb, ib = _itemsize(o.factor_dtype), _itemsize(o.inv_dtype)
+        group = self.group_of(rank)
+        factors = decomps = local_avg = sums = 0
+        captured_all = o.strategy != "dp-kfac"
+        for layer, f in self.factors():
+            n = layer.dim(f)
+            owned = pl.factor_owner[(layer.name, f)] == rank
+            in_group = pl.layer_group[layer.name] == group
+            if (owned or (self.is_local(layer, f) and in_group)
+                    or o.factor_reduction == "allreduce"):
+                factors += n * n * fb
+            if in_group:
+                decomps += (n * n + n if o.compute_method == "eigen" else n * n) * ib
+            captured = captured_all or pl.factor_owner[(layer.name, "A")] == rank
+            if captured:
+                sums += n * n * fb
+                if o.factor_sync == "inverse":
+                    local_avg += n * n * fb
+        rs, ar = self.reduce_numel
+        message = (rs + ar) * fb if captured_all else 0
+        grads = sum(self.group_grad_numel) * ib if self.n_groups > 1 else 0
+        return {"factors": factors, "decompositions": decomps, "local averages": local_avg,
+                "transient": sums + max(message, grads)}
+
+
+def construction_traffic(model: ModelSpec, options: KFACOptions, world: int) -> StepTraffic:
+    """The constructor's replica check: broadcast of (parameter tensors x 2) float64 sums
+    and a 4-byte allreduce; nothing at world size 1 or with ``check_replicas=False``."""
+    out = StepTraffic(bytes={"construction": 0}, calls={"construction": 0})
+    if world > 1 and options.check_replicas:
+        out.add("construction", 16 * max(1, model.param_tensors), 1)
+        out.add("construction", 4, 1)
+    return out
+
+
+# ====================================================================== time
+@dataclass
+class Estimate:
+    """Predicted cost of one configuration: per-iteration time, bytes and memory per rank."""
+
+    model: str
+    options: KFACOptions
+    world: int
+    batch: int
+    profile: str
+    time: dict[str, float]  # seconds per iteration by phase (schedule average)
+    bytes_per_step: dict[str, float]  # K-FAC bytes per rank per step (max over ranks)
+    grad_avg_bytes: int  # gradient averaging per rank per step (DDP/GradientAverager)
+    construction_bytes: int
+    memory: dict[str, int]  # per rank (max over ranks) by kind, bytes
+    model_bytes: int  # weights + gradients + momentum (fp32), for the memory budget
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.time.values())
+
+    @property
+    def kfac_bytes(self) -> float:
+        return sum(self.bytes_per_step.values())
+
+    @property
+    def memory_state(self) -> int:
+        return self.memory["factors"] + self.memory["decompositions"] + self.memory[
+            "local averages"]
+
+    @property
+    def memory_peak(self) -> int:
+        return self.memory_state + self.memory["transient"] + self.model_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model, "options": self.options.to_json(),
+                "label": self.options.label(), "world": self.world, "batch": self.batch,
+                "profile": self.profile, "time_s": self.time, "total_s": self.total_s,
+                "bytes_per_step": self.bytes_per_step, "kfac_bytes": self.kfac_bytes,
+                "grad_avg_bytes": self.grad_avg_bytes,
+                "construction_bytes": self.construction_bytes, "memory": self.memory,
+                "memory_state": self.memory_state, "memory_peak": self.memory_peak,
+                "model_bytes": self.model_bytes}
+
+
+def _layer_fwd_flops(layer: LayerSpec, batch: int) -> float:
+    return 2.0 * batch * layer.rows_per_sample * layer.weight_cols * layer.g_dim
+
+
+def _training_terms(model: ModelSpec, batch: int, world: int,
+                    profile: Profile, leaf_modules: int) -> dict[str, float]:
+    """Forward, backward and exposed gradient averaging (shared with S-SGD)."""
+    c = profile.compute
+    per_module = c.module_overhead_s or 3 * c.op_overhead_s
+    fwd = sum(_layer_fwd_flops(s, batch) for s in model.layers) / c.train_flops
+    fwd += leaf_modules * per_module / 3
+    bwd = 2 * sum(_layer_fwd_flops(s, batch) for s in model.layers) / c.train_flops
+    bwd += leaf_modules * per_module * 2 / 3
+    avg = 0.0
+    if world > 1:
+        link = profile.link("allreduce")
+        sizes = _grad_buckets(model)
+        times = [link.time("allreduce", b, world) for b in sizes]
+        copies = 4 * model.param_numel * 4 / c.mem_bandwidth  # flatten + write back
+        total = sum(times) + copies + len(sizes) * (_OPS["collective"] * c.op_overhead_s
+                                                    + c.sync_overhead_s)
+        avg = max(times[-1] if times else 0.0, total - c.overlap_efficiency * bwd)
+    return {"forward": fwd, "backward": bwd, "grad avg": avg}
+
+
+def _grad_buckets(model: ModelSpec, cap_mb: float = 25.0) -> list[int]:
+    """Bytes per gradient-averaging bucket (one bucket per 25 MB of fp32 parameters)."""
+    total = model.param_numel * 4
+    cap = int(cap_mb * 2**20)
+    full, rest = divmod(total, cap)
+    return [cap] * full + ([rest] if rest else [])
+
+
+def estimate_sgd(model: ModelSpec, world: int, batch: int, profile: Profile,
+                 leaf_modules: int | None = None) -> dict[str, float]:
+    """Seconds per iteration of plain data-parallel SGD (S-SGD), by phase."""
+    prof = profile.at(world)
+    leaves = leaf_modules if leaf_modules is not None else model.leaf_modules
+    t = _training_terms(model, batch, world, prof, leaves)
+    c = prof.compute
+    t["other"] = (3 * model.param_numel * 4 / c.mem_bandwidth
+                  + model.param_tensors * (c.param_overhead_s or 3 * c.op_overhead_s))
+    return t
+
+
+def estimate(model: ModelSpec, options: KFACOptions, world: int, batch: int,
+             profile: Profile, leaf_modules: int | None = None) -> Estimate:
+    """Predicted iteration of K-FAC with ``options`` on ``world`` ranks, ``batch`` per rank.
+
+    Terms (``b`` batch, ``R = b·rows`` rows of a layer, ``n`` factor dimension, ``P``
+    ranks, compute rates from the profile; phase = slowest rank unless said otherwise):
+
+    * forward ``Σ 2R·w·g / train_flops``, backward twice that (+ op overhead per module);
+      gradient averaging: allreduce of every fp32 parameter in 25 MB buckets, minus what
+      ``overlap_efficiency`` hides behind backward (never less than the last bucket);
+    * factor statistics (factor steps, captured layers): ``2R(a² + g²) / gemm_flops``
+      plus row copies ``R(a + 2g)·4 B / mem_bandwidth`` and, for Conv2d, the patch matrix
+      ``R·w·4 B / im2col_bandwidth``;
+    * factor communication: the reduce-scatter/allreduce of :meth:`Distribution.kind_traffic`,
+      each bucket ``α–β`` priced; with ``overlap`` the part ``overlap_efficiency ·
+      (backward + statistics)`` is hidden (never less than the last bucket);
+    * decomposition (inverse steps): per rank the sum of its decompositions
+      (eigh/inverse table of the profile); broadcasts: each worker group's network serves
+      the roots in the order they finish (pipelined) with weight ``overlap_efficiency``,
+      else after the slowest rank, one after the other (serial);
+    * preconditioning: eigen ``4(g²a + ga²)``, inverse ``2(g²a + ga²)`` flops per layer
+      the rank is a gradient worker of; gradient broadcasts summed over groups;
+    * other: running averages ``3n²`` elements per owned factor, KL clipping and
+      ``.grad`` writes ``≈ 8·g·a·4 B`` per layer, the SGD update ``3·params·4 B``.
+
+    Every term adds ``op_overhead_s`` per tensor operation and every collective call
+    ``sync_overhead_s``.
+    """
+    prof = profile.at(world)
+    c = prof.compute
+    d = Distribution(model, options, world)
+    o = options
+    leaves = leaf_modules if leaf_modules is not None else model.leaf_modules
+    base = _training_terms(model, batch, world, prof, leaves)
+    ov = c.op_overhead_s
+    fb, ib = _itemsize(o.factor_dtype), _itemsize(o.inv_dtype)
+    ranks = range(world)
+    pl = d.placement
+
+    def captured_by(rank: int) -> list[LayerSpec]:
+        if o.strategy != "dp-kfac":
+            return list(model.layers)
+        return [s for s in model.layers if pl.factor_owner[(s.name, "A")] == rank]
+
+    # ---- factor statistics, per rank (captured layers)
+    def stats_s(layers: Sequence[LayerSpec]) -> float:
+        t = 0.0
+        for s in layers:
+            rows = batch * s.rows_per_sample
+            t += 2.0 * rows * (s.a_dim ** 2 + s.g_dim ** 2) / c.gemm_flops
+            t += rows * (2 * s.g_dim + s.a_dim) * 4 / c.mem_bandwidth  # δ rows, scaling, ā
+            if s.kind == "Conv2d":
+                t += rows * s.weight_cols * 4 / c.unfold_bandwidth  # patch matrix (unfold)
+            t += 3.0 * (s.a_dim ** 2 + s.g_dim ** 2) * fb / c.mem_bandwidth
+            t += 2 * _OPS["stats_factor"] * ov
+        return t
+
+    # distinct capture sets: every rank alike except DP-KFAC
+    stats_by_rank = [stats_s(captured_by(r)) for r in (ranks if o.strategy == "dp-kfac"
+                                                        else range(1))]
+    stats_max = max(stats_by_rank)
+    folds = (sum(3 * (s.a_dim ** 2 + s.g_dim ** 2) * fb for s in model.layers)
+             / c.mem_bandwidth + 2 * len(model.layers) * _OPS["fold"] * ov)
+
+    # ---- factor communication (on reduction steps)
+    def factor_comm_s() -> float:
+        if world == 1 or o.strategy == "dp-kfac":
+            return 0.0
+        fsize = wire_itemsize(o.factor_dtype, reduction=True)
+        rs, ar = d.reduce_numel
+        kind = "allreduce" if o.factor_reduction == "allreduce" else "reduce_scatter"
+        link = prof.link(kind)
+        if o.overlap:
+            sizes = d.buckets if o.factor_reduction != "allreduce" or not ar else [
+                *d.buckets, ar]
+        else:
+            sizes = [rs + ar] if o.factor_reduction == "allreduce" else [rs]
+        times = [link.time(kind, e * fsize, world) for e in sizes]
+        if ar and o.factor_reduction != "allreduce":
+            times.append(prof.link("allreduce").time("allreduce", ar * fsize, world))
+        keys = 2 * len(model.layers)
+        pack = (2 * (rs + ar) * fb * (3 if o.symmetric_packing else 1)) / c.mem_bandwidth
+        t = sum(times) + pack + (keys * _OPS["wire_factor"] + len(times) * _OPS[
+            "collective"]) * ov + len(times) * c.sync_overhead_s
+        if o.overlap:
+            hidden = c.overlap_efficiency * (base["backward"] + stats_max)
+            t = max(times[-1] if times else 0.0, t - hidden)
+        return t
+
+    comm_s = factor_comm_s()
+
+    # ---- running averages on owners
+    def average_s(rank: int) -> float:
+        t = 0.0
+        for layer, f in d.factors():
+            owner = pl.factor_owner[(layer.name, f)] == rank
+            if owner or o.factor_reduction == "allreduce" or (
+                    d.is_local(layer, f) and pl.is_grad_worker(layer.name, rank)):
+                n = layer.dim(f)
+                t += 3 * n * n * fb / c.mem_bandwidth + 2 * ov
+        return t
+
+    avg_max = max(average_s(r) for r in _representatives(d))
+
+    # ---- decompositions
+    def decompose_s(rank: int) -> float:
+        t = 0.0
+        group = d.group_of(rank)
+        for layer, f in d.factors():
+            n = layer.dim(f)
+            mine = pl.factor_owner[(layer.name, f)] == rank
+            local = d.is_local(layer, f) and pl.layer_group[layer.name] == group
+            if (mine and not d.is_local(layer, f)) or local:
+                t += c.decomposition_s(n, o.compute_method) + _OPS["decompose"] * ov
+        return t
+
+    compute = [decompose_s(r) for r in ranks]
+    decomp_max = max(compute)
+    bcast_link = prof.link("broadcast")
+    decomp_bcast = 0.0
+    if world > 1 and d.grad_workers > 1:
+        serial = pipelined = 0.0
+        g = d.grad_workers
+        for group, slots in enumerate(d.slot_numel):
+            roots = [(compute[group * g + k], bcast_link.time("broadcast", n * ib, g)
+                      + _OPS["collective"] * ov + c.sync_overhead_s
+                      + 2 * n * ib / c.mem_bandwidth)
+                     for k, n in enumerate(slots) if n]
+            serial = max(serial, decomp_max + sum(b for _, b in roots))
+            clock = 0.0
+            for ready, b in sorted(roots):  # the network serves roots as they finish
+                clock = max(clock, ready) + b
+            pipelined = max(pipelined, clock, max(compute[group * g:(group + 1) * g]))
+        eta = c.overlap_efficiency if o.pipelined_broadcasts else 0.0
+        decomp_bcast = eta * pipelined + (1 - eta) * serial - decomp_max
+
+    # ---- preconditioning and gradient broadcasts (every step)
+    def precondition_s(group: int) -> float:
+        t = 0.0
+        for s in model.layers:
+            if pl.layer_group[s.name] != group:
+                continue
+            ga = s.g_dim * s.a_dim
+            mult = 4 if o.compute_method == "eigen" else 2
+            t += mult * (s.g_dim * ga + ga * s.a_dim) / c.gemm_flops
+            t += 4 * ga * ib / c.mem_bandwidth + _OPS["precondition"] * ov
+        return t
+
+    precond_max = max(precondition_s(g) for g in range(d.n_groups))
+    grad_bcast = 0.0
+    if world > 1 and d.n_groups > 1:
+        grad_bcast = sum(bcast_link.time("broadcast", n * ib, d.n_groups)
+                         + _OPS["collective"] * ov + c.sync_overhead_s
+                         for n in d.group_grad_numel if n)
+        grad_bcast += (3 * sum(d.group_grad_numel) * ib / c.mem_bandwidth
+                       + len(model.layers) * _OPS["share"] * ov)
+    other = (8 * model.kfac_param_numel * 4 / c.mem_bandwidth
+             + len(model.layers) * _OPS["other_layer"] * ov
+             + 3 * model.param_numel * 4 / c.mem_bandwidth
+             + model.param_tensors * (c.param_overhead_s or 3 * ov))
+
+    # ---- average over the schedule
+    period = d.period()
+    t = dict.fromkeys(PHASES, 0.0)
+    t.update(base)
+    for factor, inverse in period:
+        w = 1 / len(period)
+        reduce = o.strategy != "dp-kfac" and (inverse if o.factor_sync == "inverse"
+                                              else factor)
+        if factor:
+            t["factor stats"] += w * stats_max
+            if o.factor_sync == "inverse":
+                t["other"] += w * folds
+        if reduce:
+            t["factor comm"] += w * comm_s
+        if factor or (reduce and o.factor_sync == "inverse"):
+            t["other"] += w * avg_max
+        if inverse:
+            t["decomposition"] += w * decomp_max
+            t["decomp bcast"] += w * decomp_bcast
+    t["precondition"] = precond_max
+    t["grad bcast"] = grad_bcast
+    t["other"] += other
+
+    reps = _representatives(d)
+    traffic = [d.mean_traffic(r) for r in reps]
+    per_step = {k: max(tr[k] for tr in traffic) for k in BYTE_PHASES}
+    memories = [d.memory(r) for r in reps]
+    memory = {k: max(m[k] for m in memories) for k in memories[0]}
+    return Estimate(
+        model=model.name, options=o, world=world, batch=batch, profile=prof.name, time=t,
+        bytes_per_step=per_step,
+        grad_avg_bytes=model.param_numel * 4 if world > 1 else 0,
+        construction_bytes=construction_traffic(model, o, world).total,
+        memory=memory, model_bytes=3 * model.param_numel * 4)
+
+
+def _representatives(d: Distribution) -> list[int]:
+    """Ranks to evaluate per-rank quantities on (all of them; cheap enough)."""
+    return list(range(d.world))
+
+
+def with_options(options: KFACOptions, **changes: Any) -> KFACOptions:
+    """``dataclasses.replace`` for options (kept for callers' readability)."""
+    return replace(options, **changes)

@@ -1,0 +1,134 @@
+"""Layer shapes of a real ``nn.Module``, as the K-FAC preconditioner will see them.
+
+Layers are registered with the library's own rules (:func:`kfac_hpc.kfac.layers.curvature_for`,
+:func:`~kfac_hpc.kfac.layers.unsupported_reason`, frozen weights and ``skip_layers`` skipped),
+in ``named_modules()`` order, so the planner's placement is the preconditioner's placement.
+Optionally one forward pass on a shape-only (``meta``) copy of the model gives the rows per
+sample of every layer (output positions of a Conv2d, leading positions of a Linear), which
+the compute terms need.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kfac_hpc.kfac.layers import curvature_for, unsupported_reason
+
+__all__ = ["LayerSpec", "ModelSpec", "model_spec"]
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One K-FAC layer: factor dimensions, weight columns and rows per sample."""
+
+    name: str
+    kind: str  # "Linear" | "Conv2d"
+    a_dim: int  # input features per row (+1 with bias)
+    g_dim: int  # output features
+    weight_cols: int  # a_dim without the bias column
+    rows_per_sample: int = 1  # output positions (Conv2d) / leading positions (Linear)
+
+    @property
+    def grad_numel(self) -> int:
+        """Elements of the gradient matrix ``∇W̄`` (``g_dim · a_dim``)."""
+        return self.g_dim * self.a_dim
+
+    def dim(self, factor: str) -> int:
+        return self.a_dim if factor == "A" else self.g_dim
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the planner needs of a model: its K-FAC layers and its parameters."""
+
+    name: str
+    layers: tuple[LayerSpec, ...]
+    param_tensors: int  # len(list(model.parameters())): the replica check's message
+    param_numel: int  # every parameter (gradient averaging moves them all)
+    input_shape: tuple[int, ...] | None = None  # per-sample input shape of the shape probe
+    leaf_modules: int = 0  # modules without children (framework overhead per pass)
+
+    @property
+    def kfac_param_numel(self) -> int:
+        return sum(layer.grad_numel for layer in self.layers)
+
+
+def _registered(model: nn.Module, skip: Sequence[str]) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of the layers the preconditioner registers (same rules, same order)."""
+    out = []
+    for name, module in model.named_modules():
+        if any(s == name or s == type(module).__name__ for s in skip):
+            continue
+        if unsupported_reason(module) is not None:
+            continue
+        curv = curvature_for(module)
+        if curv is None:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is None or not weight.requires_grad:
+            continue
+        out.append((name or type(module).__name__, module))
+    return out
+
+
+def _rows_per_sample(model: nn.Module, modules: Iterable[nn.Module],
+                     input_shape: Sequence[int]) -> dict[int, int]:
+    """Rows per sample of each module (by ``id``) from one forward pass on a meta copy."""
+    wanted = list(modules)
+    index = {id(m): i for i, m in enumerate(model.modules())}
+    probe = copy.deepcopy(model).to("meta")
+    by_index = {i: m for i, m in enumerate(probe.modules())}
+    rows: dict[int, int] = {}
+    handles = []
+    for original in wanted:
+        clone = by_index[index[id(original)]]
+
+        def hook(mod: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor,
+                 key: int = id(original)) -> None:
+            if isinstance(mod, nn.Conv2d):
+                rows[key] = int(output.shape[-1] * output.shape[-2])
+            else:
+                x = inputs[0]
+                rows[key] = int(torch.Size(x.shape[1:-1]).numel()) if x.dim() > 1 else 1
+
+        handles.append(clone.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            probe(torch.empty((1, *input_shape), device="meta"))
+    finally:
+        for h in handles:
+            h.remove()
+    return rows
+
+
+def model_spec(model: nn.Module, *, input_shape: Sequence[int] | None = None,
+               skip_layers: Sequence[str] = (), name: str | None = None) -> ModelSpec:
+    """The K-FAC layers of ``model`` (a DDP wrapper is looked through).
+
+    ``input_shape`` is one sample's shape (e.g. ``(3, 224, 224)``); without it every
+    layer has one row per sample (enough for communication and memory, which do not
+    depend on the batch).
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
+    layers = _registered(model, tuple(skip_layers))
+    rows = (_rows_per_sample(model, [m for _, m in layers], input_shape)
+            if input_shape is not None else {})
+    specs = []
+    for layer_name, module in layers:
+        curv = curvature_for(module)
+        assert curv is not None
+        specs.append(LayerSpec(layer_name, type(module).__name__, curv.a_dim, curv.g_dim,
+                               curv.weight_cols, rows.get(id(module), 1)))
+    params = list(model.parameters())
+    return ModelSpec(name or type(model).__name__, tuple(specs), len(params),
+                     sum(p.numel() for p in params),
+                     None if input_shape is None else tuple(int(s) for s in input_shape),
+                     sum(1 for m in model.modules() if not any(True for _ in m.children())))

@@ -1,0 +1,576 @@
+"""Configuration of the training driver: one dataclass, validated, from TOML/YAML and flags.
+
+Every option of ``kfac-hpc train`` is a field of :class:`TrainConfig`; its command-line
+flag is ``--`` + the field name with ``_`` -> ``-`` (booleans also take ``--no-...``).
+Precedence: defaults < config file (``--config run.toml``, or ``.yaml`` when PyYAML is
+installed; keys are field names, optionally grouped in tables such as ``[kfac]``) <
+flags given on the command line.
+
+:meth:`TrainConfig.validate` needs nothing but the values (no files, no MPI), so every
+rank reaches the same verdict before the first collective and all ranks exit together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DATASETS",
+    "KFAC_STRATEGIES",
+    "OPTIMIZERS",
+    "ConfigError",
+    "TrainConfig",
+    "field_help",
+    "field_types",
+    "load_config_file",
+    "parse_value",
+]
+
+OPTIMIZERS = ("sgd", "adam", "adamw", "shampoo")
+PRECONDITIONERS = ("kfac", "none")
+KFAC_STRATEGIES = ("comm-opt", "mem-opt", "hybrid-opt", "dp-kfac")
+COMPUTE_METHODS = ("eigen", "inverse")
+LR_SCHEDULES = ("cosine", "step", "constant")
+DATASETS = ("digits", "cifar10", "imagefolder", "synthetic")
+PATH_DATASETS = ("cifar10", "imagefolder")
+DEVICES = ("auto", "cpu", "cuda")
+AMP_DTYPES = ("float16", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """Invalid or inconsistent options: the user's input, reported without a traceback."""
+
+
+def _opt(default: Any, help: str, group: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, "group": group}, **kw)
+
+
+@dataclass
+class TrainConfig:
+    """Every option of the training driver (defaults: the one-minute digits demo)."""
+
+    # -- data
+    dataset: str = _opt("digits", f"data set: {' | '.join(DATASETS)}", "data")
+    data_path: str | None = _opt(None, "directory of cifar10 (binary) or imagefolder", "data")
+    augment: bool = _opt(False, "random crop + flip of the training images", "data")
+    split_seed: int = _opt(0, "seed of the digits train/test split", "data")
+    image_size: int | None = _opt(None, "imagefolder image size (default 224)", "data")
+    synthetic_shape: tuple[int, ...] = _opt(
+        (3, 32, 32), "synthetic input shape: C,H,W or FEATURES", "data")
+    synthetic_classes: int = _opt(10, "synthetic number of classes", "data")
+    synthetic_train_size: int = _opt(2048, "synthetic training samples", "data")
+    synthetic_test_size: int = _opt(512, "synthetic test samples", "data")
+    loader_threads: int = _opt(4, "image decoding threads per rank (imagefolder)", "data")
+    # -- model
+    model: str = _opt("mlp", "model: mlp | resnet20 | resnet32 | resnet56 | resnet50", "model")
+    model_options: dict[str, Any] = field(default_factory=dict, metadata={
+        "help": "model options as KEY=VALUE (JSON values), e.g. hidden=[256,128]",
+        "group": "model"})
+    # -- run length and batches
+    epochs: int = _opt(20, "training epochs", "run")
+    max_steps: int | None = _opt(None, "stop after this many optimizer steps", "run")
+    batch_size: int = _opt(32, "samples per rank per optimizer step", "run")
+    eval_batch_size: int = _opt(512, "samples per rank per evaluation batch", "run")
+    accumulation_steps: int = _opt(
+        1, "micro-batches per step (each batch is split into this many)", "run")
+    target_accuracy: float | None = _opt(
+        None, "stop after the first evaluation with test accuracy >= this (0-1)", "run")
+    seed: int = _opt(0, "seed of initialisation, data order and augmentation", "run")
+    eval_every_epochs: int = _opt(1, "evaluate on the test set every N epochs", "run")
+    # -- optimizer
+    optimizer: str = _opt("sgd", f"base optimizer: {' | '.join(OPTIMIZERS)}", "optimizer")
+    lr: float | None = _opt(None, "peak learning rate after warm-up (default: 0.1 for sgd, "
+                            "0.001 for adam, adamw, shampoo)", "optimizer")
+    momentum: float = _opt(0.9, "SGD momentum (Shampoo: --shampoo-options momentum=X)",
+                           "optimizer")
+    nesterov: bool = _opt(False, "Nesterov momentum (sgd)", "optimizer")
+    weight_decay: float = _opt(5e-4, "weight decay (decoupled for adamw)", "optimizer")
+    betas: tuple[float, ...] = _opt((0.9, 0.999), "Adam(W) betas B1,B2", "optimizer")
+    eps: float = _opt(1e-8, "Adam(W) epsilon", "optimizer")
+    shampoo_options: dict[str, Any] = field(default_factory=dict, metadata={
+        "help": "extra DistributedShampoo keyword arguments as KEY=VALUE",
+        "group": "optimizer"})
+    # -- learning-rate schedule (a pure function of the step)
+    lr_schedule: str = _opt("cosine", f"after warm-up: {' | '.join(LR_SCHEDULES)}", "schedule")
+    warmup_epochs: float = _opt(1.0, "linear warm-up length in epochs", "schedule")
+    lr_milestones: tuple[float, ...] = _opt(
+        (), "step schedule: epochs at which the lr is multiplied by lr-gamma", "schedule")
+    lr_gamma: float = _opt(0.1, "step schedule factor", "schedule")
+    min_lr: float = _opt(0.0, "cosine schedule: final learning rate", "schedule")
+    # -- preconditioner
+    preconditioner: str = _opt("kfac", "kfac (on top of the optimizer) | none", "kfac")
+    kfac_strategy: str = _opt("comm-opt", f"{' | '.join(KFAC_STRATEGIES)}", "kfac")
+    grad_worker_fraction: float | None = _opt(
+        None, "hybrid-opt: fraction of ranks that are gradient workers (0-1]", "kfac")
+    kfac_compute_method: str = _opt("eigen", "eigen | inverse", "kfac")
+    damping: float | None = _opt(None, "K-FAC damping (default: 0.1 for mlp, 0.003 for the "
+                                 "resnets)", "kfac")
+    factor_decay: float = _opt(0.95, "running-average decay of the factors", "kfac")
+    kl_clip: float | None = _opt(0.001, "KL clipping (none disables it)", "kfac")
+    factor_update_steps: int = _opt(1, "update factors every N steps", "kfac")
+    inv_update_steps: int = _opt(10, "recompute eigenbases/inverses every N steps", "kfac")
+    skip_layers: tuple[str, ...] = _opt((), "layer names/types K-FAC leaves alone", "kfac")
+    kfac_factor_sync: str = _opt(
+        "step", "step (reduce factors every factor update) | inverse (at inverse updates "
+        "only; same math)", "kfac")
+    kfac_overlap: bool = _opt(False, "start factor reductions from the backward hooks "
+                              "(SPD-KFAC)", "kfac")
+    kfac_symmetric_packing: bool = _opt(False, "send factors as upper triangles", "kfac")
+    kfac_bucket_cap_mb: float = _opt(25.0, "fusion bucket size of factor messages (MB)", "kfac")
+    kfac_factor_dtype: str = _opt("auto", "auto (the weights' dtype, at least float32) | "
+                                  "float32 | float64", "kfac")
+    kfac_inv_dtype: str = _opt("float32", "float32 | float64", "kfac")
+    # -- distribution and device
+    ddp: bool = _opt(False, "average gradients with torch DDP (gloo/nccl) instead of MPI",
+                     "distributed")
+    grad_bucket_mb: float = _opt(25.0, "bucket size of the MPI gradient averager (MB)",
+                                 "distributed")
+    device: str = _opt("auto", "auto (cuda:<local rank> if available) | cpu | cuda",
+                       "distributed")
+    amp: bool = _opt(False, "mixed precision (CUDA only)", "distributed")
+    amp_dtype: str = _opt("float16", "float16 (with a GradScaler) | bfloat16", "distributed")
+    threads: int | None = _opt(None, "torch CPU threads per rank (default: cores / local ranks)",
+                               "distributed")
+    # -- output
+    out: str | None = _opt(None, "output directory (default runs/<timestamp>)", "output")
+    progress: bool = _opt(True, "progress bar on rank 0 (only on a terminal)", "output")
+    log_every_steps: int = _opt(1, "write a step record every N steps", "output")
+    # -- checkpoints
+    checkpoint_dir: str | None = _opt(None, "directory of HDF5 checkpoints", "checkpoint")
+    checkpoint_every_steps: int | None = _opt(None, "checkpoint every N steps", "checkpoint")
+    checkpoint_every_minutes: float | None = _opt(None, "checkpoint every M minutes",
+                                                  "checkpoint")
+    checkpoint_keep: int = _opt(3, "keep the last N checkpoints", "checkpoint")
+    resume: str = _opt("auto", "auto (latest in --checkpoint-dir) | never | PATH", "checkpoint")
+    preempt_signals: tuple[str, ...] = _opt(
+        ("USR1", "TERM"), "signals that checkpoint and exit with the requeue status 75 "
+        "(none: ignore signals)", "checkpoint")
+    time_limit_margin_minutes: float | None = _opt(
+        None, "checkpoint and exit 75 when SLURM's remaining wall time "
+        "(SLURM_JOB_END_TIME) is below this", "checkpoint")
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def from_sources(cls, file: str | os.PathLike[str] | None = None,
+                     overrides: Mapping[str, Any] | None = None) -> TrainConfig:
+        """Defaults, then ``file``'s values, then ``overrides`` (field name -> value).
+
+        Values are coerced to the field types (lists -> tuples, "none" -> None where
+        allowed); unknown keys and ill-typed values raise :class:`ConfigError`.
+        """
+        values: dict[str, Any] = {}
+        if file is not None:
+            values.update(load_config_file(file))
+        values.update(overrides or {})
+        return cls.from_dict(values)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> TrainConfig:
+        """Build from ``{field: value}``; :class:`ConfigError` on unknown keys or bad types."""
+        hints = field_types()
+        errors: list[str] = []
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            name = key.replace("-", "_")
+            if name not in hints:
+                errors.append(f"unknown option {key!r} in {source}"
+                              + _suggest(name, list(hints)))
+                continue
+            try:
+                kwargs[name] = coerce(hints[name], value)
+            except (TypeError, ValueError) as exc:
+                errors.append(f"{_flag(name)}: {exc}")
+        if errors:
+            raise ConfigError("\n".join(errors))
+        return cls(**kwargs)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with some fields changed (coerced like :meth:`from_dict`)."""
+        hints = field_types()
+        return dataclasses.replace(self, **{k: coerce(hints[k], v) for k, v in changes.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready values (tuples become lists)."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    # ---------------------------------------------------------------- validation
+    def problems(self) -> list[str]:
+        """Every invalid or inconsistent option, as user-facing sentences (empty if fine)."""
+        from kfac_hpc.train.models import model_names
+
+        p: list[str] = []
+
+        def need(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                p.append(f"{_flag(name)}: {msg}")
+
+        def choice(name: str, valid: tuple[str, ...] | list[str]) -> None:
+            value = getattr(self, name)
+            need(value in valid, name, f"unknown value {value!r}; valid: {', '.join(valid)}"
+                 + _suggest(value, list(valid)))
+
+        # data
+        choice("dataset", DATASETS)
+        if self.dataset in PATH_DATASETS:
+            need(self.data_path is not None, "data_path",
+                 f"the {self.dataset!r} data set needs --data-path DIR")
+        elif self.data_path is not None:
+            need(False, "data_path", f"is only used by {' and '.join(PATH_DATASETS)}; the "
+                 f"{self.dataset!r} data set takes no path (remove --data-path)")
+        need(self.image_size is None or self.image_size >= 1, "image_size", "must be >= 1")
+        need(len(self.synthetic_shape) in (1, 3) and all(d >= 1 for d in self.synthetic_shape),
+             "synthetic_shape", f"must be C,H,W or FEATURES with positive sizes, got "
+             f"{self.synthetic_shape}")
+        need(self.synthetic_classes >= 2, "synthetic_classes", "must be >= 2")
+        need(self.synthetic_train_size >= 1 and self.synthetic_test_size >= 1,
+             "synthetic_train_size", "synthetic train/test sizes must be >= 1")
+        need(self.loader_threads >= 1, "loader_threads", "must be >= 1")
+        # model
+        choice("model", model_names())
+        # run
+        need(self.epochs >= 1, "epochs", f"must be >= 1, got {self.epochs}")
+        need(self.max_steps is None or self.max_steps >= 1, "max_steps", "must be >= 1")
+        need(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        need(self.eval_batch_size >= 1, "eval_batch_size", "must be >= 1")
+        need(self.accumulation_steps >= 1, "accumulation_steps", "must be >= 1")
+        if self.batch_size >= 1 and self.accumulation_steps >= 1:
+            need(self.batch_size % self.accumulation_steps == 0, "accumulation_steps",
+                 f"must divide --batch-size {self.batch_size} (each per-rank batch is split "
+                 "into this many micro-batches)")
+        need(self.target_accuracy is None or 0.0 < self.target_accuracy <= 1.0,
+             "target_accuracy", "must be a fraction in (0, 1], e.g. 0.95")
+        need(self.eval_every_epochs >= 1, "eval_every_epochs", "must be >= 1")
+        # optimizer
+        choice("optimizer", OPTIMIZERS)
+        need(self.lr is None or self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        need(0.0 <= self.momentum < 1.0, "momentum", "must be in [0, 1)")
+        if self.nesterov:
+            need(self.optimizer == "sgd", "nesterov", "only applies to --optimizer sgd")
+            need(self.momentum > 0, "nesterov", "needs --momentum > 0")
+        need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        need(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas), "betas",
+             f"must be two values in [0, 1), got {self.betas}")
+        need(self.eps > 0, "eps", "must be > 0")
+        if self.shampoo_options:
+            need(self.optimizer == "shampoo", "shampoo_options",
+                 "only applies to --optimizer shampoo")
+        # schedule
+        choice("lr_schedule", LR_SCHEDULES)
+        need(self.warmup_epochs >= 0, "warmup_epochs", "must be >= 0")
+        need(0 <= self.min_lr <= self.base_lr, "min_lr", "must be in [0, --lr]")
+        need(0 < self.lr_gamma <= 1, "lr_gamma", "must be in (0, 1]")
+        need(all(m > 0 for m in self.lr_milestones), "lr_milestones", "must be > 0 (epochs)")
+        if self.lr_schedule == "step":
+            need(bool(self.lr_milestones), "lr_milestones",
+                 "--lr-schedule step needs --lr-milestones E1,E2,...")
+        elif self.lr_milestones:
+            need(False, "lr_milestones", "only apply to --lr-schedule step")
+        # preconditioner
+        choice("preconditioner", PRECONDITIONERS)
+        if self.preconditioner == "kfac":
+            need(self.optimizer != "shampoo", "preconditioner",
+                 "K-FAC on top of Shampoo is not supported (both precondition the "
+                 "gradient); use --preconditioner none with --optimizer shampoo")
+            choice("kfac_strategy", KFAC_STRATEGIES)
+            choice("kfac_compute_method", COMPUTE_METHODS)
+            if self.grad_worker_fraction is not None:
+                need(0 < self.grad_worker_fraction <= 1, "grad_worker_fraction",
+                     "must be in (0, 1]")
+                need(self.kfac_strategy == "hybrid-opt", "grad_worker_fraction",
+                     "only applies to --kfac-strategy hybrid-opt (comm-opt is fraction 1, "
+                     "mem-opt is 1/ranks)")
+            need(self.damping is None or self.damping > 0, "damping", "must be > 0")
+            need(0 <= self.factor_decay < 1, "factor_decay", "must be in [0, 1)")
+            need(self.kl_clip is None or self.kl_clip > 0, "kl_clip",
+                 "must be > 0 (or none to disable)")
+            need(self.factor_update_steps >= 1, "factor_update_steps", "must be >= 1")
+            need(self.inv_update_steps >= 1, "inv_update_steps", "must be >= 1")
+            choice("kfac_factor_sync", ("step", "inverse"))
+            choice("kfac_factor_dtype", ("auto", "float32", "float64"))
+            choice("kfac_inv_dtype", ("float32", "float64"))
+            need(self.kfac_bucket_cap_mb > 0, "kfac_bucket_cap_mb", "must be > 0")
+            if self.kfac_strategy == "dp-kfac":
+                for name, on in (("kfac_overlap", self.kfac_overlap),
+                                 ("kfac_symmetric_packing", self.kfac_symmetric_packing),
+                                 ("kfac_factor_sync", self.kfac_factor_sync != "step")):
+                    need(not on, name, "does not apply to --kfac-strategy dp-kfac, which "
+                         "sends no factors")
+            need(not (self.kfac_overlap and self.kfac_factor_sync == "inverse"), "kfac_overlap",
+                 "pipelines every factor reduction; --kfac-factor-sync inverse has none "
+                 "to pipeline: pick one")
+        # distributed / device
+        choice("device", DEVICES)
+        choice("amp_dtype", AMP_DTYPES)
+        need(self.threads is None or self.threads >= 1, "threads", "must be >= 1")
+        need(self.grad_bucket_mb > 0, "grad_bucket_mb", "must be > 0")
+        # output
+        need(self.log_every_steps >= 1, "log_every_steps", "must be >= 1")
+        # checkpoints
+        for name in ("checkpoint_every_steps", "checkpoint_every_minutes"):
+            value = getattr(self, name)
+            if value is not None:
+                need(value > 0, name, "must be > 0")
+                need(self.checkpoint_dir is not None, name, "needs --checkpoint-dir")
+        need(self.checkpoint_keep >= 1, "checkpoint_keep", "must be >= 1")
+        need(bool(self.resume), "resume", "must be auto, never or a checkpoint path")
+        for sig in self.preempt_signals:
+            try:
+                from kfac_hpc.runtime.preemption import parse_signal
+
+                parse_signal(sig)
+            except ValueError as exc:
+                need(False, "preempt_signals", str(exc))
+        need(self.time_limit_margin_minutes is None or self.time_limit_margin_minutes > 0,
+             "time_limit_margin_minutes", "must be > 0")
+        return p
+
+    def validate(self, *, cuda_available: bool | None = None) -> None:
+        """Raise :class:`ConfigError` listing every problem; pure (no files, no MPI).
+
+        ``cuda_available`` (default: ask torch) decides ``--amp``/``--device cuda``.
+        """
+        problems = self.problems()
+        if cuda_available is None:
+            import torch
+
+            cuda_available = torch.cuda.is_available()
+        if self.device == "cuda" and not cuda_available:
+            problems.append("--device cuda: no CUDA device is available on this node")
+        if self.amp and (self.device == "cpu" or not cuda_available):
+            problems.append("--amp: mixed precision needs a CUDA device (none available here, "
+                            "or --device cpu); run without --amp")
+        if problems:
+            raise ConfigError("invalid configuration:\n" + "\n".join(f"  {m}" for m in problems))
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def uses_kfac(self) -> bool:
+        return self.preconditioner == "kfac"
+
+    @property
+    def base_lr(self) -> float:
+        """``lr``, or the optimizer's default when unset."""
+        if self.lr is not None:
+            return self.lr
+        return 0.1 if self.optimizer == "sgd" else 1e-3
+
+    @property
+    def base_damping(self) -> float:
+        """``damping``, or the model's default when unset (the MLP needs more damping:
+        its standardised inputs make the A factor nearly singular)."""
+        if self.damping is not None:
+            return self.damping
+        return 0.1 if self.model == "mlp" else 0.003
+
+    def resolved(self) -> TrainConfig:
+        """A copy with the defaults that depend on other options filled in."""
+        return dataclasses.replace(self, lr=self.base_lr, damping=self.base_damping)
+
+    def describe_optimizer(self) -> str:
+        """Short label such as ``kfac(comm-opt)+sgd`` (used in tables and plot legends)."""
+        base = self.optimizer + ("-nesterov" if self.nesterov else "")
+        return f"kfac({self.kfac_strategy})+{base}" if self.uses_kfac else base
+
+
+# --------------------------------------------------------------------- internals
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _suggest(word: str, options: list[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(str(word), options, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+_HINTS: dict[str, Any] | None = None
+
+
+def field_types() -> dict[str, Any]:
+    """Field name -> resolved type annotation of :class:`TrainConfig`."""
+    global _HINTS
+    if _HINTS is None:
+        _HINTS = typing.get_type_hints(TrainConfig)
+    return _HINTS
+
+
+def field_help() -> list[tuple[str, str, str, Any]]:
+    """``(name, group, help, default)`` of every field, in declaration order."""
+    out = []
+    for f in dataclasses.fields(TrainConfig):
+        default = f.default
+        if default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        out.append((f.name, f.metadata["group"], f.metadata["help"], default))
+    return out
+
+
+def _optional_inner(tp: Any) -> tuple[Any, bool]:
+    """``X | None`` -> (X, True); anything else -> (tp, False)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+_NONE_WORDS = ("none", "null", "off")
+
+
+def coerce(tp: Any, value: Any) -> Any:
+    """Convert ``value`` (from TOML/YAML/JSON or a command-line string) to type ``tp``."""
+    inner, optional = _optional_inner(tp)
+    if value is None or (optional and isinstance(value, str) and value.lower() in _NONE_WORDS):
+        if optional:
+            return None
+        raise ValueError("a value is required (none is not allowed)")
+    origin = typing.get_origin(inner)
+    if inner is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "no", "0"):
+            return False
+        raise ValueError(f"expected true/false, got {value!r}")
+    if inner is int:
+        if isinstance(value, bool):
+            raise ValueError(f"expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ValueError(f"expected an integer, got {value!r}")
+    if inner is float:
+        if isinstance(value, bool):
+            raise ValueError(f"expected a number, got {value!r}")
+        try:
+            out = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"expected a number, got {value!r}") from None
+        if not math.isfinite(out):
+            raise ValueError(f"expected a finite number, got {value!r}")
+        return out
+    if inner is str:
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
+        if not isinstance(value, str):
+            raise ValueError(f"expected a string, got {value!r}")
+        return value
+    if origin is tuple:
+        item = typing.get_args(inner)[0]
+        if isinstance(value, str):
+            value = [v for v in (s.strip() for s in value.split(",")) if v]
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"expected a list, got {value!r}")
+        return tuple(coerce(item, v) for v in value)
+    if origin is dict:
+        if isinstance(value, str):
+            value = parse_key_values([value])
+        if isinstance(value, list | tuple):  # ["k=v", ...] from repeated flags
+            value = parse_key_values([str(v) for v in value])
+        if not isinstance(value, Mapping):
+            raise ValueError(f"expected KEY=VALUE pairs or a table, got {value!r}")
+        return {str(k).replace("-", "_"): v for k, v in value.items()}
+    raise TypeError(f"unsupported option type {tp!r}")
+
+
+def parse_value(text: str) -> Any:
+    """JSON if it parses (numbers, lists, true/false/null), else the string itself."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_key_values(items: list[str]) -> dict[str, Any]:
+    """``["a=1", "b=[2,3]"]`` -> ``{"a": 1, "b": [2, 3]}``; ``ValueError`` without ``=``."""
+    out: dict[str, Any] = {}
+    for item in items:
+        for part in _split_top_level(item):
+            if "=" not in part:
+                raise ValueError(f"expected KEY=VALUE, got {part!r}")
+            key, _, text = part.partition("=")
+            out[key.strip().replace("-", "_")] = parse_value(text.strip())
+    return out
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split ``a=1,b=[2,3]`` at commas outside brackets."""
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch in "[{("
+        depth -= ch in "]})"
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    return [p for p in (s.strip() for s in parts) if p]
+
+
+def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a TOML (``.toml``) or YAML (``.yaml``/``.yml``, needs PyYAML) config file.
+
+    Tables/mappings one level deep are flattened (``[kfac] damping = 0.01`` ->
+    ``damping``), so files may group options; keys use ``_`` or ``-``. Errors
+    (missing file, syntax, non-table top level) raise :class:`ConfigError`.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config: no such file: {p}")
+    suffix = p.suffix.lower()
+    loader: Callable[[bytes], Any]
+    if suffix == ".toml":
+        import tomllib
+
+        def loader(b: bytes) -> Any:
+            return tomllib.loads(b.decode("utf-8"))
+    elif suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ConfigError(f"--config {p}: YAML needs PyYAML (pip install pyyaml); "
+                              "or write the file as TOML") from None
+
+        def loader(b: bytes) -> Any:
+            return yaml.safe_load(b)
+    else:
+        raise ConfigError(f"--config {p}: unknown format {suffix!r}; use .toml or .yaml")
+    try:
+        data = loader(p.read_bytes())
+    except Exception as exc:  # syntax errors of either parser
+        raise ConfigError(f"--config {p}: cannot parse: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {p}: the top level must be a table/mapping of options")
+    hints = field_types()
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if isinstance(value, dict) and name not in hints:  # a group such as [kfac]
+            for k, v in value.items():
+                flat[str(k).replace("-", "_")] = v
+        else:
+            flat[name] = value
+    return flat

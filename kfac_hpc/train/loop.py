@@ -1,0 +1,772 @@
+"""The training loop: ``train(config) -> TrainResult``, usable from Python and the CLI.
+
+Runs on every rank of ``comm`` (default: the world). Order of events:
+
+1. ``config.validate()``: pure, identical on every rank, before any collective.
+2. Setup (data, model, optimizer, preconditioner) on every rank; the ranks then
+   agree (one allgather) so that a bad path or option stops all of them with the
+   same :class:`~kfac_hpc.train.config.ConfigError`, never a hang.
+3. Optional resume from a checkpoint (``kfac_hpc.checkpoint``, when installed).
+4. Epochs of steps: ``lr`` from the schedule -> forward/backward (micro-batches) ->
+   gradient averaging (``GradientAverager`` or DDP) -> ``preconditioner.step()``
+   -> ``optimizer.step()``; global loss/accuracy per step (one small allreduce on a
+   separate communicator that also carries the stop/checkpoint flags, so every rank
+   takes the same decision at the same step boundary).
+5. Evaluation on the sharded test set, epoch records, final summary.
+
+Traffic accounting: ``bytes_per_step`` counts what the training communicator (the
+gradient averager and K-FAC) put on the wire during training steps; metric
+reductions, evaluation and checkpoints use other counters or are subtracted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import gc
+import hashlib
+import importlib
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kfac_hpc.train.config import ConfigError, TrainConfig
+from kfac_hpc.train.data import DatasetSplits, ShardedLoader, load_dataset
+from kfac_hpc.train.metrics import (
+    MetricsWriter,
+    WeightedMean,
+    format_bytes,
+    format_table,
+    global_sums,
+)
+from kfac_hpc.train.models import build_model
+from kfac_hpc.train.optim import (
+    FeatureUnavailable,
+    build_averager,
+    build_optimizer,
+    build_preconditioner,
+    lr_schedule,
+)
+
+__all__ = ["TrainResult", "Trainer", "param_checksum", "train"]
+
+#: Exceptions raised by setup that mean "bad input", reported without a traceback.
+USAGE_ERRORS: tuple[type[BaseException], ...] = (
+    ConfigError, FeatureUnavailable, ValueError, FileNotFoundError, ImportError,
+)
+
+
+@dataclass
+class TrainResult:
+    """What a run achieved; identical on every rank (metrics are global)."""
+
+    epochs: float
+    steps: int
+    wall_time: float
+    setup_time: float
+    train_loss: float
+    train_acc: float
+    test_loss: float
+    test_acc: float
+    samples_per_s: float
+    bytes_per_step: float
+    checksum: str
+    ranks_agree: bool
+    stopped: str  # "completed" | "max_steps" | "target" | "stop_requested"
+    world_size: int
+    global_batch_size: int
+    device: str
+    averaging: str
+    out_dir: str | None
+    time_to_target: float | None = None
+    epochs_to_target: int | None = None
+    traffic: dict[str, dict[str, int]] = field(default_factory=dict)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    model: nn.Module | None = field(default=None, repr=False)
+
+    def summary_rows(self, cfg: TrainConfig) -> list[tuple[str, str]]:
+        """Rows of the final summary table."""
+        rows = [
+            ("ranks x device", f"{self.world_size} x {self.device}"),
+            ("data / model", f"{cfg.dataset} / {cfg.model}"),
+            ("optimizer", cfg.describe_optimizer()),
+            ("gradient averaging", self.averaging),
+            ("global batch", str(self.global_batch_size)),
+            ("epochs / steps", f"{self.epochs:g} / {self.steps}"),
+            ("wall time", f"{self.wall_time:.1f} s (+ {self.setup_time:.1f} s setup)"),
+            ("final train loss", f"{self.train_loss:.4f}"),
+            ("final train accuracy", f"{100 * self.train_acc:.2f} %"),
+            ("test loss", f"{self.test_loss:.4f}"),
+            ("test accuracy", f"{100 * self.test_acc:.2f} %"),
+            ("samples/s (training)", f"{self.samples_per_s:,.0f}"),
+            ("communicated per step", format_bytes(self.bytes_per_step)),
+            ("parameter checksum", self.checksum[:16]
+             + ("" if self.ranks_agree else "  (RANKS DIFFER!)")),
+        ]
+        if self.stopped != "completed":
+            rows.insert(5, ("stopped by", self.stopped.replace("_", " ")))
+        if cfg.target_accuracy is not None:
+            reached = (f"epoch {self.epochs_to_target}, {self.time_to_target:.1f} s"
+                       if self.time_to_target is not None else "not reached")
+            rows.insert(-3, (f"time to {100 * cfg.target_accuracy:g} %", reached))
+        if self.out_dir:
+            rows.append(("metrics", self.out_dir))
+        return rows
+
+
+def param_checksum(model: nn.Module) -> str:
+    """SHA-256 of the parameters' names and bytes (named order): equal iff bitwise equal."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def train(
+    cfg: TrainConfig,
+    comm: Any = None,
+    *,
+    verbose: bool = True,
+    should_stop: Callable[[], bool] | None = None,
+) -> TrainResult:
+    """Train as configured on every rank of ``comm`` (default: world) and return the result.
+
+    ``should_stop`` (a rank-local flag, e.g. set by a signal handler) is polled at
+    every step boundary; if any rank reports ``True`` all ranks checkpoint (when a
+    checkpoint directory is configured) and return with ``stopped="stop_requested"``.
+    Raises :class:`ConfigError` (on every rank alike) for invalid input.
+    """
+    cfg.validate()
+    trainer = Trainer(cfg, comm, verbose=verbose, should_stop=should_stop)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
+
+
+def _local_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class Trainer:
+    """State of one run; :func:`train` is the usual entry point."""
+
+    def __init__(self, cfg: TrainConfig, comm: Any = None, *, verbose: bool = True,
+                 should_stop: Callable[[], bool] | None = None) -> None:
+        from kfac_hpc.comm import Communicator, world
+
+        t0 = time.perf_counter()
+        cfg = cfg.resolved()
+        self.cfg = cfg
+        self.comm = comm if comm is not None else world()
+        self.rank, self.size = self.comm.rank, self.comm.size
+        self.verbose = verbose and self.rank == 0
+        self.should_stop = should_stop
+        self._pg_owned = False
+        self.writer = MetricsWriter(None, enabled=False)
+        self.ddp: Any = None  # DistributedDataParallel
+        self.pre: Any = None
+        self.scaler: Any = None
+        self._ckpt: Any = None
+        self._threads_before = torch.get_num_threads()
+        # Metrics, flags and setup agreement travel on a duplicate: never counted as
+        # training traffic, never interleaved with the preconditioner's requests.
+        self.aux = Communicator(self.comm.mpi.Dup(), name=f"{self.comm.name}/train-aux")
+        try:
+            self._setup(t0)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, t0: float) -> None:
+        cfg = self.cfg
+        node = self.aux.split_shared()
+        self.local_rank, self.local_size = node.rank, node.size
+        node.free()
+        torch.set_num_threads(cfg.threads or max(1, _local_cores() // self.local_size))
+        self.device = self._select_device()
+
+        splits, model, opt = self._agreed(self._build_core)
+        self.data: DatasetSplits = splits
+        self.model: nn.Module = model
+        self.opt: torch.optim.Optimizer = opt
+        self._sync_initial_state()
+        self.train_loader = ShardedLoader(splits.train, batch_size=cfg.batch_size,
+                                          rank=self.rank, world_size=self.size, seed=cfg.seed,
+                                          shuffle=True, drop_last=True)
+        if cfg.ddp:
+            self._init_ddp()
+        self.net: nn.Module = self.ddp if self.ddp is not None else self.model
+        if cfg.amp and cfg.amp_dtype == "float16":
+            self.scaler = torch.amp.GradScaler("cuda")
+        self.averager, self.averaging = self._agreed(self._build_distributed)
+        self.steps_per_epoch = len(self.train_loader)
+        full = self.steps_per_epoch * cfg.epochs
+        self.total_steps = min(full, cfg.max_steps) if cfg.max_steps else full
+        self.lr_fn = lr_schedule(cfg, self.steps_per_epoch, self.total_steps)
+        self.out_dir = self._resolve_out_dir()
+        self.step = 0
+        self.history: list[dict[str, Any]] = []
+        self.train_time = 0.0
+        self.train_samples = 0
+        self.epoch_stats = WeightedMean()
+        self.excluded_bytes = 0
+        self._resumed = self._maybe_resume()
+        self.writer = MetricsWriter(self.out_dir, enabled=self.rank == 0, append=self._resumed)
+        self.setup_time = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ setup
+    def _select_device(self) -> torch.device:
+        from kfac_hpc.comm import mpi_vendor
+        from kfac_hpc.runtime.discovery import banner, from_mpi, select_device
+
+        device = select_device(self.local_rank, prefer_cuda=self.cfg.device != "cpu")
+        job = from_mpi(self.aux)
+        if self.rank == 0 and self.verbose:
+            print(banner(job, device=device, mpi_library=mpi_vendor(),
+                         cuda_aware=self.comm.cuda_aware), flush=True)
+        return device
+
+    def _agreed(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on every rank; if it fails anywhere, fail everywhere alike.
+
+        A usage error (bad path, option...) becomes the same :class:`ConfigError` on
+        all ranks (the lowest failing rank's message); any other exception is re-raised
+        where it happened and reported as a ``RuntimeError`` on the other ranks.
+        """
+        value, error, kind = None, None, ""
+        try:
+            value = fn()
+        except USAGE_ERRORS as exc:
+            error, kind = exc, "usage"
+        except Exception as exc:
+            error, kind = exc, "crash"
+        reports = self.aux.allgather_object(
+            None if error is None else (kind, f"{type(error).__name__}: {error}", str(error)))
+        failed = [(r, rep) for r, rep in enumerate(reports) if rep is not None]
+        if not failed:
+            return value
+        if kind == "crash" and error is not None:
+            raise error
+        crashes = [(r, rep) for r, rep in failed if rep[0] == "crash"]
+        if crashes:
+            r, rep = crashes[0]
+            raise RuntimeError(f"rank {r} failed during setup: {rep[1]}")
+        raise ConfigError(failed[0][1][2])
+
+    def _build_core(self) -> tuple[DatasetSplits, nn.Module, torch.optim.Optimizer]:
+        cfg = self.cfg
+        splits = load_dataset(
+            cfg.dataset, path=cfg.data_path, seed=cfg.seed, flat=cfg.model == "mlp",
+            augment=cfg.augment, split_seed=cfg.split_seed, image_size=cfg.image_size,
+            input_shape=cfg.synthetic_shape, num_classes=cfg.synthetic_classes,
+            train_size=cfg.synthetic_train_size, test_size=cfg.synthetic_test_size,
+            num_threads=cfg.loader_threads)
+        torch.manual_seed(cfg.seed)
+        kwargs: dict[str, Any] = dict(splits.model_kwargs())
+        model = build_model(cfg.model, **kwargs, **cfg.model_options).to(self.device)
+        n = len(splits.train)
+        if cfg.batch_size * self.size > n:
+            raise ConfigError(
+                f"--batch-size {cfg.batch_size} x {self.size} ranks = global batch "
+                f"{cfg.batch_size * self.size} exceeds the {n} training samples of "
+                f"{cfg.dataset!r}; lower --batch-size")
+        opt = build_optimizer(cfg, model, self.comm)
+        self._ckpt = self._checkpoint_module()
+        return splits, model, opt
+
+    def _build_distributed(self) -> tuple[Any, str]:
+        cfg = self.cfg
+        if cfg.uses_kfac:
+            self.pre = build_preconditioner(cfg, self.model, self.comm, self.opt, self.scaler)
+        if self.ddp is not None:
+            return None, "torch DDP (" + ("nccl" if self.device.type == "cuda" else "gloo") + ")"
+        if self.size == 1:
+            return None, "none (1 rank)"
+        return build_averager(self.model, self.comm, cfg.grad_bucket_mb)
+
+    def _checkpoint_module(self) -> Any:
+        cfg = self.cfg
+        wanted = cfg.checkpoint_dir is not None or cfg.resume not in ("auto", "never")
+        if not wanted:
+            return None
+        ckpt: Any
+        try:
+            ckpt = importlib.import_module("kfac_hpc.checkpoint")
+        except ImportError:
+            ckpt = None
+        if ckpt is None or not all(hasattr(ckpt, f) for f in ("save", "load", "latest")):
+            raise FeatureUnavailable(
+                "checkpoints are not available yet in this installation (kfac_hpc.checkpoint "
+                "lacks save/load/latest); drop --checkpoint-dir/--resume")
+        if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
+            raise FileNotFoundError(f"--resume: no such checkpoint: {cfg.resume}")
+        return ckpt
+
+    def _sync_initial_state(self) -> None:
+        """Start from rank 0's parameters and buffers (seeded init makes this a no-op
+        on CPU; it guards against nondeterministic initialisation elsewhere)."""
+        if self.size == 1:
+            return
+        from kfac_hpc.comm import flatten, unflatten_into
+
+        tensors = [t for t in self.model.state_dict().values() if t.is_floating_point()]
+        if tensors:
+            flat = self.aux.broadcast(flatten(tensors), 0)
+            unflatten_into(flat, tensors)
+
+    def _init_ddp(self) -> None:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        if dist.is_initialized():
+            if dist.get_world_size() != self.size or dist.get_rank() != self.rank:
+                raise ConfigError("--ddp: torch.distributed is already initialised with a "
+                                  "different rank/size than this communicator")
+        else:
+            address = None
+            if self.rank == 0:
+                address = (_ddp_host(self.local_size == self.size), _free_port())
+            host, port = self.aux.broadcast_object(address, 0)
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=f"tcp://{host}:{port}",
+                                    rank=self.rank, world_size=self.size,
+                                    timeout=_dt.timedelta(minutes=10))
+            self._pg_owned = True
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        self.ddp = DistributedDataParallel(self.model, device_ids=ids)
+
+    def _resolve_out_dir(self) -> Path:
+        cfg = self.cfg
+        if cfg.out is not None:
+            return Path(cfg.out)
+        if cfg.checkpoint_dir is not None:
+            return Path(cfg.checkpoint_dir)
+        name = None
+        if self.rank == 0:
+            stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+            name, i = f"runs/{stamp}", 1
+            while Path(name).exists():
+                name, i = f"runs/{stamp}-{i}", i + 1
+        return Path(self.aux.broadcast_object(name, 0))
+
+    # ----------------------------------------------------------------- resume
+    def _maybe_resume(self) -> bool:
+        cfg, ckpt = self.cfg, self._ckpt
+        if ckpt is None or cfg.resume == "never":
+            return False
+        path = None
+        if self.rank == 0:
+            if cfg.resume == "auto":
+                latest = ckpt.latest(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+                path = str(latest) if latest else None
+            else:
+                path = cfg.resume
+        path = self.aux.broadcast_object(path, 0)
+        if path is None:
+            return False
+        # load() raises the same error on every rank; the loader check is deterministic:
+        # so all ranks report the problem together (exit 2 from the CLI).
+        errors = (ValueError, KeyError, getattr(ckpt, "CheckpointError", ValueError))
+        try:
+            info = ckpt.load(path, model=self.model, optimizer=self.opt,
+                             preconditioner=self.pre, comm=self.comm)
+            extra = dict(_get(info, "extra") or {})
+            if "loader" in extra:
+                self.train_loader.load_state_dict(extra["loader"])
+        except errors as exc:
+            raise ConfigError(f"cannot resume from {path}: {exc}") from None
+        self.step = int(_get(info, "step"))
+        metrics = dict(extra.get("metrics") or {})
+        self.history = list(metrics.get("history", []))
+        self.train_time = float(metrics.get("train_time", 0.0))
+        self.train_samples = int(metrics.get("train_samples", 0))
+        self.epoch_stats = WeightedMean(*metrics.get("epoch_stats", (0.0, 0.0, 0.0)))
+        if self.scaler is not None and "grad_scaler" in extra:
+            self.scaler.load_state_dict(extra["grad_scaler"])
+        self._print(f"resumed from {path} at step {self.step} "
+                    f"(epoch {self.train_loader.epoch}, batch {self.train_loader.batch_index})")
+        return True
+
+    def save_checkpoint(self) -> None:
+        """Write a checkpoint of the current state (all ranks call this together)."""
+        if self._ckpt is None or self.cfg.checkpoint_dir is None:
+            return
+        before = self.comm.traffic().total_bytes
+        extra = {
+            "loader": self.train_loader.state_dict(),
+            "epoch": self.train_loader.epoch,
+            "metrics": {"history": self.history, "train_time": self.train_time,
+                        "train_samples": self.train_samples,
+                        "epoch_stats": [self.epoch_stats.loss_sum, self.epoch_stats.correct,
+                                        self.epoch_stats.count]},
+            "config": self.cfg.to_dict(),
+        }
+        if self.scaler is not None:
+            extra["grad_scaler"] = self.scaler.state_dict()
+        # Between two inverse updates the preconditioner uses stale decompositions: store
+        # them, or a resumed run would recompute them from newer factors (not exact).
+        stale = self.pre is not None and self.cfg.inv_update_steps > 1
+        kwargs = {"store_eigenbases": True} if stale else {}
+        self._ckpt.save(self.cfg.checkpoint_dir, model=self.model, optimizer=self.opt,
+                        preconditioner=self.pre, step=self.step, comm=self.comm, extra=extra,
+                        keep_last=self.cfg.checkpoint_keep, **kwargs)
+        self.excluded_bytes += self.comm.traffic().total_bytes - before
+
+    # ------------------------------------------------------------------ steps
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if not self.cfg.amp:
+            return contextlib.nullcontext()
+        dtype = torch.float16 if self.cfg.amp_dtype == "float16" else torch.bfloat16
+        return torch.autocast(device_type="cuda", dtype=dtype)
+
+    def _no_sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """No gradient communication for micro-batches before the last one."""
+        if last:
+            return contextlib.nullcontext()
+        owner = self.ddp if self.ddp is not None else self.averager
+        no_sync = getattr(owner, "no_sync", None)
+        return no_sync() if no_sync is not None else contextlib.nullcontext()
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, int]:
+        """One optimizer step on this rank's batch: ``(mean loss, correct, samples)``."""
+        lr = self.lr_fn(self.step)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.net.train()
+        self.opt.zero_grad(set_to_none=True)
+        x = x.to(self.device, non_blocking=True)
+        y = y.to(self.device, non_blocking=True)
+        n = int(y.numel())
+        acc = self.cfg.accumulation_steps
+        loss_sum = torch.zeros((), device=self.device)
+        correct = torch.zeros((), device=self.device, dtype=torch.long)
+        for i, (xm, ym) in enumerate(zip(x.tensor_split(acc), y.tensor_split(acc))):
+            last = i == acc - 1
+            with self._no_sync(last):
+                with self._autocast():
+                    out = self.net(xm)
+                    loss = F.cross_entropy(out, ym)
+                scaled = loss * (ym.numel() / n)
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            loss_sum += loss.detach().float() * ym.numel()
+            correct += (out.detach().argmax(1) == ym).sum()
+        if self.averager is not None:
+            self.averager.synchronize()
+        if self.scaler is not None:
+            self.scaler.unscale_(self.opt)
+        if self.pre is not None:
+            self.pre.step()
+        if self.scaler is not None:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
+        self.step += 1
+        return float(loss_sum) / n, float(correct), n
+
+    @torch.no_grad()
+    def evaluate(self) -> WeightedMean:
+        """Global test loss/accuracy (sharded over ranks, weighted by samples)."""
+        self._sync_buffers()
+        self.model.eval()
+        test = self.data.test
+        n = len(test)
+        bs = max(1, min(self.cfg.eval_batch_size, n // self.size))
+        loader = ShardedLoader(test, batch_size=bs, rank=self.rank, world_size=self.size,
+                               seed=0, shuffle=False, drop_last=False)
+        stats = WeightedMean()
+        for b in range(len(loader)):
+            idx = loader.indices(b, 0)
+            if idx.numel() == 0:
+                continue
+            x, y = test.get_batch(idx, 0)
+            x, y = x.to(self.device), y.to(self.device)
+            with self._autocast():
+                out = self.model(x)
+            loss = F.cross_entropy(out.float(), y)
+            stats.add(float(loss), float((out.argmax(1) == y).sum()), int(y.numel()))
+        return stats.reduced(self.aux)
+
+    def _sync_buffers(self) -> None:
+        """Average floating buffers (BatchNorm running statistics) over ranks."""
+        if self.size == 1 or self.ddp is not None:
+            return  # DDP broadcasts rank 0's buffers every forward
+        from kfac_hpc.comm import flatten, unflatten_into
+
+        bufs = [b for b in self.model.buffers() if b.is_floating_point()]
+        if bufs:
+            unflatten_into(self.aux.allreduce(flatten(bufs), "avg"), bufs)
+
+    # ------------------------------------------------------------------- loop
+    def _progress(self) -> Any:
+        # mpiexec (Open MPI) gives ranks a pseudo-terminal for stdout only; srun none.
+        stream = next((f for f in (sys.stderr, sys.stdout) if f.isatty()), None)
+        if not (self.verbose and self.cfg.progress and stream is not None):
+            return None
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return None
+        return tqdm(total=self.total_steps, initial=self.step, unit="step", dynamic_ncols=True,
+                    file=stream, leave=False)
+
+    def _print(self, text: str, bar: Any = None) -> None:
+        if not self.verbose:
+            return
+        if bar is not None:
+            bar.write(text, file=sys.stdout)
+        else:
+            print(text, flush=True)
+
+    def fit(self) -> TrainResult:
+        """Run the configured epochs (or until ``max_steps``/target/stop) and summarise."""
+        cfg = self.cfg
+        self._write_config()
+        bar = self._progress()
+        stopped = "completed"
+        time_to_target: float | None = None
+        epochs_to_target: int | None = None
+        last_eval: WeightedMean | None = None
+        last_train = WeightedMean()
+        bytes_start = self.comm.traffic().total_bytes - self.excluded_bytes
+        steps_start = self.step
+        wall0 = time.perf_counter() - self.train_time
+        self._last_ckpt = time.monotonic()
+        epoch = self.train_loader.epoch
+        while epoch < cfg.epochs:
+            self.train_loader.set_epoch(epoch)
+            t_epoch = time.perf_counter()
+            if self.step < self.total_steps and self._run_epoch(epoch, bar, wall0):
+                stopped = "stop_requested"
+            if stopped == "stop_requested":
+                break  # checkpointed; leave quickly, without evaluating
+            ran_out = self.step >= self.total_steps
+            complete = (self.train_loader.epoch > epoch
+                        or self.train_loader.batch_index >= self.steps_per_epoch)
+            if not (complete or ran_out):
+                break  # cannot happen: an epoch ends only at its end or at the last step
+            if self.epoch_stats.count:
+                last_train = self.epoch_stats
+            evaluated = ((epoch + 1) % cfg.eval_every_epochs == 0 or ran_out
+                         or epoch + 1 == cfg.epochs)
+            if evaluated:
+                last_eval = self.evaluate()
+            record = {
+                "epoch": (epoch + 1 if complete
+                          else epoch + self.train_loader.batch_index / self.steps_per_epoch),
+                "step": self.step,
+                "lr": self.opt.param_groups[0]["lr"],
+                "train_loss": self.epoch_stats.loss,
+                "train_acc": self.epoch_stats.acc,
+                "test_loss": last_eval.loss if evaluated and last_eval else math.nan,
+                "test_acc": last_eval.acc if evaluated and last_eval else math.nan,
+                "epoch_time": time.perf_counter() - t_epoch,
+                "wall_time": time.perf_counter() - wall0,
+                "samples_per_s": self.train_samples / max(self.train_time, 1e-9),
+                "bytes_per_step": self._bytes_per_step(bytes_start, steps_start),
+            }
+            self.epoch_stats = WeightedMean()
+            self.history.append(record)
+            self.writer.epoch(record)
+            test = f"test_acc {100 * record['test_acc']:.2f}%  " if evaluated else ""
+            self._print(
+                f"epoch {record['epoch']:g}/{cfg.epochs}  step {self.step}  "
+                f"loss {record['train_loss']:.4f}  acc {100 * record['train_acc']:.2f}%  "
+                f"{test}({record['epoch_time']:.1f} s)", bar)
+            if (cfg.target_accuracy is not None and evaluated and last_eval is not None
+                    and last_eval.acc >= cfg.target_accuracy):
+                time_to_target, epochs_to_target = record["wall_time"], epoch + 1
+                stopped = "target"
+                break
+            if ran_out:
+                if self.total_steps < self.steps_per_epoch * cfg.epochs:
+                    stopped = "max_steps"
+                break
+            epoch += 1
+        if bar is not None:
+            bar.close()
+        if stopped != "stop_requested":
+            if last_eval is None:
+                last_eval = self.evaluate()
+            if cfg.checkpoint_dir:
+                self.save_checkpoint()
+        return self._result(stopped, last_train, last_eval or WeightedMean(), wall0,
+                            bytes_start, steps_start, time_to_target, epochs_to_target)
+
+    def _run_epoch(self, epoch: int, bar: Any, wall0: float) -> bool:
+        """Steps of ``epoch`` from the loader's position; True if a stop was requested."""
+        cfg = self.cfg
+        t_step = time.perf_counter()
+        for x, y in self.train_loader:
+            loss, correct, n = self.train_step(x, y)
+            want_ckpt = (cfg.checkpoint_every_minutes is not None and
+                         time.monotonic() - self._last_ckpt >= 60 * cfg.checkpoint_every_minutes)
+            want_stop = bool(self.should_stop is not None and self.should_stop())
+            # One reduction: global metrics plus the flags every rank must agree on.
+            g_loss, g_correct, g_n, g_ckpt, g_stop = global_sums(
+                self.aux, [loss * n, correct, n, float(want_ckpt), float(want_stop)])
+            dt = time.perf_counter() - t_step
+            self.train_time += dt
+            self.train_samples += int(g_n)
+            self.epoch_stats.add(g_loss / g_n, g_correct, int(g_n))
+            if self.step % cfg.log_every_steps == 0 or self.step == self.total_steps:
+                self.writer.step({
+                    "step": self.step,
+                    "epoch": epoch + self.train_loader.batch_index / self.steps_per_epoch,
+                    "lr": self.opt.param_groups[0]["lr"],
+                    "loss": g_loss / g_n, "acc": g_correct / g_n, "samples": int(g_n),
+                    "step_time": dt, "samples_per_s": g_n / dt,
+                    "wall_time": time.perf_counter() - wall0,
+                })
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(
+                    f"ep {epoch + 1}/{cfg.epochs} loss {g_loss / g_n:.3f} "
+                    f"acc {100 * g_correct / g_n:.1f}% {1000 * dt:.0f} ms/step "
+                    f"{g_n / dt:,.0f} samples/s", refresh=False)
+            every = cfg.checkpoint_every_steps
+            if g_stop > 0 or g_ckpt > 0 or (every and self.step % every == 0):
+                self.save_checkpoint()
+                self._last_ckpt = time.monotonic()
+            if g_stop > 0:
+                return True
+            if self.step >= self.total_steps:
+                return False
+            t_step = time.perf_counter()
+        return False
+
+    def _bytes_per_step(self, bytes_start: int, steps_start: int) -> float:
+        steps = self.step - steps_start
+        if steps <= 0:
+            return 0.0
+        counted = self.comm.traffic().total_bytes - self.excluded_bytes - bytes_start
+        if self.ddp is not None:  # gloo/nccl allreduce of every gradient, not seen by MPI
+            counted += steps * sum(p.numel() * p.element_size()
+                                   for p in self.model.parameters() if p.requires_grad)
+        return counted / steps
+
+    def _result(self, stopped: str, last_train: WeightedMean, last_eval: WeightedMean,
+                wall0: float, bytes_start: int, steps_start: int,
+                time_to_target: float | None, epochs_to_target: int | None) -> TrainResult:
+        checksum = param_checksum(self.model)
+        agree = len(set(self.aux.allgather_object(checksum))) == 1
+        result = TrainResult(
+            epochs=round(self.step / self.steps_per_epoch, 4),
+            steps=self.step,
+            wall_time=time.perf_counter() - wall0,
+            setup_time=self.setup_time,
+            train_loss=last_train.loss,
+            train_acc=last_train.acc,
+            test_loss=last_eval.loss,
+            test_acc=last_eval.acc,
+            samples_per_s=self.train_samples / max(self.train_time, 1e-9),
+            bytes_per_step=self._bytes_per_step(bytes_start, steps_start),
+            checksum=checksum,
+            ranks_agree=agree,
+            stopped=stopped,
+            world_size=self.size,
+            global_batch_size=self.train_loader.global_batch_size,
+            device=str(self.device),
+            averaging=self.averaging,
+            out_dir=str(self.out_dir),
+            time_to_target=time_to_target,
+            epochs_to_target=epochs_to_target,
+            traffic=self.comm.traffic().snapshot(),
+            history=list(self.history),
+            model=self.model,
+        )
+        summary = {k: v for k, v in result.__dict__.items() if k not in ("model", "history")}
+        self.writer.write_json("summary.json", summary)
+        if self.verbose:
+            print(format_table(result.summary_rows(self.cfg), title="kfac-hpc train: summary"))
+            if result.stopped != "stop_requested":  # a stopped run was not evaluated
+                print(f"final test accuracy: {100 * result.test_acc:.2f} %", flush=True)
+        if not agree:
+            self._print("WARNING: final parameters differ between ranks")
+        return result
+
+    def _write_config(self) -> None:
+        import kfac_hpc
+
+        self.writer.write_json("config.json", {
+            "config": self.cfg.to_dict(),
+            "run": {
+                "label": self.cfg.describe_optimizer(),
+                "world_size": self.size,
+                "device": str(self.device),
+                "gradient_averaging": self.averaging,
+                "global_batch_size": self.train_loader.global_batch_size,
+                "steps_per_epoch": self.steps_per_epoch,
+                "total_steps": self.total_steps,
+                "torch_threads": torch.get_num_threads(),
+                "kfac_hpc": kfac_hpc.__version__,
+                "torch": torch.__version__,
+                "started_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                "resumed_at_step": self.step if self._resumed else None,
+            },
+        })
+
+    def close(self) -> None:
+        """Release communicators, the DDP process group (if ours) and open files."""
+        self.writer.close()
+        for obj, method in ((self.pre, "remove_hooks"), (getattr(self, "averager", None),
+                                                          "remove")):
+            detach = getattr(obj, method, None)
+            if detach is not None:
+                detach()
+        if self.ddp is not None:
+            # Release DDP's reducer while its process group still exists, on every rank
+            # at the same point (after the final collectives of the run).
+            self.net = self.model
+            self.ddp = None
+            gc.collect()
+        if self._pg_owned:
+            import torch.distributed as dist
+
+            dist.barrier()
+            dist.destroy_process_group()
+            self._pg_owned = False
+        torch.set_num_threads(self._threads_before)
+        if self.aux.mpi is not None:
+            self.aux.free()
+            self.aux.mpi = None  # type: ignore[assignment]
+
+
+# --------------------------------------------------------------------- helpers
+
+
+def _get(info: Any, key: str) -> Any:
+    """``info.key`` or ``info[key]`` (the checkpoint API returns either)."""
+    if isinstance(info, dict):
+        return info.get(key)
+    return getattr(info, key, None)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def _ddp_host(single_node: bool) -> str:
+    import socket
+
+    if os.environ.get("MASTER_ADDR"):
+        return os.environ["MASTER_ADDR"]
+    return "127.0.0.1" if single_node else socket.gethostname()

@@ -1,0 +1,194 @@
+"""Metrics of a training run: global averages over ranks, JSONL/CSV files on rank 0.
+
+Averages are weighted by sample counts: every rank contributes ``(sum of per-sample
+losses, number correct, number of samples)`` and one allreduce gives the global
+means, exact even when local batches differ in size (e.g. a short last test batch).
+
+Files written into the run directory by :class:`MetricsWriter` (rank 0 only):
+
+* ``metrics.jsonl``: one JSON object per line, ``"kind": "step"`` or ``"epoch"``
+  (the input of ``kfac-hpc plot``);
+* ``steps.csv`` / ``epochs.csv``: the same records as tables (columns
+  :data:`STEP_FIELDS` / :data:`EPOCH_FIELDS`).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+__all__ = [
+    "EPOCH_FIELDS",
+    "STEP_FIELDS",
+    "MetricsWriter",
+    "WeightedMean",
+    "format_bytes",
+    "format_table",
+    "global_sums",
+    "read_jsonl",
+]
+
+STEP_FIELDS = ("step", "epoch", "lr", "loss", "acc", "samples", "step_time", "samples_per_s",
+               "wall_time")
+EPOCH_FIELDS = ("epoch", "step", "lr", "train_loss", "train_acc", "test_loss", "test_acc",
+                "epoch_time", "wall_time", "samples_per_s", "bytes_per_step")
+
+
+def global_sums(comm: Any, values: Sequence[float]) -> list[float]:
+    """Sum ``values`` over the ranks of ``comm`` (one float64 allreduce; same result everywhere)."""
+    t = torch.tensor(list(values), dtype=torch.float64)
+    if comm is not None and comm.size > 1:
+        comm.allreduce(t, "sum")
+    return [float(v) for v in t]
+
+
+@dataclass
+class WeightedMean:
+    """Loss and accuracy accumulated per sample: ``loss_sum`` = Σ per-sample losses."""
+
+    loss_sum: float = 0.0
+    correct: float = 0.0
+    count: float = 0.0
+
+    def add(self, mean_loss: float, correct: float, n: int) -> None:
+        """Add a batch of ``n`` samples whose mean loss is ``mean_loss``."""
+        self.loss_sum += mean_loss * n
+        self.correct += correct
+        self.count += n
+
+    def reduced(self, comm: Any) -> WeightedMean:
+        """The global sums over the ranks of ``comm``."""
+        s = global_sums(comm, [self.loss_sum, self.correct, self.count])
+        return WeightedMean(*s)
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / self.count if self.count else math.nan
+
+    @property
+    def acc(self) -> float:
+        return self.correct / self.count if self.count else math.nan
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe: NaN/inf -> None, tensors -> numbers."""
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsWriter:
+    """Writes step and epoch records on the rank with ``enabled=True`` (rank 0).
+
+    Files are line-buffered and flushed per record, so a killed job keeps every
+    record written so far. On other ranks every method is a no-op.
+    """
+
+    def __init__(self, out_dir: str | Path | None, *, enabled: bool = True,
+                 append: bool = False) -> None:
+        self.enabled = enabled and out_dir is not None
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self._files: dict[str, IO[str]] = {}
+        self._csv: dict[str, csv.DictWriter[str]] = {}
+        self._mode = "a" if append else "w"
+        if self.enabled and self.out_dir is not None:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+
+    def _open(self, name: str) -> IO[str]:
+        assert self.out_dir is not None
+        if name not in self._files:
+            self._files[name] = open(self.out_dir / name, self._mode, buffering=1,  # noqa: SIM115
+                                     encoding="utf-8", newline="")
+        return self._files[name]
+
+    def _table(self, name: str, fields: Sequence[str]) -> csv.DictWriter[str]:
+        if name not in self._csv:
+            path = self.out_dir / name if self.out_dir else None
+            fresh = (self._mode == "w" or path is None or not path.exists()
+                     or not path.stat().st_size)
+            writer = csv.DictWriter(self._open(name), fieldnames=list(fields),
+                                    extrasaction="ignore")
+            if fresh:
+                writer.writeheader()
+            self._csv[name] = writer
+        return self._csv[name]
+
+    def _write(self, kind: str, record: Mapping[str, Any], table: str,
+               fields: Sequence[str]) -> None:
+        if not self.enabled:
+            return
+        clean = {k: _clean(v) for k, v in record.items()}
+        self._open("metrics.jsonl").write(json.dumps({"kind": kind, **clean}) + "\n")
+        self._table(table, fields).writerow(clean)
+
+    def step(self, record: Mapping[str, Any]) -> None:
+        """One optimizer step's global metrics (see :data:`STEP_FIELDS`)."""
+        self._write("step", record, "steps.csv", STEP_FIELDS)
+
+    def epoch(self, record: Mapping[str, Any]) -> None:
+        """One epoch's global metrics (see :data:`EPOCH_FIELDS`)."""
+        self._write("epoch", record, "epochs.csv", EPOCH_FIELDS)
+
+    def write_json(self, name: str, obj: Any) -> None:
+        """Write ``obj`` as pretty JSON to ``out_dir/name`` (e.g. the resolved config)."""
+        if self.enabled and self.out_dir is not None:
+            text = json.dumps(obj, indent=2, sort_keys=False, default=str)
+            (self.out_dir / name).write_text(text + "\n", encoding="utf-8")
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+        self._csv.clear()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a ``metrics.jsonl`` file (blank and truncated last lines are skipped)."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut short by a killed job
+    return out
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``1.5 KiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def format_table(rows: Sequence[tuple[str, str]], title: str | None = None) -> str:
+    """A two-column plain-text table (name, value) with a rule above and below."""
+    width = max([len(k) for k, _ in rows] + [0])
+    vwidth = max([len(v) for _, v in rows] + [0])
+    rule = "-" * (width + vwidth + 3)
+    lines = [rule]
+    if title:
+        lines += [title, rule]
+    lines += [f"{k:<{width}} | {v}" for k, v in rows]
+    lines.append(rule)
+    return "\n".join(lines)

@@ -1,0 +1,236 @@
+"""Optimizers, the K-FAC preconditioner on top of them, gradient averaging, LR schedule.
+
+* :func:`lr_at` is the learning rate as a pure function of the step (linear warm-up,
+  then cosine / step / constant), so a resumed run continues the same curve.
+* :func:`build_optimizer`: SGD (momentum, Nesterov), Adam, AdamW, or
+  ``kfac_hpc.shampoo.DistributedShampoo`` (imported only when asked for).
+* :func:`build_preconditioner`: ``kfac_hpc.KFACPreconditioner`` whose ``lr`` follows
+  the optimizer's current learning rate (needed by KL clipping).
+* :func:`build_averager`: ``kfac_hpc.GradientAverager`` (bucketed, overlapping
+  backward); when the package does not provide it, :class:`AllreduceAverager`.
+
+Components that are missing from the installed package raise
+:class:`FeatureUnavailable`, which the driver reports as a usage error.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from kfac_hpc.train.config import TrainConfig
+
+__all__ = [
+    "AllreduceAverager",
+    "FeatureUnavailable",
+    "GradAverager",
+    "build_averager",
+    "build_optimizer",
+    "build_preconditioner",
+    "lr_at",
+    "lr_schedule",
+]
+
+
+class FeatureUnavailable(RuntimeError):
+    """An optional part of kfac_hpc (K-FAC, Shampoo, checkpoints) is not installed yet."""
+
+
+# ------------------------------------------------------------------- schedule
+
+
+def lr_at(
+    step: int,
+    *,
+    base_lr: float,
+    total_steps: int,
+    warmup_steps: int = 0,
+    schedule: str = "cosine",
+    milestones: Sequence[int] = (),
+    gamma: float = 0.1,
+    min_lr: float = 0.0,
+) -> float:
+    """Learning rate of optimizer step ``step`` (0-based); a pure function, never compounding.
+
+    * warm-up, ``step < warmup_steps``: ``base_lr * (step + 1) / warmup_steps``;
+    * ``cosine``: ``min_lr + (base_lr - min_lr) * (1 + cos(pi * t)) / 2`` with
+      ``t = (step - warmup_steps) / (total_steps - warmup_steps)`` clipped to [0, 1];
+    * ``step``: ``base_lr * gamma ** (number of milestones <= step)``;
+    * ``constant``: ``base_lr``.
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if step < warmup_steps:
+        return base_lr * (step + 1) / warmup_steps
+    if schedule == "constant":
+        return base_lr
+    if schedule == "step":
+        return base_lr * gamma ** sum(1 for m in milestones if step >= m)
+    if schedule == "cosine":
+        span = max(1, total_steps - warmup_steps)
+        t = min(1.0, (step - warmup_steps) / span)
+        return min_lr + (base_lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * t))
+    raise ValueError(f"unknown lr schedule {schedule!r}; use cosine, step or constant")
+
+
+def lr_schedule(cfg: TrainConfig, steps_per_epoch: int, total_steps: int) -> Callable[[int], float]:
+    """``step -> lr`` for ``cfg`` (warm-up and milestones given in epochs -> steps)."""
+    warmup = round(cfg.warmup_epochs * steps_per_epoch)
+    milestones = tuple(round(m * steps_per_epoch) for m in cfg.lr_milestones)
+    base_lr = cfg.base_lr
+
+    def fn(step: int) -> float:
+        return lr_at(step, base_lr=base_lr, total_steps=total_steps, warmup_steps=warmup,
+                     schedule=cfg.lr_schedule, milestones=milestones, gamma=cfg.lr_gamma,
+                     min_lr=cfg.min_lr)
+
+    return fn
+
+
+# ----------------------------------------------------------------- optimizers
+
+
+def _optional(module: str, attr: str, what: str) -> Any:
+    """``module.attr`` or :class:`FeatureUnavailable` naming ``what``."""
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        raise FeatureUnavailable(f"{what} is not available in this installation "
+                                 f"({module}: {exc})") from None
+    obj = getattr(mod, attr, None)
+    if obj is None:
+        raise FeatureUnavailable(f"{what} is not available yet in this installation "
+                                 f"({module}.{attr} is missing)")
+    return obj
+
+
+def build_optimizer(cfg: TrainConfig, model: nn.Module, comm: Any = None) -> torch.optim.Optimizer:
+    """The base optimizer of ``cfg`` over ``model``'s trainable parameters (lr = ``cfg.lr``;
+    the loop overwrites it every step from the schedule)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    lr = cfg.base_lr
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum,
+                               nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
+    if cfg.optimizer in ("adam", "adamw"):
+        cls = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.AdamW
+        b1, b2 = cfg.betas
+        return cls(params, lr=lr, betas=(b1, b2), eps=cfg.eps,
+                   weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "shampoo":
+        shampoo = _optional("kfac_hpc.shampoo", "DistributedShampoo", "Shampoo "
+                            "(kfac_hpc.shampoo.DistributedShampoo)")
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        # --momentum/--eps are SGD's/Adam's; Shampoo's own (momentum, epsilon,
+        # grafting, ...) go through --shampoo-options.
+        kwargs: dict[str, Any] = {"lr": lr, "comm": comm}
+        accepted = _parameters(shampoo)
+        for key, value in (("weight_decay", cfg.weight_decay), ("betas", tuple(cfg.betas))):
+            if key in accepted:
+                kwargs[key] = value
+        unknown = sorted(set(cfg.shampoo_options) - accepted) if accepted else []
+        if unknown and "kwargs" not in accepted:
+            raise ValueError(f"--shampoo-options: DistributedShampoo takes no "
+                             f"{', '.join(unknown)}; it takes {', '.join(sorted(accepted))}")
+        kwargs.update(cfg.shampoo_options)
+        return shampoo(named, **kwargs)
+    raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
+
+
+def _parameters(fn: Any) -> set[str]:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    return {("kwargs" if p.kind is p.VAR_KEYWORD else p.name) for p in params}
+
+
+def build_preconditioner(cfg: TrainConfig, model: nn.Module, comm: Any,
+                         optimizer: torch.optim.Optimizer,
+                         grad_scaler: Any = None) -> Any | None:
+    """``KFACPreconditioner`` for ``cfg`` (``None`` without K-FAC).
+
+    Its ``lr`` is a callable returning the optimizer's current learning rate, so KL
+    clipping follows the schedule (the loop sets the lr before each ``step()``).
+    """
+    if not cfg.uses_kfac:
+        return None
+    kfac = _optional("kfac_hpc", "KFACPreconditioner",
+                     "K-FAC (kfac_hpc.KFACPreconditioner); use --preconditioner none")
+
+    def current_lr(_step: int = 0) -> float:
+        return float(optimizer.param_groups[0]["lr"])
+
+    return kfac(
+        model,
+        comm=comm,
+        strategy=cfg.kfac_strategy,
+        grad_worker_fraction=cfg.grad_worker_fraction,
+        compute_method=cfg.kfac_compute_method,
+        damping=cfg.base_damping,
+        factor_decay=cfg.factor_decay,
+        kl_clip=cfg.kl_clip,
+        lr=current_lr,
+        factor_update_steps=cfg.factor_update_steps,
+        inv_update_steps=cfg.inv_update_steps,
+        skip_layers=tuple(cfg.skip_layers),
+        accumulation_steps=cfg.accumulation_steps,
+        grad_scaler=grad_scaler,
+        symmetric_packing=cfg.kfac_symmetric_packing,
+        overlap=cfg.kfac_overlap,
+        bucket_cap_mb=cfg.kfac_bucket_cap_mb,
+        factor_sync=cfg.kfac_factor_sync,
+        factor_dtype=None if cfg.kfac_factor_dtype == "auto" else getattr(
+            torch, cfg.kfac_factor_dtype),
+        inv_dtype=getattr(torch, cfg.kfac_inv_dtype),
+    )
+
+
+# ------------------------------------------------------------------ averaging
+
+
+class GradAverager(Protocol):
+    """What the loop needs of a gradient averager."""
+
+    def synchronize(self) -> None: ...
+
+
+class AllreduceAverager:
+    """Average ``.grad`` over ranks after backward: fused, bucketed allreduce (avg).
+
+    The stand-in used when ``kfac_hpc.GradientAverager`` is not installed: same
+    result, no overlap with backward. A parameter without a gradient on this rank
+    contributes zeros (and gets a gradient), so all ranks send the same message.
+    """
+
+    def __init__(self, model: nn.Module, comm: Any, *, cap_mb: float = 25.0) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.comm = comm
+        self.cap_mb = cap_mb
+
+    def synchronize(self) -> None:
+        from kfac_hpc.comm import FusedAllreduce
+
+        if self.comm.size == 1:
+            return
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        FusedAllreduce(self.comm, grads, op="avg", cap_mb=self.cap_mb).start().wait()
+
+
+def build_averager(model: nn.Module, comm: Any,
+                   bucket_cap_mb: float = 25.0) -> tuple[GradAverager, str]:
+    """``(averager, name)``: the package's ``GradientAverager`` or :class:`AllreduceAverager`."""
+    try:
+        cls = _optional("kfac_hpc", "GradientAverager", "GradientAverager")
+    except FeatureUnavailable:
+        return AllreduceAverager(model, comm, cap_mb=bucket_cap_mb), "MPI allreduce (fallback)"
+    return cls(model, comm, bucket_cap_mb=bucket_cap_mb), "MPI GradientAverager"

@@ -1,0 +1,95 @@
+"""``KFACPreconditioner(strategy="auto")``: resolved by the planner, the same on every rank."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+from torch import nn
+
+from kfac_hpc import KFACPreconditioner
+from kfac_hpc.comm import Communicator
+from kfac_hpc.plan.auto import resolve_auto
+from kfac_hpc.plan.collectives import COLLECTIVES, LinkCost
+from kfac_hpc.plan.profile import ComputeRates, Profile
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(40, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(),
+                         nn.Linear(48, 6))
+
+
+def profile(alpha: float, beta: float) -> Profile:
+    """A machine with cheap compute and the given network."""
+    table = ((8, 1e-6), (1024, 1e-3))
+    compute = ComputeRates(train_flops=1e12, gemm_flops=1e12, mem_bandwidth=1e11,
+                           op_overhead_s=1e-7, eigh=table, inverse=table)
+    return Profile("test", {k: LinkCost(alpha, beta, "ring") for k in COLLECTIVES}, compute)
+
+
+SLOW_BANDWIDTH = profile(alpha=1e-9, beta=1e-6)  # bytes dominate: gradients are smaller
+SLOW_LATENCY = profile(alpha=1e-2, beta=1e-15)  # messages dominate: comm-opt sends fewest
+
+
+def test_world_of_one_is_comm_opt() -> None:
+    pre = KFACPreconditioner(mlp(), comm=Communicator(MPI.COMM_SELF), strategy="auto",
+                             plan_profile=SLOW_BANDWIDTH)
+    assert pre.strategy == "comm-opt" and pre.placement.grad_workers == 1
+
+
+def test_auto_rejects_a_fraction_and_profile_needs_auto() -> None:
+    with pytest.raises(ValueError, match="chooses grad_worker_fraction"):
+        KFACPreconditioner(mlp(), comm=Communicator(MPI.COMM_SELF), strategy="auto",
+                           grad_worker_fraction=0.5)
+    with pytest.raises(ValueError, match="plan_profile applies"):
+        KFACPreconditioner(mlp(), comm=Communicator(MPI.COMM_SELF), plan_profile="a100-ib200")
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_resolver_extremes(world: int) -> None:
+    # bandwidth-bound, decompositions every step: gradients (g·a) beat eigenbases (n²+n)
+    s, f, best, ests = resolve_auto(mlp(), world, profile=SLOW_BANDWIDTH)
+    assert (s, f) == ("mem-opt", None)
+    assert best is not None and best.total_s == min(e.total_s for e in ests)
+    # latency-bound, decompositions rarely: comm-opt sends no per-step gradient messages
+    s, f, _, _ = resolve_auto(mlp(), world, profile=SLOW_LATENCY, inv_update_steps=100)
+    assert (s, f) == ("comm-opt", None)
+
+
+def test_memory_budget_overrules_speed() -> None:
+    _, _, fast, ests = resolve_auto(mlp(), 4, profile=SLOW_LATENCY, inv_update_steps=100)
+    assert fast is not None and fast.options.strategy == "comm-opt"
+    smallest = min(e.memory_peak for e in ests)
+    s, _, best, _ = resolve_auto(mlp(), 4, profile=SLOW_LATENCY, inv_update_steps=100,
+                                 memory_budget=smallest)
+    assert best is not None and best.memory_peak == smallest and s != "comm-opt"
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("prof,kwargs", [(SLOW_BANDWIDTH, {}),
+                                         (SLOW_LATENCY, {"inv_update_steps": 100})])
+def test_auto_in_preconditioner_mpi(prof: Profile, kwargs: dict[str, int],
+                                    caplog: pytest.LogCaptureFixture) -> None:
+    world = MPI.COMM_WORLD
+    comm = Communicator(world.Dup())
+    model = mlp()
+    with caplog.at_level(logging.INFO, logger="kfac_hpc"):
+        pre = KFACPreconditioner(model, comm=comm, strategy="auto", plan_profile=prof,
+                                 **kwargs)
+    expected, fraction, _, _ = resolve_auto(mlp(), comm.size, profile=prof, **kwargs)
+    assert pre.strategy == expected
+    assert pre.config()["strategy"] == expected
+    assert pre.placement.grad_workers == (comm.size if expected == "comm-opt" else 1
+                                          if expected == "mem-opt" else
+                                          round(fraction * comm.size))
+    assert len(set(world.allgather(pre.strategy))) == 1
+    if comm.rank == 0:
+        assert any("strategy='auto' chose" in r.getMessage() for r in caplog.records)
+    x = torch.randn(8, 40, generator=torch.Generator().manual_seed(comm.rank))
+    F.cross_entropy(model(x), torch.zeros(8, dtype=torch.long)).backward()
+    pre.step()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())

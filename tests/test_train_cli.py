@@ -1,0 +1,134 @@
+"""``kfac-hpc train`` / ``kfac-hpc plot`` as users run them (subprocesses), metrics files."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kfac_hpc.cli import main
+from kfac_hpc.train.metrics import MetricsWriter, WeightedMean, read_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+KFAC_HPC = [sys.executable, "-m", "kfac_hpc"]
+
+
+
+def clean_env() -> dict[str, str]:
+    """The environment minus the MPI variables of this (possibly MPI-launched) process."""
+    prefixes = ("OMPI_", "PMIX_", "PRTE_", "PMI_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
+    env["OMPI_MCA_btl_tcp_if_include"] = "lo"
+    return env
+
+
+def run(cmd: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, cwd=cwd, env=clean_env(), capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+# --------------------------------------------------------------------- bad input
+
+
+def test_unknown_model_exits_2_with_one_message(tmp_path: Path) -> None:
+    p = run([*KFAC_HPC, "train", "--model", "nope", "--epochs", "0"], tmp_path)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.count("error:") == 1, p.stderr
+    assert "--model: unknown value 'nope'" in p.stderr and "--epochs" in p.stderr
+    assert "Traceback" not in p.stderr and p.stdout == ""
+    assert not (tmp_path / "runs").exists()  # nothing started
+
+
+def test_module_entry_point_reports_bad_values(tmp_path: Path) -> None:
+    p = run([sys.executable, "-m", "kfac_hpc.train", "--epochs", "x"], tmp_path)
+    assert p.returncode == 2
+    assert "--epochs: expected an integer, got 'x'" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
+def test_bad_input_on_two_ranks_prints_once(tmp_path: Path) -> None:
+    """A missing data path is found during setup (a file-system check): every rank
+    fails, they agree, rank 0 alone prints, all exit 2, nobody hangs."""
+    missing = tmp_path / "no-cifar-here"
+    p = run([str(ROOT / "launch" / "local"), "-n", "2", "--timeout", "100", *KFAC_HPC,
+             "train", "--dataset", "cifar10", "--model", "resnet20",
+             "--data-path", str(missing)], tmp_path)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.count("kfac-hpc train: error:") == 1, p.stderr
+    assert f"CIFAR-10: {missing} is not a directory" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_flag_errors_print_on_rank_0_only(rank: str, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Argument errors happen before MPI starts: the rank comes from the launcher's
+    environment, and only rank 0 prints (every rank exits 2)."""
+    for name in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PMI_RANK", rank)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--no-such-flag"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("unrecognized arguments: --no-such-flag") == (rank == "0"), err
+
+
+# ------------------------------------------------------------- metrics and plot
+
+
+def test_weighted_mean_uses_sample_counts() -> None:
+    m = WeightedMean()
+    m.add(1.0, 3, 4)  # 4 samples, mean loss 1, 3 correct
+    m.add(4.0, 0, 1)
+    assert m.loss == pytest.approx(8.0 / 5) and m.acc == pytest.approx(3 / 5)
+    assert m.reduced(None).count == 5
+
+
+def write_run(path: Path, label: str, offset: float) -> None:
+    with MetricsWriter(path) as w:
+        w.write_json("config.json", {"run": {"label": label}})
+        for s in range(1, 11):
+            w.step({"step": s, "epoch": s / 5, "lr": 0.1, "loss": 2.0 / s + offset,
+                    "acc": 0.5, "samples": 8, "step_time": 0.01, "samples_per_s": 800.0,
+                    "wall_time": s * 0.01})
+            if s % 5 == 0:
+                w.epoch({"epoch": s // 5, "step": s, "train_loss": 1.0, "train_acc": 0.8,
+                         "test_loss": 1.1 + offset, "test_acc": 0.7 + offset,
+                         "wall_time": s * 0.01, "extra_ignored_by_csv": 1})
+
+
+def test_metrics_files(tmp_path: Path) -> None:
+    write_run(tmp_path, "sgd", 0.0)
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["kind"] for r in records].count("step") == 10
+    assert [r["kind"] for r in records].count("epoch") == 2
+    with open(tmp_path / "epochs.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 and float(rows[1]["test_acc"]) == pytest.approx(0.7)
+    assert "extra_ignored_by_csv" not in rows[0]
+    with open(tmp_path / "steps.csv", newline="") as f:
+        assert len(list(csv.DictReader(f))) == 10
+    assert json.loads((tmp_path / "config.json").read_text())["run"]["label"] == "sgd"
+    disabled = MetricsWriter(tmp_path / "other", enabled=False)  # ranks other than 0
+    disabled.step({"step": 1})
+    assert not (tmp_path / "other").exists()
+
+
+def test_plot_writes_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_run(tmp_path / "a", "sgd", 0.0)
+    write_run(tmp_path / "b", "kfac", 0.1)
+    out = tmp_path / "fig" / "curves.png"
+    # kfac_hpc.cli.main is the `kfac-hpc` console script (in-process: saves a start-up)
+    rc = main(["plot", str(tmp_path / "a"), str(tmp_path / "b" / "metrics.jsonl"),
+               "--out", str(out), "--x", "step"])
+    assert rc == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    assert main(["plot", str(tmp_path / "missing"), "--out", str(out)]) == 2
+    assert "no such metrics file" in capsys.readouterr().err
