@@ -218,10 +218,16 @@ def _shampoo() -> Any:
 
 @pytest.mark.skipif(KFACPreconditioner is None, reason="kfac_hpc.KFACPreconditioner not built")
 @pytest.mark.parametrize("strategy", ["comm-opt", "mem-opt", "hybrid-opt", "dp-kfac"])
-def test_exact_resume_kfac(comm: Any, tmp_path: Path, strategy: str) -> None:
+@pytest.mark.parametrize("eigen", [False, True])
+def test_exact_resume_kfac(comm: Any, tmp_path: Path, strategy: str, eigen: bool) -> None:
+    """eigen=False: decompositions every step, recomputed after the load. eigen=True:
+    decompositions every 4th step and the checkpoint (after step 3, mid-interval)
+    stores them (``store_eigenbases=True``) - otherwise the resume would differ."""
     assert KFACPreconditioner is not None
     d = _shared_dir(comm, tmp_path)
     kwargs: dict[str, Any] = {"grad_worker_fraction": 0.5} if strategy == "hybrid-opt" else {}
+    if eigen:
+        kwargs["inv_update_steps"] = 4
 
     def build(seed: int) -> tuple[Net, Any, Any]:
         torch.manual_seed(seed)
@@ -233,7 +239,8 @@ def test_exact_resume_kfac(comm: Any, tmp_path: Path, strategy: str) -> None:
     ref, ref_opt, ref_pre = build(0)
     _seed_per_rank(comm, 11)
     train_steps(ref, ref_opt, comm, 0, 3, preconditioner=ref_pre)
-    checkpoint.save(d, model=ref, optimizer=ref_opt, preconditioner=ref_pre, step=3, comm=comm)
+    checkpoint.save(d, model=ref, optimizer=ref_opt, preconditioner=ref_pre, step=3, comm=comm,
+                    store_eigenbases=eigen)
     train_steps(ref, ref_opt, comm, 3, 6, preconditioner=ref_pre)
 
     model, opt, pre = build(0)  # same init (K-FAC checks replicas), state from the file

@@ -325,3 +325,16 @@ def test_cuda_tensors(aware):
     counts = [3] * comm.size
     out = comm.reduce_scatter(torch.ones(3 * comm.size, device=dev), counts)
     assert out.device.type == "cuda" and torch.all(out.cpu() == comm.size)
+
+
+@mpi(2)
+def test_tags_reach_subcommunicators_and_nest_once(comm):
+    sub = comm.split(comm.rank % 2)
+    comm.reset_traffic()
+    with comm.stats.tagged("phase"), comm.stats.tagged("phase"):
+        sub.allreduce(torch.ones(3))
+        comm.allreduce(torch.ones(2))
+    total = comm.traffic()
+    assert total.tag_bytes("phase") == (12 if sub.size > 1 else 0) + 8
+    assert comm.stats.tag_bytes("phase") == 8  # counted once although opened twice
+    sub.free()

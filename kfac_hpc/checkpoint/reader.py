@@ -456,7 +456,7 @@ def _locate(directory_or_path: str | os.PathLike[str]) -> Path:
 
 def load(directory_or_path: str | os.PathLike[str], *, model: nn.Module, optimizer: Any,
          preconditioner: Any = None, comm: Communicator | None = None, strict: bool = True,
-         read_mode: Literal["root", "owners", "all"] = "root",
+         read_mode: Literal["root", "owners", "all"] = "owners",
          restore_rng: bool = True) -> LoadInfo:
     """Load a checkpoint (collective) into live objects; a directory means its latest.
 
@@ -464,10 +464,11 @@ def load(directory_or_path: str | os.PathLike[str], *, model: nn.Module, optimiz
     is missing, damaged, of a newer format, or (``strict=True``) does not match the
     model, optimizer or preconditioner; nothing is loaded then. ``strict=False`` loads
     what matches (a mismatched preconditioner is left as it is) and lists the rest in
-    ``LoadInfo.mismatches``. ``read_mode``: ``"root"`` (rank 0 reads everything and
-    broadcasts / sends it), ``"owners"`` (rank 0 reads and broadcasts replicated state;
-    each rank reads its own factors and RNG state) or ``"all"`` (every rank reads all
-    it needs, replicated state included). Returns a :class:`LoadInfo`.
+    ``LoadInfo.mismatches``. ``read_mode``: ``"owners"`` (default: rank 0 reads and
+    broadcasts replicated state, each rank reads its own factors and RNG state),
+    ``"root"`` (rank 0 reads everything and broadcasts / sends it; one file open) or
+    ``"all"`` (every rank reads all it needs, replicated state included). Returns a
+    :class:`LoadInfo`.
     """
     if read_mode not in ("root", "owners", "all"):
         raise ValueError(f"read_mode must be 'root', 'owners' or 'all', got {read_mode!r}")
@@ -483,8 +484,8 @@ def load(directory_or_path: str | os.PathLike[str], *, model: nn.Module, optimiz
             if problems:
                 raise CheckpointError(f"{path} is damaged (nothing was loaded)", problems,
                                       str(path))
-            plan = _check(str(path), f, info, comm, model, optimizer, preconditioner, strict,
-                          restore_rng)
+            plan = _check(os.path.abspath(path), f, info, comm, model, optimizer,
+                          preconditioner, strict, restore_rng)
         except CheckpointError as exc:
             error = exc
         except Exception as exc:

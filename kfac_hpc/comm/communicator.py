@@ -335,6 +335,12 @@ class Communicator:
         child = Communicator(self.mpi.Split(color, self.rank if key is None else key),
                              cuda_aware=self.cuda_aware,
                              name=name or f"{self.name}/split{color}")
+        return self._adopt(child)
+
+    def _adopt(self, child: Communicator) -> Communicator:
+        """Register a sub-communicator: its traffic shows in :meth:`traffic`, and tags
+        opened on this communicator (``stats.tagged``) apply to its calls too."""
+        child.stats.share_tags_with(self.stats)
         self.children.append(child)
         return child
 
@@ -342,8 +348,7 @@ class Communicator:
         """Sub-communicator of the ranks that share this node's memory (local ranks)."""
         child = Communicator(self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank),
                              cuda_aware=self.cuda_aware, name=f"{self.name}/node")
-        self.children.append(child)
-        return child
+        return self._adopt(child)
 
     def free(self) -> None:
         """Release a sub-communicator (never the world)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -34,13 +35,20 @@ def triu_count(n: int) -> int:
     return n * (n + 1) // 2
 
 
+@functools.lru_cache(maxsize=256)
+def _upper_indices(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat indices of the upper triangle (row-major) and of its mirror, cached per size."""
+    rows, cols = torch.triu_indices(n, n, device=device)
+    return rows * n + cols, cols * n + rows
+
+
 def pack_upper(matrix: torch.Tensor) -> torch.Tensor:
     """The upper triangle (row-major, diagonal included) of a square matrix, 1-D."""
     n = matrix.shape[-1]
     if matrix.dim() != 2 or matrix.shape[0] != n:
         raise ValueError(f"pack_upper needs a square matrix, got shape {tuple(matrix.shape)}")
-    rows, cols = torch.triu_indices(n, n, device=matrix.device)
-    return matrix[rows, cols]
+    upper, _ = _upper_indices(n, matrix.device)
+    return matrix.reshape(-1).index_select(0, upper)
 
 
 def unpack_upper(packed: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -49,10 +57,11 @@ def unpack_upper(packed: torch.Tensor, n: int, out: torch.Tensor | None = None) 
         raise ValueError(f"{packed.numel()} elements cannot be the upper triangle of {n}x{n}")
     if out is None:
         out = torch.empty((n, n), dtype=packed.dtype, device=packed.device)
-    rows, cols = torch.triu_indices(n, n, device=packed.device)
+    upper, lower = _upper_indices(n, packed.device)
+    flat = out.view(-1)
     with torch.no_grad():
-        out[rows, cols] = packed
-        out[cols, rows] = packed
+        flat.index_copy_(0, upper, packed)
+        flat.index_copy_(0, lower, packed)
     return out
 
 

@@ -40,10 +40,14 @@ class TrafficStats:
             count = self.kinds.setdefault(kind, KindCount())
             count.calls += 1
             count.bytes += nbytes
-            for tag in self._tag_stack:
+            for tag in dict.fromkeys(self._tag_stack):  # nested equal tags count once
                 tagged = self.tags.setdefault(tag, KindCount())
                 tagged.calls += 1
                 tagged.bytes += nbytes
+
+    def share_tags_with(self, parent: TrafficStats) -> None:
+        """Use ``parent``'s open tags (a sub-communicator's calls inside a tagged block)."""
+        self._tag_stack = parent._tag_stack
 
     def tagged(self, tag: str) -> _Tag:
         """Context manager attributing the calls made inside it to ``tag`` as well."""

@@ -57,8 +57,8 @@ def covariance(rows: Tensor) -> Tensor:
     if n == 0:
         raise ValueError("covariance of zero rows is undefined")
     with _no_autocast(rows):
-        m = rows.t() @ (rows / n)
-    return (m + m.t()) / 2
+        m = (rows.t() @ rows).div_(n)  # divide the small result, not the rows (no big copy)
+    return m.add_(m.t().clone()).mul_(0.5)
 
 
 def update_running_average(current: Tensor | None, batch: Tensor, decay: float) -> Tensor:

@@ -59,7 +59,8 @@ class FactorPipeline:
             values.update(pieces(key))
         layout = self.layouts[b]
         flat = layout.pack(values, dtype=self.dtype)
-        self._inflight.append((b, self.comm.ireduce_scatter(flat, layout.counts(), "sum")))
+        with self.comm.stats.tagged("factors"):  # posted from hooks, outside step()
+            self._inflight.append((b, self.comm.ireduce_scatter(flat, layout.counts(), "sum")))
         self._next = b + 1
 
     def finish(self, pieces: PieceFn) -> dict[str, Tensor]:

@@ -531,22 +531,31 @@ class KFACPreconditioner:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Take the factors this rank owns from ``state`` (which may hold more).
 
-        Collective when local (small) factors are replicated: their owners send them
-        to the other gradient workers of the layer.
+        Collective (every rank calls it): ranks agree on errors before anything changes
+        (the same failure on every rank, nothing half-loaded), and owners of local (small)
+        factors send them to the layer's other gradient workers.
         """
         factors = state["factors"]
         updates = state.get("factor_updates", {})
         owned = self._owned_states()
+        problem: Exception | None = None
         missing = [k for k in owned if k not in factors and updates.get(k, 0) > 0]
         missing += [k for k in owned if k not in updates]
         if missing:
-            raise KeyError(f"factor state missing for {sorted(set(missing))} (owned by rank "
-                           f"{self.comm.rank}); was the checkpoint written for this model?")
+            problem = KeyError(f"factor state missing for {sorted(set(missing))} (owned by "
+                               f"rank {self.comm.rank}); was the checkpoint written for this "
+                               "model?")
         for key, s in owned.items():
             value = factors.get(key)
-            if value is not None and tuple(value.shape) != (s.dim, s.dim):
-                raise ValueError(f"factor {key} has shape {tuple(value.shape)}, "
-                                 f"expected {(s.dim, s.dim)}")
+            if problem is None and value is not None and tuple(value.shape) != (s.dim, s.dim):
+                problem = ValueError(f"factor {key} has shape {tuple(value.shape)}, "
+                                     f"expected {(s.dim, s.dim)}")
+        # every rank decides together before anything collective or anything is changed
+        if self.comm.any(problem is not None):
+            raise problem if problem is not None else RuntimeError(
+                "load_state_dict failed on another rank (see its message); nothing loaded")
+        for key, s in owned.items():
+            value = factors.get(key)
             s.average = None if value is None else value.detach().to(self.factor_dtype).clone()
             s.updates = int(updates[key])
         self._share_local_replicas()
