@@ -25,6 +25,7 @@ test: install
 lint: install
 	$(BIN)/ruff check kfac_hpc tests benchmarks
 	$(BIN)/mypy
+	$(BIN)/shellcheck -x launch/* jobs/*.sbatch jobs/lib/*.sh tests/fake_slurm/* tests/run_all.sh .ci/run
 
 demo: install
 	launch/local -n 4 --timeout 900 kfac-hpc train
