@@ -8,9 +8,9 @@ step and per phase, the counters with :meth:`Distribution.step_traffic`:
 * factors: the world communicator's reduce-scatter + allreduce bytes and calls;
 * decompositions / gradients: the broadcasts of the worker / receiver communicator;
 * total: ``comm.traffic().total_bytes`` (world + sub-communicators) = the phases' sum;
-* the library's tags (``comm.stats.tag_bytes``) equal the prediction where they see the
-  whole phase. They miss the buckets that ``overlap`` posts from backward hooks and the
-  broadcasts on sub-communicators (hybrid-opt), which do not inherit the parent's tags.
+* the library's own tags, ``comm.traffic().tag_bytes(phase)`` (sub-communicators share
+  the world's open tags; the overlap buckets posted from hooks are tagged too), bytes
+  and calls.
 
 Construction traffic (the replica check) is compared separately, and so is
 ``memory_bytes()`` with :meth:`Distribution.memory`.
@@ -76,11 +76,9 @@ CONFIGS: dict[str, KFACOptions] = {
 def _measure(pre: KFACPreconditioner) -> dict[str, int]:
     """Counters now, by phase, read by collective kind and communicator.
 
-    factors: the world communicator's reduce-scatters and allreduces (overlap posts
-    buckets from the backward hooks, outside the library's "factors" tag);
-    decompositions / gradients: the broadcasts of the worker / receiver communicator
-    (sub-communicators do not see the parent's tags). The library's own tags are
-    returned too (``tag:<phase>``).
+    factors: the world communicator's reduce-scatters and allreduces;
+    decompositions / gradients: the broadcasts of the worker / receiver communicator.
+    The library's own tags are returned too (``tag:<phase>``).
     """
     comm = pre.comm
     out: dict[str, int] = {
@@ -90,8 +88,10 @@ def _measure(pre: KFACPreconditioner) -> dict[str, int]:
     for phase, sub in (("decompositions", pre.worker_comm), ("gradients", pre.receiver_comm)):
         out[phase] = sub.stats.bytes_of("broadcast")
         out[phase + "#calls"] = sub.stats.calls_of("broadcast")
+    traffic = comm.traffic()  # the world's counters merged with its sub-communicators'
     for phase in BYTE_PHASES:
-        out["tag:" + phase] = comm.stats.tag_bytes(phase)
+        out["tag:" + phase] = traffic.tag_bytes(phase)
+        out["tag:" + phase + "#calls"] = traffic.tags[phase].calls if phase in traffic.tags else 0
     return out
 
 
@@ -126,15 +126,10 @@ def run_config(options: KFACOptions, mpi_comm: MPI.Comm) -> None:
                 f"step {step} rank {rank} {phase}: {got[phase + '#calls']} calls, "
                 f"predicted {want.calls[phase]}")
         assert got["total"] == want.total, f"step {step}: unexpected traffic {got}"
-        # the library's tags: complete where the phase runs on the world communicator
-        # and outside hooks; otherwise they see part of it (reported, not hidden)
-        tags_complete = {
-            "factors": not options.overlap,
-            "decompositions": pre.worker_comm is pre.comm,
-            "gradients": pre.receiver_comm is pre.comm}
-        for phase, complete in tags_complete.items():
-            tagged = got["tag:" + phase]
-            assert tagged == want.bytes[phase] if complete else tagged <= want.bytes[phase]
+        # the library's own tags (comm.traffic().tag_bytes) say the same
+        for phase in BYTE_PHASES:
+            assert got["tag:" + phase] == want.bytes[phase], (phase, got)
+            assert got["tag:" + phase + "#calls"] == want.calls[phase], (phase, got)
     mem = pre.memory_bytes()
     predicted = dist.memory(rank)
     assert mem["factors"] == predicted["factors"]
