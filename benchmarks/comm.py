@@ -4,7 +4,7 @@
 
 For allreduce, reduce-scatter, broadcast and allgather, at block sizes from 8 B to
 ``--max-bytes`` (8 B, then powers of 4), on the current ranks, the same collective is
-timed three ways in the same run, interleaved sample by sample:
+timed four ways in the same run, interleaved sample by sample:
 
 * ``kfac_hpc``: :class:`kfac_hpc.comm.Communicator` on float32 torch tensors;
 * ``mpi4py``: the same MPI call on numpy buffers of the same size (the floor);
@@ -14,7 +14,9 @@ timed three ways in the same run, interleaved sample by sample:
   port broadcast over MPI; rank and world size from MPI).
 
 A sample is the slowest rank's time for a batch of back-to-back calls after a barrier;
-each number is the median of the samples. Sizes are one rank's block (see
+each number is the median of the samples (``--stat min``: their minimum, a better
+estimate of the uncontended cost when other jobs share the cores; the JSON keeps both
+and every sample, and ``--from-json`` re-analyses it). Sizes are one rank's block (see
 ``kfac_hpc.comm.selfcheck``). Per collective, ``t = alpha + beta * size`` is fitted by
 least squares on relative error. Prints tables, writes ``comm_n<ranks>.json`` (raw
 samples) and ``comm_n<ranks>.png`` under ``--out``.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import socket
 import sys
@@ -174,6 +177,7 @@ def measure(comm: Communicator, sizes: Sequence[int], repeat: int, impls: Sequen
                 records.append({"collective": collective, "impl": impl, "bytes": nbytes,
                                 "elements": block_elements(nbytes), "inner": s.inner,
                                 "repeat": reps, "median_s": s.median,
+                                "min_s": float(s.seconds.min()),
                                 "samples_s": [float(v) for v in s.seconds]})
             cells = "  ".join(f"{i} {s.median * 1e6:.1f} us" for i, s in samples.items())
             say(f"  {collective:<15}{format_bytes(nbytes):>9}  {cells}  "
@@ -193,9 +197,13 @@ def _overheads(ours: dict[int, float], raw: dict[int, float]) -> dict[str, float
     return out
 
 
-def analyse(records: list[dict[str, Any]], impls: Sequence[str]) -> dict[str, Any]:
-    """Fits per (collective, implementation) and the three goals per collective."""
-    by = {(r["collective"], r["impl"], r["bytes"]): r["median_s"] for r in records}
+def analyse(records: list[dict[str, Any]], impls: Sequence[str],
+            stat: str = "median") -> dict[str, Any]:
+    """Fits per (collective, implementation) and the three goals per collective.
+
+    ``stat``: which statistic of the samples stands for a time, ``median`` or ``min``.
+    """
+    by = {(r["collective"], r["impl"], r["bytes"]): r[f"{stat}_s"] for r in records}
     fits: dict[str, dict[str, dict[str, Any]]] = {}
     goals: dict[str, dict[str, Any]] = {}
     for collective in dict.fromkeys(r["collective"] for r in records):
@@ -221,14 +229,15 @@ def analyse(records: list[dict[str, Any]], impls: Sequence[str]) -> dict[str, An
             g["faster_than_gloo_sizes"] = f"{len(faster)}/{len(sizes)}"
             g["gloo_goal_met"] = len(faster) == len(sizes)
         goals[collective] = g
-    return {"fits": fits, "goals": goals}
+    return {"stat": stat, "fits": fits, "goals": goals}
 
 
 def report(records: list[dict[str, Any]], analysis: dict[str, Any], impls: Sequence[str],
            markdown: bool) -> str:
     """The tables: per collective times and overheads, then fits, then goals."""
-    by = {(r["collective"], r["impl"], r["bytes"]): r["median_s"] for r in records}
-    out = []
+    stat = analysis["stat"]
+    by = {(r["collective"], r["impl"], r["bytes"]): r[f"{stat}_s"] for r in records}
+    out = [f"times: {stat} of the samples"]
     for collective in analysis["fits"]:
         sizes = sorted({r["bytes"] for r in records if r["collective"] == collective})
         headers = ["size"] + [f"{i} us" for i in impls]
@@ -297,7 +306,7 @@ def plot(records: list[dict[str, Any]], analysis: dict[str, Any], impls: Sequenc
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.2 * rows), squeeze=False)
     for ax, collective in zip(axes.flat, collectives):
         for impl in impls:
-            pts = sorted((r["bytes"], r["median_s"]) for r in records
+            pts = sorted((r["bytes"], r[f"{analysis['stat']}_s"]) for r in records
                          if r["collective"] == collective and r["impl"] == impl)
             x = np.array([p[0] for p in pts], float)
             ax.loglog(x, [p[1] * 1e6 for p in pts], marker="o", ms=3, label=impl)
@@ -306,7 +315,7 @@ def plot(records: list[dict[str, Any]], analysis: dict[str, Any], impls: Sequenc
                   label="kfac_hpc alpha-beta fit")
         ax.set_title(collective)
         ax.set_xlabel("block size (bytes)")
-        ax.set_ylabel("time per call (us)")
+        ax.set_ylabel(f"time per call, {analysis['stat']} (us)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(collectives):]:
@@ -328,6 +337,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--collectives", nargs="+", choices=COLLECTIVES, default=list(COLLECTIVES))
     p.add_argument("--no-gloo", action="store_true", help="skip torch.distributed gloo")
     p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
+    p.add_argument("--stat", choices=("median", "min"), default="median",
+                   help="statistic of the samples used for tables, fits and goals (default "
+                        "median; min estimates the uncontended cost on a shared machine)")
+    p.add_argument("--from-json", type=Path, metavar="PATH",
+                   help="re-analyse the raw samples of an earlier run instead of measuring")
     p.add_argument("--out", type=Path, default=OUT_DIR, help=f"output folder (default {OUT_DIR})")
     args = p.parse_args(argv)
     if args.max_bytes is None:
@@ -339,8 +353,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def reanalyse(path: Path, stat: str, markdown: bool) -> int:
+    """Print the tables of an earlier run's JSON with another statistic."""
+    data = json.loads(path.read_text())
+    for r in data["results"]:
+        r["median_s"], r["min_s"] = float(np.median(r["samples_s"])), min(r["samples_s"])
+    print(f"comm benchmark (from {path}): {describe(data['machine'])}")
+    print(report(data["results"], analyse(data["results"], data["impls"], stat), data["impls"],
+                 markdown))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_json is not None:
+        return reanalyse(args.from_json, args.stat, args.markdown)
     install_abort_on_error()
     torch.set_num_threads(1)
     comm = Communicator(name="bench")
@@ -357,11 +384,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = block_sizes(args.max_bytes)
     say(f"comm benchmark: {describe(info)}")
     say(f"block sizes {format_bytes(sizes[0])}..{format_bytes(sizes[-1])}, float32, "
-        f"{args.repeat} samples (fewer above 1 MiB), median of the slowest rank")
+        f"{args.repeat} samples (fewer above 1 MiB), {args.stat} of the slowest rank")
     start = time.perf_counter()
     records = measure(comm, sizes, args.repeat, impls, args.collectives, say,
                       args.sample_ms / 1e3)
-    analysis = analyse(records, impls)
+    analysis = analyse(records, impls, args.stat)
     if "gloo" in impls:
         import torch.distributed as dist
 
@@ -372,7 +399,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         data = {"machine": info, "config": {k: str(v) if isinstance(v, Path) else v
                                             for k, v in vars(args).items()},
                 "sizes_bytes": sizes, "impls": impls, "results": records, **analysis,
-                "elapsed_s": time.perf_counter() - start}
+                "elapsed_s": time.perf_counter() - start,
+                "load_average_1m_end": round(os.getloadavg()[0], 2)}
         json_path = write_json(stem.with_suffix(".json"), data)
         png_path = plot(records, analysis, impls, f"collectives: {describe(info)}",
                         stem.with_suffix(".png"))

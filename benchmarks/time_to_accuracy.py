@@ -1,0 +1,473 @@
+"""Time to accuracy: SGD, Adam, K-FAC (comm-opt, mem-opt, dp-kfac) and Shampoo.
+
+For each task (the embedded digits data with the MLP; CIFAR-style ResNet-20 on the
+``synthetic`` image set) every optimizer trains for the same epoch budget at ``-n``
+ranks and for several seeds, with the ``kfac-hpc train`` driver (same flags in both
+launch modes below). From each run's ``metrics.jsonl`` the script takes the per-epoch
+test accuracy and wall time, then reports, per optimizer, mean +- std over seeds of
+
+* epochs and wall time to a target test accuracy: the first evaluated epoch with
+  ``test_acc >= target``, where ``target = mean over seeds of SGD's final test accuracy
+  - margin`` (``--margin-digits``, ``--margin-resnet``; percentage points);
+* the final test accuracy, the training wall time per epoch;
+
+and plots test accuracy against epochs and against wall time (one line per optimizer,
+mean over seeds, +- std shaded) into ``--fig-dir``.
+
+Runs always use the full epoch budget (no early stop), so the learning-rate schedule
+is the same for every optimizer and the curves are complete; "wall time" is the
+driver's training clock (training + per-epoch evaluation, without process start-up,
+data loading and model construction).
+
+Launch modes (``--launch``):
+
+* ``batched`` (default): one ``launch/local -n P python time_to_accuracy.py --worker
+  PLAN`` job per task runs its configurations one after the other in the same
+  processes through ``kfac_hpc.train.loop.train`` (flags parsed by the CLI's own
+  parser). Saves the 15-25 s of interpreter/torch/MPI start-up and set-up per
+  configuration that a loaded 2-core machine charges; each optimizer kind first runs
+  a 2-step warm-up (not recorded) so lazy initialisation does not land on one run.
+* ``per-config``: one ``launch/local -n P kfac-hpc train ... --out DIR --no-progress``
+  job per configuration (simplest and most isolated; slower in total).
+
+Configurations are interleaved (for each seed, every optimizer) so that load drift on
+a shared machine hits all optimizers alike. With ``--reuse`` configurations whose
+``summary.json`` already exists are not run again (resume, or re-analyse).
+
+    python benchmarks/time_to_accuracy.py --markdown            # the full benchmark
+    python benchmarks/time_to_accuracy.py --quick               # smoke run, ~2 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from common import OUT_DIR, describe, format_table, pyplot, save_figure, write_json
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+FIG_DIR = HERE / "figures"
+
+# label -> driver flags (per-task flags are added by task_flags)
+OPTIMIZERS: dict[str, list[str]] = {
+    "sgd": ["--optimizer", "sgd", "--preconditioner", "none"],
+    "adam": ["--optimizer", "adam", "--preconditioner", "none"],
+    "kfac-comm-opt": ["--optimizer", "sgd", "--preconditioner", "kfac",
+                      "--kfac-strategy", "comm-opt"],
+    "kfac-mem-opt": ["--optimizer", "sgd", "--preconditioner", "kfac",
+                     "--kfac-strategy", "mem-opt"],
+    "kfac-dp-kfac": ["--optimizer", "sgd", "--preconditioner", "kfac",
+                     "--kfac-strategy", "dp-kfac"],
+    "shampoo": ["--optimizer", "shampoo", "--preconditioner", "none"],
+}
+LABELS = {"sgd": "SGD", "adam": "Adam", "kfac-comm-opt": "K-FAC comm-opt",
+          "kfac-mem-opt": "K-FAC mem-opt", "kfac-dp-kfac": "K-FAC dp-kfac",
+          "shampoo": "Shampoo"}
+COLORS = {"sgd": "black", "adam": "tab:orange", "kfac-comm-opt": "tab:blue",
+          "kfac-mem-opt": "tab:cyan", "kfac-dp-kfac": "tab:purple", "shampoo": "tab:green"}
+TASKS = ("digits", "resnet20")
+
+
+# ------------------------------------------------------------------ configuration
+def task_flags(task: str, args: argparse.Namespace) -> list[str]:
+    """Flags of a task that every optimizer shares."""
+    common = ["--batch-size", str(args.batch_size), "--log-every-steps", "1000000"]
+    if task == "digits":
+        return ["--dataset", "digits", "--model", "mlp",
+                "--epochs", str(args.digits_epochs), *common]
+    return ["--dataset", "synthetic", "--model", "resnet20",
+            "--synthetic-shape", args.resnet_shape,
+            "--synthetic-classes", str(args.resnet_classes),
+            "--synthetic-train-size", str(args.resnet_train_size),
+            "--synthetic-test-size", str(args.resnet_test_size),
+            "--epochs", str(args.resnet_epochs), *common]
+
+
+def optimizer_flags(name: str, args: argparse.Namespace) -> list[str]:
+    flags = list(OPTIMIZERS[name])
+    if name == "shampoo":
+        flags += ["--shampoo-options", f"precondition_frequency={args.shampoo_frequency}"]
+    if name.startswith("kfac"):
+        flags += ["--inv-update-steps", str(args.inv_update_steps)]
+    return flags + shlex.split(getattr(args, "extra_" + name.replace("-", "_")) or "")
+
+
+def plan_task(task: str, args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
+    """One entry per (seed, optimizer), seeds outermost (interleaved optimizers)."""
+    runs = []
+    for seed in args.seed_list:
+        for name in args.optimizer_list:
+            out = root / task / f"{name}_s{seed}"
+            flags = (task_flags(task, args) + optimizer_flags(name, args)
+                     + ["--seed", str(seed), "--out", str(out), "--no-progress"])
+            runs.append({"task": task, "optimizer": name, "seed": seed, "out": str(out),
+                         "flags": flags})
+    return runs
+
+
+def warmup_entries(task: str, args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
+    """A 2-step run of each optimizer kind (batched mode): pays lazy initialisation
+    (LAPACK, conv kernels, first collectives) before anything is timed."""
+    out = []
+    for name in args.optimizer_list:
+        d = root / "_warmup" / f"{task}_{name}"
+        flags = (task_flags(task, args) + optimizer_flags(name, args)
+                 + ["--max-steps", "2", "--out", str(d), "--no-progress"])
+        out.append({"optimizer": name, "out": str(d), "flags": flags})
+    return out
+
+
+# ------------------------------------------------------------------ running
+def launch(ranks: int, command: list[str], timeout: float) -> int:
+    cmd = [str(REPO / "launch" / "local"), "-n", str(ranks), "--timeout", str(int(timeout))]
+    cmd += command
+    proc = subprocess.run(cmd, cwd=REPO)
+    return proc.returncode
+
+
+def run_batched(task: str, runs: list[dict[str, Any]], args: argparse.Namespace,
+                root: Path) -> None:
+    plan = {"warmup": warmup_entries(task, args, root) if args.warmup else [], "runs": runs}
+    plan_path = write_json(root / f"plan_{task}.json", plan)
+    rc = launch(args.ranks, [sys.executable, str(Path(__file__).resolve()), "--worker",
+                             str(plan_path)], args.timeout)
+    if rc != 0:
+        print(f"time_to_accuracy: {task} job exited {rc}", file=sys.stderr, flush=True)
+
+
+def run_per_config(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    for run in runs:
+        t0 = time.perf_counter()
+        load = os.getloadavg()[0]
+        rc = launch(args.ranks, ["kfac-hpc", "train", *run["flags"]], args.timeout)
+        summary = Path(run["out"]) / "summary.json"
+        if rc != 0 or not summary.exists():
+            print(f"time_to_accuracy: {run['out']} exited {rc}", file=sys.stderr, flush=True)
+            continue
+        write_json(Path(run["out"]) / "bench.json",
+                   {"load_before": load, "load_after": os.getloadavg()[0],
+                    "job_seconds": time.perf_counter() - t0})
+
+
+def worker(plan_path: str) -> int:
+    """Inside ``launch/local``: run a plan's configurations in this process set."""
+    from kfac_hpc.comm import install_abort_on_error, world
+    from kfac_hpc.train.cli import add_arguments, config_from_args
+    from kfac_hpc.train.loop import train
+
+    plan = json.loads(Path(plan_path).read_text())
+    install_abort_on_error()  # a crash on one rank aborts all (no rank waits forever)
+    comm = world()
+    parser = argparse.ArgumentParser(prog="kfac-hpc train")
+    add_arguments(parser)
+    for entry in plan["warmup"]:
+        cfg = config_from_args(parser.parse_args(entry["flags"]))
+        cfg.validate()
+        t0 = time.perf_counter()
+        train(cfg, comm, verbose=False)
+        if comm.rank == 0:
+            print(f"  warm-up {entry['optimizer']:<14} {time.perf_counter() - t0:6.1f} s",
+                  flush=True)
+    for entry in plan["runs"]:
+        cfg = config_from_args(parser.parse_args(entry["flags"]))
+        cfg.validate()
+        load = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        res = train(cfg, comm, verbose=False)
+        if comm.rank == 0:
+            job = time.perf_counter() - t0
+            write_json(Path(entry["out"]) / "bench.json",
+                       {"load_before": load, "load_after": os.getloadavg()[0],
+                        "job_seconds": job})
+            print(f"  {entry['task']:<8} {entry['optimizer']:<14} seed {entry['seed']}  "
+                  f"test acc {100 * res.test_acc:6.2f} %  train {res.wall_time:6.1f} s  "
+                  f"(+{res.setup_time:.1f} s setup)  load {load:.1f}", flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------ analysis
+def read_run(out: str) -> dict[str, Any] | None:
+    d = Path(out)
+    if not (d / "summary.json").exists():
+        return None
+    epochs = []
+    with open(d / "metrics.jsonl") as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec.get("kind") == "epoch":
+                epochs.append(rec)
+    bench = json.loads((d / "bench.json").read_text()) if (d / "bench.json").exists() else {}
+    return {"summary": json.loads((d / "summary.json").read_text()), "epochs": epochs,
+            "bench": bench}
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    if not vals:
+        return math.nan, math.nan
+    m = sum(vals) / len(vals)
+    if len(vals) < 2:
+        return m, math.nan
+    return m, math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1))
+
+
+def to_target(epochs: list[dict[str, Any]], target: float) -> tuple[int | None, float | None]:
+    for rec in epochs:
+        acc = rec.get("test_acc")
+        if acc is not None and not math.isnan(acc) and acc >= target:
+            return round(rec["epoch"]), rec["wall_time"]
+    return None, None
+
+
+def analyse(task: str, runs: list[dict[str, Any]], margin: float,
+            optimizers: list[str]) -> dict[str, Any]:
+    data: dict[str, list[dict[str, Any]]] = {name: [] for name in optimizers}
+    for run in runs:
+        r = read_run(run["out"])
+        if r is not None and r["epochs"]:
+            r["seed"] = run["seed"]
+            data[run["optimizer"]].append(r)
+    ref = "sgd" if data.get("sgd") else next(n for n in optimizers if data[n])
+    sgd_final = mean_std([r["summary"]["test_acc"] for r in data[ref]])[0]
+    target = sgd_final - margin / 100
+    rows = {}
+    for name in optimizers:
+        rs = data[name]
+        if not rs:
+            continue
+        hits = [to_target(r["epochs"], target) for r in rs]
+        reached = [(e, t) for e, t in hits if e is not None]
+        ep = mean_std([float(e) for e, _ in reached])
+        tt = mean_std([t for _, t in reached])
+        per_epoch = mean_std([r["summary"]["wall_time"] / r["summary"]["epochs"] for r in rs])
+        loads = [v for r in rs for v in (r["bench"].get("load_before"),
+                                         r["bench"].get("load_after")) if v is not None]
+        rows[name] = {
+            "seeds": [r["seed"] for r in rs],
+            "reached": len(reached), "runs": len(rs),
+            "epochs_to_target": ep, "time_to_target": tt,
+            "epochs_to_target_each": [e for e, _ in hits],
+            "time_to_target_each": [t for _, t in hits],
+            "final_acc": mean_std([r["summary"]["test_acc"] for r in rs]),
+            "best_acc": mean_std([max(e["test_acc"] for e in r["epochs"]) for r in rs]),
+            "seconds_per_epoch": per_epoch,
+            "train_seconds": mean_std([r["summary"]["wall_time"] for r in rs]),
+            "bytes_per_step": mean_std([r["summary"]["bytes_per_step"] for r in rs])[0],
+            "load_range": [min(loads), max(loads)] if loads else None,
+            "curves": [[(e["epoch"], e["wall_time"], e["test_acc"]) for e in r["epochs"]]
+                       for r in rs],
+        }
+    sgd = rows.get("sgd")
+    for row in rows.values():
+        for key, base in (("epochs_ratio", "epochs_to_target"), ("time_ratio", "time_to_target")):
+            row[key] = (row[base][0] / sgd[base][0]
+                        if sgd and sgd[base][0] and not math.isnan(row[base][0]) else math.nan)
+    return {"task": task, "reference": ref, "reference_final_acc": sgd_final,
+            "margin_pp": margin, "target": target, "rows": rows}
+
+
+def pm(ms: tuple[float, float], fmt: str, scale: float = 1.0) -> str:
+    m, s = ms
+    if math.isnan(m):
+        return "-"
+    if math.isnan(s):
+        return format(m * scale, fmt)
+    return f"{format(m * scale, fmt)} ± {format(s * scale, fmt)}"
+
+
+def table(result: dict[str, Any], markdown: bool) -> str:
+    headers = ["optimizer", "reached", "epochs to target", "x SGD", "time to target s",
+               "x SGD", "final test acc %", "s / epoch", "KiB / step"]
+    rows = []
+    for name, r in result["rows"].items():
+        rows.append([
+            LABELS[name], f"{r['reached']}/{r['runs']}",
+            pm(r["epochs_to_target"], ".1f"),
+            "-" if math.isnan(r["epochs_ratio"]) else f"{r['epochs_ratio']:.2f}",
+            pm(r["time_to_target"], ".1f"),
+            "-" if math.isnan(r["time_ratio"]) else f"{r['time_ratio']:.2f}",
+            pm(r["final_acc"], ".2f", 100), pm(r["seconds_per_epoch"], ".2f"),
+            f"{r['bytes_per_step'] / 1024:.0f}"])
+    return format_table(headers, rows, markdown=markdown)
+
+
+def mean_curve(curves: list[list[tuple[float, float, float]]]) -> tuple[list[float], ...]:
+    n = min(len(c) for c in curves)
+    ep, wt, acc, sd = [], [], [], []
+    for i in range(n):
+        ep.append(curves[0][i][0])
+        wt.append(mean_std([c[i][1] for c in curves])[0])
+        m, s = mean_std([c[i][2] for c in curves])
+        acc.append(100 * m)
+        sd.append(0.0 if math.isnan(s) else 100 * s)
+    return ep, wt, acc, sd
+
+
+def plot(result: dict[str, Any], path: Path, title: str) -> Path:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for name, r in result["rows"].items():
+        ep, wt, acc, sd = mean_curve(r["curves"])
+        for ax, x in zip(axes, (ep, wt)):
+            ax.plot(x, acc, marker=".", color=COLORS[name], label=LABELS[name])
+            ax.fill_between(x, [a - s for a, s in zip(acc, sd)],
+                            [a + s for a, s in zip(acc, sd)], color=COLORS[name], alpha=0.12)
+    lo = min(min(mean_curve(r["curves"])[2]) for r in result["rows"].values())
+    for ax, xlabel in zip(axes, ("epoch", "wall time (s, training + evaluation)")):
+        ax.axhline(100 * result["target"], color="red", ls="--", lw=1,
+                   label=f"target {100 * result['target']:.1f} %")
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+        ax.set_ylim(max(0.0, lo - 2), None)
+    axes[0].set_ylabel("test accuracy (%)")
+    axes[1].legend(loc="lower right", fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    return save_figure(fig, path)
+
+
+def host_info(ranks: int) -> dict[str, Any]:
+    """The keys of ``common.machine()`` without initialising MPI in this (launcher) process."""
+    import platform
+
+    import mpi4py
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                       cpu)
+    except OSError:
+        pass
+    try:
+        mpi = subprocess.run([os.environ.get("MPIEXEC", "mpiexec"), "--version"],
+                             capture_output=True, text=True, timeout=60).stdout.splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        mpi = "unknown MPI"
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"host": platform.node(), "cpu": cpu, "cores": cores,
+            "memory_gib": round(memory / 2**30, 1),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "mpi4py": mpi4py.__version__, "mpi_library": mpi, "world_size": ranks,
+            "ranks_on_node": ranks, "oversubscribed": cores is not None and ranks > cores}
+
+
+# ------------------------------------------------------------------ main
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", metavar="PLAN", help=argparse.SUPPRESS)
+    p.add_argument("--quick", action="store_true",
+                   help="tiny smoke configuration (1 seed, 2-3 epochs, small ResNet data)")
+    p.add_argument("--tasks", default=",".join(TASKS), help="digits,resnet20")
+    p.add_argument("--optimizers", default=",".join(OPTIMIZERS),
+                   help=f"comma list of {', '.join(OPTIMIZERS)}")
+    p.add_argument("--seeds", default="0,1,2", help="comma list of seeds")
+    p.add_argument("--ranks", "-n", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--digits-epochs", type=int, default=20)
+    p.add_argument("--resnet-epochs", type=int, default=10)
+    p.add_argument("--resnet-shape", default="3,8,8")
+    p.add_argument("--resnet-classes", type=int, default=10)
+    p.add_argument("--resnet-train-size", type=int, default=4096)
+    p.add_argument("--resnet-test-size", type=int, default=1024)
+    p.add_argument("--inv-update-steps", type=int, default=10, help="K-FAC (driver default)")
+    p.add_argument("--shampoo-frequency", type=int, default=10,
+                   help="Shampoo precondition_frequency (its own default is 1)")
+    for name in OPTIMIZERS:
+        p.add_argument("--extra-" + name, default="", metavar="FLAGS",
+                       help=f"extra driver flags for {name}, e.g. \"--lr 0.05\"")
+    p.add_argument("--margin-digits", type=float, default=1.0,
+                   help="target = SGD's mean final test accuracy - this (percentage points)")
+    p.add_argument("--margin-resnet", type=float, default=2.0, help="same, for resnet20")
+    p.add_argument("--launch", choices=("batched", "per-config"), default="batched")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="batched mode: skip the untimed 2-step warm-up of each optimizer")
+    p.add_argument("--reuse", action="store_true",
+                   help="do not re-run configurations whose summary.json exists")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
+    p.add_argument("--out", type=Path, default=None, help="run directories and JSON")
+    p.add_argument("--fig-dir", type=Path, default=None,
+                   help=f"PNG folder (default {FIG_DIR.relative_to(REPO)}; --quick: --out)")
+    p.add_argument("--markdown", action="store_true", help="Markdown tables")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seeds = "0"
+        args.digits_epochs, args.resnet_epochs = 3, 2
+        args.resnet_train_size, args.resnet_test_size = 512, 256
+    args.seed_list = [int(s) for s in args.seeds.split(",") if s.strip()]
+    args.optimizer_list = [s.strip() for s in args.optimizers.split(",") if s.strip()]
+    args.task_list = [s.strip() for s in args.tasks.split(",") if s.strip()]
+    bad = ([o for o in args.optimizer_list if o not in OPTIMIZERS]
+           + [t for t in args.task_list if t not in TASKS])
+    if bad:
+        p.error(f"unknown optimizer/task: {', '.join(bad)}")
+    if args.out is None:
+        args.out = OUT_DIR / ("time_to_accuracy_quick" if args.quick else "time_to_accuracy")
+    if args.fig_dir is None:
+        args.fig_dir = args.out if args.quick else FIG_DIR
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args.worker)
+    root = args.out.resolve()
+    t_start = time.perf_counter()
+    load_start = os.getloadavg()
+    results = {}
+    for task in args.task_list:
+        runs = plan_task(task, args, root)
+        todo = [r for r in runs
+                if not (args.reuse and (Path(r["out"]) / "summary.json").exists())]
+        print(f"== {task}: {len(todo)} of {len(runs)} runs to do "
+              f"({args.launch}, {args.ranks} ranks)", flush=True)
+        if todo:
+            if args.launch == "batched":
+                run_batched(task, todo, args, root)
+            else:
+                run_per_config(todo, args)
+        margin = args.margin_digits if task == "digits" else args.margin_resnet
+        results[task] = analyse(task, runs, margin, args.optimizer_list)
+    elapsed = time.perf_counter() - t_start
+    info = host_info(args.ranks)
+    info["load_average_1m"] = f"{load_start[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end"
+    print(f"\nmachine: {describe(info)}")
+    print(f"benchmark wall time {elapsed / 60:.1f} min ({args.launch})")
+    for task, res in results.items():
+        if not res["rows"]:
+            continue
+        cfg = " ".join(task_flags(task, args))
+        loads = [v for r in res["rows"].values() if r["load_range"] for v in r["load_range"]]
+        print(f"\n### {task}: {cfg}")
+        print(f"target = {res['reference']} mean final test accuracy "
+              f"{100 * res['reference_final_acc']:.2f} % - {res['margin_pp']:g} pp = "
+              f"{100 * res['target']:.2f} %; {len(args.seed_list)} seeds "
+              f"({args.seeds}); load average during runs "
+              + (f"{min(loads):.1f}-{max(loads):.1f}" if loads else "n/a") + "\n")
+        print(table(res, args.markdown))
+        png = plot(res, args.fig_dir / f"time_to_accuracy_{task}.png",
+                   f"{task}: {cfg.replace('--log-every-steps 1000000', '').strip()}; "
+                   f"{args.ranks} ranks, mean ± std over seeds {args.seeds}")
+        print(f"\nfigure: {png}")
+    write_json(root / "results.json", {
+        "machine": info, "args": {k: (str(v) if isinstance(v, Path) else v)
+                                  for k, v in vars(args).items()},
+        "elapsed_s": elapsed, "results": results})
+    print(f"results: {root / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
