@@ -40,41 +40,11 @@ def batch(step: int, shape, dtype, n=GLOBAL_BATCH):
 # ------------------------------------------------------------- dense reference
 def dense_reference_grads(model: nn.Module, x, y, damping: float) -> list[torch.Tensor]:
     """(A⊗G + γI)⁻¹ vec(∇W̄) per Linear layer, A and G from explicit per-example loops."""
-    linears = [m for m in model if isinstance(m, nn.Linear)]
-    inputs, outputs = {}, {}
-
-    def keep(module, args, output):
-        inputs[module], outputs[module] = args[0], output
-
-    hooks = [m.register_forward_hook(keep) for m in linears]
-    b = x.shape[0]
-    per_example_deltas = {m: [] for m in linears}
-    for i in range(b):
-        model.zero_grad()
-        out = model(x[i:i + 1])
-        for m in linears:
-            outputs[m].retain_grad()
-        nn.functional.cross_entropy(out, y[i:i + 1]).backward()
-        for m in linears:
-            per_example_deltas[m].append(outputs[m].grad[0].clone())
+    factors = owner_factors(model, x, y)
     model.zero_grad()
     nn.functional.cross_entropy(model(x), y).backward()
-    for h in hooks:
-        h.remove()
-    results = []
-    for m in linears:
-        a_rows = inputs[m]
-        if m.bias is not None:
-            a_rows = torch.cat([a_rows, torch.ones(b, 1, dtype=a_rows.dtype)], dim=1)
-        A = sum(torch.outer(a_rows[i], a_rows[i]) for i in range(b)) / b
-        G = sum(torch.outer(d, d) for d in per_example_deltas[m]) / b
-        grad = m.weight.grad if m.bias is None else torch.cat([m.weight.grad,
-                                                                m.bias.grad[:, None]], 1)
-        vec = grad.T.reshape(-1)  # column-major vec
-        big = torch.kron(A, G) + damping * torch.eye(A.shape[0] * G.shape[0], dtype=A.dtype)
-        v = torch.linalg.solve(big, vec)
-        results.append(v.reshape(grad.shape[1], grad.shape[0]).T)
-    return results
+    return [dense_eigen_precondition(A, G, grad, damping)
+            for (A, G), grad in zip(factors, grads_of(model))]
 
 
 def grads_of(model: nn.Module) -> list[torch.Tensor]:

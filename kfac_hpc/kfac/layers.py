@@ -32,6 +32,7 @@ With these conventions ``∇W̄ = (1/b) Σ_rows δ āᵀ`` for every supported l
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import cast
 
 import torch
@@ -45,6 +46,7 @@ __all__ = [
     "LayerCurvature",
     "LinearCurvature",
     "curvature_for",
+    "register_layers",
     "unsupported_reason",
 ]
 
@@ -269,3 +271,32 @@ def curvature_for(module: nn.Module) -> LayerCurvature | None:
     if isinstance(module, nn.Conv2d) and unsupported_reason(module) is None:
         return Conv2dCurvature(module)
     return None
+
+
+def register_layers(model: nn.Module,
+                    skip: Sequence[str] = ()) -> tuple[dict[str, LayerCurvature], list[str]]:
+    """The layers K-FAC preconditions, by name in model order, and why others are skipped.
+
+    ``skip`` matches module names or class names. Unsupported modules (grouped
+    convolutions, ...) and frozen layers (weight without grad) are skipped with a reason.
+    The preconditioner and the planner both use this rule.
+    """
+    layers: dict[str, LayerCurvature] = {}
+    skipped: list[str] = []
+    for name, module in model.named_modules():
+        if any(s == name or s == type(module).__name__ for s in skip):
+            skipped.append(f"{name or '<model>'} ({type(module).__name__}: skip_layers)")
+            continue
+        reason = unsupported_reason(module)
+        if reason is not None:
+            skipped.append(f"{name} ({reason})")
+            continue
+        curv = curvature_for(module)
+        if curv is None:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is None or not weight.requires_grad:
+            skipped.append(f"{name} (frozen)")
+            continue
+        layers[name or type(module).__name__] = curv
+    return layers, skipped

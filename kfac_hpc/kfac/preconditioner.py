@@ -34,7 +34,7 @@ from kfac_hpc.kfac.hyperparams import (
     unit_interval,
     whole_positive,
 )
-from kfac_hpc.kfac.layers import LayerCurvature, curvature_for, unsupported_reason
+from kfac_hpc.kfac.layers import LayerCurvature, register_layers
 from kfac_hpc.kfac.pipeline import FactorPipeline
 from kfac_hpc.kfac.placement import FACTORS, LayerShape, Placement, grad_workers_for, place
 
@@ -673,24 +673,7 @@ def _is_wrapper(model: nn.Module) -> bool:
 
 def _register_layers(model: nn.Module, skip: tuple[str, ...],
                      rank: int) -> dict[str, LayerCurvature]:
-    layers: dict[str, LayerCurvature] = {}
-    skipped: list[str] = []
-    for name, module in model.named_modules():
-        if any(s == name or s == type(module).__name__ for s in skip):
-            skipped.append(f"{name or '<model>'} ({type(module).__name__}: skip_layers)")
-            continue
-        reason = unsupported_reason(module)
-        if reason is not None:
-            skipped.append(f"{name} ({reason})")
-            continue
-        curv = curvature_for(module)
-        if curv is None:
-            continue
-        weight = getattr(module, "weight", None)
-        if weight is None or not weight.requires_grad:
-            skipped.append(f"{name} (frozen)")
-            continue
-        layers[name or type(module).__name__] = curv
+    layers, skipped = register_layers(model, skip)
     if skipped and rank == 0:
         log.info("K-FAC skips %d layer(s): %s", len(skipped), "; ".join(skipped))
     return layers

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kfac_hpc.kfac.layers import curvature_for, unsupported_reason
+from kfac_hpc.kfac.layers import curvature_for, register_layers
 
 __all__ = ["LayerSpec", "ModelSpec", "model_spec"]
 
@@ -59,21 +59,9 @@ class ModelSpec:
 
 
 def _registered(model: nn.Module, skip: Sequence[str]) -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` of the layers the preconditioner registers (same rules, same order)."""
-    out = []
-    for name, module in model.named_modules():
-        if any(s == name or s == type(module).__name__ for s in skip):
-            continue
-        if unsupported_reason(module) is not None:
-            continue
-        curv = curvature_for(module)
-        if curv is None:
-            continue
-        weight = getattr(module, "weight", None)
-        if weight is None or not weight.requires_grad:
-            continue
-        out.append((name or type(module).__name__, module))
-    return out
+    """``(name, module)`` of the layers the preconditioner registers (same rule, same order)."""
+    layers, _ = register_layers(model, skip)
+    return [(name, curv.module) for name, curv in layers.items()]
 
 
 def _rows_per_sample(model: nn.Module, modules: Iterable[nn.Module],
