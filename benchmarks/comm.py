@@ -69,8 +69,8 @@ def block_sizes(max_bytes: int, min_bytes: int = 8) -> list[int]:
 
 
 def repeats_for(nbytes: int, repeat: int) -> int:
-    """Samples at a size: ``repeat`` up to 1 MiB, fewer (at least 3) for larger blocks."""
-    return repeat if nbytes <= LARGE else max(3, min(repeat, repeat * LARGE // nbytes))
+    """Samples at a size: ``repeat`` up to 1 MiB, fewer (at least 4) for larger blocks."""
+    return repeat if nbytes <= LARGE else max(4, min(repeat, repeat * LARGE // nbytes))
 
 
 def mpi4py_op(mpi: MPI.Comm, collective: str, nbytes: int,

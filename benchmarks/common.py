@@ -54,6 +54,8 @@ def machine() -> dict[str, Any]:
         "oversubscribed": cores is not None and local_ranks > cores,
         "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "load_average_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        "env": {k: v for k, v in sorted(os.environ.items())
+                if k.startswith(("OMPI_MCA_", "PRTE_MCA_", "MPICH_", "OMP_", "THP_"))},
     }
 
 

@@ -75,6 +75,12 @@ LABELS = {"sgd": "SGD", "adam": "Adam", "kfac-comm-opt": "K-FAC comm-opt",
 COLORS = {"sgd": "black", "adam": "tab:orange", "kfac-comm-opt": "tab:blue",
           "kfac-mem-opt": "tab:cyan", "kfac-dp-kfac": "tab:purple", "shampoo": "tab:green"}
 TASKS = ("digits", "resnet20")
+# Peak learning rates (after 1 warm-up epoch, cosine decay), from a light 1-seed sweep
+# (benchmarks/RESULTS.md, "Time to accuracy"); "kfac" = every K-FAC strategy, on SGD.
+LEARNING_RATES: dict[str, dict[str, float]] = {
+    "digits": {"sgd": 0.1, "adam": 0.01, "kfac": 0.1, "shampoo": 0.01},
+    "resnet20": {"sgd": 0.4, "adam": 0.1, "kfac": 0.4, "shampoo": 0.1},
+}
 
 
 # ------------------------------------------------------------------ configuration
@@ -92,8 +98,12 @@ def task_flags(task: str, args: argparse.Namespace) -> list[str]:
             "--epochs", str(args.resnet_epochs), *common]
 
 
-def optimizer_flags(name: str, args: argparse.Namespace) -> list[str]:
-    flags = list(OPTIMIZERS[name])
+def lr_key(name: str) -> str:
+    return "kfac" if name.startswith("kfac") else name
+
+
+def optimizer_flags(name: str, task: str, args: argparse.Namespace) -> list[str]:
+    flags = [*OPTIMIZERS[name], "--lr", str(args.lrs[task][lr_key(name)])]
     if name == "shampoo":
         flags += ["--shampoo-options", f"precondition_frequency={args.shampoo_frequency}"]
     if name.startswith("kfac"):
@@ -107,7 +117,7 @@ def plan_task(task: str, args: argparse.Namespace, root: Path) -> list[dict[str,
     for seed in args.seed_list:
         for name in args.optimizer_list:
             out = root / task / f"{name}_s{seed}"
-            flags = (task_flags(task, args) + optimizer_flags(name, args)
+            flags = (task_flags(task, args) + optimizer_flags(name, task, args)
                      + ["--seed", str(seed), "--out", str(out), "--no-progress"])
             runs.append({"task": task, "optimizer": name, "seed": seed, "out": str(out),
                          "flags": flags})
@@ -120,7 +130,7 @@ def warmup_entries(task: str, args: argparse.Namespace, root: Path) -> list[dict
     out = []
     for name in args.optimizer_list:
         d = root / "_warmup" / f"{task}_{name}"
-        flags = (task_flags(task, args) + optimizer_flags(name, args)
+        flags = (task_flags(task, args) + optimizer_flags(name, task, args)
                  + ["--max-steps", "2", "--out", str(d), "--no-progress"])
         out.append({"optimizer": name, "out": str(d), "flags": flags})
     return out
@@ -376,7 +386,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ranks", "-n", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--digits-epochs", type=int, default=20)
-    p.add_argument("--resnet-epochs", type=int, default=10)
+    p.add_argument("--resnet-epochs", type=int, default=8)
     p.add_argument("--resnet-shape", default="3,8,8")
     p.add_argument("--resnet-classes", type=int, default=10)
     p.add_argument("--resnet-train-size", type=int, default=4096)
@@ -387,6 +397,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in OPTIMIZERS:
         p.add_argument("--extra-" + name, default="", metavar="FLAGS",
                        help=f"extra driver flags for {name}, e.g. \"--lr 0.05\"")
+    p.add_argument("--lr", action="append", default=[], metavar="[TASK:]OPT=LR",
+                   help="override a peak learning rate (OPT: sgd, adam, kfac, shampoo), "
+                        "e.g. resnet20:sgd=0.2; repeatable; defaults: "
+                        + "; ".join(f"{t} " + ", ".join(f"{o} {v:g}" for o, v in d.items())
+                                    for t, d in LEARNING_RATES.items()))
     p.add_argument("--margin-digits", type=float, default=1.0,
                    help="target = SGD's mean final test accuracy - this (percentage points)")
     p.add_argument("--margin-resnet", type=float, default=2.0, help="same, for resnet20")
@@ -412,6 +427,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
            + [t for t in args.task_list if t not in TASKS])
     if bad:
         p.error(f"unknown optimizer/task: {', '.join(bad)}")
+    args.lrs = {t: dict(d) for t, d in LEARNING_RATES.items()}
+    for spec in args.lr:
+        where, _, value = spec.rpartition("=")
+        task, _, opt = where.rpartition(":")
+        tasks = [task] if task else list(TASKS)
+        if opt not in ("sgd", "adam", "kfac", "shampoo") or any(t not in TASKS for t in tasks):
+            p.error(f"--lr {spec}: expected [TASK:]OPT=LR with OPT sgd|adam|kfac|shampoo")
+        for t in tasks:
+            args.lrs[t][opt] = float(value)
     if args.out is None:
         args.out = OUT_DIR / ("time_to_accuracy_quick" if args.quick else "time_to_accuracy")
     if args.fig_dir is None:
@@ -455,7 +479,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * res['reference_final_acc']:.2f} % - {res['margin_pp']:g} pp = "
               f"{100 * res['target']:.2f} %; {len(args.seed_list)} seeds "
               f"({args.seeds}); load average during runs "
-              + (f"{min(loads):.1f}-{max(loads):.1f}" if loads else "n/a") + "\n")
+              + (f"{min(loads):.1f}-{max(loads):.1f}" if loads else "n/a"))
+        print("peak lr: " + ", ".join(f"{o} {v:g}" for o, v in args.lrs[task].items())
+              + f"; K-FAC inv-update-steps {args.inv_update_steps}, Shampoo "
+              f"precondition_frequency {args.shampoo_frequency}\n")
         print(table(res, args.markdown))
         png = plot(res, args.fig_dir / f"time_to_accuracy_{task}.png",
                    f"{task}: {cfg.replace('--log-every-steps 1000000', '').strip()}; "

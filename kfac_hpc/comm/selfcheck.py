@@ -349,8 +349,10 @@ def time_calls(calls: Mapping[str, Callable[[], object]], mpi_comm: MPI.Comm, *,
     After ``warmup`` calls, one timed call sets how many back-to-back calls a sample
     holds (about ``sample_s`` seconds, at most ``max_inner``; agreed over ranks). Each
     sample starts after a barrier; its value is the slowest rank's. Samples of the
-    entries are interleaved (a, b, a, b, ...) so drift of a shared machine hits all
-    alike. Every rank must pass the same calls in the same order.
+    entries are interleaved, in an order rotated every round (a, b, c; b, c, a; ...),
+    so that drift of a shared machine, and what one call leaves behind in caches and
+    progress engines, hit all alike. Every rank must pass the same calls in the same
+    order.
     """
     first = np.empty(len(calls))
     for k, fn in enumerate(calls.values()):
@@ -364,9 +366,10 @@ def time_calls(calls: Mapping[str, Callable[[], object]], mpi_comm: MPI.Comm, *,
     inner = {name: int(max(1, min(max_inner, sample_s // max(t, 1e-9))))
              for name, t in zip(calls, first)}
     seconds = {name: np.empty(repeat) for name in calls}
+    names = list(calls)
     for i in range(repeat):
-        for name, fn in calls.items():
-            n = inner[name]
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            fn, n = calls[name], inner[name]
             mpi_comm.Barrier()
             start = time.perf_counter()
             for _ in range(n):
