@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
+# Set by mpiexec itself on every rank: not a user's setting.
+_LAUNCHER_ENV = {"OMPI_MCA_PREFIXES", "OMPI_MCA_initial_wdir", "OMPI_MCA_cpu_type",
+                 "OMPI_MCA_num_procs"}
 
 
 def machine() -> dict[str, Any]:
@@ -54,8 +57,9 @@ def machine() -> dict[str, Any]:
         "oversubscribed": cores is not None and local_ranks > cores,
         "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "load_average_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
-        "env": {k: v for k, v in sorted(os.environ.items())
-                if k.startswith(("OMPI_MCA_", "PRTE_MCA_", "MPICH_", "OMP_", "THP_"))},
+        "env": {k: v for k, v in sorted(os.environ.items())  # settings that change timings
+                if k.startswith(("OMPI_MCA_", "PRTE_MCA_", "MPICH_", "OMP_", "THP_"))
+                and k not in _LAUNCHER_ENV},
     }
 
 

@@ -3,9 +3,12 @@
 A helper process (no MPI initialised, so that forking is safe) imports everything
 once, writes a first checkpoint and measures how long a save takes; then, per
 trial, it forks a child that saves checkpoints back to back (``keep_last=2``, so
-pruning and pointer updates are hit too) and kills it with SIGKILL after a random
-delay in [0, 1.5 x save time]. After every kill, the checkpoint ``latest`` names
-must verify, load into a fresh model with the values saved, and every
+pruning and pointer updates are hit too) and kills it. Trials rotate through three
+ways of choosing the moment, so that every phase of a save is hit however fast or
+loaded the machine is: as soon as the child's ``.tmp`` file appears (mid-write), a
+random delay after fork in [0, 3 x save time], and a random delay after the child's
+first save of the trial has committed. After every kill, the checkpoint ``latest``
+names must verify, load into a fresh model with the values saved, and every
 ``ckpt_*.h5`` in the directory must verify.
 """
 
@@ -62,6 +65,11 @@ duration = time.perf_counter() - t0
 results = []
 for trial in range(trials):
     first = 3 + 1000 * trial  # this trial's saves: steps first, first + 1, ...
+    mode = ("mid-write", "after-fork", "after-commit")[trial % 3]
+    if mode == "mid-write":  # leftovers of earlier kills would end the wait at once
+        for f in os.listdir(d):
+            if f.endswith(".tmp"):
+                os.remove(os.path.join(d, f))
     pid = os.fork()
     if pid == 0:
         try:
@@ -72,8 +80,21 @@ for trial in range(trials):
                 s += 1
         finally:
             os._exit(0)
-    delay = delays.uniform(0, 1.5 * duration)
-    time.sleep(delay)
+    start = time.perf_counter()
+    deadline = start + 60
+    if mode == "mid-write":  # kill the moment a partial file exists
+        while not any(f.endswith(".h5.tmp") for f in os.listdir(d)):
+            if time.perf_counter() > deadline:
+                raise SystemExit("the child never started writing")
+    elif mode == "after-commit":  # kill once this trial's first save is in
+        while not ((latest := checkpoint.latest(d)) and int(latest.name[5:13]) >= first):
+            if time.perf_counter() > deadline:
+                raise SystemExit("the child never committed a checkpoint")
+            time.sleep(duration / 50)
+        time.sleep(delays.uniform(0, 1.5 * duration))
+    else:
+        time.sleep(delays.uniform(0, 3 * duration))
+    delay = time.perf_counter() - start
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     problems = []
@@ -93,7 +114,8 @@ for trial in range(trials):
     for path in checkpoint.list_checkpoints(d):
         r = checkpoint.verify_file(path)
         problems += r.problems
-    results.append({"delay": round(delay / duration, 3), "latest": latest and latest.name,
+    results.append({"mode": mode, "delay": round(delay / duration, 3),
+                    "latest": latest and latest.name,
                     "committed": bool(latest) and int(latest.name[5:13]) >= first,
                     "files": sorted(os.listdir(d)), "problems": problems})
 print(json.dumps({"save_seconds": duration, "results": results}))
@@ -117,7 +139,8 @@ def test_kill_minus_nine_during_save_never_loses_the_previous_checkpoint(tmp_pat
     assert len(results) == TRIALS
     bad = [r for r in results if r["problems"]]
     assert not bad, json.dumps(bad, indent=1)
-    # The kills landed in different phases: before the trial's first save committed
-    # (often leaving a partial .tmp file behind) and after it.
-    assert any(r["committed"] for r in results) and not all(r["committed"] for r in results)
+    # The kills landed in different phases: mid-write (a partial .tmp file left behind),
+    # before the trial's first save committed, and after it.
+    assert all(r["committed"] for r in results if r["mode"] == "after-commit")
+    assert not all(r["committed"] for r in results)
     assert any(any(f.endswith(".h5.tmp") for f in r["files"]) for r in results)
