@@ -90,7 +90,7 @@ from torch import nn
 import kfac_hpc.kfac.linalg as kfac_linalg
 from kfac_hpc import GradientAverager, KFACPreconditioner
 from kfac_hpc.comm import Communicator
-from kfac_hpc.train.models import build_model
+from kfac_hpc.models import build_model
 
 PHASES = ("forward", "backward", "factor stats", "factor comm", "decomposition",
           "decomp bcast", "precondition", "grad bcast", "other")

@@ -19,7 +19,7 @@ from torch import nn
 
 from kfac_hpc import GradientAverager, KFACPreconditioner
 from kfac_hpc.comm import Communicator
-from kfac_hpc.train.models import build_model
+from kfac_hpc.models import build_model
 
 
 def measure(comm: Communicator, mode: str, steps: int, batch: int) -> tuple[float, float]:

@@ -61,8 +61,8 @@ from common import OUT_DIR, describe, format_table, machine, write_json
 
 from kfac_hpc import GradientAverager
 from kfac_hpc.comm import Communicator
+from kfac_hpc.models import build_model
 from kfac_hpc.shampoo import DistributedShampoo
-from kfac_hpc.train.models import build_model
 
 FREQUENCIES = (1, 10, 100)
 NEVER = 10**9

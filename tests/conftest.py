@@ -51,6 +51,13 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             MPI.COMM_WORLD.Abort(1)
 
 
+@pytest.fixture(autouse=True)
+def _no_user_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settings from the user's shell that would change what tests see."""
+    for name in ("KFAC_HPC_PLAN_PROFILE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture
 def comm():
     """A fresh Communicator over COMM_WORLD (its own traffic counters)."""

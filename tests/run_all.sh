@@ -6,7 +6,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
 PYTHON="${PYTHON:-python}"
-MPI_TIMEOUT="${MPI_TIMEOUT:-900}"
+MPI_TIMEOUT="${MPI_TIMEOUT:-2400}"
 status=0
 
 run_stage() {

@@ -19,12 +19,17 @@ from pathlib import Path
 
 import pytest
 
+# three launches of two ranks each (the module fixture counts towards the first test)
+pytestmark = pytest.mark.timeout(1200)
+
 ROOT = Path(__file__).resolve().parent.parent
 FAKE = ROOT / "tests" / "fake_slurm"
 SCRIPT = "jobs/cifar10_resnet32_kfac.sbatch"
 # the real script's flags, redirected to the embedded data on CPU (later flags win)
+# batch 8 on 2 ranks: ~270 steps, so a signal sent at step 15 lands mid-run however
+# fast the machine
 EXTRA = ("--dataset digits --data-path none --model mlp --no-augment --epochs 3 "
-         "--batch-size 32 --warmup-epochs 1 --device cpu --damping 0.1 "
+         "--batch-size 8 --warmup-epochs 1 --device cpu --damping 0.1 "
          "--factor-update-steps 1 --inv-update-steps 5 --checkpoint-every-minutes 1000")
 SCRIPTS = [*sorted((ROOT / "jobs").glob("*.sbatch")), *sorted((ROOT / "jobs/lib").glob("*.sh")),
            *sorted((ROOT / "launch").iterdir()), *sorted(FAKE.iterdir()),
@@ -74,10 +79,10 @@ def wait_for_steps(tmp: Path, n: int, proc: subprocess.Popen[str], timeout: floa
 
 
 def signal_batch_shell(tmp: Path, times: int = 1) -> None:
+    """``times`` USR1 to the batch shell, back to back (they land while the step runs)."""
     pid = int((tmp / "slurm" / "batch_pid").read_text())
     for _ in range(times):
         os.kill(pid, signal.SIGUSR1)
-        time.sleep(0.3)
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 400) -> tuple[int, str]:
@@ -99,8 +104,8 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def test_preempted_job_requeues_and_resumes_exactly(tmp_path, uninterrupted):
-    """USR1 mid-run, before any periodic checkpoint, sent twice (the second arrives while
-    the ranks checkpoint): checkpoint, exit 75, requeue, resume, same final parameters."""
+    """USR1 mid-run, before any periodic checkpoint, sent twice (a repeated signal):
+    checkpoint, exit 75, requeue, resume, same final parameters."""
     proc = submit(tmp_path)
     wait_for_steps(tmp_path, 15, proc)
     signal_batch_shell(tmp_path, times=2)
@@ -123,3 +128,17 @@ def test_restart_cap_stops_cleanly(tmp_path):
     assert "restart cap (0) is reached" in out
     assert not (tmp_path / "slurm" / "requeues").exists()
     assert list((run_dir(tmp_path) / "checkpoints").glob("*.h5"))  # the work is saved
+
+
+def test_signal_after_the_step_ended_does_not_kill_the_batch_shell(tmp_path):
+    """A preemption signal that reaches the batch shell after the step exited 75 (here:
+    while ``scontrol requeue`` runs) is ignored: the job is still requeued, status 0."""
+    env = dict(os.environ)
+    env.update({"PATH": f"{FAKE}{os.pathsep}{env['PATH']}", "FAKE_SLURM_DIR": str(tmp_path),
+                "FAKE_SLURM_SIGNAL_CALLER": "USR1", "SLURM_JOB_ID": "77"})
+    script = 'source jobs/lib/requeue.sh && run_with_requeue bash -c "exit 75"'
+    done = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "got SIGUSR1 after the job step ended; ignored" in done.stdout
+    assert (tmp_path / "requeues").read_text().split() == ["77"]

@@ -56,9 +56,9 @@ def test_bad_input_on_two_ranks_prints_once(tmp_path: Path) -> None:
     """A missing data path is found during setup (a file-system check): every rank
     fails, they agree, rank 0 alone prints, all exit 2, nobody hangs."""
     missing = tmp_path / "no-cifar-here"
-    p = run([str(ROOT / "launch" / "local"), "-n", "2", "--timeout", "100", *KFAC_HPC,
+    p = run([str(ROOT / "launch" / "local"), "-n", "2", "--timeout", "240", *KFAC_HPC,
              "train", "--dataset", "cifar10", "--model", "resnet20",
-             "--data-path", str(missing)], tmp_path)
+             "--data-path", str(missing)], tmp_path, timeout=300)
     assert p.returncode == 2, p.stdout + p.stderr
     assert p.stderr.count("kfac-hpc train: error:") == 1, p.stderr
     assert f"CIFAR-10: {missing} is not a directory" in p.stderr
@@ -119,6 +119,18 @@ def test_metrics_files(tmp_path: Path) -> None:
     disabled = MetricsWriter(tmp_path / "other", enabled=False)  # ranks other than 0
     disabled.step({"step": 1})
     assert not (tmp_path / "other").exists()
+
+
+def test_summary_json_is_strict_json(tmp_path: Path) -> None:
+    """A run stopped before its first evaluation has NaN metrics: they are written as
+    null (strict JSON parsers, e.g. jq, reject NaN), and no temporary file is left."""
+    with MetricsWriter(tmp_path) as w:
+        w.write_json("summary.json", {"test_acc": float("nan"), "loss": float("inf"),
+                                      "history": [{"acc": float("nan")}, (1.0, 2)]})
+    text = (tmp_path / "summary.json").read_text()
+    data = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON: {c}"))
+    assert data == {"test_acc": None, "loss": None, "history": [{"acc": None}, [1.0, 2]]}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
 
 
 def test_plot_writes_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

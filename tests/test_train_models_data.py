@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from kfac_hpc.models import build_model, model_names
 from kfac_hpc.train.data import (
     CIFAR10_MEAN,
     CIFAR10_STD,
@@ -19,7 +20,6 @@ from kfac_hpc.train.data import (
     dataset_names,
     load_dataset,
 )
-from kfac_hpc.train.models import build_model, model_names
 
 
 def n_params(model: nn.Module) -> int:

@@ -18,6 +18,10 @@ _kfac_forward() {
     kill -s "$sig" "$_kfac_step" 2>/dev/null || true
 }
 
+_kfac_late() {
+    echo "kfac_hpc: batch shell got SIG$1 after the job step ended; ignored"
+}
+
 run_with_requeue() {
     local restarts="${SLURM_RESTART_COUNT:-0}"
     echo "kfac_hpc: job ${SLURM_JOB_ID:-?} run $((restarts + 1)) (restarts so far: $restarts, cap $KFAC_MAX_RESTARTS)"
@@ -33,7 +37,11 @@ run_with_requeue() {
         # `wait` also returns when a trapped signal arrives: keep waiting while the step lives
         kill -0 "$_kfac_step" 2>/dev/null || break
     done
-    trap - USR1 USR2 TERM
+    # From here on a repeated signal (SLURM may send it again) must not kill this shell
+    # before it requeues: note it and carry on.
+    trap '_kfac_late USR1' USR1
+    trap '_kfac_late USR2' USR2
+    trap '_kfac_late TERM' TERM
     if [[ "$rc" -ne "$KFAC_REQUEUE_EXIT_CODE" ]]; then
         echo "kfac_hpc: job step finished with status $rc"
         return "$rc"

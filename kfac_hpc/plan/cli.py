@@ -59,7 +59,7 @@ def builtin_model(name: str) -> tuple[nn.Module, tuple[int, ...]]:
     ``resnet50``: ImageNet (1000 classes, 3x224x224); CIFAR ResNets: 10 classes,
     3x32x32; ``mlp``: 64 inputs, hidden (256, 128), 10 classes (the benchmarks' MLP).
     """
-    from kfac_hpc.train.models import build_model
+    from kfac_hpc.models import build_model
 
     if name not in _BUILTIN:
         raise ValueError(f"no planner defaults for model {name!r}; "

@@ -205,7 +205,7 @@ class TrainConfig:
     # ---------------------------------------------------------------- validation
     def problems(self) -> list[str]:
         """Every invalid or inconsistent option, as user-facing sentences (empty if fine)."""
-        from kfac_hpc.train.models import model_names
+        from kfac_hpc.models import model_names
 
         p: list[str] = []
 

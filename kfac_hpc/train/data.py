@@ -310,7 +310,7 @@ class DatasetSplits:
     classes: tuple[str, ...] | None = None
 
     def model_kwargs(self) -> dict[str, int | None]:
-        """Keyword arguments for :func:`kfac_hpc.train.models.build_model`."""
+        """Keyword arguments for :func:`kfac_hpc.models.build_model`."""
         if len(self.input_shape) == 3:
             c, h, w = self.input_shape
             return {

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kfac_hpc.models import build_model
 from kfac_hpc.train.config import ConfigError, TrainConfig
 from kfac_hpc.train.data import DatasetSplits, ShardedLoader, load_dataset
 from kfac_hpc.train.metrics import (
@@ -48,7 +49,6 @@ from kfac_hpc.train.metrics import (
     format_table,
     global_sums,
 )
-from kfac_hpc.train.models import build_model
 from kfac_hpc.train.optim import (
     FeatureUnavailable,
     build_averager,
@@ -337,14 +337,20 @@ class Trainer:
                 raise ConfigError("--ddp: torch.distributed is already initialised with a "
                                   "different rank/size than this communicator")
         else:
-            address = None
+            # Rank 0's store binds a port the OS picks (no bind-close-reuse race), then
+            # tells the others where it is.
+            timeout = _dt.timedelta(minutes=10)
+            store, address = None, None
             if self.rank == 0:
-                address = (_ddp_host(self.local_size == self.size), _free_port())
+                host = _ddp_host(self.local_size == self.size)
+                store = dist.TCPStore(host, 0, self.size, is_master=True, timeout=timeout)
+                address = (host, store.port)
             host, port = self.aux.broadcast_object(address, 0)
+            if store is None:
+                store = dist.TCPStore(host, port, self.size, is_master=False, timeout=timeout)
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, init_method=f"tcp://{host}:{port}",
-                                    rank=self.rank, world_size=self.size,
-                                    timeout=_dt.timedelta(minutes=10))
+            dist.init_process_group(backend, store=store, rank=self.rank,
+                                    world_size=self.size, timeout=timeout)
             self._pg_owned = True
         ids = [self.device.index] if self.device.type == "cuda" else None
         self.ddp = DistributedDataParallel(self.model, device_ids=ids)
@@ -754,14 +760,6 @@ def _get(info: Any, key: str) -> Any:
     if isinstance(info, dict):
         return info.get(key)
     return getattr(info, key, None)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 def _ddp_host(single_node: bool) -> str:

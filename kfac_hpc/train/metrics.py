@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,11 +79,15 @@ class WeightedMean:
 
 
 def _clean(value: Any) -> Any:
-    """JSON-safe: NaN/inf -> None, tensors -> numbers."""
+    """JSON-safe, recursively: NaN/inf -> None (strict JSON has no NaN), tensors -> numbers."""
     if isinstance(value, torch.Tensor):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if isinstance(value, Mapping):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
     return value
 
 
@@ -139,10 +144,14 @@ class MetricsWriter:
         self._write("epoch", record, "epochs.csv", EPOCH_FIELDS)
 
     def write_json(self, name: str, obj: Any) -> None:
-        """Write ``obj`` as pretty JSON to ``out_dir/name`` (e.g. the resolved config)."""
+        """Write ``obj`` as strict JSON (NaN -> null) to ``out_dir/name``, atomically."""
         if self.enabled and self.out_dir is not None:
-            text = json.dumps(obj, indent=2, sort_keys=False, default=str)
-            (self.out_dir / name).write_text(text + "\n", encoding="utf-8")
+            text = json.dumps(_clean(obj), indent=2, sort_keys=False, default=str,
+                              allow_nan=False)
+            final = self.out_dir / name
+            tmp = final.with_name(final.name + ".tmp")
+            tmp.write_text(text + "\n", encoding="utf-8")
+            os.replace(tmp, final)
 
     def close(self) -> None:
         for f in self._files.values():

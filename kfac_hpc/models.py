@@ -1,4 +1,4 @@
-"""Model zoo of the reference training driver.
+"""Model zoo: the reference training driver and the scale planner build models by name.
 
 Every model is built from ``nn.Linear``, ``nn.Conv2d`` (``groups=1``) and
 ``nn.BatchNorm2d`` only (plus parameter-free ReLU/pooling/flatten), so every weight
