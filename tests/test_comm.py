@@ -160,6 +160,15 @@ def test_allgather(comm, dtype):
     out = comm.allgather(t)
     assert out.shape == (comm.size, 2, 3)
     np.testing.assert_array_equal(as_np(out).reshape(comm.size, 6), all_data(comm, 6, dtype, 4))
+    given = torch.full((comm.size, 2, 3), 7, dtype=dtype)  # a caller's reused buffer
+    assert comm.allgather(t, out=given) is given
+    np.testing.assert_array_equal(as_np(given).reshape(comm.size, 6), all_data(comm, 6, dtype, 4))
+
+
+@mpi()
+def test_allgather_refuses_a_wrong_out(comm):
+    with pytest.raises(ValueError, match=r"allgather: out must have shape \(\d+, 3\)"):
+        comm.allgather(torch.ones(3), out=torch.empty(comm.size + 1, 3))
 
 
 @mpi()

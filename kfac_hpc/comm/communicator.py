@@ -232,16 +232,26 @@ class Communicator:
         return self._post(blocking, run, wire.land, wire)
 
     # ------------------------------------------------------------- allgather
-    def allgather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Gather equal-shaped tensors: result has shape ``(size, *tensor.shape)``."""
-        return self._allgather(tensor, blocking=True)
+    def allgather(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Gather equal-shaped tensors: result has shape ``(size, *tensor.shape)``.
 
-    def iallgather(self, tensor: torch.Tensor) -> Handle[torch.Tensor]:
+        ``out`` (that shape and dtype) receives the result; reuse it across calls for
+        large messages: a fresh multi-MiB result costs page faults on every call.
+        """
+        return self._allgather(tensor, out, blocking=True)
+
+    def iallgather(self, tensor: torch.Tensor,
+                   out: torch.Tensor | None = None) -> Handle[torch.Tensor]:
         """Non-blocking :meth:`allgather`."""
-        return self._allgather(tensor, blocking=False)
+        return self._allgather(tensor, out, blocking=False)
 
-    def _allgather(self, tensor: torch.Tensor, blocking: bool) -> Any:
-        out = torch.empty((self.size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+    def _allgather(self, tensor: torch.Tensor, out: torch.Tensor | None, blocking: bool) -> Any:
+        shape = (self.size, *tensor.shape)
+        if out is None:
+            out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+        elif tuple(out.shape) != shape or out.dtype != tensor.dtype:
+            raise ValueError(f"allgather: out must have shape {shape} and dtype {tensor.dtype}, "
+                             f"got {tuple(out.shape)} {out.dtype}")
         device_ok = self._device_ok(False, blocking)
         send = to_wire(tensor, reduction=False, device_ok=device_ok)
         recv = to_wire(out, reduction=False, device_ok=device_ok, need_input=False)

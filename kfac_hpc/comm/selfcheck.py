@@ -415,8 +415,8 @@ def communicator_op(comm: Communicator, collective: str, nbytes: int,
         t = torch.zeros(n, dtype=dtype)
         return lambda: comm.broadcast(t, 0)
     if collective == "allgather":
-        t = torch.zeros(n, dtype=dtype)
-        return lambda: comm.allgather(t)
+        t, gathered = torch.zeros(n, dtype=dtype), torch.empty(comm.size, n, dtype=dtype)
+        return lambda: comm.allgather(t, out=gathered)
     raise ValueError(f"unknown collective {collective!r}; use one of {COLLECTIVES}")
 
 

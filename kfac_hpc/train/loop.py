@@ -343,7 +343,8 @@ class Trainer:
             store, address = None, None
             if self.rank == 0:
                 host = _ddp_host(self.local_size == self.size)
-                store = dist.TCPStore(host, 0, self.size, is_master=True, timeout=timeout)
+                store = dist.TCPStore(host, 0, self.size, is_master=True, timeout=timeout,
+                                      wait_for_workers=False)
                 address = (host, store.port)
             host, port = self.aux.broadcast_object(address, 0)
             if store is None:
