@@ -446,6 +446,9 @@ def ratio_section(work: Workload, grad_comm: Communicator, args: argparse.Namesp
     ]
     if WORLD.Get_size() > 1:
         specs.append(("K-FAC dp-kfac", KINDS, {"strategy": "dp-kfac"}))
+        if "input_shape" in ACCEPTED:  # owners placed on statistics + decomposition work
+            specs.append(("K-FAC dp-kfac, input_shape", KINDS,
+                          {"strategy": "dp-kfac", "input_shape": tuple(work.x.shape)}))
     if "factor_sync" in ACCEPTED and not args.quick and WORLD.Get_size() > 1:
         specs.append(("K-FAC eigen, factor_sync=inverse", ("f",),
                       {"strategy": "comm-opt", "factor_sync": "inverse"}))

@@ -208,6 +208,9 @@ def test_skip_layers_unsupported_and_frozen(caplog):
     ({"strategy": "hybrid-opt"}, "needs grad_worker_fraction"),
     ({"strategy": "hybrid-opt", "grad_worker_fraction": 1.5}, r"must be in \(0, 1\]"),
     ({"accumulation_steps": 0}, "accumulation_steps must be an integer"),
+    ({"input_shape": (6,)}, r"input_shape must be one rank's input batch shape"),
+    ({"input_shape": (8, 0)}, r"input_shape must be .* positive integers"),
+    ({"input_shape": (8.0, 6)}, r"input_shape must be .* positive integers"),
 ])
 def test_bad_arguments(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -342,6 +345,74 @@ def test_replica_check(comm):
     model = tiny_mlp(seed=comm.rank)  # different on every rank
     with pytest.raises(ValueError, match="model parameters differ across ranks"):
         KFACPreconditioner(model, comm=comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_input_shape_must_agree(comm):
+    shape = (8, 2, 6, 6) if comm.rank == 0 else (4, 2, 6, 6)
+    with pytest.raises(ValueError, match=r"input_shape differs across ranks .*\(8, 2, 6, 6\)"):
+        KFACPreconditioner(tiny_cnn(), comm=comm, strategy="dp-kfac", input_shape=shape)
+
+
+def wide_cnn(seed=0) -> nn.Module:
+    """Statistics dominate: big feature maps in the first layers, wide factors after."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+                         nn.Conv2d(8, 16, 3, stride=4), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(16 * 4 * 4, 64), nn.ReLU(),
+                         nn.Linear(64, 40), nn.ReLU(), nn.Linear(40, 3))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_dp_kfac_input_shape_balances_owner_work(comm):
+    """With input_shape, DP-KFAC owners are placed by statistics + decomposition work
+    (rows from the shapes of the forward pass), exactly as the planner places them; the
+    busiest owner's share of the work drops."""
+    from kfac_hpc.kfac.placement import LayerShape, place, work_per_step
+    from kfac_hpc.plan import KFACOptions
+    from kfac_hpc.plan.cost import Distribution
+    from kfac_hpc.plan.model_shapes import model_spec
+
+    batch = 16
+    plain = KFACPreconditioner(wide_cnn(), comm=comm, strategy="dp-kfac", inv_update_steps=10)
+    pre = KFACPreconditioner(wide_cnn(), comm=comm, strategy="dp-kfac", inv_update_steps=10,
+                             input_shape=(batch, 3, 18, 18))
+    # rows per sample by hand: 18x18 maps, then (18 - 3) // 4 + 1 = 4 -> 4x4, then 1 row
+    rows = [18 * 18, 18 * 18, 4 * 4, 1, 1, 1]
+    shapes = [LayerShape(n, c.a_dim, c.g_dim, batch * r)
+              for (n, c), r in zip(pre.layers.items(), rows)]
+
+    def work(s: LayerShape) -> float:
+        return work_per_step(s, inv_update_steps=10)
+
+    expected = place(shapes, comm.size, 1, layer_cost=work)
+    assert pre.placement.factor_owner == expected.factor_owner
+    planner = Distribution(model_spec(wide_cnn(), input_shape=(3, 18, 18)),
+                           KFACOptions(strategy="dp-kfac", inv_update_steps=10), comm.size,
+                           batch=batch)
+    assert planner.placement.factor_owner == pre.placement.factor_owner
+
+    def busiest(placement) -> float:
+        loads = [0.0] * comm.size
+        for s in shapes:
+            loads[placement.factor_owner[(s.name, "A")]] += work(s)
+        return max(loads) / sum(loads)
+
+    assert busiest(pre.placement) < busiest(plain.placement)
+    # and it trains: one step preconditions every layer's gradient on every rank
+    net = wide_cnn()
+    pre = KFACPreconditioner(net, comm=comm, strategy="dp-kfac", input_shape=(batch, 3, 18, 18))
+    x, y = batch_of_images(comm.rank, batch)
+    nn.functional.cross_entropy(net(x), y).backward()
+    GradientAverager(net, comm).synchronize()
+    pre.step()
+    assert all(torch.isfinite(p.grad).all() for p in net.parameters())
+
+
+def batch_of_images(seed: int, n: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, 18, 18, generator=g), torch.randint(0, 3, (n,), generator=g)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -15,8 +15,11 @@ gradient broadcast); ``fraction = 1/P`` is MEM-OPT (a layer's factors live on on
 which broadcasts the preconditioned gradient to all). DP-KFAC places like MEM-OPT.
 
 Layers go to worker groups by LPT on the summed decomposition cost; inside a group,
-each factor goes to a rank by LPT (SPD-KFAC's load balancing). Deterministic: the input
-order (model order) breaks ties, never hashing.
+each factor goes to a rank by LPT (SPD-KFAC's load balancing). Under DP-KFAC the owner
+of a layer also computes its statistics, which for convolutions cost far more than the
+decompositions; given the statistics rows (:attr:`LayerShape.rows`), layers are balanced
+on :func:`work_per_step` instead. Deterministic: the input order (model order) breaks
+ties, never hashing.
 """
 
 from __future__ import annotations
@@ -29,13 +32,20 @@ from kfac_hpc.assignment import cubic_cost, lpt_assign
 FACTORS = ("A", "G")
 
 
+# Cost of one decomposition of an n x n factor in GEMM flops, as a multiple of n³
+# (torch 2.13 CPU, one thread, n >= 577: eigh 12.8-13.1, Cholesky inverse 2.7-2.9).
+DECOMPOSITION_FLOPS_PER_N3 = {"eigen": 13.0, "inverse": 3.0}
+
+
 @dataclass(frozen=True)
 class LayerShape:
-    """What placement needs of a layer: its name and factor dimensions."""
+    """What placement needs of a layer: its name, factor dimensions and, when known,
+    ``rows``: rows of its statistics per update on one rank (batch x rows per sample)."""
 
     name: str
     a_dim: int
     g_dim: int
+    rows: int = 0
 
     def dim(self, factor: str) -> int:
         return self.a_dim if factor == "A" else self.g_dim
@@ -110,6 +120,17 @@ def grad_workers_for(strategy: str, world_size: int, fraction: float | None) -> 
     return g
 
 
+def work_per_step(layer: LayerShape, *, compute_method: str = "eigen",
+                  factor_update_steps: int = 1, inv_update_steps: int = 1) -> float:
+    """GEMM flops per step of all of a layer's K-FAC work on one rank (DP-KFAC's owner):
+    statistics ``2·rows·(a² + g²)`` every ``factor_update_steps``, decompositions
+    ``c·(a³ + g³)`` every ``inv_update_steps`` (``c``: :data:`DECOMPOSITION_FLOPS_PER_N3`)."""
+    statistics = 2.0 * layer.rows * (layer.a_dim ** 2 + layer.g_dim ** 2)
+    decompositions = DECOMPOSITION_FLOPS_PER_N3[compute_method] * (
+        float(layer.a_dim) ** 3 + float(layer.g_dim) ** 3)
+    return statistics / factor_update_steps + decompositions / inv_update_steps
+
+
 def place(
     layers: Sequence[LayerShape],
     world_size: int,
@@ -117,8 +138,12 @@ def place(
     *,
     cost: Callable[[int], float] = cubic_cost,
     local_threshold: int = 0,
+    layer_cost: Callable[[LayerShape], float] | None = None,
 ) -> Placement:
     """Place layers on worker groups and factors on ranks (LPT by ``cost(dim)``).
+
+    ``layer_cost`` replaces ``cost(a_dim) + cost(g_dim)`` for placing whole layers on
+    worker groups (e.g. :func:`work_per_step` for DP-KFAC).
 
     Factors of dimension below ``local_threshold`` are *local* (SPD-KFAC's rule) when a
     layer has several gradient workers: each of them keeps the factor and decomposes it
@@ -130,8 +155,11 @@ def place(
     if local_threshold < 0:
         raise ValueError(f"local_decomposition_threshold must be >= 0, got {local_threshold}")
     n_groups = world_size // grad_workers
-    layer_cost = [(layer.name, cost(layer.a_dim) + cost(layer.g_dim)) for layer in layers]
-    layer_group = lpt_assign(layer_cost, n_groups)
+    def whole(layer: LayerShape) -> float:
+        return cost(layer.a_dim) + cost(layer.g_dim)
+
+    layer_group = lpt_assign([(layer.name, (layer_cost or whole)(layer)) for layer in layers],
+                             n_groups)
     group_load = [[0.0] * grad_workers for _ in range(n_groups)]
     factor_owner: dict[tuple[str, str], int] = {}
     local: set[tuple[str, str]] = set()

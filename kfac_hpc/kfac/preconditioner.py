@@ -36,7 +36,15 @@ from kfac_hpc.kfac.hyperparams import (
 )
 from kfac_hpc.kfac.layers import LayerCurvature, register_layers
 from kfac_hpc.kfac.pipeline import FactorPipeline
-from kfac_hpc.kfac.placement import FACTORS, LayerShape, Placement, grad_workers_for, place
+from kfac_hpc.kfac.placement import (
+    FACTORS,
+    LayerShape,
+    Placement,
+    grad_workers_for,
+    place,
+    work_per_step,
+)
+from kfac_hpc.kfac.shapes import rows_per_sample
 
 log = logging.getLogger("kfac_hpc")
 
@@ -90,7 +98,9 @@ class KFACPreconditioner:
         local_decomposition_threshold: int = 16,
         check_replicas: bool = True,
         plan_profile: Any | None = None,
+        input_shape: Iterable[int] | None = None,
     ) -> None:
+        batch_shape = _batch_shape(input_shape)
         if strategy == AUTO:
             if grad_worker_fraction is not None:
                 raise ValueError("strategy='auto' chooses grad_worker_fraction itself; "
@@ -102,7 +112,7 @@ class KFACPreconditioner:
                 bucket_cap_mb=bucket_cap_mb, factor_sync=factor_sync,
                 local_decomposition_threshold=local_decomposition_threshold,
                 factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps,
-                factor_dtype=factor_dtype, inv_dtype=inv_dtype)
+                factor_dtype=factor_dtype, inv_dtype=inv_dtype, input_shape=batch_shape)
         elif plan_profile is not None:
             raise ValueError("plan_profile applies to strategy='auto' only")
         if strategy not in STRATEGIES:
@@ -152,13 +162,15 @@ class KFACPreconditioner:
             raise ValueError("the model has no layer K-FAC can precondition "
                              "(nn.Linear / nn.Conv2d with trainable weights)")
         self.factor_dtype = factor_dtype or _default_factor_dtype(self.layers)
+        self.input_shape = batch_shape
         if check_replicas:
-            _check_replicas(model, self.comm)
+            _check_replicas(model, self.comm, batch_shape)
 
         grad_workers = grad_workers_for(strategy, self.comm.size, grad_worker_fraction)
-        shapes = [LayerShape(n, c.a_dim, c.g_dim) for n, c in self.layers.items()]
-        self.placement: Placement = place(shapes, self.comm.size, grad_workers,
-                                          local_threshold=local_decomposition_threshold)
+        self.placement: Placement = place(
+            self._layer_shapes(model), self.comm.size, grad_workers,
+            local_threshold=local_decomposition_threshold,
+            layer_cost=self._owner_work if strategy == "dp-kfac" and batch_shape else None)
         self.local_decomposition_threshold = local_decomposition_threshold
         self.worker_comm, self.receiver_comm = self._group_communicators()
 
@@ -186,6 +198,22 @@ class KFACPreconditioner:
         self.capture = StatisticsCapture(
             captured, dtype_of=lambda _: self.factor_dtype, active=self._capturing,
             grad_scale=self._grad_scale, on_ready=self._on_factor_ready if overlap else None)
+
+    def _layer_shapes(self, model: nn.Module) -> list[LayerShape]:
+        """Factor dimensions, and statistics rows per update when ``input_shape`` is known
+        (DP-KFAC balances them: each owner computes its layers' statistics)."""
+        rows: dict[int, int] = {}
+        if self.input_shape is not None and self.strategy == "dp-kfac":
+            batch, *sample = self.input_shape
+            rows = {key: batch * r for key, r in rows_per_sample(
+                model, [c.module for c in self.layers.values()], sample).items()}
+        return [LayerShape(n, c.a_dim, c.g_dim, rows.get(id(c.module), 0))
+                for n, c in self.layers.items()]
+
+    def _owner_work(self, layer: LayerShape) -> float:
+        return work_per_step(layer, compute_method=self.compute_method,
+                             factor_update_steps=max(1, int(self.factor_update_steps(0))),
+                             inv_update_steps=max(1, int(self.inv_update_steps(0))))
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -684,21 +712,48 @@ def _default_factor_dtype(layers: Mapping[str, LayerCurvature]) -> torch.dtype:
     return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
-def _check_replicas(model: nn.Module, comm: Communicator) -> None:
-    """Fail fast when ranks start from different parameters (a cheap checksum)."""
+_INPUT_SHAPE = "<input_shape>"  # the replica check's row for input_shape
+
+
+def _batch_shape(input_shape: Iterable[int] | None) -> tuple[int, ...] | None:
+    """``input_shape`` validated: one rank's input batch, e.g. ``(32, 3, 32, 32)``."""
+    if input_shape is None:
+        return None
+    shape = tuple(input_shape)
+    if len(shape) < 2 or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1
+                                 for d in shape):
+        raise ValueError(f"input_shape must be one rank's input batch shape, (batch, *sample) "
+                         f"with positive integers, e.g. (32, 3, 32, 32); got {input_shape!r}")
+    return shape
+
+
+def _check_replicas(model: nn.Module, comm: Communicator,
+                    input_shape: tuple[int, ...] | None = None) -> None:
+    """Fail fast when ranks start from different parameters (a cheap checksum) or pass
+    different ``input_shape`` (the placement would differ): one broadcast of a row per
+    parameter tensor plus one row for the input shape."""
     if comm.size == 1:
         return
+    shape_row = [float(len(input_shape)), float(sum(
+        d * 7919 ** i for i, d in enumerate(input_shape)) % 2**52)] if input_shape else [0.0, 0.0]
     with torch.no_grad():
         sums = torch.tensor([[p.double().sum().item(), p.double().abs().sum().item()]
-                             for p in model.parameters()] or [[0.0, 0.0]], dtype=torch.float64)
+                             for p in model.parameters()] + [shape_row], dtype=torch.float64)
     reference = sums.clone()
     comm.broadcast(reference, root=0)
-    bad = torch.nonzero(~torch.isclose(sums, reference, rtol=1e-9, atol=0).all(dim=1))
-    names = [n for n, _ in model.named_parameters()]
+    same = torch.isclose(sums, reference, rtol=1e-9, atol=0).all(dim=1)
+    same[-1] = bool(torch.equal(sums[-1], reference[-1]))  # the input shape: exactly
+    bad = torch.nonzero(~same)
+    names = [n for n, _ in model.named_parameters()] + [_INPUT_SHAPE]
     mine = [names[i] for i in bad.flatten().tolist()]
     if comm.any(bool(mine)):
         everyone = comm.allgather_object(mine)
         bad_ranks = {r: m for r, m in enumerate(everyone) if m}
+        if any(_INPUT_SHAPE in m for m in bad_ranks.values()):
+            shapes = comm.allgather_object(input_shape)
+            raise ValueError(f"input_shape differs across ranks (rank: input_shape): "
+                             f"{dict(enumerate(shapes))}; pass every rank the same per-rank "
+                             "batch shape (it decides the DP-KFAC placement)")
         raise ValueError(
             "model parameters differ across ranks (rank: parameters differing from rank 0): "
             f"{bad_ranks}; seed every rank identically or broadcast the model from rank 0 "

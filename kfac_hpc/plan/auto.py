@@ -8,9 +8,10 @@ update steps, dtypes, thresholds) are kept as given. The choice is a pure functi
 the layer shapes, the world size, the options and the profile, so every rank makes
 the same one without communicating.
 
-The batch size and input resolution are not known when the preconditioner is built:
-the estimate uses one row per sample and batch 32, which changes only terms that are
-the same for every candidate (forward, backward, factor statistics).
+Without ``input_shape`` (one rank's input batch shape) the batch size and input
+resolution are unknown: the estimate then uses one row per sample and batch 32, which
+changes only terms that are the same for every candidate (forward, backward, factor
+statistics).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def resolve_auto(
     factor_dtype: torch.dtype | None = None,
     inv_dtype: torch.dtype = torch.float32,
     memory_budget: int | None = None,
+    input_shape: Sequence[int] | None = None,
 ) -> tuple[str, float | None, Estimate | None, list[Estimate]]:
     """``(strategy, grad_worker_fraction, chosen estimate, all estimates)`` for ``model``.
 
@@ -70,7 +72,9 @@ def resolve_auto(
     prof = load_profile(profile)
     if isinstance(skip_layers, str):
         skip_layers = (skip_layers,)
-    spec = model_spec(model, skip_layers=tuple(skip_layers))
+    batch, sample = ((int(input_shape[0]), tuple(input_shape[1:])) if input_shape
+                     else (ASSUMED_BATCH, None))
+    spec = model_spec(model, input_shape=sample, skip_layers=tuple(skip_layers))
     if factor_dtype is None:
         weights = {p.dtype for p in model.parameters()}
         factor_dtype = torch.float64 if torch.float64 in weights else torch.float32
@@ -85,7 +89,7 @@ def resolve_auto(
     configs += [KFACOptions(**{**base.to_json(), "strategy": "hybrid-opt",
                                "grad_worker_fraction": f}) for f in hybrid_fractions(world_size)]
     configs.append(KFACOptions(**{**base.to_json(), "strategy": "mem-opt"}))
-    estimates = [estimate(spec, c, world_size, ASSUMED_BATCH, prof) for c in configs]
+    estimates = [estimate(spec, c, world_size, batch, prof) for c in configs]
     budget = memory_budget if memory_budget is not None else prof.memory_per_rank_bytes
     best = choose(estimates, budget).best
     return best.options.strategy, best.options.grad_worker_fraction, best, estimates

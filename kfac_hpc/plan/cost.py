@@ -38,7 +38,14 @@ import torch
 
 from kfac_hpc.comm.buffers import WIDENED_DTYPES
 from kfac_hpc.comm.fusion import buckets_by_size, triu_count
-from kfac_hpc.kfac.placement import FACTORS, LayerShape, Placement, grad_workers_for, place
+from kfac_hpc.kfac.placement import (
+    FACTORS,
+    LayerShape,
+    Placement,
+    grad_workers_for,
+    place,
+    work_per_step,
+)
 from kfac_hpc.plan.model_shapes import LayerSpec, ModelSpec
 from kfac_hpc.plan.profile import Profile
 
@@ -168,9 +175,15 @@ class StepTraffic:
 
 
 class Distribution:
-    """Who owns, decomposes and sends what, for one model, options and world size."""
+    """Who owns, decomposes and sends what, for one model, options and world size.
 
-    def __init__(self, model: ModelSpec, options: KFACOptions, world: int) -> None:
+    ``batch`` (per rank), with a model probed at an input shape, places DP-KFAC layers
+    by statistics + decomposition work, as the preconditioner does when it is given
+    ``input_shape=(batch, *model.input_shape)`` (the training driver always gives it).
+    """
+
+    def __init__(self, model: ModelSpec, options: KFACOptions, world: int,
+                 batch: int | None = None) -> None:
         problem = options.problem()
         if problem is not None:
             raise ValueError(problem)
@@ -181,9 +194,20 @@ class Distribution:
         self.model, self.options, self.world = model, options, world
         self.grad_workers = grad_workers_for(options.strategy, world,
                                              options.grad_worker_fraction)
-        shapes = [LayerShape(s.name, s.a_dim, s.g_dim) for s in model.layers]
+        balance = (options.strategy == "dp-kfac" and batch is not None
+                   and model.input_shape is not None)
+        shapes = [LayerShape(s.name, s.a_dim, s.g_dim,
+                             batch * s.rows_per_sample if balance and batch else 0)
+                  for s in model.layers]
+
+        def owner_work(layer: LayerShape) -> float:
+            return work_per_step(layer, compute_method=options.compute_method,
+                                 factor_update_steps=options.factor_update_steps,
+                                 inv_update_steps=options.inv_update_steps)
+
         self.placement: Placement = place(shapes, world, self.grad_workers,
-                                          local_threshold=options.local_decomposition_threshold)
+                                          local_threshold=options.local_decomposition_threshold,
+                                          layer_cost=owner_work if balance else None)
         self.layers: dict[str, LayerSpec] = {s.name: s for s in model.layers}
 
     # -------------------------------------------------------------- structure
@@ -355,11 +379,12 @@ class Distribution:
 
 
 def construction_traffic(model: ModelSpec, options: KFACOptions, world: int) -> StepTraffic:
-    """The constructor's replica check: broadcast of (parameter tensors x 2) float64 sums
-    and a 4-byte allreduce; nothing at world size 1 or with ``check_replicas=False``."""
+    """The constructor's replica check: broadcast of (parameter tensors + 1) x 2 float64
+    sums (the extra row checks ``input_shape``) and a 4-byte allreduce; nothing at world
+    size 1 or with ``check_replicas=False``."""
     out = StepTraffic(bytes={"construction": 0}, calls={"construction": 0})
     if world > 1 and options.check_replicas:
-        out.add("construction", 16 * max(1, model.param_tensors), 1)
+        out.add("construction", 16 * (model.param_tensors + 1), 1)
         out.add("construction", 4, 1)
     return out
 
@@ -484,7 +509,7 @@ def estimate(model: ModelSpec, options: KFACOptions, world: int, batch: int,
     """
     prof = profile.at(world)
     c = prof.compute
-    d = Distribution(model, options, world)
+    d = Distribution(model, options, world, batch)
     o = options
     leaves = leaf_modules if leaf_modules is not None else model.leaf_modules
     base = _training_terms(model, batch, world, prof, leaves)

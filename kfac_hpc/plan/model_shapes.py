@@ -10,14 +10,13 @@ the compute terms need.
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from kfac_hpc.kfac.layers import curvature_for, register_layers
+from kfac_hpc.kfac.shapes import rows_per_sample
 
 __all__ = ["LayerSpec", "ModelSpec", "model_spec"]
 
@@ -64,36 +63,6 @@ def _registered(model: nn.Module, skip: Sequence[str]) -> list[tuple[str, nn.Mod
     return [(name, curv.module) for name, curv in layers.items()]
 
 
-def _rows_per_sample(model: nn.Module, modules: Iterable[nn.Module],
-                     input_shape: Sequence[int]) -> dict[int, int]:
-    """Rows per sample of each module (by ``id``) from one forward pass on a meta copy."""
-    wanted = list(modules)
-    index = {id(m): i for i, m in enumerate(model.modules())}
-    probe = copy.deepcopy(model).to("meta")
-    by_index = {i: m for i, m in enumerate(probe.modules())}
-    rows: dict[int, int] = {}
-    handles = []
-    for original in wanted:
-        clone = by_index[index[id(original)]]
-
-        def hook(mod: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor,
-                 key: int = id(original)) -> None:
-            if isinstance(mod, nn.Conv2d):
-                rows[key] = int(output.shape[-1] * output.shape[-2])
-            else:
-                x = inputs[0]
-                rows[key] = int(torch.Size(x.shape[1:-1]).numel()) if x.dim() > 1 else 1
-
-        handles.append(clone.register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            probe(torch.empty((1, *input_shape), device="meta"))
-    finally:
-        for h in handles:
-            h.remove()
-    return rows
-
-
 def model_spec(model: nn.Module, *, input_shape: Sequence[int] | None = None,
                skip_layers: Sequence[str] = (), name: str | None = None) -> ModelSpec:
     """The K-FAC layers of ``model`` (a DDP wrapper is looked through).
@@ -107,7 +76,7 @@ def model_spec(model: nn.Module, *, input_shape: Sequence[int] | None = None,
     if isinstance(model, DistributedDataParallel):
         model = model.module
     layers = _registered(model, tuple(skip_layers))
-    rows = (_rows_per_sample(model, [m for _, m in layers], input_shape)
+    rows = (rows_per_sample(model, [m for _, m in layers], input_shape)
             if input_shape is not None else {})
     specs = []
     for layer_name, module in layers:

@@ -291,7 +291,8 @@ class Trainer:
     def _build_distributed(self) -> tuple[Any, str]:
         cfg = self.cfg
         if cfg.uses_kfac:
-            self.pre = build_preconditioner(cfg, self.model, self.comm, self.opt, self.scaler)
+            self.pre = build_preconditioner(cfg, self.model, self.comm, self.opt, self.scaler,
+                                            sample_shape=self.data.input_shape)
         if self.ddp is not None:
             return None, "torch DDP (" + ("nccl" if self.device.type == "cuda" else "gloo") + ")"
         if self.size == 1:

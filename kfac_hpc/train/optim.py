@@ -152,12 +152,13 @@ def _parameters(fn: Any) -> set[str]:
 
 
 def build_preconditioner(cfg: TrainConfig, model: nn.Module, comm: Any,
-                         optimizer: torch.optim.Optimizer,
-                         grad_scaler: Any = None) -> Any | None:
+                         optimizer: torch.optim.Optimizer, grad_scaler: Any = None,
+                         sample_shape: tuple[int, ...] | None = None) -> Any | None:
     """``KFACPreconditioner`` for ``cfg`` (``None`` without K-FAC).
 
     Its ``lr`` is a callable returning the optimizer's current learning rate, so KL
     clipping follows the schedule (the loop sets the lr before each ``step()``).
+    ``sample_shape`` (one input's shape) gives it ``input_shape=(batch, *sample_shape)``.
     """
     if not cfg.uses_kfac:
         return None
@@ -189,6 +190,7 @@ def build_preconditioner(cfg: TrainConfig, model: nn.Module, comm: Any,
         factor_dtype=None if cfg.kfac_factor_dtype == "auto" else getattr(
             torch, cfg.kfac_factor_dtype),
         inv_dtype=getattr(torch, cfg.kfac_inv_dtype),
+        input_shape=None if sample_shape is None else (cfg.batch_size, *sample_shape),
     )
 
 
