@@ -190,6 +190,11 @@ CONV_CASES: dict[str, Case] = {
         (3, 3, 7, 5),
     ),
     "valid": (dict(in_channels=2, out_channels=2, kernel_size=2, padding="valid"), (2, 2, 4, 5)),
+    # more output positions (64) than A (2·1·1 + 1) or G (3) features: the per-sample path
+    "k1_bias_many_positions": (dict(in_channels=2, out_channels=3, kernel_size=1, bias=True),
+                               (3, 2, 8, 8)),
+    "k3_nobias_many_positions": (
+        dict(in_channels=1, out_channels=2, kernel_size=3, padding=1, bias=False), (2, 1, 9, 9)),
 }
 
 
@@ -568,3 +573,18 @@ def test_unsupported_reasons() -> None:
     for ok in (nn.Linear(2, 3), nn.Conv2d(2, 2, 3), nn.Conv2d(2, 2, 2, padding="same")):
         assert unsupported_reason(ok) is None
         assert isinstance(curvature_for(ok), LayerCurvature)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_column_covariance_equals_row_covariance(bias: bool) -> None:
+    """The per-sample path (no transposed copy) is the row path up to rounding."""
+    from kfac_hpc.kfac.linalg import column_covariance, covariance
+
+    torch.manual_seed(7)
+    blocks = torch.randn(4, 5, 11, dtype=DT)
+    rows = blocks.transpose(1, 2).reshape(-1, 5)
+    if bias:
+        rows = torch.cat([rows, torch.ones(rows.shape[0], 1, dtype=DT)], dim=1)
+    got = column_covariance(blocks, append_one=bias)
+    assert rel_err(got, covariance(rows)) < 1e-14
+    assert torch.equal(got, got.t())
