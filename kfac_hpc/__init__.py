@@ -2,7 +2,8 @@
 
 The top-level names are imported on first use, so ``import kfac_hpc`` (or a
 subcommand that needs no MPI, such as ``kfac-hpc ckpt inspect`` on a login node)
-neither imports torch nor initialises MPI.
+neither imports torch nor initialises MPI. ``kfac_hpc.runtime.select_device()``
+chooses the GPU without starting MPI: call it before the first MPI import.
 """
 
 from __future__ import annotations
@@ -12,22 +13,30 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from kfac_hpc import runtime
     from kfac_hpc.comm.gradients import GradientAverager
     from kfac_hpc.kfac.preconditioner import KFACPreconditioner
+    from kfac_hpc.shampoo.optimizer import DistributedShampoo
 
-__all__ = ["GradientAverager", "KFACPreconditioner", "__version__"]
+__all__ = ["DistributedShampoo", "GradientAverager", "KFACPreconditioner", "__version__",
+           "runtime"]
 
 _LAZY = {
+    "DistributedShampoo": "kfac_hpc.shampoo.optimizer",
     "GradientAverager": "kfac_hpc.comm.gradients",
     "KFACPreconditioner": "kfac_hpc.kfac.preconditioner",
 }
+_SUBPACKAGES = ("runtime",)  # importable without starting MPI
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
+    import importlib
 
+    if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'kfac_hpc' has no attribute {name!r}")
+    elif name in _SUBPACKAGES:
+        value = importlib.import_module(f"kfac_hpc.{name}")
+    else:
+        raise AttributeError(f"module 'kfac_hpc' has no attribute {name!r}")
+    globals()[name] = value
+    return value

@@ -12,9 +12,12 @@ import sys
 from collections.abc import Sequence
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "info": ("kfac_hpc.runtime.info", "versions, MPI library (CUDA-aware?), ranks and devices"),
+    "info": ("kfac_hpc.runtime.info",
+             "versions, MPI library, which MPI calls take CUDA memory (and the evidence), "
+             "ranks and devices"),
     "selfcheck": ("kfac_hpc.comm.selfcheck",
-                  "check every collective on the current ranks and time them"),
+                  "check every collective on the current ranks (--device cuda: on GPU "
+                  "tensors) and time them"),
     "train": ("kfac_hpc.train.cli", "train a model with K-FAC/Shampoo/SGD/Adam over MPI ranks"),
     "plot": ("kfac_hpc.train.plot", "loss/accuracy curves of runs (metrics.jsonl) as a PNG"),
     "ckpt": ("kfac_hpc.checkpoint.cli", "inspect or verify HDF5 checkpoints (exit 0 ok, 1 bad)"),

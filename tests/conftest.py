@@ -74,7 +74,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if serial:
             config.hook.pytest_deselected(items=serial)
             items[:] = [item for item in items if item.get_closest_marker("mpi") is not None]
-    has_cuda = torch.cuda.is_available()
+    # KFAC_HPC_TEST_DEVICE=cpu runs the GPU tests' logic on the CPU (a check of the tests
+    # themselves on a machine without a GPU; CUDA-only tests still skip)
+    has_cuda = torch.cuda.is_available() or os.environ.get("KFAC_HPC_TEST_DEVICE") == "cpu"
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+
+
+@pytest.fixture
+def meta_default_device():
+    """The CPU stand-in for a GPU run: the model and data live on the CPU, but every
+    tensor created without ``device=`` lands on ``meta``. Library code that creates a
+    tensor without naming the device of the data it belongs to then fails with
+    "Tensor on device meta is not on the expected device cpu" (on a GPU it would
+    silently run on, or crash on, the wrong device). Create the model and data
+    *before* requesting this fixture's effect: call ``meta_default_device()``."""
+    def enable() -> None:
+        torch.set_default_device("meta")
+
+    yield enable
+    torch.set_default_device(None)

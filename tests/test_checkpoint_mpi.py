@@ -413,3 +413,165 @@ def test_parallel_hdf5_plan_is_identical_on_every_rank(comm: Any) -> None:
         assert serial == parallel
     else:
         assert serial == []
+
+
+# ------------------------------------------------------------------ faults on one rank
+def _messages(comm: Any, action: Any, kind: type[BaseException] = CheckpointError) -> list[str]:
+    """Every rank's message of the error ``action()`` raises ("" where none)."""
+    message = ""
+    try:
+        action()
+    except kind as exc:
+        message = str(exc)
+    return comm.allgather_object(message)
+
+
+def test_nonfinite_factor_on_one_rank_is_refused_everywhere(comm: Any, tmp_path: Path) -> None:
+    from kfac_hpc.checkpoint.errors import NonFiniteStateError
+
+    d = _shared_dir(comm, tmp_path)
+    model = Net()
+    pre = FakeKFAC(model, comm, "mem-opt")
+    pre.update()
+    checkpoint.save(d, model=model, optimizer=None, preconditioner=pre, step=1, comm=comm)
+    victim_rank = comm.size - 1
+    victim = sorted(pre.owned())[0] if comm.rank == victim_rank else None
+    if victim is not None:
+        factor = pre.factors[victim]
+        assert factor is not None
+        factor[0, 0] = float("inf")
+    victim = comm.broadcast_object(victim, victim_rank)
+    before = sorted(p.name for p in d.iterdir())
+    messages = _messages(comm, lambda: checkpoint.save(
+        d, model=model, optimizer=None, preconditioner=pre, step=2, comm=comm),
+        NonFiniteStateError)
+    assert messages[0] and len(set(messages)) == 1, messages
+    assert f"/kfac/{victim} (on rank {victim_rank}) holds NaN/Inf" in messages[0]
+    comm.barrier()
+    assert sorted(p.name for p in d.iterdir()) == before
+    assert checkpoint.latest(d) == d / "ckpt_00000001.h5"
+
+
+def test_full_disk_on_the_writer_fails_every_rank_alike(comm: Any, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from kfac_hpc.checkpoint import storage
+
+    d = _shared_dir(comm, tmp_path)
+    model = Net()
+    opt = make_optimizer("sgd", model)
+    pre = FakeKFAC(model, comm, "mem-opt")
+    pre.update()
+    good = checkpoint.save(d, model=model, optimizer=opt, preconditioner=pre, step=1, comm=comm)
+    real, left = storage._pwrite, [20_000]
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:  # rank 0 writes; the disk fills up
+        left[0] -= memoryview(data).nbytes
+        if left[0] < 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(storage, "_pwrite", pwrite)
+    messages = _messages(comm, lambda: checkpoint.save(
+        d, model=model, optimizer=opt, preconditioner=pre, step=2, comm=comm))
+    monkeypatch.undo()
+    assert messages[0] and len(set(messages)) == 1, messages
+    assert "No space left on device" in messages[0] and str(d) in messages[0]
+    comm.barrier()
+    assert sorted(p.name for p in d.iterdir()) == ["ckpt_00000001.h5", "latest"]
+    assert checkpoint.latest(d) == good and checkpoint.verify_file(good).ok
+    again = checkpoint.save(d, model=model, optimizer=opt, preconditioner=pre, step=2, comm=comm)
+    assert checkpoint.verify_file(again).ok
+
+
+class _RefusesOnOneRank(Net):
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_rank() == MPI.COMM_WORLD.Get_size() - 1:
+            raise RuntimeError("the last rank's model refuses to load")
+        super()._load_from_state_dict(*args, **kwargs)
+
+
+def test_a_load_failing_on_one_rank_is_undone_on_every_rank(comm: Any, tmp_path: Path) -> None:
+    d = _shared_dir(comm, tmp_path)
+    torch.manual_seed(0)
+    model = Net()
+    opt = make_optimizer("adam", model)
+    _seed_per_rank(comm, 3)
+    train_steps(model, opt, comm, 0, 2)
+    pre = FakeKFAC(model, comm, "mem-opt")
+    pre.update()
+    checkpoint.save(d, model=model, optimizer=opt, preconditioner=pre, step=2, comm=comm)
+
+    torch.manual_seed(9)
+    live = _RefusesOnOneRank()
+    live_opt = make_optimizer("adam", live)
+    train_steps(live, live_opt, comm, 0, 1)
+    live_pre = FakeKFAC(live, comm, "mem-opt")
+    for _ in range(3):
+        live_pre.update()
+    weights = {k: v.clone() for k, v in live.state_dict().items()}
+    state, rng_state = repr(live_opt.state_dict()), torch.get_rng_state()
+    messages = _messages(comm, lambda: checkpoint.load(
+        d, model=live, optimizer=live_opt, preconditioner=live_pre, comm=comm))
+    assert messages[0] and len(set(messages)) == 1, messages
+    assert f"rank {comm.size - 1}: RuntimeError: the last rank's model refuses" in messages[0]
+    assert "nothing was loaded" in messages[0]
+    assert _agree_all(comm, all(torch.equal(weights[k], v) for k, v in live.state_dict().items())
+                      and repr(live_opt.state_dict()) == state
+                      and torch.equal(torch.get_rng_state(), rng_state))
+    live_pre.check(3)
+
+
+class _KFACWithPerRankEntries(FakeKFAC):
+    """state_dict() has entries the checkpoint does not know: one the same on every
+    rank, one that differs per rank."""
+
+    def __init__(self, *args: Any, differ: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.differ = differ
+        self.extra: dict[str, Any] = {}
+
+    def state_dict(self, eigenbases: bool = False) -> dict[str, Any]:
+        sd = super().state_dict(eigenbases)
+        sd["history"] = sorted(self.factor_keys())
+        sd["local"] = torch.full((3,), float(self.comm.rank if self.differ else 7))
+        return sd
+
+    def load_state_dict(self, state: Any) -> None:
+        super().load_state_dict(state)
+        self.extra = {k: v for k, v in state.items() if k in ("history", "local")}
+
+
+@pytest.mark.parametrize("differ", [True, False])
+def test_other_kfac_entries_go_back_to_their_rank(comm: Any, tmp_path: Path,
+                                                  differ: bool) -> None:
+    from mpi4py import MPI
+
+    from kfac_hpc.comm import Communicator
+
+    d = _shared_dir(comm, tmp_path)
+    model = Net()
+    pre = _KFACWithPerRankEntries(model, comm, "mem-opt", differ=differ)
+    pre.update()
+    path = checkpoint.save(d, model=model, optimizer=None, preconditioner=pre, step=1, comm=comm)
+    fresh = _KFACWithPerRankEntries(model, comm, "mem-opt", differ=differ)
+    checkpoint.load(path, model=model, optimizer=None, preconditioner=fresh, comm=comm)
+    want = float(comm.rank if differ else 7)
+    assert torch.equal(fresh.extra["local"], torch.full((3,), want))
+    assert fresh.extra["history"] == sorted(pre.factor_keys())
+    fresh.check(1)
+    if comm.rank == 0:  # another world size: only what every rank had in common
+        solo = Communicator(MPI.COMM_SELF, name="self")
+        one = _KFACWithPerRankEntries(model, solo, "mem-opt", differ=differ)
+        info = checkpoint.load(path, model=model, optimizer=None, preconditioner=one, comm=solo)
+        one.check(1)
+        if differ:
+            assert one.extra == {}
+            assert any("per-rank entries of state_dict() were not restored" in m
+                       for m in info.mismatches)
+        else:
+            assert torch.equal(one.extra["local"], torch.full((3,), 7.0))
+    comm.barrier()

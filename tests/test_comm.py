@@ -6,6 +6,8 @@ compute the expected result of the whole collective with numpy on its own.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -323,6 +325,11 @@ def test_numpy_and_cupy_adapter():
 @mpi()
 @pytest.mark.parametrize("aware", [False, True])
 def test_cuda_tensors(aware):
+    from kfac_hpc.comm.cuda import CUDA_AWARE_ENV, detect
+
+    found = detect(env={k: v for k, v in os.environ.items() if k != CUDA_AWARE_ENV})
+    if aware and not found.aware:  # device memory would crash a library that refuses it
+        pytest.skip(f"the MPI library is not CUDA-aware here: {found.summary()}")
     comm = Communicator(cuda_aware=aware)
     dev = torch.device("cuda", 0)
     t = torch.arange(16.0, device=dev) + comm.rank
@@ -347,3 +354,369 @@ def test_tags_reach_subcommunicators_and_nest_once(comm):
     assert total.tag_bytes("phase") == (12 if sub.size > 1 else 0) + 8
     assert comm.stats.tag_bytes("phase") == 8  # counted once although opened twice
     sub.free()
+
+
+# --------------------------------------------- device hygiene (the CPU stand-in)
+@mpi()
+def test_collectives_name_the_device_of_every_tensor_they_make(comm, meta_default_device):
+    """Under a ``meta`` default device, every tensor the Communicator makes for itself
+    (results, widened and contiguous copies, any()'s flag) must still be on the CPU."""
+    size, rank, n = comm.size, comm.rank, 10
+    counts = counts_for(size, "zeros")
+    inputs = {
+        "avg": rank_data(rank, n, torch.float32),
+        "bf16": rank_data(rank, n, torch.bfloat16, 1),
+        "strided": rank_data(rank, 12, torch.float64, 2).reshape(3, 4),
+        "rs": rank_data(rank, sum(counts), torch.float32, 3),
+        "ag": rank_data(rank, 6, torch.int64, 4).reshape(2, 3),
+        "agv": rank_data(rank, counts[rank], torch.bfloat16, 5),
+        "bcast": rank_data(rank, 5, torch.bfloat16, 6).t(),
+        "nb": rank_data(rank, n, torch.float16, 7),
+        "nbrs": rank_data(rank, sum(counts), torch.bfloat16, 8),
+    }
+    expect = {
+        "avg": all_data(comm, n, torch.float32).mean(0),
+        "bf16": all_data(comm, n, torch.bfloat16, 1).sum(0),
+        "strided": all_data(comm, 12, torch.float64, 2).max(0).reshape(3, 4).T,
+        "rs": all_data(comm, sum(counts), torch.float32, 3).sum(0),
+        "ag": all_data(comm, 6, torch.int64, 4).reshape(size, 2, 3),
+        "agv": np.concatenate([as_np(rank_data(r, counts[r], torch.bfloat16, 5))
+                               for r in range(size)]),
+        "bcast": as_np(rank_data(size - 1, 5, torch.bfloat16, 6)),
+        "nb": all_data(comm, n, torch.float16, 7).sum(0),
+        "nbrs": all_data(comm, sum(counts), torch.bfloat16, 8).sum(0),
+    }
+    start = sum(counts[:rank])
+    mine = slice(start, start + counts[rank])
+    meta_default_device()
+    results = {
+        "avg": comm.allreduce(inputs["avg"], "avg"),
+        "bf16": comm.allreduce(inputs["bf16"], "sum"),
+        "strided": comm.allreduce(inputs["strided"].t(), "max"),
+        "rs": comm.reduce_scatter(inputs["rs"], counts),
+        "ag": comm.allgather(inputs["ag"]),
+        "agv": comm.allgatherv(inputs["agv"]),  # counts learned: an object allgather
+        "bcast": comm.broadcast(inputs["bcast"], root=size - 1),
+    }
+    flags = (comm.any(rank == size - 1), comm.any(False))
+    handles = {"nb": comm.iallreduce(inputs["nb"]),
+               "nbrs": comm.ireduce_scatter(inputs["nbrs"], counts)}
+    results.update({k: h.wait() for k, h in handles.items()})
+    reduced = comm.reduce(inputs["avg"].clone(), root=0)
+    assert flags == (True, False)
+    for key, out in [*results.items(), ("reduced", reduced)]:
+        assert out.device.type == "cpu", key
+    np.testing.assert_allclose(as_np(results["avg"]), expect["avg"], rtol=1e-6)
+    for key in ("bf16", "strided", "ag", "agv", "bcast", "nb"):
+        np.testing.assert_array_equal(as_np(results[key]), expect[key], err_msg=key)
+    np.testing.assert_array_equal(as_np(results["rs"]), expect["rs"][mine])
+    np.testing.assert_array_equal(as_np(results["nbrs"]), expect["nbrs"][mine])
+
+
+@mpi(4)
+def test_subcommunicators_under_the_meta_stand_in(comm, meta_default_device):
+    """Pairs of ranks: split, reduce-scatter with a zero count, any() per pair."""
+    pair = [comm.rank - comm.rank % 2, comm.rank - comm.rank % 2 + 1]
+    data = rank_data(comm.rank, 5, torch.float32, 9)
+    expected = sum(as_np(rank_data(r, 5, torch.float32, 9)) for r in pair if r < comm.size)
+    meta_default_device()
+    sub = comm.split(comm.rank // 2)
+    try:
+        counts = [5, 0] if sub.size == 2 else [5]
+        out = sub.reduce_scatter(data, counts)
+        assert out.device.type == "cpu" and out.numel() == counts[sub.rank]
+        if sub.rank == 0:
+            np.testing.assert_array_equal(as_np(out), expected)
+        assert sub.any(sub.rank == 1) is (sub.size == 2)
+    finally:
+        sub.free()
+
+
+def test_meta_tensors_are_refused_clearly():
+    from kfac_hpc.comm.buffers import to_wire
+
+    with pytest.raises(ValueError, match="device 'meta' has no memory"):
+        to_wire(torch.empty(3, device="meta"), reduction=True, device_ok=False)
+
+
+# ------------------------------------------------------- NumPy through collectives
+@mpi()
+def test_numpy_arrays_through_the_collectives(comm):
+    a = as_np(rank_data(comm.rank, 6, torch.float64))
+    assert comm.allreduce(a, "sum") is a  # in place, the same array back
+    np.testing.assert_array_equal(a, all_data(comm, 6, torch.float64).sum(0))
+    counts = [2] * comm.size
+    part = comm.reduce_scatter(np.ones(2 * comm.size), counts)
+    assert isinstance(part, np.ndarray) and part.tolist() == [float(comm.size)] * 2
+    gathered = comm.iallgather(np.full(3, comm.rank, dtype=np.int64)).wait()
+    assert isinstance(gathered, np.ndarray)
+    assert gathered.tolist() == [[r] * 3 for r in range(comm.size)]
+    out = np.zeros(comm.size * 2)
+    assert comm.allgatherv(np.full(2, float(comm.rank)), counts, out=out) is out
+    np.testing.assert_array_equal(out, np.repeat(np.arange(comm.size, dtype=float), 2))
+
+
+# -------------------------------------- non-blocking calls that wait for device work
+class FakeEvent:
+    """A CUDA event stand-in: the producing work is done when ``done`` is set."""
+
+    def __init__(self, done: bool = False) -> None:
+        self.done, self.synchronized = done, 0
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+        self.done = True
+
+
+def events_for_next_wires(comm, monkeypatch, events):
+    """The next wires ``comm`` makes carry ``events`` (as if their data were on a GPU)."""
+    queue = list(events)
+    original = comm._wire
+
+    def wire(*args, **kwargs):
+        w = original(*args, **kwargs)
+        if queue:
+            w.ready = queue.pop(0)
+        return w
+
+    monkeypatch.setattr(comm, "_wire", wire)
+
+
+@mpi()
+def test_pending_handles_post_in_call_order(comm, monkeypatch):
+    first = FakeEvent()
+    events_for_next_wires(comm, monkeypatch, [first])
+    a, b = torch.ones(5), torch.full((7,), 2.0)
+    h1 = comm.iallreduce(a)  # its data is "still being produced"
+    h2 = comm.iallreduce(b)  # ready, but must not overtake h1
+    assert comm.pending() == 2 and not h1.posted and not h2.posted
+    assert not h2.test() and not h1.posted and not h2.posted
+    first.done = True
+    h2.test()  # posts h1, then h2
+    assert h1.posted and h2.posted and comm.pending() == 0 and first.synchronized == 0
+    assert torch.equal(h2.wait(), torch.full((7,), 2.0 * comm.size))
+    assert torch.equal(h1.wait(), torch.full((5,), float(comm.size)))
+
+
+@mpi()
+def test_order_is_kept_across_communicator_objects(comm, monkeypatch):
+    """Two Communicator objects over one MPI communicator share one call order."""
+    other = Communicator()
+    late = FakeEvent(done=comm.rank != 0)
+    events_for_next_wires(comm, monkeypatch, [late])
+    h1 = comm.iallreduce(torch.ones(5))
+    h2 = other.iallreduce(torch.ones(9, dtype=torch.float64))
+    if comm.rank == 0:
+        assert not h2.test() and not h2.posted
+        late.done = True
+    assert torch.equal(h2.wait(), torch.full((9,), float(comm.size), dtype=torch.float64))
+    assert torch.equal(h1.wait(), torch.full((5,), float(comm.size)))
+    sub = comm.split(0)
+    assert sub.pending() == 0 and sub._pending is not comm._pending
+    sub.free()
+
+
+@mpi()
+def test_wait_and_blocking_calls_wait_for_device_work(comm, monkeypatch):
+    first, second = FakeEvent(), FakeEvent()
+    events_for_next_wires(comm, monkeypatch, [first, second])
+    h = comm.iallreduce(torch.ones(3))
+    comm.allreduce(torch.ones(2))  # blocking: posts the queued call first, then its own
+    assert h.posted and first.synchronized == 1 and second.synchronized == 1
+    assert torch.equal(h.wait(), torch.full((3,), float(comm.size)))
+    third = FakeEvent()
+    events_for_next_wires(comm, monkeypatch, [third])
+    h = comm.ibroadcast(torch.full((4,), float(comm.rank)), root=0)
+    assert torch.equal(h.wait(), torch.zeros(4)) and third.synchronized == 1
+
+
+@mpi(2)
+def test_late_device_work_on_one_rank_keeps_the_order(comm, monkeypatch):
+    """Rank 0's first call waits for its (fake) GPU; every other rank posts at once.
+    Calls of different sizes would be mismatched if rank 0 posted out of order."""
+    late = FakeEvent(done=comm.rank != 0)
+    events_for_next_wires(comm, monkeypatch, [late])
+    h1 = comm.iallreduce(torch.ones(5))
+    h2 = comm.iallgatherv(torch.full((comm.rank + 1,), float(comm.rank)),
+                          [r + 1 for r in range(comm.size)])
+    h3 = comm.ireduce_scatter(torch.ones(2 * comm.size), [2] * comm.size)
+    if comm.rank == 0:
+        for _ in range(50):
+            assert not h3.test() and not h2.posted
+        late.done = True
+    assert torch.equal(h3.wait(), torch.full((2,), float(comm.size)))
+    assert h2.wait().tolist() == [float(r) for r in range(comm.size) for _ in range(r + 1)]
+    assert torch.equal(h1.wait(), torch.full((5,), float(comm.size)))
+
+
+# ------------------------------------------------------------------- threads
+@mpi()
+def test_calls_from_another_thread_need_a_thread_level(monkeypatch):
+    import threading
+
+    from mpi4py import MPI
+
+    from kfac_hpc.comm import threads
+
+    comm = Communicator()
+    errors: list[BaseException] = []
+
+    def post(level: int, out: list) -> None:
+        monkeypatch.setattr(threads, "provided_level", lambda: level)
+        try:
+            out.append(comm.iallreduce(torch.ones(4)))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    worker = threading.Thread(target=post, args=(MPI.THREAD_FUNNELED, []), name="hook")
+    worker.start()
+    worker.join()
+    assert len(errors) == 1 and isinstance(errors[0], threads.ThreadLevelError)
+    assert "thread 'hook'" in str(errors[0]) and "MPI_THREAD_SERIALIZED" in str(errors[0])
+    assert comm.pending() == 0  # the refused call is not left to be posted later
+
+    comm = Communicator()  # SERIALIZED: calls from the hook thread, serialised by a lock
+    handles: list = []
+    worker = threading.Thread(target=post, args=(MPI.THREAD_SERIALIZED, handles))
+    worker.start()
+    worker.join()
+    assert len(errors) == 1 and len(handles) == 1
+    assert torch.equal(handles[0].wait(), torch.full((4,), float(comm.size)))
+
+
+# ------------------------------------------------------------- pinned staging pool
+def test_pinned_pool_reuses_buffers_after_their_copies():
+    from kfac_hpc.comm.staging import PinnedPool, size_class
+
+    assert [size_class(n) for n in (0, 1, 512, 513, 4096, 5000)] == \
+        [512, 512, 512, 1024, 4096, 8192]
+    pool = PinnedPool(max_cached_bytes=4096,
+                      allocate=lambda n: torch.empty(n, dtype=torch.uint8, device="cpu"))
+    a = pool.acquire((3, 4), torch.float32)
+    assert a.tensor.shape == (3, 4) and a.tensor.dtype == torch.float32
+    copying = FakeEvent()
+    a.release(copying)  # a host->device copy still reads it
+    a.release(FakeEvent(done=True))  # a second release is ignored
+    b = pool.acquire((12,), torch.int32)
+    assert b.base.data_ptr() != a.base.data_ptr() and pool.allocations == 2
+    copying.done = True
+    c = pool.acquire((2,), torch.float64)
+    assert c.base.data_ptr() == a.base.data_ptr() and pool.reuses == 1
+    big = pool.acquire((2048,), torch.float32)  # 8 KiB: more than the pool keeps
+    big.release()
+    b.release()
+    assert pool.cached_bytes == 512
+
+
+# ------------------------------------------- the CUDA code paths, on a CPU stand-in
+class CudaStandIn(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: it drives the staged and device-direct code
+    paths without a GPU (with the fixture below: plain copies, fake events)."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+
+class LaterEvent(FakeEvent):
+    """Completes on its third query: the work it stands for takes a while."""
+
+    queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        self.done = self.done or self.queries >= 3
+        return self.done
+
+
+@pytest.fixture
+def cuda_stand_in(monkeypatch):
+    """Staging copies become CPU copies into a pool of plain buffers, CUDA events become
+    :class:`LaterEvent`; returns the pool and the events made."""
+    from kfac_hpc.comm import staging
+
+    pool = staging.PinnedPool(allocate=lambda n: torch.empty(n, dtype=torch.uint8, device="cpu"))
+    events: list[LaterEvent] = []
+
+    def event(*_args) -> LaterEvent:
+        events.append(LaterEvent())
+        return events[-1]
+
+    def stage_out(data, pool_, need_input):
+        pinned = pool_.acquire(data.shape, data.dtype)
+        if need_input:
+            pinned.tensor.copy_(data.as_subclass(torch.Tensor))
+        return pinned, event() if need_input and data.numel() else None
+
+    monkeypatch.setattr(staging, "pinned_pool", lambda: pool)
+    monkeypatch.setattr(staging, "stage_out", stage_out)
+    monkeypatch.setattr(staging, "land_in", lambda host, device: (host.clone(), event()))
+    monkeypatch.setattr(staging, "record_event", event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    staging.reset_warning()
+    yield pool, events
+    staging.reset_warning()
+
+
+@mpi()
+@pytest.mark.parametrize("path", ["staged", "device"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("blocking", [True, False])
+def test_cuda_code_paths_on_a_stand_in(cuda_stand_in, path, dtype, strided, blocking):
+    pool, events = cuda_stand_in
+    comm = Communicator(cuda_aware=False if path == "staged" else "all")
+    size, rank = comm.size, comm.rank
+
+    def dev(t: torch.Tensor) -> torch.Tensor:
+        t = (t.t().contiguous() if t.dim() == 2 else t.repeat_interleave(2)) if strided else t
+        t = t.as_subclass(CudaStandIn)
+        return (t.t() if t.dim() == 2 else t[::2]) if strided else t
+
+    def run(name, *args, **kwargs):
+        if blocking:
+            return getattr(comm, name)(*args, **kwargs)
+        handle = getattr(comm, "i" + name)(*args, **kwargs)
+        return handle.wait()
+
+    x = dev(rank_data(rank, 12, dtype, 11).reshape(3, 4))
+    assert run("allreduce", x) is x and isinstance(x, CudaStandIn)
+    np.testing.assert_array_equal(as_np(x), all_data(comm, 12, dtype, 11).sum(0).reshape(3, 4))
+    if dtype.is_floating_point:
+        y = dev(rank_data(rank, 12, dtype, 12).reshape(3, 4))
+        run("allreduce", y, "avg")
+        np.testing.assert_allclose(as_np(y), all_data(comm, 12, dtype, 12).mean(0).reshape(3, 4),
+                                   rtol=1e-2 if dtype.itemsize == 2 else 1e-6)
+    counts = counts_for(size, "zeros")
+    src = dev(rank_data(rank, sum(counts), dtype, 13))
+    out = torch.full((counts[rank],), 99, dtype=dtype).as_subclass(CudaStandIn)
+    assert run("reduce_scatter", src, counts, out=out) is out
+    start = sum(counts[:rank])
+    np.testing.assert_array_equal(
+        as_np(out), all_data(comm, sum(counts), dtype, 13).sum(0)[start:start + counts[rank]])
+    b = dev(rank_data(rank, 12, dtype, 14).reshape(3, 4))
+    run("broadcast", b, root=size - 1)
+    np.testing.assert_array_equal(as_np(b), as_np(rank_data(size - 1, 12, dtype, 14)).reshape(3, 4))
+    root = size - 1
+    r = dev(rank_data(rank, 12, dtype, 15).reshape(3, 4))
+    run("reduce", r, root=root)
+    expected = all_data(comm, 12, dtype, 15).sum(0) if rank == root else \
+        as_np(rank_data(rank, 12, dtype, 15))
+    np.testing.assert_array_equal(as_np(r), expected.reshape(3, 4))
+    g = dev(rank_data(rank, 12, dtype, 16).reshape(3, 4))
+    gathered = torch.zeros(size, 3, 4, dtype=dtype).as_subclass(CudaStandIn)
+    run("allgather", g, out=gathered)
+    np.testing.assert_array_equal(as_np(gathered).reshape(size, 12), all_data(comm, 12, dtype, 16))
+    v = dev(rank_data(rank, counts[rank], dtype, 17))
+    flat = torch.zeros(sum(counts), dtype=dtype).as_subclass(CudaStandIn)
+    run("allgatherv", v, counts, out=flat)
+    np.testing.assert_array_equal(as_np(flat), np.concatenate(
+        [as_np(rank_data(q, counts[q], dtype, 17)) for q in range(size)]))
+    assert comm.pending() == 0 and events  # every call waited for its (fake) device work
+    if path == "staged":
+        assert pool.allocations + pool.reuses > 0 and pool.reuses > 0
+    else:
+        assert pool.allocations == 0  # device memory went to MPI directly

@@ -91,3 +91,18 @@ def test_packed_factor_reduction_bytes(comm):
         torch.testing.assert_close(unpack_upper(flat[offset:offset + k], n), want)
         offset += k
     assert comm.stats.bytes_of("allreduce") == 4 * sum(triu_count(n) for n in dims)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_fusion_under_the_meta_stand_in(comm, meta_default_device):
+    """Flattening (an empty list included) and fused reductions make CPU tensors only."""
+    tensors = [torch.arange(5.0) + comm.rank, torch.ones(3, 2, dtype=torch.float64)]
+    expected = [sum(torch.arange(5.0) + r for r in range(comm.size)) / comm.size,
+                torch.ones(3, 2, dtype=torch.float64)]
+    meta_default_device()
+    assert flatten([]).device.type == "cpu"
+    assert flatten([], torch.bfloat16).device.type == "cpu"
+    FusedAllreduce(comm, tensors, op="avg", cap_mb=1e-5).start().wait()
+    torch.set_default_device(None)
+    for got, want in zip(tensors, expected):
+        torch.testing.assert_close(got, want)

@@ -64,3 +64,78 @@ def test_no_sync_accumulates_locally(comm):
     for p, q in zip(net.parameters(), local.parameters()):
         if p.grad is not None:
             torch.testing.assert_close(p.grad, q.grad / comm.size, rtol=1e-6, atol=1e-6)
+
+
+def rank_gradients(net, size):
+    """Every rank's gradients, computed locally (the reference for the average)."""
+    per_rank = []
+    for r in range(size):
+        net.zero_grad()
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(r))
+        forward(net, x).square().sum().backward()
+        per_rank.append({n: p.grad.clone() for n, p in net.named_parameters()
+                         if p.grad is not None})
+    net.zero_grad()
+    return per_rank
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("cap_mb", [25.0, 1e-4])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_overlap_under_the_meta_stand_in_and_a_hook_thread(comm, meta_default_device, cap_mb,
+                                                           dtype):
+    """Buckets posted from hooks that run on another thread (as CUDA's autograd worker
+    does), while every tensor made without ``device=`` would land on ``meta``."""
+    import threading
+
+    net = model_with_unused()
+    per_rank = rank_gradients(net, comm.size)
+    averager = GradientAverager(net, comm, bucket_cap_mb=cap_mb, dtype=dtype)
+    xs = [torch.randn(5, 4, generator=torch.Generator().manual_seed(comm.rank))
+          for _ in range(2)]
+    meta_default_device()
+    posted_early = []
+    for x in xs:  # step 1 agrees on the posting order, step 2 overlaps
+        net.zero_grad()
+        loss = forward(net, x).square().sum()
+        worker = threading.Thread(target=loss.backward, name="autograd-stand-in")
+        worker.start()
+        worker.join()
+        posted_early.append(averager._next)
+        averager.synchronize()
+    torch.set_default_device(None)
+    if comm.size > 1 and cap_mb < 1:
+        assert posted_early[1] > 0  # buckets were posted from the hook thread
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-6, "atol": 1e-7}
+    for name, p in net.named_parameters():
+        if name.startswith("unused"):
+            assert p.grad is None
+            continue
+        assert p.grad.device.type == "cpu"
+        expected = sum(g[name] for g in per_rank[:comm.size]) / comm.size
+        torch.testing.assert_close(p.grad, expected, **tol)
+
+
+def test_parameters_on_two_devices_are_refused(comm):
+    net = model_with_unused()
+    net["b"].to("meta")
+    with pytest.raises(ValueError, match=r"one device, got cpu, meta: move the model"):
+        GradientAverager(net, comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_different_models_fail_clearly_on_every_rank(comm):
+    """A rank with a wider layer would post reductions of another size (MPI truncation,
+    heap corruption or a hang): the constructor raises the same error on every rank."""
+    torch.manual_seed(0)
+    width = 8 if comm.rank == comm.size - 1 else 6
+    model = nn.Sequential(nn.Linear(4, width), nn.Linear(width, 2))
+    with pytest.raises(ValueError, match=r"ranks hold different models .*0\.weight"):
+        GradientAverager(model, comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_different_values_fail_clearly_on_every_rank(comm):
+    torch.manual_seed(comm.rank)
+    with pytest.raises(ValueError, match="parameters differ across ranks"):
+        GradientAverager(nn.Linear(4, 3), comm)

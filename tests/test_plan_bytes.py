@@ -76,19 +76,25 @@ CONFIGS: dict[str, KFACOptions] = {
 def _measure(pre: KFACPreconditioner) -> dict[str, int]:
     """Counters now, by phase, read by collective kind and communicator.
 
-    factors: the world communicator's reduce-scatters and allreduces;
+    factors: the world communicator's reduce-scatters and allreduces, less the agreement
+    allreduces (read by their tag);
     decompositions / gradients: the broadcasts of the worker / receiver communicator.
     The library's own tags are returned too (``tag:<phase>``).
     """
     comm = pre.comm
+    traffic = comm.traffic()  # the world's counters merged with its sub-communicators'
+    agreed = traffic.tags.get("agreement")
     out: dict[str, int] = {
-        "factors": comm.stats.bytes_of("reduce_scatter") + comm.stats.bytes_of("allreduce"),
-        "factors#calls": comm.stats.calls_of("reduce_scatter") + comm.stats.calls_of("allreduce"),
-        "total": comm.traffic().total_bytes}
+        "factors": comm.stats.bytes_of("reduce_scatter") + comm.stats.bytes_of("allreduce")
+        - (agreed.bytes if agreed else 0),
+        "factors#calls": comm.stats.calls_of("reduce_scatter") + comm.stats.calls_of("allreduce")
+        - (agreed.calls if agreed else 0),
+        "agreement": agreed.bytes if agreed else 0,
+        "agreement#calls": agreed.calls if agreed else 0,
+        "total": traffic.total_bytes}
     for phase, sub in (("decompositions", pre.worker_comm), ("gradients", pre.receiver_comm)):
         out[phase] = sub.stats.bytes_of("broadcast")
         out[phase + "#calls"] = sub.stats.calls_of("broadcast")
-    traffic = comm.traffic()  # the world's counters merged with its sub-communicators'
     for phase in BYTE_PHASES:
         out["tag:" + phase] = traffic.tag_bytes(phase)
         out["tag:" + phase + "#calls"] = traffic.tags[phase].calls if phase in traffic.tags else 0

@@ -1,15 +1,37 @@
-"""Runtime discovery from launcher variables, and preemption agreement."""
+"""Runtime discovery from launcher variables, device selection before MPI starts, and
+preemption agreement.
+
+Device selection runs here without a GPU: ``torch.cuda`` is faked (availability,
+device count, ``set_device``); tests/gpu/test_train_gpu.py checks the real thing.
+"""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
 
-from kfac_hpc.runtime.discovery import banner, from_environment, from_mpi, select_device, time_left
+from kfac_hpc.runtime import (
+    LOCAL_RANK_VARIABLES,
+    LocalRank,
+    NoCudaDeviceError,
+    local_rank_from_environment,
+    select_device,
+    selected_device,
+)
+from kfac_hpc.runtime import device as device_module
+from kfac_hpc.runtime.discovery import banner, from_environment, from_mpi, time_left
+from kfac_hpc.runtime.discovery import select_device as select_device_by_local_rank
 from kfac_hpc.runtime.preemption import REQUEUE_EXIT_CODE, PreemptionGuard, parse_signal
+
+ROOT = Path(__file__).resolve().parent.parent
 
 SLURM = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
          "SLURM_NTASKS_PER_NODE": "4(x2)", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242",
@@ -51,10 +73,164 @@ def test_time_left_and_banner():
     assert "job 4242" in text and "8 rank(s) on 2 node(s)" in text and "restart 2" in text
 
 
-def test_select_device_cpu_without_cuda():
-    if torch.cuda.is_available():
-        pytest.skip("CPU-only check")
-    assert select_device(3) == torch.device("cpu")
+def test_mpi_launcher_variables_win_over_inherited_slurm_ones():
+    """mpirun inside a batch job: the ranks inherit the batch shell's SLURM_PROCID=0."""
+    stale = {**SLURM, "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
+    job = from_environment({**stale, "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "8",
+                            "OMPI_COMM_WORLD_LOCAL_RANK": "3",
+                            "OMPI_COMM_WORLD_LOCAL_SIZE": "4"})
+    assert (job.rank, job.local_rank, job.source, job.job_id) == (3, 3, "openmpi", "4242")
+    job = from_environment({**stale, "MV2_COMM_WORLD_RANK": "6", "MV2_COMM_WORLD_SIZE": "8",
+                            "MV2_COMM_WORLD_LOCAL_RANK": "2"})
+    assert (job.rank, job.local_rank, job.source) == (6, 2, "mvapich")
+    job = from_environment({**stale, "PMI_RANK": "5", "PMI_SIZE": "8", "PMI_LOCAL_RANK": "1",
+                            "PMI_LOCAL_SIZE": "4"})
+    assert (job.rank, job.local_rank, job.local_size, job.source) == (5, 1, 4, "pmi")
+    job = from_environment({**stale, "FLUX_TASK_RANK": "7", "FLUX_JOB_SIZE": "8",
+                            "FLUX_TASK_LOCAL_ID": "3"})
+    assert (job.rank, job.local_rank, job.source) == (7, 3, "flux")
+
+
+# ------------------------------------------------------- device before MPI starts
+@pytest.mark.parametrize("variable", [name for name, _ in LOCAL_RANK_VARIABLES])
+def test_local_rank_from_each_launcher(variable: str):
+    assert local_rank_from_environment({variable: "3"}) == LocalRank(3, variable)
+    if variable != "SLURM_LOCALID":  # the launcher that started us beats inherited SLURM
+        env = {"SLURM_LOCALID": "0", variable: "2"}
+        assert local_rank_from_environment(env) == LocalRank(2, variable)
+
+
+def test_local_rank_without_launcher_and_bad_values():
+    assert local_rank_from_environment({}) == LocalRank(0, None)
+    assert local_rank_from_environment({"MPI_LOCALRANKID": "", "SLURM_LOCALID": "1"}).rank == 1
+    with pytest.raises(ValueError, match="SLURM_LOCALID='x' is not an integer"):
+        local_rank_from_environment({"SLURM_LOCALID": "x"})
+    with pytest.raises(ValueError, match="PALS_LOCAL_RANKID=-1 is negative"):
+        local_rank_from_environment({"PALS_LOCAL_RANKID": "-1"})
+
+
+@dataclass
+class FakeCuda:
+    count: int = 4  # visible GPUs
+    current: list[torch.device] = field(default_factory=list)  # set_device calls
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+    fake = FakeCuda()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: fake.count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: fake.count)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: fake.current.append(torch.device(d)))
+    monkeypatch.setattr(device_module, "_selected", None)
+    return fake
+
+
+@pytest.mark.parametrize("variable", [name for name, _ in LOCAL_RANK_VARIABLES])
+def test_select_device_from_each_launcher(variable: str, fake_cuda: FakeCuda):
+    """4 GPUs per node shared by the node's ranks: cuda:<local rank mod 4>."""
+    assert selected_device() is None
+    env = {variable: "5"} if variable == "SLURM_LOCALID" else {variable: "5", "SLURM_LOCALID": "0"}
+    device = select_device(env=env)
+    assert device == torch.device("cuda", 1)
+    assert fake_cuda.current == [device] and selected_device() == device
+
+
+def test_select_device_respects_per_task_visible_devices(fake_cuda: FakeCuda):
+    """srun --gpus-per-task=1: every rank sees one GPU (its own) as cuda:0."""
+    fake_cuda.count = 1
+    env = {"SLURM_LOCALID": "3", "CUDA_VISIBLE_DEVICES": "3"}
+    assert select_device("cuda", env=env) == torch.device("cuda", 0)
+    assert fake_cuda.current == [torch.device("cuda", 0)]
+
+
+def test_select_device_explicit_local_rank_and_cpu(fake_cuda: FakeCuda):
+    assert select_device(local_rank=6, env={"SLURM_LOCALID": "1"}) == torch.device("cuda", 2)
+    assert select_device_by_local_rank(3) == torch.device("cuda", 3)  # the older form
+    assert select_device_by_local_rank(3, prefer_cuda=False) == torch.device("cpu")
+    assert select_device("cpu", env={"SLURM_LOCALID": "1"}) == torch.device("cpu")
+    assert fake_cuda.current == [torch.device("cuda", 2), torch.device("cuda", 3)]
+    assert selected_device() == torch.device("cpu")
+
+
+def test_select_device_without_cuda(fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch):
+    fake_cuda.count = 0
+    assert select_device() == torch.device("cpu")  # auto
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    with pytest.raises(NoCudaDeviceError, match=r"no GPU is visible to this process "
+                       r"\(CUDA_VISIBLE_DEVICES=''\).*or select 'auto' or 'cpu'"):
+        select_device("cuda", env={"CUDA_VISIBLE_DEVICES": ""})
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    with pytest.raises(NoCudaDeviceError, match="CPU-only build: install a CUDA build"):
+        select_device("cuda")
+    assert fake_cuda.current == []
+
+
+def test_select_device_rejects_bad_arguments():
+    with pytest.raises(ValueError, match=r"invalid device='gpu'; allowed: 'auto', 'cuda', 'cpu'"):
+        select_device("gpu")
+    with pytest.raises(ValueError, match="invalid local_rank=-1"):
+        select_device(local_rank=-1)
+
+
+def _python(code: str, env: dict[str, str] | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PMI_", "SLURM_", "MV2_",
+                                  "MPI_LOCAL", "PALS_", "FLUX_"))}
+    clean["OMPI_MCA_btl_tcp_if_include"] = "lo"
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
+                          env={**clean, **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def test_select_device_does_not_import_mpi4py():
+    p = _python("""
+        import sys
+        import kfac_hpc
+        device = kfac_hpc.runtime.select_device()
+        print(device, kfac_hpc.runtime.local_rank_from_environment().rank,
+              sorted(m for m in sys.modules if m.startswith(("mpi4py", "kfac_hpc.comm"))))
+        """, env={"OMPI_COMM_WORLD_LOCAL_RANK": "1"})
+    assert p.returncode == 0, p.stderr
+    expected = "cuda:" if torch.cuda.is_available() else "cpu"
+    assert p.stdout.startswith(expected) and p.stdout.rstrip().endswith(" 1 []"), p.stdout
+
+
+def test_train_selects_the_device_before_mpi_starts(tmp_path: Path):
+    """``kfac-hpc train``: select_device runs before anything imports mpi4py, which
+    then does get imported (the run uses MPI); the run itself succeeds."""
+    p = _python(f"""
+        import sys
+        import kfac_hpc.runtime.device as device
+
+        events = []
+
+        class WatchMpi4py:
+            def find_spec(self, name, path=None, target=None):
+                if name == "mpi4py" and "mpi4py" not in events:
+                    events.append("mpi4py")
+                return None
+
+        sys.meta_path.insert(0, WatchMpi4py())
+        real = device.select_device
+
+        def spy(*args, **kwargs):
+            events.append("select_device" + repr(args))
+            return real(*args, **kwargs)
+
+        device.select_device = spy
+        from kfac_hpc.cli import main
+
+        rc = main(["train", "--device", "cpu", "--epochs", "1", "--max-steps", "2",
+                   "--no-progress", "--out", {str(tmp_path / "run")!r}])
+        print("EVENTS", events, rc)
+        """, timeout=240)
+    assert p.returncode == 0, p.stdout + p.stderr
+    events = p.stdout.split("EVENTS ")[-1].strip()
+    # (the training loop may select again later, from MPI's view of the node)
+    assert events.startswith("[\"select_device('cpu',)\", 'mpi4py'"), p.stdout
+    assert events.endswith(" 0"), p.stdout
 
 
 @pytest.mark.mpi(min_size=1)

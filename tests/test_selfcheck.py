@@ -156,3 +156,27 @@ def test_benchmark_quick(tmp_path: Path) -> None:
     assert {r["collective"] for r in data["results"]} == {
         "allreduce", "reduce_scatter", "broadcast", "allgather"}
     assert (tmp_path / "comm_n1.png").stat().st_size > 1000
+
+
+@pytest.mark.mpi(min_size=1)
+def test_cuda_selfcheck_runs_or_skips_clearly(comm: Communicator,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    args = argparse.Namespace(sizes=[8], repeat=0, no_timing=True, device="cuda")
+    assert run(args) == 0
+    out = capsys.readouterr().out
+    if comm.rank == 0:
+        if torch.cuda.is_available():
+            assert "[staged]" in out and "checks passed" in out and "FAIL" not in out
+        else:
+            assert "selfcheck --device cuda: SKIPPED: no CUDA device" in out
+            assert "PASS" not in out
+
+
+@pytest.mark.mpi(min_size=1)
+def test_checks_take_a_device(comm: Communicator) -> None:
+    """The checks bind the device they run on (CPU here; CUDA under --device cuda)."""
+    names = [name for name, _, _ in checks((torch.float32,), comm.size, torch.device("cpu"))]
+    assert names == [name for name, _, _ in checks((torch.float32,), comm.size)]
+    results = run_checks(comm, (torch.float32,), device=torch.device("cpu"), label=" [x]")
+    assert all(r.ok and r.name.endswith(" [x]") for r in results[:-1]), \
+        [r.line() for r in results if not r.ok]

@@ -169,13 +169,15 @@ def test_parameter_without_gradient_is_skipped_everywhere(comm: Communicator) ->
 @pytest.mark.mpi(min_size=2)
 def test_data_parallel_shards_with_allreduce(comm: Communicator) -> None:
     """Each rank a shard, gradients allreduce-averaged; reference: one process averages
-    per-shard gradients. Equal up to the MPI summation order: ≤ 1e-5 after 3 steps
-    (float32 sums of P terms differ by ~1e-7 relative; ε = 1e-6 bounds the roots'
-    amplification)."""
+    per-shard gradients. Equal up to the MPI summation order, in float64: sums of P
+    terms differ by ~1e-16 relative, which the roots (ε = 1e-6) amplify; measured
+    after 3 steps at 4 ranks: 8e-15, so 1e-10 leaves room. (In float32 the same
+    amplification reached 1.3e-5 at 4 ranks, above the 1e-5 this test once allowed.)"""
     per_rank, p = 4, comm.size
-    data = batches(3, n=per_rank * p)
-    dist_model, ref_model = Net(), Net()
-    kwargs = {**KWARGS, "epsilon": 1e-6}
+    data = [(x.double(), y.double()) for x, y in batches(3, n=per_rank * p)]
+    dist_model, ref_model = Net().double(), Net().double()
+    kwargs = {**KWARGS, "epsilon": 1e-6, "factor_dtype": torch.float64,
+              "communication_dtype": torch.float64}
     dist = DistributedShampoo(dist_model.named_parameters(), comm=comm, **kwargs)
     ref = DistributedShampoo(ref_model.named_parameters(), comm=self_comm(), **kwargs)
     for x, y in data:
@@ -196,7 +198,7 @@ def test_data_parallel_shards_with_allreduce(comm: Communicator) -> None:
             q.grad = acc / p
         ref.step()
     for a, b in zip(dist_model.parameters(), ref_model.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
     assert_identical_on_all_ranks(dist_model, comm)
 
 
@@ -289,3 +291,23 @@ def test_four_ranks_all_own_blocks(comm: Communicator) -> None:
     assert set(opt.block_owners().values()) == set(range(comm.size))
     loads = opt.layout.load()
     assert max(loads) <= sum(loads) / comm.size + max(b.cost for b in opt.layout.blocks)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_different_models_fail_clearly_on_every_rank(comm: Communicator) -> None:
+    """A rank with a wider layer would gather directions of another size (MPI truncation,
+    heap corruption): the constructor raises the same error on every rank."""
+    torch.manual_seed(0)
+    width = 8 if comm.rank == comm.size - 1 else 6
+    model = nn.Sequential(nn.Linear(4, width), nn.Linear(width, 2))
+    with pytest.raises(ValueError, match=r"ranks hold different models .*0\.weight"):
+        DistributedShampoo(model.named_parameters(), comm=comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_different_settings_fail_clearly_on_every_rank(comm: Communicator) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    with pytest.raises(ValueError, match="max_preconditioner_dim"):
+        DistributedShampoo(model.named_parameters(), comm=comm,
+                           max_preconditioner_dim=2 if comm.rank == 0 else 3)

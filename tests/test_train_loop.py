@@ -264,3 +264,198 @@ def test_resume_errors_are_usage_errors(tmp_path: Path) -> None:
     bad.write_bytes(b"not an HDF5 file")
     with pytest.raises(ConfigError, match="cannot resume from"):
         train(config(tmp_path, resume=str(bad)), self_comm(), verbose=False)
+
+
+# ------------------------------------------------------------------ divergence
+DIVERGED = (r"^(?P<what>.+) at step (?P<step>\d+) \(epoch (?P<epoch>\d+)\)(?P<detail>.*); "
+            r"last good checkpoint: (?P<ckpt>.+)$")
+
+
+def _diverge(comm: Any, cfg: TrainConfig) -> Any:
+    """Run ``cfg``; return its TrainingDiverged after checking it is the same everywhere."""
+    from kfac_hpc.train.loop import DIVERGED_EXIT_CODE, TrainingDiverged
+
+    with pytest.raises(TrainingDiverged) as err:
+        train(cfg, comm, verbose=False)
+    exc = err.value
+    assert exc.exit_status == DIVERGED_EXIT_CODE == 3
+    messages = comm.allgather_object(str(exc)) if comm.size > 1 else [str(exc)]
+    assert len(set(messages)) == 1, messages
+    return exc
+
+
+def _check_good_checkpoints(directory: Path, exc: Any, keep: int) -> None:
+    """Only finite checkpoints, the newest the one the message names, and it loads."""
+    import re
+
+    from kfac_hpc import checkpoint
+    from kfac_hpc.models import build_model
+
+    m = re.match(DIVERGED, str(exc))
+    assert m is not None, str(exc)
+    files = checkpoint.list_checkpoints(directory)
+    assert len(files) == keep and m["ckpt"] == str(files[-1]) == exc.checkpoint
+    assert [int(f.stem.split("_")[1]) for f in files] == list(range(exc.step - keep, exc.step))
+    assert all(checkpoint.verify_file(f).ok for f in files)
+    model = build_model("mlp", input_dim=64, num_classes=10)
+    info = checkpoint.load(files[-1], model=model, optimizer=None, comm=self_comm(),
+                           restore_rng=False)
+    assert info.step == exc.step - 1
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def nan_run(comm: Any, tmp_path: Path) -> None:
+    """SGD at lr 1000: the loss becomes NaN after a few steps. Checkpoints every step,
+    keep 2: the two before the NaN step survive (no NaN checkpoint pushes them out)."""
+    ck = tmp_path / "ck"
+    cfg = config(tmp_path, comm.size, lr=1000.0, checkpoint_dir=str(ck),
+                 checkpoint_every_steps=1, checkpoint_keep=2)
+    exc = _diverge(comm, cfg)
+    assert str(exc).startswith(f"loss became NaN/Inf at step {exc.step} (epoch 1); "), str(exc)
+    assert exc.step >= 3
+    if comm.rank == 0:
+        _check_good_checkpoints(ck, exc, keep=2)
+
+
+def test_nan_loss_stops_with_the_last_good_checkpoint(tmp_path: Path) -> None:
+    nan_run(self_comm(), tmp_path)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_nan_loss_stops_every_rank_alike(comm: Any, tmp_path: Path) -> None:
+    nan_run(comm, Path(comm.broadcast_object(str(tmp_path))))
+
+
+def test_nonfinite_parameters_are_not_checkpointed(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parameters turn NaN in step 3's update (its loss was still finite): the
+    checkpoint of step 3 is refused, and the run ends with the checkpoint of step 2."""
+    real_step, calls = torch.optim.SGD.step, {"n": 0}
+
+    def step(self: torch.optim.SGD, *args: Any, **kwargs: Any) -> Any:
+        out = real_step(self, *args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == 3:
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].view(-1)[0] = float("nan")
+        return out
+
+    monkeypatch.setattr(torch.optim.SGD, "step", step)
+    ck = tmp_path / "ck"
+    exc = _diverge(self_comm(), config(tmp_path, checkpoint_dir=str(ck), checkpoint_every_steps=1,
+                                       checkpoint_keep=2))
+    assert str(exc).startswith("/model/") and "became NaN/Inf at step 3 (epoch 1)" in str(exc)
+    _check_good_checkpoints(ck, exc, keep=2)
+
+
+def _nan_output_from(call: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model built by the run returns NaN from its ``call``-th training forward on."""
+    import kfac_hpc.train.loop as loop
+
+    real, calls = loop.build_model, {"n": 0}
+
+    def build(*args: Any, **kwargs: Any) -> torch.nn.Module:
+        model = real(*args, **kwargs)
+
+        def hook(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> Any:
+            if module.training:
+                calls["n"] += 1
+                if calls["n"] >= call:
+                    return output * float("nan")
+            return None
+
+        model.register_forward_hook(hook)
+        return model
+
+    monkeypatch.setattr(loop, "build_model", build)
+
+
+@needs_kfac
+def test_kfac_numerical_error_after_a_nan_loss_reports_the_loss(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loss of step 4 is NaN, so K-FAC finds NaN statistics in that step and raises
+    its agreed error before the loop sees the loss: the message is still the loss's."""
+    _nan_output_from(4, monkeypatch)
+    ck = tmp_path / "ck"
+    exc = _diverge(self_comm(), config(tmp_path, preconditioner="kfac", checkpoint_dir=str(ck),
+                                       checkpoint_every_steps=1, checkpoint_keep=3))
+    assert str(exc) == (f"loss became NaN/Inf at step 4 (epoch 1); last good checkpoint: "
+                        f"{ck / 'ckpt_00000003.h5'}")
+    assert type(exc.__cause__).__name__ == "KFACNumericalError"  # K-FAC did stop first
+    _check_good_checkpoints(ck, exc, keep=3)
+
+
+@pytest.mark.parametrize("which", ["kfac", "shampoo"])
+def test_numerical_errors_end_the_run_alike(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            which: str) -> None:
+    """K-FAC's and Shampoo's agreed numerical errors (finite loss) end the run with the
+    same kind of message and exit status."""
+    if which == "kfac":
+        if not has_kfac():
+            pytest.skip("kfac_hpc.KFACPreconditioner missing")
+        from kfac_hpc.kfac.errors import KFACNumericalError
+        from kfac_hpc.kfac.preconditioner import KFACPreconditioner
+
+        owner: Any = KFACPreconditioner
+        error: Exception = KFACNumericalError("K-FAC step 4: non-finite factor statistics",
+                                              step=4, ranks=1, local=["0/A"])
+        changes: dict[str, Any] = {"preconditioner": "kfac"}
+        what = "K-FAC statistics became NaN/Inf or unusable"
+    else:
+        from kfac_hpc.shampoo import DistributedShampoo
+        from kfac_hpc.shampoo.errors import ShampooNumericalError
+
+        owner, changes = DistributedShampoo, {"optimizer": "shampoo"}
+        error = ShampooNumericalError("non-finite statistics in 0.weight block 0",
+                                      [("0.weight", 0)], 1)
+        what = "Shampoo statistics became NaN/Inf or unusable"
+    real_step, calls = owner.step, {"n": 0}
+
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise error
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, "step", step)
+    ck = tmp_path / "ck"
+    exc = _diverge(self_comm(), config(tmp_path, checkpoint_dir=str(ck), checkpoint_every_steps=2,
+                                       **changes))
+    assert str(exc) == (f"{what} at step 5 (epoch 1) ({type(error).__name__}: {error}); "
+                        f"last good checkpoint: {ck / 'ckpt_00000004.h5'}")
+    assert exc.__cause__ is error
+
+
+@needs_kfac
+def test_diverging_kfac_run_ends_with_the_divergence_message(tmp_path: Path) -> None:
+    """K-FAC at lr 1e8 (no stand-ins): a TrainingDiverged, never a raw eigh failure."""
+    exc = _diverge(self_comm(), config(tmp_path, preconditioner="kfac", lr=1e8, epochs=1))
+    import re
+
+    m = re.match(DIVERGED, str(exc))
+    assert m is not None and m["ckpt"] == "none (no --checkpoint-dir)", str(exc)
+    assert m["what"] in ("loss became NaN/Inf", "K-FAC statistics became NaN/Inf or unusable")
+
+
+def test_cli_exit_status_and_message_of_a_nan_run(tmp_path: Path) -> None:
+    """``kfac-hpc train --lr 1000``: exit status 3, one message, no traceback; the last
+    good checkpoint is still there and verifies."""
+    import os
+    import subprocess
+    import sys
+
+    ck = tmp_path / "ck"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
+    done = subprocess.run(
+        [sys.executable, "-m", "kfac_hpc", "train", "--lr", "1000", "--preconditioner", "none",
+         "--epochs", "1", "--no-progress", "--threads", "1", "--checkpoint-dir", str(ck),
+         "--checkpoint-every-steps", "1", "--checkpoint-keep", "2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert done.stderr.count("loss became NaN/Inf at step") == 1, done.stderr
+    assert "last good checkpoint: " + str(ck / "ckpt_") in done.stderr
+    assert "Traceback" not in done.stderr
+    from kfac_hpc import checkpoint
+
+    files = checkpoint.list_checkpoints(ck)
+    assert len(files) == 2 and all(checkpoint.verify_file(f).ok for f in files)

@@ -10,13 +10,15 @@
     checkpoint.latest(directory)                                         # -> path | None
     checkpoint.verify_file(path).ok
 
-``save`` and ``load`` are collective (every rank calls them); ``verify_file``,
+``save`` and ``load`` are collective (every rank calls them) and raise
+:class:`CheckpointError` on every rank alike (``save`` raises its subclass
+:class:`NonFiniteStateError` for state holding NaN/Inf); ``verify_file``,
 ``latest`` and the ``kfac-hpc ckpt`` command run on one process without ``mpiexec``.
 See ``docs/checkpoints.md``.
 """
 
 from kfac_hpc.checkpoint.atomic import latest, list_checkpoints
-from kfac_hpc.checkpoint.errors import CheckpointError
+from kfac_hpc.checkpoint.errors import CheckpointError, NonFiniteStateError
 from kfac_hpc.checkpoint.layout import FORMAT, FORMAT_VERSION
 from kfac_hpc.checkpoint.reader import LoadInfo, load
 from kfac_hpc.checkpoint.verify import VerifyReport, verify_file
@@ -27,6 +29,7 @@ __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
     "LoadInfo",
+    "NonFiniteStateError",
     "VerifyReport",
     "latest",
     "list_checkpoints",

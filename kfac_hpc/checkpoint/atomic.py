@@ -75,11 +75,16 @@ def write_pointer(directory: Path, target: str) -> None:
     """Atomically make ``directory/latest`` name ``target`` (a file name in ``directory``)."""
     final = directory / LATEST
     tmp = tmp_path(final)
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(target + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, final)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(target + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
     fsync_dir(directory)
 
 

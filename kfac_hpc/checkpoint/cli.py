@@ -3,9 +3,9 @@
 ``inspect`` reads everything from the file: step, world size, strategy, versions,
 config, model/optimizer sizes, every K-FAC layer with its factor shapes, update
 counts and owners at save time, RNG and ``extra``. ``verify`` checks the format,
-manifest, attribute digest and every dataset's checksums; exit status 0 when every
-checked file is sound, 1 otherwise. A directory means its latest checkpoint
-(``--all``: every checkpoint in it).
+manifest, attribute digest and every dataset's checksums, and that the training state
+holds no NaN/Inf; exit status 0 when every checked file is sound, 1 otherwise. A
+directory means its latest checkpoint (``--all``: every checkpoint in it).
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        description="Show what a checkpoint holds, read from the file.")
     p.add_argument("path", help="checkpoint file, or directory (its latest checkpoint)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    v = sub.add_parser("verify", help="check format and checksums (exit 0 ok, 1 bad)",
-                       description="Check a checkpoint's format, manifest and checksums.")
+    v = sub.add_parser("verify", help="check format, checksums, NaN/Inf (exit 0 ok, 1 bad)",
+                       description="Check a checkpoint's format, manifest and checksums, and "
+                       "that its model, optimizer and K-FAC state hold no NaN/Inf.")
     v.add_argument("path", help="checkpoint file, or directory (its latest checkpoint)")
     v.add_argument("--all", action="store_true", help="a directory: verify every checkpoint")
     v.add_argument("--no-data", action="store_true",

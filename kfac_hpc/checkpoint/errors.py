@@ -1,4 +1,5 @@
-"""The one exception type of :mod:`kfac_hpc.checkpoint`."""
+"""The exceptions of :mod:`kfac_hpc.checkpoint`: :class:`CheckpointError` and its
+:class:`NonFiniteStateError` (a diverged run's state, refused by ``save``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,19 @@ class CheckpointError(RuntimeError):
         self.problems = list(problems)
         self.path = path
         super().__init__(_format(message, self.problems))
+
+
+class NonFiniteStateError(CheckpointError):
+    """``save`` refused state holding NaN or Inf (a diverged run); nothing was written.
+
+    ``tensor`` is the first such dataset (e.g. ``/model/fc1.weight``), ``rank`` the rank
+    that holds it. Raised on every rank with the same message.
+    """
+
+    def __init__(self, message: str, tensor: str, rank: int, path: str | None = None) -> None:
+        super().__init__(message, path=path)
+        self.tensor = tensor
+        self.rank = rank
 
 
 def _format(message: str, problems: Sequence[str]) -> str:

@@ -113,7 +113,7 @@ def storage_to_tensor(arr: np.ndarray, name: str) -> torch.Tensor:
 
 def storage_dtype(name: str) -> np.dtype:
     """The NumPy dtype a tensor of torch dtype ``name`` is stored as."""
-    arr, _ = tensor_to_storage(torch.empty(0, dtype=torch_dtype(name)))
+    arr, _ = tensor_to_storage(torch.empty(0, dtype=torch_dtype(name), device="cpu"))
     return arr.dtype
 
 

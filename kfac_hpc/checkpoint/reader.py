@@ -1,4 +1,4 @@
-"""``load``: verify, then stage, then apply, so that nothing is ever partially loaded.
+"""``load``: verify, stage, prepare, then apply, so that nothing is ever partially loaded.
 
 1. *Check* (rank 0): open the file, check format, version, manifest and attribute
    digests, and compare names and shapes with the live model, optimizer and
@@ -12,8 +12,10 @@
    still broadcasts replicated state); with ``"all"`` every rank opens the file
    read-only and reads everything it needs. Every dataset's CRC-32 is checked (in a
    thread, overlapping the reads). Failures are agreed on.
-3. *Apply* (only when every rank staged everything): optimizer, preconditioner, model,
-   RNG, each step agreed on before the next.
+3. *Prepare* (:mod:`kfac_hpc.checkpoint.apply`): every rank turns what it staged into
+   tensors on their target devices (:mod:`kfac_hpc.checkpoint.devices`) and checks
+   dtypes, NaN/Inf and RNG states; agreed on. *Apply*: preconditioner, optimizer, model,
+   RNG, each agreed on; a failure anywhere restores what was applied, on every rank.
 
 RNG on a different world size: when every rank's state was identical at save time
 (``/rng`` attribute ``identical``) that state is restored on every rank; otherwise
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kfac_hpc.checkpoint import atomic, rng, tree
+from kfac_hpc.checkpoint import apply, atomic, tree
 from kfac_hpc.checkpoint.errors import CheckpointError
 from kfac_hpc.checkpoint.layout import (
     KFAC,
@@ -47,8 +48,8 @@ from kfac_hpc.checkpoint.layout import (
     c_order,
     digest,
     escape,
-    storage_to_tensor,
 )
+from kfac_hpc.checkpoint.routing import EVERY_RANK, Plan, Route
 from kfac_hpc.checkpoint.state import (
     TORCH_LAYOUT,
     optimizer_layout,
@@ -56,14 +57,12 @@ from kfac_hpc.checkpoint.state import (
     unwrap,
 )
 from kfac_hpc.checkpoint.verify import FileInfo, open_checkpoint, read_chunks, read_header
-from kfac_hpc.checkpoint.writer import TAG, _resolve_comm, agree, factor_path
+from kfac_hpc.checkpoint.writer import TAG, _resolve_comm, factor_path, kfac_rank_group
 
 if TYPE_CHECKING:
     from kfac_hpc.comm import Communicator
 
 __all__ = ["LoadInfo", "load"]
-
-EVERY_RANK = -1
 
 
 @dataclass
@@ -83,52 +82,23 @@ class LoadInfo:
     config: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class _Route:
-    path: str
-    dest: int  # a rank, or EVERY_RANK
-    shape: tuple[int, ...]
-    dtype: str
-    digest: str
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.dtype(self.dtype).itemsize * int(np.prod(self.shape, dtype=np.int64)))
-
-
-@dataclass
-class _Plan:
-    path: str
-    routes: list[_Route]
-    torch_dtypes: dict[str, str]
-    root: dict[str, Any]
-    groups: dict[str, dict[str, Any]]
-    mismatches: list[str]
-    sections: list[str]  # to apply: "optimizer", "kfac", "model", "rng"
-    model_names: list[str]  # model entries to load
-    skip_optimizer_state: list[str]
-    rng_source: dict[int, int]  # dest rank (or EVERY_RANK) -> saved rank
-    rng_note: str
-    notes: list[str]
-
-
 class _Placeholder:
     """Stands for a tensor while only the structure of a saved object is examined."""
 
 
 # ----------------------------------------------------------------- phase 1
 def _check(path: str, f: h5py.File, info: FileInfo, comm: Communicator, model: nn.Module,
-           optimizer: Any, preconditioner: Any, strict: bool, restore_rng: bool) -> _Plan:
+           optimizer: Any, preconditioner: Any, strict: bool, restore_rng: bool) -> Plan:
     """Compare the file with the live objects (rank 0) and route every dataset."""
     manifest = info.manifest
     mismatches: list[str] = []
     notes: list[str] = []
-    routes: list[_Route] = []
+    routes: list[Route] = []
     sections: list[str] = []
 
     def route(p: str, dest: int) -> None:
         m = manifest[p]
-        routes.append(_Route(p, dest, tuple(m["shape"]), m["dtype"], m["digest"]))
+        routes.append(Route(p, dest, tuple(m["shape"]), m["dtype"], m["digest"]))
 
     # ---- model
     net = unwrap(model)
@@ -185,6 +155,7 @@ def _check(path: str, f: h5py.File, info: FileInfo, comm: Communicator, model: n
 
     # ---- K-FAC
     kattrs = info.group(KFAC)
+    kfac_source: dict[int, int] = {}
     if preconditioner is not None:
         if kattrs is None:
             mismatches.append("preconditioner: the checkpoint has no K-FAC state (/kfac)")
@@ -211,6 +182,11 @@ def _check(path: str, f: h5py.File, info: FileInfo, comm: Communicator, model: n
                         if p == prefix or (p.startswith(prefix + "_") and
                                            "/" not in p[len(prefix) + 1:]):
                             route(p, owner)
+                kfac_source = _kfac_sources(kattrs, comm.size, notes)
+                for dest, src in kfac_source.items():
+                    for p in manifest:
+                        if p.startswith(kfac_rank_group(src) + "/"):
+                            route(p, dest)
                 sections.append("kfac")
     elif kattrs is not None:
         notes.append("K-FAC state in the checkpoint not loaded (no preconditioner given)")
@@ -254,13 +230,29 @@ def _check(path: str, f: h5py.File, info: FileInfo, comm: Communicator, model: n
     torch_dtypes = {p: m["torch_dtype"] for p, m in manifest.items() if "torch_dtype" in m}
     groups = {g: a for g, a in info.groups.items()
               if g in (f"/{KFAC}", f"/{OPTIMIZER}", f"/{TRAIN}", f"/{RNG}") or
-              any(g == f"/{RNG}/rank_{s}" for s in rng_source.values())}
-    return _Plan(path, routes, torch_dtypes, info.root, groups, mismatches, sections,
-                 model_names, skip_state, rng_source, rng_note, notes)
+              any(g == f"/{RNG}/rank_{s}" for s in rng_source.values()) or
+              any(g == kfac_rank_group(s) for s in kfac_source.values())}
+    return Plan(path, routes, torch_dtypes, info.root, groups, mismatches, sections,
+                model_names, skip_state, rng_source, rng_note, notes, kfac_source)
+
+
+def _kfac_sources(kattrs: dict[str, Any], size: int, notes: list[str]) -> dict[int, int]:
+    """Which saved rank's other K-FAC entries each rank gets (the rule of RNG states)."""
+    ranks = json.loads(kattrs.get("other_entries", "[]"))
+    saved = int(kattrs.get("world_size", size))
+    if not ranks:
+        return {}
+    if saved == size:
+        return {r: r for r in ranks}
+    if bool(kattrs.get("other_entries_identical")):
+        return {EVERY_RANK: ranks[0]}
+    notes.append(f"K-FAC: the per-rank entries of state_dict() were not restored: world size "
+                 f"changed ({saved} -> {size}) and they differed between ranks")
+    return {}
 
 
 # ----------------------------------------------------------------- phase 2
-def _stage_root(comm: Communicator, plan: _Plan, f: h5py.File | None,
+def _stage_root(comm: Communicator, plan: Plan, f: h5py.File | None,
                 owners_read: bool = False) -> tuple[dict[str, np.ndarray], list[str]]:
     """Rank 0 reads each dataset and broadcasts it or sends it to its destination.
 
@@ -290,14 +282,15 @@ def _stage_root(comm: Communicator, plan: _Plan, f: h5py.File | None,
                 if r.dest in (EVERY_RANK, 0):
                     checks.add(r, arr, "")
         if r.nbytes and r.dest == EVERY_RANK and comm.size > 1:
-            buf = _as_bytes(arr) if comm.rank == 0 else torch.empty(r.nbytes, dtype=torch.uint8)
+            buf = _as_bytes(arr) if comm.rank == 0 else torch.empty(r.nbytes, dtype=torch.uint8,
+                                                                     device="cpu")
             comm.broadcast(buf, root=0)
             arr = _from_bytes(buf, r)
         elif r.nbytes and r.dest not in (EVERY_RANK, 0):
             if comm.rank == 0:
                 comm.send(_as_bytes(arr), r.dest, TAG)
             elif comm.rank == r.dest:
-                buf = torch.empty(r.nbytes, dtype=torch.uint8)
+                buf = torch.empty(r.nbytes, dtype=torch.uint8, device="cpu")
                 comm.recv(buf, 0, TAG)
                 arr = _from_bytes(buf, r)
                 checks.add(r, arr, " after transfer")
@@ -312,9 +305,9 @@ class _Checks:
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-check")
-        self._pending: list[tuple[_Route, str, Future[str]]] = []
+        self._pending: list[tuple[Route, str, Future[str]]] = []
 
-    def add(self, r: _Route, arr: np.ndarray, where: str) -> None:
+    def add(self, r: Route, arr: np.ndarray, where: str) -> None:
         self._pending.append((r, where, self._pool.submit(digest, arr)))
 
     def problems(self) -> list[str]:
@@ -324,12 +317,12 @@ class _Checks:
         return out
 
 
-def _stage_all(comm: Communicator, plan: _Plan) -> tuple[dict[str, np.ndarray], list[str]]:
+def _stage_all(comm: Communicator, plan: Plan) -> tuple[dict[str, np.ndarray], list[str]]:
     """Every rank opens the file read-only and reads what it needs."""
     return _read_own(plan, [r for r in plan.routes if r.dest in (EVERY_RANK, comm.rank)])
 
 
-def _read_own(plan: _Plan, routes: list[_Route]) -> tuple[dict[str, np.ndarray], list[str]]:
+def _read_own(plan: Plan, routes: list[Route]) -> tuple[dict[str, np.ndarray], list[str]]:
     """Open the file read-only and read (and check) ``routes``."""
     staged: dict[str, np.ndarray] = {}
     problems: list[str] = []
@@ -349,7 +342,7 @@ def _read_own(plan: _Plan, routes: list[_Route]) -> tuple[dict[str, np.ndarray],
     return staged, problems + checks.problems()
 
 
-def _read(f: h5py.File | None, r: _Route) -> tuple[np.ndarray | None, str | None]:
+def _read(f: h5py.File | None, r: Route) -> tuple[np.ndarray | None, str | None]:
     try:
         assert f is not None
         arr = c_order(read_chunks(f[r.path]))
@@ -365,83 +358,8 @@ def _as_bytes(arr: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(c_order(arr).reshape(-1).view(np.uint8))
 
 
-def _from_bytes(buf: torch.Tensor, r: _Route) -> np.ndarray:
+def _from_bytes(buf: torch.Tensor, r: Route) -> np.ndarray:
     return buf.numpy().view(np.dtype(r.dtype)).reshape(r.shape)
-
-
-# ----------------------------------------------------------------- phase 3
-def _apply(comm: Communicator, plan: _Plan, staged: dict[str, np.ndarray], model: nn.Module,
-           optimizer: Any, preconditioner: Any, strict: bool) -> list[str]:
-    """Load the staged state into the live objects, each section agreed on in turn."""
-    def fetcher(prefix: str) -> Callable[[str], Any]:
-        return _fetch(plan, staged, prefix)
-
-    done: list[str] = []
-
-    def step(section: str, action: Callable[[], None]) -> None:
-        if section not in plan.sections:
-            return
-        error = None
-        try:
-            action()
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        try:
-            agree(comm, error, f"loading the {section} state")
-        except CheckpointError as exc:
-            state = (f"already loaded: {', '.join(done)}" if done else "nothing was loaded")
-            raise CheckpointError(f"{plan.path}: {exc.args[0].splitlines()[0]} ({state})",
-                                  exc.problems, plan.path) from None
-        done.append(section)
-
-    def load_optimizer() -> None:
-        attrs = plan.groups[f"/{OPTIMIZER}"]
-        saved = tree.decode(json.loads(attrs["structure"]), fetcher(f"/{OPTIMIZER}"))
-        if attrs["layout"] == TORCH_LAYOUT:
-            sd, _ = torch_state_from_names(optimizer, model, saved,
-                                           set(plan.skip_optimizer_state), strict=False)
-            optimizer.load_state_dict(sd)
-        else:
-            optimizer.load_state_dict(saved)
-
-    def load_kfac() -> None:
-        attrs = plan.groups[f"/{KFAC}"]
-        table = json.loads(attrs["factors"])
-        factors: dict[str, torch.Tensor] = {}
-        eigen: dict[str, dict[str, torch.Tensor]] = {}
-        for key in table:
-            prefix = factor_path(key)
-            for p in staged:
-                if p == prefix:
-                    factors[key] = fetcher("")(p[1:])
-                elif p.startswith(prefix + "_") and "/" not in p[len(prefix) + 1:]:
-                    eigen.setdefault(key, {})[p[len(prefix) + 1:]] = fetcher("")(p[1:])
-        state: dict[str, Any] = {
-            "step": int(attrs["step"]), "factors": factors,
-            "factor_updates": {k: int(v["updates"]) for k, v in table.items()},
-            "config": json.loads(attrs["config"])}
-        if eigen:
-            state["eigenbases"] = eigen
-        preconditioner.load_state_dict(state)
-
-    def load_model() -> None:
-        fetch = fetcher(f"/{MODEL}")
-        sd = {name: fetch(escape(name)) for name in plan.model_names}
-        unwrap(model).load_state_dict(sd, strict=strict and not plan.mismatches)
-
-    def load_rng() -> None:
-        src = plan.rng_source.get(comm.rank, plan.rng_source.get(EVERY_RANK))
-        if src is None:
-            return
-        prefix = f"/{RNG}/rank_{src}/"
-        arrays = {p[len(prefix):]: a for p, a in staged.items() if p.startswith(prefix)}
-        rng.restore(arrays, plan.groups[f"/{RNG}/rank_{src}"])
-
-    step("optimizer", load_optimizer)
-    step("kfac", load_kfac)
-    step("model", load_model)
-    step("rng", load_rng)
-    return done
 
 
 def _locate(directory_or_path: str | os.PathLike[str]) -> Path:
@@ -461,8 +379,11 @@ def load(directory_or_path: str | os.PathLike[str], *, model: nn.Module, optimiz
     """Load a checkpoint (collective) into live objects; a directory means its latest.
 
     Raises :class:`CheckpointError` on every rank, with the same message, when the file
-    is missing, damaged, of a newer format, or (``strict=True``) does not match the
-    model, optimizer or preconditioner; nothing is loaded then. ``strict=False`` loads
+    is missing, damaged, of a newer format, holds NaN/Inf in its training state, or
+    (``strict=True``) does not match the model, optimizer or preconditioner; nothing is
+    loaded then. Loading is all or nothing: a section that fails to apply on any rank
+    puts back what was applied (see :mod:`kfac_hpc.checkpoint.apply`). Tensors go to the
+    live objects' devices (:mod:`kfac_hpc.checkpoint.devices`). ``strict=False`` loads
     what matches (a mismatched preconditioner is left as it is) and lists the rest in
     ``LoadInfo.mismatches``. ``read_mode``: ``"owners"`` (default: rank 0 reads and
     broadcasts replicated state, each rank reads its own factors and RNG state),
@@ -473,7 +394,7 @@ def load(directory_or_path: str | os.PathLike[str], *, model: nn.Module, optimiz
     if read_mode not in ("root", "owners", "all"):
         raise ValueError(f"read_mode must be 'root', 'owners' or 'all', got {read_mode!r}")
     comm = _resolve_comm(comm, preconditioner)
-    plan: _Plan | None = None
+    plan: Plan | None = None
     f: h5py.File | None = None
     error: CheckpointError | None = None
     if comm.rank == 0:
@@ -518,26 +439,14 @@ def load(directory_or_path: str | os.PathLike[str], *, model: nn.Module, optimiz
     if found:
         raise CheckpointError(f"{plan.path} is damaged (nothing was loaded)", found, plan.path)
 
-    done = _apply(comm, plan, staged, model, optimizer, preconditioner, strict)
-    extra = None
-    tattrs = plan.groups.get(f"/{TRAIN}")
-    if tattrs is not None:
-        extra = tree.decode(json.loads(tattrs["structure"]), _fetch(plan, staged, f"/{TRAIN}"))
+    ready = apply.prepare(comm, plan, staged, model, optimizer, preconditioner)
+    del staged
+    done = apply.apply(comm, plan, ready, model, optimizer, preconditioner, strict)
     root = plan.root
     return LoadInfo(
         path=Path(plan.path), step=int(root["step"]), world_size=int(root["world_size"]),
-        strategy=str(root.get("strategy", "none")), extra=extra, loaded=done,
+        strategy=str(root.get("strategy", "none")), extra=ready.extra, loaded=done,
         mismatches=list(plan.mismatches) + plan.notes, rng=plan.rng_note,
         created_utc=str(root.get("created_utc", "")),
         versions=json.loads(root.get("versions", "{}")),
         config=json.loads(root.get("config", "{}")))
-
-
-def _fetch(plan: _Plan, staged: dict[str, np.ndarray], prefix: str) -> Callable[[str], Any]:
-    """``rel -> tensor`` (an array for datasets stored from NumPy) under ``prefix``."""
-    def fetch(rel: str) -> Any:
-        p = f"{prefix}/{rel}"
-        name = plan.torch_dtypes.get(p)
-        arr = staged[p]
-        return storage_to_tensor(arr, name) if name else arr.copy()
-    return fetch

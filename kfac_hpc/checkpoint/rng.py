@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["capture", "restore", "same_state"]
+__all__ = ["capture", "check", "restore", "same_state"]
 
 
 def capture() -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -37,6 +37,25 @@ def capture() -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     arrays["python_state"] = np.asarray(internal, dtype=np.int64)
     attrs.update(python_version=int(version), python_gauss_next=json.dumps(gauss_next))
     return arrays, attrs
+
+
+_ATTRS = ("numpy_algorithm", "numpy_pos", "numpy_has_gauss", "numpy_cached_gaussian",
+          "python_version", "python_gauss_next")
+
+
+def check(arrays: Mapping[str, np.ndarray], attrs: Mapping[str, Any]) -> list[str]:
+    """What would make :func:`restore` fail (checked before anything is applied)."""
+    problems = [f"RNG state: attribute {a} is missing" for a in _ATTRS if a not in attrs]
+    want = {"torch_cpu": (torch.get_rng_state().numel(), "u1"), "numpy_keys": (624, "u4"),
+            "python_state": (625, "i8")}
+    for name, (size, kind) in want.items():
+        arr = arrays.get(name)
+        if arr is None:
+            problems.append(f"RNG state: {name} is missing")
+        elif arr.ndim != 1 or arr.size != size or arr.dtype.str[1:] != kind:
+            problems.append(f"RNG state: {name} is {arr.dtype.str}{list(arr.shape)}, "
+                            f"expected {kind}[{size}]")
+    return problems
 
 
 def restore(arrays: Mapping[str, np.ndarray], attrs: Mapping[str, Any]) -> list[str]:

@@ -5,8 +5,10 @@ Checks, in order: the file exists and is HDF5 (signature, not truncated); the ro
 manifest lists exists with its shape, dtype and digest attribute, and nothing else is
 there; the attributes match ``attrs_digest``; and (``data=True``) every dataset reads
 through HDF5's filters (which check fletcher32 on chunked datasets) and matches its
-CRC-32. ``load`` checks the CRC-32 only (it covers the same bytes) and reads chunks
-directly, which is faster (:func:`read_chunks`).
+CRC-32, and the training state (``/model``, ``/optimizer``, ``/kfac``) holds no NaN or
+Inf (a diverged run's checkpoint is useless, so it fails verification). ``load``
+checks the CRC-32 only (it covers the same bytes) and reads chunks directly, which is
+faster (:func:`read_chunks`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import h5py
 import numpy as np
 
 from kfac_hpc.checkpoint.errors import CheckpointError
+from kfac_hpc.checkpoint.finite import checked, nonfinite_count
 from kfac_hpc.checkpoint.layout import (
     FORMAT,
     FORMAT_VERSION,
@@ -149,7 +152,7 @@ def read_header(f: h5py.File, path: str) -> tuple[FileInfo, list[str]]:
         if isinstance(obj, h5py.Dataset):
             present[p] = obj
         elif p in {f"/{s}" for s in (MODEL, OPTIMIZER, KFAC, RNG, TRAIN)} or \
-                p.startswith(f"/{RNG}/rank_"):
+                p.startswith((f"/{RNG}/rank_", f"/{KFAC}/@")):
             groups[p] = {k: _plain(v) for k, v in obj.attrs.items()}
     for p, want in manifest.items():
         d = present.get(p)
@@ -230,5 +233,9 @@ def verify_file(path: str | os.PathLike[str], *, data: bool = True) -> VerifyRep
                     problems.append(problem)
                 elif arr is not None:
                     report.nbytes += arr.nbytes
+                    bad = nonfinite_count(arr, want.get("torch_dtype")) if checked(p) else 0
+                    if bad:
+                        problems.append(f"dataset {p} holds NaN/Inf ({bad} of {arr.size} "
+                                        "values): the run that wrote it had diverged")
     report.ok = not report.problems
     return report

@@ -6,8 +6,14 @@ sent by its owner to rank 0 in factor-key order, one message per factor, and wri
 as soon as it arrives, so rank 0 holds at most one factor beyond its own (two with
 ``prefetch=True``); every rank's RNG state follows the same way. Owners compute their
 factors' digests, so checksumming is spread over the ranks; rank 0 computes its own
-while HDF5 writes, and a background thread writes the file back to disk as it grows
-(``fdatasync`` every 64 MiB) so that the final fsync is short.
+while HDF5 writes. HDF5 writes through a :class:`~kfac_hpc.checkpoint.storage.GuardedFile`
+that writes the file back to disk as it grows (``fdatasync`` every 64 MiB, so that the
+final fsync is short) and keeps a full disk away from HDF5 (see ``storage``).
+
+K-FAC state: ``factors``, ``eigenbases`` (per factor key, each from its owner) and
+``factor_updates`` are stored by factor key; ``step`` and ``config`` as attributes;
+any other entry of ``state_dict()`` (nested dicts, lists, tensors, numbers) is stored
+per rank under ``/kfac/@rank_<r>``, like RNG states.
 
 Parallel HDF5 (h5py built with MPI, ``h5py.get_config().mpi``): every rank opens the
 file with the ``mpio`` driver, the datasets are created collectively and each owner
@@ -17,7 +23,9 @@ Checked with h5py built against parallel HDF5 1.10.8 / Open MPI 4.1 (the MPI
 checkpoint tests pass on 2 and 4 ranks; the files load with serial h5py).
 
 Failures are agreed on: an error on any rank is raised on every rank as the same
-:class:`CheckpointError`, and nothing is committed.
+:class:`CheckpointError`, and nothing is committed. State holding NaN or Inf in the
+model, optimizer or K-FAC sections is refused (:class:`NonFiniteStateError`) before
+anything is written or pruned; so is a checkpoint larger than the free space.
 """
 
 from __future__ import annotations
@@ -38,12 +46,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from kfac_hpc.checkpoint import atomic, rng, tree
-from kfac_hpc.checkpoint.errors import CheckpointError
+from kfac_hpc.checkpoint import atomic, rng, storage, tree
+from kfac_hpc.checkpoint.errors import CheckpointError, NonFiniteStateError
+from kfac_hpc.checkpoint.finite import all_finite
 from kfac_hpc.checkpoint.layout import (
     FORMAT,
     FORMAT_VERSION,
     KFAC,
+    LATEST,
     LIBVER,
     MODEL,
     OPTIMIZER,
@@ -71,10 +81,11 @@ from kfac_hpc.checkpoint.state import (
 if TYPE_CHECKING:
     from kfac_hpc.comm import Communicator
 
-__all__ = ["Entry", "factor_path", "save"]
+__all__ = ["KFAC_ENTRIES", "Entry", "factor_path", "kfac_rank_group", "save"]
 
 TAG = 7306  # point-to-point tag of checkpoint traffic
-FLUSH_BYTES = 64 << 20  # start writing back to disk every this many bytes
+#: Entries of a K-FAC ``state_dict()`` with their own layout; any other is stored per rank.
+KFAC_ENTRIES = ("step", "config", "factors", "factor_updates", "eigenbases")
 
 
 @dataclass
@@ -95,6 +106,11 @@ class Entry:
 def factor_path(key: str) -> str:
     """Dataset path of factor ``key``: ``"layer1.0.conv1/A"`` -> ``/kfac/layer1.0.conv1/A``."""
     return f"/{KFAC}/" + "/".join(escape(p) for p in key.split("/"))
+
+
+def kfac_rank_group(rank: int) -> str:
+    """Group of rank ``rank``'s other K-FAC entries (``@`` keeps it apart from layers)."""
+    return f"/{KFAC}/@rank_{rank}"
 
 
 def _resolve_comm(comm: Communicator | None, preconditioner: Any) -> Communicator:
@@ -118,11 +134,14 @@ def agree(comm: Communicator, error: str | None, what: str) -> None:
 
 def _add(entries: list[Entry], local: dict[str, np.ndarray], path: str, owner: int,
          value: torch.Tensor | np.ndarray, attrs: dict[str, Any] | None = None,
-         defer_digest: bool = False) -> None:
+         defer_digest: bool = False, nonfinite: list[str] | None = None) -> None:
     """Record a dataset held by this rank (storage array + digest).
 
     ``defer_digest``: the writer computes it while HDF5 writes the data (rank 0's own).
+    ``nonfinite``: check the value; its path is appended there if it holds NaN/Inf.
     """
+    if nonfinite is not None and not all_finite(value):
+        nonfinite.append(path)
     if isinstance(value, torch.Tensor):
         arr, tdt = tensor_to_storage(value)
         extra: dict[str, Any] = {"torch_dtype": tdt}
@@ -155,17 +174,21 @@ class _Prepared:
     root: dict[str, Any] = field(default_factory=dict)
     factors: dict[str, dict[str, Any]] = field(default_factory=dict)  # owned factor metadata
     rng_attrs: dict[str, Any] = field(default_factory=dict)
+    kfac_structure: Any = None  # this rank's other K-FAC entries (tree structure)
+    nonfinite: list[str] = field(default_factory=list)  # datasets holding NaN/Inf
 
 
 def _prepare(comm: Communicator, model: nn.Module, optimizer: Any, preconditioner: Any,
              step: int, extra: dict[str, Any] | None, store_eigenbases: bool,
-             opt_sd: Any, pre_sd: dict[str, Any] | None, defer: bool) -> _Prepared:
+             opt_sd: Any, pre_sd: dict[str, Any] | None, defer: bool,
+             check_finite: bool = True) -> _Prepared:
     rank = comm.rank
     defer = defer and rank == 0  # rank 0 writes: its digests overlap with the writes
     p = _Prepared()
+    bad = p.nonfinite if check_finite else None
     # ---- K-FAC factors this rank owns (sent to the writer in factor-key order)
     if pre_sd is not None:
-        eig = pre_sd.get("eigenbases", {}) if store_eigenbases else {}
+        eig = pre_sd.get("eigenbases") or {}
         for key in preconditioner.factor_keys():
             if key not in pre_sd["factor_updates"]:
                 continue
@@ -174,10 +197,17 @@ def _prepare(comm: Communicator, model: nn.Module, optimizer: Any, preconditione
                               pre_sd["factors"][key] is not None}
             if p.factors[key]["stored"]:
                 _add(p.entries, p.local, factor_path(key), rank, pre_sd["factors"][key],
-                     {"key": key, "updates": p.factors[key]["updates"], "owner": rank}, defer)
+                     {"key": key, "updates": p.factors[key]["updates"], "owner": rank}, defer,
+                     bad)
             for part, value in sorted((eig.get(key) or {}).items()):
                 _add(p.entries, p.local, f"{factor_path(key)}_{escape(part)}", rank, value,
-                     {"key": key, "eigen": part}, defer)
+                     {"key": key, "eigen": part}, defer, bad)
+        others = {k: v for k, v in pre_sd.items() if k not in KFAC_ENTRIES}
+        if others:
+            group = kfac_rank_group(rank)
+            p.kfac_structure, leaves = tree.encode(others, group)
+            for rel, value in leaves:
+                _add(p.entries, p.local, f"{group}/{rel}", rank, value, nonfinite=bad)
     # ---- this rank's RNG states
     arrays, p.rng_attrs = rng.capture()
     for name, arr in arrays.items():
@@ -192,7 +222,8 @@ def _prepare(comm: Communicator, model: nn.Module, optimizer: Any, preconditione
     names = list(msd)
     p.groups.append((f"/{MODEL}", {"names": to_json(names), "class": type(net).__name__}))
     for name in names:
-        _add(head, p.local, f"/{MODEL}/{escape(name)}", 0, msd[name], defer_digest=defer)
+        _add(head, p.local, f"/{MODEL}/{escape(name)}", 0, msd[name], defer_digest=defer,
+             nonfinite=bad)
     if optimizer is not None:
         layout = optimizer_layout(optimizer)
         state = torch_state_by_name(optimizer, model, opt_sd) if layout == TORCH_LAYOUT \
@@ -201,7 +232,8 @@ def _prepare(comm: Communicator, model: nn.Module, optimizer: Any, preconditione
         p.groups.append((f"/{OPTIMIZER}", {"layout": layout, "class": type(optimizer).__name__,
                                            "structure": to_json(structure)}))
         for rel, value in leaves:
-            _add(head, p.local, f"/{OPTIMIZER}/{rel}", 0, value, defer_digest=defer)
+            _add(head, p.local, f"/{OPTIMIZER}/{rel}", 0, value, defer_digest=defer,
+                 nonfinite=bad)
     tail: list[Entry] = []
     if extra is not None:
         structure, leaves = tree.encode(extra, f"/{TRAIN}")
@@ -227,12 +259,13 @@ def _plan(comm: Communicator, mine: _Prepared, preconditioner: Any,
     """The global dataset order (identical on every rank that builds it).
 
     Rank 0's replicated datasets first, then factors in key order (each factor, then
-    its eigenbasis parts), then RNG by rank, then ``extra``. Each rank sends its
-    datasets in this order. ``everything``: every rank learns the whole plan (parallel
-    HDF5); otherwise only rank 0 does. Returns (plan, prepared, error).
+    its eigenbasis parts), then the other K-FAC entries by rank, then RNG by rank, then
+    ``extra``. Each rank sends its datasets in this order. ``everything``: every rank
+    learns the whole plan (parallel HDF5); otherwise only rank 0 does. Returns (plan,
+    prepared, error).
     """
     own = [e for e in mine.entries if e.path.startswith((f"/{KFAC}/", f"/{RNG}/"))]
-    gathered = comm.allgather_object((own, mine.factors, mine.rng_attrs))
+    gathered = comm.allgather_object((own, mine.factors, mine.rng_attrs, mine.kfac_structure))
     if everything:
         meta = _Prepared([e for e in mine.entries
                           if not e.path.startswith((f"/{KFAC}/", f"/{RNG}/"))],
@@ -247,7 +280,7 @@ def _plan(comm: Communicator, mine: _Prepared, preconditioner: Any,
     if pre_sd is not None:
         factors: dict[str, dict[str, Any]] = {}
         by_key: dict[str, list[Entry]] = {}
-        for rank_entries, f, _ in gathered:
+        for rank_entries, f, _, _ in gathered:
             factors.update(f)
             for e in rank_entries:
                 if "key" in e.attrs:
@@ -257,8 +290,15 @@ def _plan(comm: Communicator, mine: _Prepared, preconditioner: Any,
         if missing:
             return [], mine, ("no rank reported factor_updates for factor(s) "
                               f"{missing[:10]} in preconditioner.state_dict()")
+        reserved = [k for k in keys if factor_path(k).startswith(f"/{KFAC}/@")]
+        if reserved:
+            return [], mine, (f"layer names starting with '@' are reserved in checkpoints: "
+                              f"{reserved[:10]}")
         for key in keys:
             plan += by_key.get(key, [])
+        others = [(r, g[3]) for r, g in enumerate(gathered) if g[3] is not None]
+        for r, _ in others:
+            plan += [e for e in gathered[r][0] if e.path.startswith(kfac_rank_group(r) + "/")]
         table = {k: {"shape": list(preconditioner.factor_shape(k)), "path": factor_path(k),
                      **factors[k]} for k in keys}
         config = pre_sd.get("config", {})
@@ -266,22 +306,34 @@ def _plan(comm: Communicator, mine: _Prepared, preconditioner: Any,
             "step": int(pre_sd.get("step", 0)), "config": to_json(config),
             "strategy": str(config.get("strategy", "none")) if isinstance(config, dict)
             else "none", "world_size": comm.size, "factors": to_json(table),
-            "eigenbases": any("eigen" in e.attrs for es in by_key.values() for e in es)}))
+            "eigenbases": any("eigen" in e.attrs for es in by_key.values() for e in es),
+            "other_entries": to_json([r for r, _ in others]),
+            "other_entries_identical": len(others) == comm.size and len(
+                {_kfac_fingerprint(gathered[r]) for r, _ in others}) == 1}))
         groups += [(g, {}) for g in dict.fromkeys(factor_path(k).rsplit("/", 1)[0]
                                                   for k in keys)]
+        groups += [(kfac_rank_group(r), {"structure": to_json(structure)})
+                   for r, structure in others]
     fingerprints = [_rng_fingerprint(g) for g in gathered]
     groups.append((f"/{RNG}", {"world_size": comm.size,
                                "identical": all(fp == fingerprints[0] for fp in fingerprints)}))
-    for r, (rank_entries, _, attrs) in enumerate(gathered):
+    for r, (rank_entries, _, attrs, _) in enumerate(gathered):
         groups.append((f"/{RNG}/rank_{r}", attrs))
         plan += [e for e in rank_entries if e.path.startswith(f"/{RNG}/")]
     plan += [e for e in head_tail.entries if e.path.startswith(f"/{TRAIN}/")]
     return plan, _Prepared(plan, mine.local, groups, dict(head_tail.root)), None
 
 
-def _rng_fingerprint(gathered: tuple[list[Entry], Any, dict[str, Any]]) -> str:
+def _kfac_fingerprint(gathered: tuple[list[Entry], Any, dict[str, Any], Any]) -> str:
+    """The structure and digests of one rank's other K-FAC entries (for equality)."""
+    entries, _, _, structure = gathered
+    digests = [e.attrs["digest"] for e in entries if e.path.startswith(f"/{KFAC}/@")]
+    return to_json([structure, digests])
+
+
+def _rng_fingerprint(gathered: tuple[list[Entry], Any, dict[str, Any], Any]) -> str:
     """The digests and scalar attributes of one rank's RNG state (for equality)."""
-    entries, _, attrs = gathered
+    entries, _, attrs, _ = gathered
     digests = {e.path.rsplit("/", 1)[-1]: e.attrs["digest"] for e in entries
                if e.path.startswith(f"/{RNG}/")}
     return to_json([digests, attrs])
@@ -310,11 +362,12 @@ def _write_serial(comm: Communicator, plan: list[Entry], prep: _Prepared, tmp: P
     assert tmp is not None
     error: str | None = None
     f: h5py.File | None = None
-    flusher: _Flusher | None = None
+    guard: storage.GuardedFile | None = None
     hasher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-digest")
+    needed = sum(e.nbytes for e in plan)
     try:
-        f = h5py.File(tmp, "w", libver=LIBVER, locking=False)
-        flusher = _Flusher(tmp)
+        guard = storage.GuardedFile(tmp)
+        f = h5py.File(guard, "w", libver=LIBVER, locking=False)
         for gpath, attrs in prep.groups:
             f.require_group(gpath).attrs.update(attrs)
     except Exception as exc:  # keep receiving so that no sender blocks forever
@@ -324,23 +377,20 @@ def _write_serial(comm: Communicator, plan: list[Entry], prep: _Prepared, tmp: P
         data = prep.local.get(e.path) if e.owner == 0 else None
         if e.owner != 0:
             data = remote.next()
-        if error is not None or f is None:
-            continue
+        if error is not None or f is None or (guard is not None and guard.error is not None):
+            continue  # after a failed write HDF5 writes into the void; nothing more to add
         assert data is not None
         pending: Future[str] | None = None
         if e.attrs.get("digest") is None:  # CRC-32 (GIL released) while HDF5 writes
             pending = hasher.submit(digest, data)
         try:
             _write_dataset(f, e, data, fletcher32, pending)
-            if flusher is not None:
-                flusher.wrote(e.nbytes)
         except Exception as exc:
             error = f"writing {e.path} to {tmp}: {exc}"
     hasher.shutdown()
     try:
-        if f is not None and error is None:
+        if f is not None and error is None and guard is not None and guard.error is None:
             _finish_file(f, plan, prep.root)
-            f.flush()
     except Exception as exc:
         error = f"finishing {tmp}: {exc}"
     finally:
@@ -349,8 +399,13 @@ def _write_serial(comm: Communicator, plan: list[Entry], prep: _Prepared, tmp: P
                 f.close()
             except Exception as exc:
                 error = error or f"closing {tmp}: {exc}"
-        if flusher is not None:
-            flusher.close()
+        if guard is not None:
+            if error is None:
+                guard.sync()
+            guard.close()
+            if guard.error is not None:  # the disk's word comes first: it explains the rest
+                error = storage.space_problem(tmp.parent, needed, guard.error, guard.written,
+                                              tmp.name)
     return error
 
 
@@ -370,7 +425,7 @@ class _Receiver:
             self._thread.start()
 
     def _recv(self, e: Entry) -> np.ndarray:
-        buf = torch.empty(e.nbytes, dtype=torch.uint8)
+        buf = torch.empty(e.nbytes, dtype=torch.uint8, device="cpu")
         if e.nbytes:
             self._comm.recv(buf, e.owner, TAG)
         return buf.numpy().view(np.dtype(e.dtype)).reshape(e.shape)
@@ -390,34 +445,6 @@ class _Receiver:
         if self._i == len(self._entries):
             self._thread.join()
         return data
-
-
-class _Flusher:
-    """Writes the file back to disk in the background (``fdatasync`` every
-    :data:`FLUSH_BYTES`) while HDF5 goes on writing, so the final fsync is short."""
-
-    def __init__(self, path: Path) -> None:
-        self._fd = os.open(path, os.O_RDONLY)
-        self._todo: queue.Queue[bool] = queue.Queue()
-        self._since = 0
-        self._thread = threading.Thread(target=self._run, name="ckpt-flush", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while self._todo.get():
-            with contextlib.suppress(OSError):
-                os.fdatasync(self._fd)
-
-    def wrote(self, nbytes: int) -> None:
-        self._since += nbytes
-        if self._since >= FLUSH_BYTES:
-            self._since = 0
-            self._todo.put(True)
-
-    def close(self) -> None:
-        self._todo.put(False)
-        self._thread.join()
-        os.close(self._fd)
 
 
 def _as_bytes(arr: np.ndarray) -> torch.Tensor:
@@ -456,6 +483,69 @@ def _write_parallel(comm: Communicator, plan: list[Entry], prep: _Prepared,
     return error
 
 
+def _preconditioner_state(preconditioner: Any, store_eigenbases: bool) -> dict[str, Any]:
+    """``state_dict(eigenbases=store_eigenbases)``; with ``False``, a preconditioner
+    without that argument gives its plain ``state_dict()`` minus any eigenbases."""
+    if store_eigenbases:
+        try:
+            return dict(preconditioner.state_dict(eigenbases=True))
+        except TypeError as exc:
+            raise RuntimeError(f"eigenbases=True is not supported ({exc}); pass "
+                               "store_eigenbases=False") from exc
+    try:
+        return dict(preconditioner.state_dict(eigenbases=False))
+    except TypeError:
+        sd = dict(preconditioner.state_dict())
+    sd.pop("eigenbases", None)
+    return sd
+
+
+def _agree_finite(comm: Communicator, nonfinite: list[str], step: int) -> None:
+    """Raise the same NonFiniteStateError on every rank when any rank found NaN/Inf."""
+    found = comm.allgather_object(nonfinite[:1])
+    bad = [(r, names[0]) for r, names in enumerate(found) if names]
+    if bad:
+        rank, name = bad[0]
+        where = "" if comm.size == 1 else f" (on rank {rank})"
+        raise NonFiniteStateError(
+            f"refusing to write the checkpoint of step {step}: {name}{where} holds NaN/Inf "
+            "values (the run has diverged); nothing was written and earlier checkpoints "
+            "are kept", name, rank)
+
+
+def _commit(tmp: Path, final: Path, is_dir: bool, keep_last: int | None,
+            needed: int) -> str | None:
+    """Rename ``tmp`` to ``final``, then (a directory) point ``latest`` at it and prune.
+
+    Returns the error, if any. A pointer that cannot be written takes the new file back
+    out (unless it replaced one of the same name), so ``latest`` and the directory are
+    as before the save.
+    """
+    existed = final.exists()
+    try:
+        atomic.commit(tmp, final)
+    except OSError as exc:
+        return f"committing {final}: " + storage.space_problem(final.parent, needed, exc,
+                                                                name=tmp.name)
+    if not is_dir:
+        return None
+    try:
+        atomic.write_pointer(final.parent, final.name)
+    except OSError as exc:
+        problem = f"updating {final.parent / LATEST}: " + storage.space_problem(
+            final.parent, needed, exc, name=LATEST)
+        if not existed:
+            with contextlib.suppress(OSError):
+                final.unlink()
+                atomic.fsync_dir(final.parent)
+        return problem
+    try:
+        atomic.prune(final.parent, keep_last, protect=final.name)
+    except OSError as exc:
+        return f"{final} was written, but pruning old checkpoints failed: {exc}"
+    return None
+
+
 def _target(path: Path, step: int) -> tuple[Path, bool]:
     """(final file, whether ``path`` is a checkpoint directory)."""
     if path.suffix == SUFFIX or path.is_file():
@@ -466,21 +556,31 @@ def _target(path: Path, step: int) -> tuple[Path, bool]:
 def save(directory_or_path: str | os.PathLike[str], *, model: nn.Module, optimizer: Any,
          preconditioner: Any = None, step: int, comm: Communicator | None = None,
          extra: dict[str, Any] | None = None, keep_last: int | None = 3,
-         store_eigenbases: bool = False, fletcher32: bool = True,
-         parallel: bool | None = None, prefetch: bool = False) -> Path:
+         store_eigenbases: bool = True, fletcher32: bool = True,
+         parallel: bool | None = None, prefetch: bool = False,
+         check_finite: bool = True) -> Path:
     """Write a checkpoint (collective: every rank calls it with its own objects).
 
     ``directory_or_path``: a directory (file ``ckpt_<step>.h5`` in it, then the
     ``latest`` pointer, then pruning to the last ``keep_last``; None or 0 keeps all) or
     a ``.h5`` file path (written atomically; no pointer, no pruning).
     ``extra``: JSON-able dict that may hold tensors/arrays (stored under ``/train``).
-    ``store_eigenbases``: also store the eigenbases the preconditioner reports with
-    ``state_dict(eigenbases=True)`` (off by default: they are recomputed on load).
+    ``store_eigenbases``: also store the decompositions the preconditioner reports with
+    ``state_dict(eigenbases=True)`` (default: a run resumed between two inverse updates
+    then continues bitwise; False halves the K-FAC part of the file, and they are
+    recomputed from the factors on load).
     ``fletcher32``: HDF5's per-chunk checksum on datasets >= 16 KiB (CRC-32 digests are
     always stored and verified). ``parallel``: use parallel HDF5 when h5py has it
     (default: when available and more than one rank). ``prefetch``: rank 0 receives
     the next factor while writing the current one (faster; then it holds two
-    remote factors at a time instead of one). Returns the file's path on every rank.
+    remote factors at a time instead of one). ``check_finite``: refuse model, optimizer
+    and K-FAC state holding NaN or Inf (:class:`NonFiniteStateError`, raised before
+    anything is written or pruned). Returns the file's path on every rank.
+
+    Every failure raises :class:`CheckpointError` on every rank, with the same message;
+    the temporary file is then removed and earlier checkpoints and ``latest`` are as
+    they were. A checkpoint that does not fit in the free space is refused before it
+    is written; a disk that fills up while writing ends the same way.
     """
     comm = _resolve_comm(comm, preconditioner)
     step = int(step)
@@ -498,22 +598,20 @@ def save(directory_or_path: str | os.PathLike[str], *, model: nn.Module, optimiz
         error = f"optimizer.state_dict(): {exc}"
     try:
         if preconditioner is not None:
-            pre_sd = (preconditioner.state_dict(eigenbases=True) if store_eigenbases
-                      else preconditioner.state_dict())
-    except TypeError as exc:
-        error = error or (f"preconditioner.state_dict(eigenbases=True) is not supported: {exc}"
-                          if store_eigenbases else f"preconditioner.state_dict(): {exc}")
+            pre_sd = _preconditioner_state(preconditioner, store_eigenbases)
     except Exception as exc:
         error = error or f"preconditioner.state_dict(): {exc}"
     prep = _Prepared()
     if error is None:
         try:
             prep = _prepare(comm, model, optimizer, preconditioner, step, extra,
-                            store_eigenbases, opt_sd, pre_sd, defer=not use_parallel)
+                            store_eigenbases, opt_sd, pre_sd, defer=not use_parallel,
+                            check_finite=check_finite)
         except Exception as exc:  # agreed below: no rank may be left in a collective
             error = f"{type(exc).__name__}: {exc}" if not isinstance(
                 exc, tree.UnsupportedValue | ValueError) else str(exc)
     agree(comm, error, "checkpoint save")
+    _agree_finite(comm, prep.nonfinite, step)
 
     final = tmp = None
     is_dir = False
@@ -534,6 +632,14 @@ def save(directory_or_path: str | os.PathLike[str], *, model: nn.Module, optimiz
 
     plan, prep, error = _plan(comm, prep, preconditioner, pre_sd, everything=use_parallel)
     agree(comm, error, "checkpoint save")
+    no_room = None
+    if comm.rank == 0:  # refuse what cannot fit before writing anything
+        needed, free = sum(e.nbytes for e in plan), storage.free_bytes(final.parent)
+        if free is not None and needed > free:
+            no_room = storage.space_problem(final.parent, needed)
+    no_room = comm.broadcast_object(no_room)
+    if no_room is not None:
+        raise CheckpointError(f"checkpoint save to {final} failed", [no_room], str(final))
     if use_parallel:  # pragma: no cover - needs parallel h5py
         error = _write_parallel(comm, plan, prep, tmp)
         agree(comm, error, "checkpoint write")
@@ -543,13 +649,7 @@ def save(directory_or_path: str | os.PathLike[str], *, model: nn.Module, optimiz
     result: tuple[str | None, str | None] = (None, None)
     if comm.rank == 0:
         if error is None:
-            try:
-                atomic.commit(tmp, final)
-                if is_dir:
-                    atomic.write_pointer(final.parent, final.name)
-                    atomic.prune(final.parent, keep_last, protect=final.name)
-            except OSError as exc:
-                error = f"committing {final}: {exc}"
+            error = _commit(tmp, final, is_dir, keep_last, sum(e.nbytes for e in plan))
         if error is not None:
             with contextlib.suppress(OSError):
                 tmp.unlink()

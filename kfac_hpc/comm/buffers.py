@@ -8,20 +8,26 @@ Rules (documented in the README):
 * Non-contiguous tensors travel through a contiguous copy; results are copied back.
 * bfloat16 has no MPI datatype: reductions run in float32 and are cast back;
   data movement (broadcast, gather) sends the raw 16-bit words, exactly.
-* CUDA tensors go to MPI directly when the MPI library is CUDA-aware (the current
-  stream is synchronised first); otherwise through pinned host buffers.
+* CUDA tensors: every conversion (contiguous copy, widening) is queued on the current
+  stream first; then either MPI gets the device memory once an event recorded after
+  those conversions has completed (a call the library takes device memory for, see
+  :mod:`kfac_hpc.comm.cuda`), or the data is staged through a pooled pinned host
+  buffer (:mod:`kfac_hpc.comm.staging`). Results land back on the current stream.
+* CuPy arrays (zero-copy through DLPack, stream-ordered) and NumPy arrays are accepted
+  by :func:`as_torch`.
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from mpi4py import MPI
+
+from kfac_hpc.comm import cuda as _cuda
+from kfac_hpc.comm import staging
 
 
 def _half_type() -> Any | None:
@@ -60,7 +66,7 @@ SUPPORTED_DTYPES = (
     torch.uint8,
 )
 
-CUDA_AWARE_ENV = "KFAC_HPC_CUDA_AWARE"
+CUDA_AWARE_ENV = _cuda.CUDA_AWARE_ENV
 
 
 def mpi_datatype(dtype: torch.dtype) -> Any:
@@ -75,64 +81,102 @@ def mpi_datatype(dtype: torch.dtype) -> Any:
 
 
 def mpi_library_cuda_support() -> bool:
-    """What the loaded MPI library says of itself (``MPIX_Query_cuda_support``)."""
-    for name in ("libmpi.so.40", "libmpi.so.12", "libmpi.so", "libmpich.so.12", "libmpich.so"):
-        try:
-            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)
-        except OSError:
-            continue
-        query = getattr(lib, "MPIX_Query_cuda_support", None)
-        if query is not None:
-            return bool(query())
-    return False
+    """What the loaded MPI library says of itself (``MPIX_Query_cuda_support() == 1``)."""
+    return _cuda.query_cuda_support() == 1
 
 
 def detect_cuda_aware(override: bool | None = None) -> bool:
-    """Whether CUDA buffers may be handed to MPI directly.
+    """Whether CUDA buffers may be handed to MPI directly in at least some calls.
 
     Order: the explicit ``override``; the environment variable ``KFAC_HPC_CUDA_AWARE``
-    (``1/true/yes`` or ``0/false/no``); the MPI library's own answer.
+    (``0``, ``1`` or ``all``); the evidence (:func:`kfac_hpc.comm.cuda.detect`, which
+    also says *which* calls).
     """
-    if override is not None:
-        return override
-    env = os.environ.get(CUDA_AWARE_ENV)
-    if env is not None:
-        value = env.strip().lower()
-        if value in ("1", "true", "yes", "on"):
-            return True
-        if value in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{CUDA_AWARE_ENV}={env!r}: use 1 or 0")
-    return mpi_library_cuda_support()
+    return _cuda.detect(override).aware
 
 
 def mpi_vendor() -> str:
-    """Name of the MPI implementation, e.g. ``"Open MPI"`` or ``"MPICH"``."""
-    return str(MPI.get_vendor()[0])
+    """Name of the running MPI implementation, e.g. ``"Open MPI"``, ``"Cray MPICH"``.
+
+    From the library's own version string (the library loaded at run time), else the
+    vendor mpi4py was built against.
+    """
+    vendor = _cuda.vendor_of(MPI.Get_library_version())
+    return vendor if vendor != _cuda.UNKNOWN else str(MPI.get_vendor()[0])
 
 
 def as_torch(obj: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
-    """Accept a torch tensor or a CuPy/NumPy array; return a tensor and a converter back."""
+    """Accept a torch tensor or a CuPy/NumPy array; return a tensor and a converter back.
+
+    Arrays are wrapped zero-copy. A CuPy array comes through DLPack, which orders the
+    array's stream before torch's current stream on its device (so work queued on the
+    array is complete before MPI reads it); results go back the same way. The converter
+    returns ``obj`` itself for the wrapped tensor (in-place results) and a new array of
+    ``obj``'s kind for any other tensor (e.g. a reduce-scatter's result).
+    """
     if isinstance(obj, torch.Tensor):
         return obj, lambda t: t
     if hasattr(obj, "__cuda_array_interface__"):
-        import cupy  # a CuPy array: optional dependency
-
-        return torch.as_tensor(obj, device="cuda"), lambda t: cupy.asarray(t)
+        return _from_cupy(obj)
     if hasattr(obj, "__array_interface__"):
         import numpy as np
 
-        return torch.from_numpy(obj), lambda t: np.asarray(t)
+        tensor = torch.from_numpy(obj)
+        return tensor, lambda t: obj if t is tensor else np.asarray(t.detach().cpu())
     raise TypeError(f"expected a torch tensor or CuPy/NumPy array, got {type(obj).__name__}")
+
+
+def _from_cupy(obj: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
+    import cupy  # optional dependency: the "gpu" extra
+
+    device = torch.device("cuda", obj.device.id)
+    with cupy.cuda.Device(obj.device.id):
+        # torch's current stream waits for the array's (CuPy's current) stream: work
+        # queued on the array is ordered before everything the collective queues.
+        torch_stream = torch.cuda.current_stream(device)
+        cupy.cuda.ExternalStream(torch_stream.cuda_stream).wait_event(
+            cupy.cuda.get_current_stream().record())
+        tensor = torch.from_dlpack(obj)
+    if tensor.device != device:
+        raise TypeError(f"CuPy array on device {obj.device.id} came through as {tensor.device}")
+
+    def back(t: torch.Tensor) -> Any:
+        with cupy.cuda.Device(t.device.index):
+            # CuPy's current stream waits for torch's, where the result was landed
+            landed = cupy.cuda.ExternalStream(torch.cuda.current_stream(t.device).cuda_stream)
+            cupy.cuda.get_current_stream().wait_event(landed.record())
+            return obj if t is tensor else cupy.from_dlpack(t.detach())
+
+    return tensor, back
+
+
+def check_device(tensor: torch.Tensor) -> None:
+    """Refuse tensors MPI cannot read: no memory (meta) or an unsupported device."""
+    kind = tensor.device.type
+    if kind == "meta":
+        raise ValueError(
+            "tensor on device 'meta' has no memory MPI could read: create it on the CPU or a "
+            "CUDA device (a tensor made without device= while torch.set_default_device('meta') "
+            "is in effect lands there)")
+    if kind not in ("cpu", "cuda"):
+        raise TypeError(f"tensors on {kind} cannot travel over MPI: move them to the CPU or "
+                        "a CUDA device")
 
 
 @dataclass
 class Wire:
-    """The memory MPI touches for one user tensor, and how to bring results back."""
+    """The memory MPI touches for one user tensor, and how to bring results back.
+
+    ``ready``: a CUDA event; MPI may touch ``data`` only once it has completed (None:
+    at once). ``pinned``: the pooled host buffer ``data`` lives in when a CUDA tensor
+    is staged; it goes back to the pool on :meth:`land` or :meth:`release`.
+    """
 
     user: torch.Tensor  # the caller's tensor (returned as the result)
     data: torch.Tensor  # the memory MPI reads and writes
     copy_back: bool
+    ready: Any | None = None
+    pinned: staging.PinnedBuffer | None = None
 
     def spec(self) -> list[Any]:
         """An explicit mpi4py buffer spec: ``[buffer, count, datatype]``."""
@@ -141,16 +185,36 @@ class Wire:
         buf = MPI.buffer.fromaddress(address, t.numel() * t.element_size())
         return [buf, t.numel(), mpi_datatype(t.dtype)]
 
-    def land(self) -> torch.Tensor:
-        """Copy the result into the user's tensor where the wire was a separate buffer."""
-        if self.copy_back:
-            result = self.data
-            if result.dtype != self.user.dtype:
-                same_width = result.element_size() == self.user.element_size()
-                result = result.view(self.user.dtype) if same_width else result.to(self.user.dtype)
-            with torch.no_grad():
-                self.user.copy_(result.view(self.user.shape))
+    @property
+    def staged(self) -> bool:
+        return self.pinned is not None
+
+    def land(self, divide_by: int = 1) -> torch.Tensor:
+        """Bring the result into the user's tensor; returns it.
+
+        ``divide_by`` > 1 divides the result first (an average), in the wire's dtype.
+        Staged results go host→device without blocking, on the current stream; every
+        conversion after that is queued on the same stream.
+        """
+        result = self.data
+        if self.pinned is not None:
+            result, event = staging.land_in(result, self.user.device)
+            self.pinned.release(event)
+        if divide_by > 1:
+            result.div_(divide_by)
+        if not self.copy_back:
+            return self.user
+        if result.dtype != self.user.dtype:
+            same_width = result.element_size() == self.user.element_size()
+            result = result.view(self.user.dtype) if same_width else result.to(self.user.dtype)
+        with torch.no_grad():
+            self.user.copy_(result.view(self.user.shape))
         return self.user
+
+    def release(self) -> None:
+        """Return a staging buffer that carries no result (a send-only wire)."""
+        if self.pinned is not None:
+            self.pinned.release()
 
 
 def to_wire(
@@ -159,30 +223,40 @@ def to_wire(
     reduction: bool,
     device_ok: bool,
     need_input: bool = True,
+    pool: staging.PinnedPool | None = None,
 ) -> Wire:
     """Prepare ``tensor`` for MPI.
 
     ``reduction``: the collective does arithmetic (bf16 is widened to fp32).
-    ``device_ok``: CUDA memory may be handed to MPI directly.
+    ``device_ok``: CUDA memory may be handed to MPI directly (else it is staged).
     ``need_input``: the tensor's current values are sent (False for pure receive buffers).
+    ``pool``: where staging buffers come from (default: the process-wide pool).
+
+    Order on CUDA: every conversion is queued on the current stream; then an event is
+    recorded (device-direct) or the pinned copy is queued behind them (staged). The
+    returned wire's ``ready`` event must complete before MPI touches ``data``.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in SUPPORTED_DTYPES:
         mpi_datatype(tensor.dtype)  # raises the clear error
+    check_device(tensor)
     user = tensor
     data = tensor.detach()
     copy_back = False
-    if data.is_cuda:
-        if device_ok:
-            torch.cuda.current_stream(data.device).synchronize()
-        else:
-            staged = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
-            if need_input:
-                staged.copy_(data)
-            data, copy_back = staged, True
+    staged = data.is_cuda and not device_ok
+    if staged:
+        pool = pool if pool is not None else staging.pinned_pool()
+    if staged and not need_input:  # a pure receive: nothing to convert on the device
+        wide = data.dtype in WIDENED_DTYPES
+        dtype = (torch.float32 if reduction else torch.int16) if wide else data.dtype
+        assert pool is not None
+        pinned = pool.acquire(data.shape, dtype)
+        return Wire(user=user, data=pinned.tensor, copy_back=True, pinned=pinned)
     if not data.is_contiguous():
-        data, copy_back = data.contiguous(), True
+        data = data.contiguous() if need_input else torch.empty(
+            data.shape, dtype=data.dtype, device=data.device)
+        copy_back = True
     if data.dtype in WIDENED_DTYPES:
         if reduction:
             data = data.float() if need_input else torch.empty(
@@ -190,4 +264,13 @@ def to_wire(
             copy_back = True
         else:
             data = data.view(torch.int16)
-    return Wire(user=user, data=data, copy_back=copy_back)
+    if not data.is_cuda:
+        return Wire(user=user, data=data, copy_back=copy_back)
+    if device_ok:
+        # conversions above are queued on the current stream: MPI waits for them (and for
+        # earlier work on memory it will write) through this event.
+        ready = staging.record_event(torch.cuda.current_stream(data.device))
+        return Wire(user=user, data=data, copy_back=copy_back, ready=ready)
+    assert pool is not None
+    pinned, ready = staging.stage_out(data, pool, need_input)
+    return Wire(user=user, data=pinned.tensor, copy_back=True, ready=ready, pinned=pinned)

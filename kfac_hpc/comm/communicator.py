@@ -1,55 +1,124 @@
-"""MPI collectives on torch tensors.
+"""MPI collectives on torch tensors (and CuPy/NumPy arrays).
 
 ``Communicator`` is the only object in kfac_hpc that talks to MPI. Every collective
-exists in a blocking form (returns the result tensor) and a non-blocking form
-(``i``-prefixed, returns a :class:`Handle` whose ``wait()`` returns the result).
-Handles keep every buffer alive until completion: mpi4py does not do that for
-non-blocking reductions.
+exists in a blocking form (returns the result) and a non-blocking form (``i``-prefixed,
+returns a :class:`Handle` whose ``wait()`` returns the result). Handles keep every
+buffer alive until completion: mpi4py does not do that for non-blocking reductions.
 
 In-place semantics follow ``torch.distributed``: allreduce, reduce (at the root)
 and broadcast overwrite their tensor; reduce-scatter and gathers return new tensors
-(or fill ``out``).
+(or fill ``out``). A CuPy or NumPy array in gives the same kind of array out.
+
+CUDA tensors. Where the MPI library takes device memory for a call (the per-call
+table of :mod:`kfac_hpc.comm.cuda`), MPI gets the device buffer; otherwise the data is
+staged through pooled pinned host memory. The stream rule: every conversion a call
+needs (contiguous copy, bf16 widening, device→host staging copy) is queued on the
+caller's current stream, or on a side stream that waits for it, and an event is
+recorded after the last of them; MPI touches a buffer only once that event has
+completed. Blocking calls wait for the event. Non-blocking calls do not block the
+calling stream or thread: the handle is queued and its MPI call is posted by a later
+``test()``/``wait()`` (or the next call on this communicator) once the event has
+completed, always in the order the calls were made, which is the order every rank
+must use. Results land back (host→device, non-blocking) on the current stream of the
+thread that completes the call. Call ``test()`` on handles from hooks to post them
+early; ``wait()`` posts and completes.
+
+Threads: backward hooks on CUDA run on autograd's worker thread; the library must
+provide at least ``MPI_THREAD_SERIALIZED`` (see :mod:`kfac_hpc.comm.threads`).
 """
 
 from __future__ import annotations
 
+import collections
 import pickle
+import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, Literal, TypeVar, cast
 
 import torch
 from mpi4py import MPI
 
-from kfac_hpc.comm.buffers import Wire, detect_cuda_aware, mpi_vendor, to_wire
+from kfac_hpc.comm import staging, threads
+from kfac_hpc.comm.buffers import Wire, as_torch, to_wire
+from kfac_hpc.comm.cuda import CudaSupport, detect
 from kfac_hpc.comm.stats import TrafficStats
 
 ReduceOp = Literal["sum", "avg", "max", "min"]
 _MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 
 T = TypeVar("T")
+A = TypeVar("A")  # a torch tensor, or a CuPy/NumPy array: results come back as the same kind
 
 
 class Handle(Generic[T]):
-    """A collective in flight. ``wait()`` completes it and returns its result."""
+    """A collective in flight. ``wait()`` completes it and returns its result.
 
-    def __init__(self, request: MPI.Request | None, finish: Callable[[], T], keep: Any) -> None:
-        self._request = request
+    A handle whose buffers are still being produced on a CUDA stream is *pending*: its
+    MPI call is posted by ``test()`` once the producing work has completed, or by
+    ``wait()`` after waiting for it (see :class:`Communicator`).
+    """
+
+    def __init__(self, comm: Communicator | None, start: Callable[[], MPI.Request | None],
+                 finish: Callable[[], T], keep: Any, events: Sequence[Any] = ()) -> None:
+        self._comm = comm
+        self._start = start
+        self._request: MPI.Request | None = None
+        self._posted = False
+        self._events = list(events)  # CUDA events MPI must wait for
         self._finish = finish
         self._keep = keep  # buffers MPI reads or writes until completion
         self._done = False
         self._result: T | None = None
 
+    # ------------------------------------------------------- posting (internal)
+    def _ready(self) -> bool:
+        return all(e.query() for e in self._events)
+
+    def _wait_ready(self) -> None:
+        for e in self._events:
+            e.synchronize()
+
+    def _post(self) -> None:
+        with threads.mpi_guard():
+            self._request = self._start()
+        self._posted = True
+        self._events = []
+
+    def _ensure_posted(self, block: bool) -> bool:
+        if not self._posted and self._comm is not None:
+            self._comm._flush(upto=self, block=block)
+        return self._posted
+
+    # ----------------------------------------------------------------- public
+    @property
+    def posted(self) -> bool:
+        """Whether the MPI call has been made (False while CUDA work it needs runs)."""
+        return self._posted
+
     def test(self) -> bool:
-        """True when the operation has completed (drives MPI progress)."""
+        """True when the operation has completed (posts it if ready; drives MPI progress)."""
         if self._done:
             return True
-        return self._request is None or bool(self._request.Test())
+        if not self._ensure_posted(block=False):
+            return False
+        if self._request is None:
+            return True
+        with threads.mpi_guard():
+            return bool(self._request.Test())
 
     def wait(self) -> T:
         """Complete the operation (idempotent) and return its result."""
         if not self._done:
+            self._ensure_posted(block=True)
             if self._request is not None:
-                self._request.Wait()
+                if threads.provided_level() == MPI.THREAD_SERIALIZED:
+                    # Test in a loop: the lock is free between tests for hook threads
+                    while not self.test():
+                        time.sleep(0)
+                else:
+                    with threads.mpi_guard():
+                        self._request.Wait()
             self._result = self._finish()
             self._done = True
             self._keep = None
@@ -88,21 +157,28 @@ class Communicator:
     """Collectives over an ``mpi4py`` communicator (default ``MPI.COMM_WORLD``).
 
     A world of one process works without ``mpiexec``. ``cuda_aware`` overrides the
-    detection of a CUDA-aware MPI (otherwise: ``KFAC_HPC_CUDA_AWARE``, then the
-    library's ``MPIX_Query_cuda_support``).
+    detection of which calls take CUDA device memory: ``False`` stages every CUDA
+    tensor through host memory, ``True`` trusts the MPI vendor's table, ``"all"``
+    hands device memory to every call; ``None`` (default) reads ``KFAC_HPC_CUDA_AWARE``
+    and then the evidence (:func:`kfac_hpc.comm.cuda.detect`). ``cuda`` passes a ready
+    :class:`~kfac_hpc.comm.cuda.CudaSupport` (sub-communicators inherit their parent's).
+    See the module docstring for the stream rule on CUDA tensors.
     """
 
-    def __init__(self, mpi_comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None,
-                 name: str = "world") -> None:
+    def __init__(self, mpi_comm: MPI.Comm | None = None, *,
+                 cuda_aware: bool | Literal["all"] | None = None, name: str = "world",
+                 cuda: CudaSupport | None = None) -> None:
         self.mpi: MPI.Comm = mpi_comm if mpi_comm is not None else MPI.COMM_WORLD
         self.rank: int = self.mpi.Get_rank()
         self.size: int = self.mpi.Get_size()
         self.name = name
-        self.cuda_aware: bool = detect_cuda_aware(cuda_aware)
-        # Open MPI's non-blocking reductions do not take device memory even when CUDA-aware.
-        self._nonblocking_reductions_on_device = self.cuda_aware and mpi_vendor() != "Open MPI"
+        self.cuda: CudaSupport = cuda if cuda is not None else detect(cuda_aware)
+        self.cuda_aware: bool = self.cuda.aware
         self.stats = TrafficStats()
         self.children: list[Communicator] = []
+        # shared by every Communicator over the same MPI communicator: call order is per
+        # MPI communicator, whichever object made the call
+        self._pending, self._queue_lock = _queue_of(self.mpi)
 
     def __repr__(self) -> str:
         return f"Communicator(name={self.name!r}, rank={self.rank}, size={self.size})"
@@ -112,16 +188,61 @@ class Communicator:
         if self.size > 1:
             self.stats.record(kind, nbytes)
 
-    def _device_ok(self, reduction: bool, blocking: bool) -> bool:
-        if not self.cuda_aware:
-            return False
-        return blocking or not reduction or self._nonblocking_reductions_on_device
+    def _wire(self, tensor: torch.Tensor, call: str, *, reduction: bool,
+              need_input: bool = True) -> Wire:
+        wire = to_wire(tensor, reduction=reduction, device_ok=self.cuda.device_ok(call),
+                       need_input=need_input)
+        if wire.staged:
+            why = (f"{self.cuda.vendor} does not take device memory in {call}"
+                   if self.cuda.aware else
+                   f"the MPI library ({self.cuda.vendor}) is not CUDA-aware here: "
+                   f"{'; '.join(self.cuda.evidence[:2]) or 'no evidence of CUDA support'}")
+            staging.warn_staging_once(call, wire.data.nbytes, why, self.cuda.staged_calls)
+        return wire
+
+    def _flush(self, upto: Handle[Any] | None = None, block: bool = True) -> None:
+        """Post queued non-blocking calls in order: all of them (``upto=None``) or up to
+        ``upto``; ``block=False`` stops at the first whose CUDA work is not done yet."""
+        with self._queue_lock:
+            while self._pending:
+                head = self._pending[0]
+                if not head._ready():
+                    if not block:
+                        return
+                    head._wait_ready()
+                try:
+                    head._post()
+                finally:  # posted, or refused (never to be posted): off the queue
+                    self._pending.popleft()
+                if head is upto:
+                    return
 
     def _post(self, blocking: bool, run: Callable[[], MPI.Request | None],
-              finish: Callable[[], T], keep: Any) -> T | Handle[T]:
-        request = run()
-        handle: Handle[T] = Handle(request, finish, keep)
-        return handle.wait() if blocking else handle
+              finish: Callable[[], Any], keep: Any, wires: Sequence[Wire],
+              back: Callable[[torch.Tensor], Any]) -> Any:
+        events = [w.ready for w in wires if w.ready is not None]
+        if blocking:
+            self._flush()  # calls made earlier on this communicator go first
+            for event in events:
+                event.synchronize()
+            with threads.mpi_guard():
+                run()
+            return back(finish())
+        handle: Handle[Any] = Handle(self, run, lambda: back(finish()), keep, events)
+        with self._queue_lock:
+            self._pending.append(handle)
+            self._flush(upto=handle, block=False)
+        return handle
+
+    def _blocking(self, fn: Callable[[], T]) -> T:
+        """A blocking MPI call made directly (objects, barrier, splits), after the queue."""
+        self._flush()
+        with threads.mpi_guard():
+            return fn()
+
+    def pending(self) -> int:
+        """Non-blocking calls queued but not yet posted (waiting for CUDA work)."""
+        return len(self._pending)
 
     def traffic(self) -> TrafficStats:
         """Counters of this communicator and every sub-communicator split from it."""
@@ -134,70 +255,76 @@ class Communicator:
             c.reset_traffic()
 
     # ------------------------------------------------------------ allreduce
-    def allreduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+    def allreduce(self, tensor: A, op: ReduceOp = "sum") -> A:
         """Reduce ``tensor`` over all ranks, in place; returns it."""
-        return self._allreduce(tensor, op, blocking=True)
+        return cast(A, self._allreduce(tensor, op, blocking=True))
 
-    def iallreduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> Handle[torch.Tensor]:
+    def iallreduce(self, tensor: A, op: ReduceOp = "sum") -> Handle[A]:
         """Non-blocking :meth:`allreduce`."""
-        return self._allreduce(tensor, op, blocking=False)
+        return cast(Handle[A], self._allreduce(tensor, op, blocking=False))
 
-    def _allreduce(self, tensor: torch.Tensor, op: ReduceOp, blocking: bool) -> Any:
+    def _allreduce(self, obj: Any, op: ReduceOp, blocking: bool) -> Any:
+        tensor, back = as_torch(obj)
         mpi_op = self._op(op, tensor)
-        wire = to_wire(tensor, reduction=True, device_ok=self._device_ok(True, blocking))
+        wire = self._wire(tensor, "allreduce" if blocking else "iallreduce", reduction=True)
         self._count("allreduce", wire.data.nbytes)
         spec = wire.spec()
         run = (lambda: self.mpi.Allreduce(MPI.IN_PLACE, spec, mpi_op)) if blocking else (
             lambda: self.mpi.Iallreduce(MPI.IN_PLACE, spec, mpi_op))
-        return self._post(blocking, run, self._finisher(wire, op), wire)
+        return self._post(blocking, run, self._finisher(wire, op), wire, [wire], back)
 
     # -------------------------------------------------------- reduce-scatter
-    def reduce_scatter(self, tensor: torch.Tensor, counts: Sequence[int], op: ReduceOp = "sum",
-                       out: torch.Tensor | None = None) -> torch.Tensor:
+    def reduce_scatter(self, tensor: A, counts: Sequence[int], op: ReduceOp = "sum",
+                       out: A | None = None) -> A:
         """Reduce the flat ``tensor`` over ranks; rank r receives ``counts[r]`` elements.
 
         ``tensor`` holds ``sum(counts)`` elements, rank r's part at offset
         ``sum(counts[:r])``. Counts may be uneven and zero.
         """
-        return self._reduce_scatter(tensor, counts, op, out, blocking=True)
+        return cast(A, self._reduce_scatter(tensor, counts, op, out, blocking=True))
 
-    def ireduce_scatter(self, tensor: torch.Tensor, counts: Sequence[int], op: ReduceOp = "sum",
-                        out: torch.Tensor | None = None) -> Handle[torch.Tensor]:
+    def ireduce_scatter(self, tensor: A, counts: Sequence[int], op: ReduceOp = "sum",
+                        out: A | None = None) -> Handle[A]:
         """Non-blocking :meth:`reduce_scatter`."""
-        return self._reduce_scatter(tensor, counts, op, out, blocking=False)
+        return cast(Handle[A], self._reduce_scatter(tensor, counts, op, out, blocking=False))
 
-    def _reduce_scatter(self, tensor: torch.Tensor, counts: Sequence[int], op: ReduceOp,
-                        out: torch.Tensor | None, blocking: bool) -> Any:
+    def _reduce_scatter(self, obj: Any, counts: Sequence[int], op: ReduceOp,
+                        out_obj: Any | None, blocking: bool) -> Any:
+        tensor, back = as_torch(obj)
         mpi_op = self._op(op, tensor)
         counts = _check_counts(counts, self.size, tensor.numel(), "reduce_scatter")
-        if out is None:
+        if out_obj is None:
             out = torch.empty(counts[self.rank], dtype=tensor.dtype, device=tensor.device)
-        elif out.numel() != counts[self.rank] or out.dtype != tensor.dtype:
-            raise ValueError(f"reduce_scatter: out must hold {counts[self.rank]} elements of "
-                             f"{tensor.dtype}, got {out.numel()} of {out.dtype}")
-        device_ok = self._device_ok(True, blocking)
-        send = to_wire(tensor.reshape(-1), reduction=True, device_ok=device_ok)
-        recv = to_wire(out, reduction=True, device_ok=device_ok, need_input=False)
+        else:
+            out, back = as_torch(out_obj)
+            if out.numel() != counts[self.rank] or out.dtype != tensor.dtype:
+                raise ValueError(f"reduce_scatter: out must hold {counts[self.rank]} elements "
+                                 f"of {tensor.dtype}, got {out.numel()} of {out.dtype}")
+            _check_same_device(tensor, out, "reduce_scatter")
+        call = "reduce_scatter" if blocking else "ireduce_scatter"
+        send = self._wire(tensor.reshape(-1), call, reduction=True)
+        recv = self._wire(out, call, reduction=True, need_input=False)
         self._count("reduce_scatter", send.data.nbytes)
         sspec, rspec = send.spec(), recv.spec()
         run = (lambda: self.mpi.Reduce_scatter(sspec, rspec, counts, mpi_op)) if blocking else (
             lambda: self.mpi.Ireduce_scatter(sspec, rspec, counts, mpi_op))
-        return self._post(blocking, run, self._finisher(recv, op), (send, recv))
+        return self._post(blocking, run, self._finisher(recv, op, also=[send]), (send, recv),
+                          [send, recv], back)
 
     # ---------------------------------------------------------------- reduce
-    def reduce(self, tensor: torch.Tensor, root: int = 0, op: ReduceOp = "sum") -> torch.Tensor:
+    def reduce(self, tensor: A, root: int = 0, op: ReduceOp = "sum") -> A:
         """Reduce onto ``root``, in place there; other ranks' tensors are left unchanged."""
-        return self._reduce(tensor, root, op, blocking=True)
+        return cast(A, self._reduce(tensor, root, op, blocking=True))
 
-    def ireduce(self, tensor: torch.Tensor, root: int = 0,
-                op: ReduceOp = "sum") -> Handle[torch.Tensor]:
+    def ireduce(self, tensor: A, root: int = 0, op: ReduceOp = "sum") -> Handle[A]:
         """Non-blocking :meth:`reduce`."""
-        return self._reduce(tensor, root, op, blocking=False)
+        return cast(Handle[A], self._reduce(tensor, root, op, blocking=False))
 
-    def _reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp, blocking: bool) -> Any:
+    def _reduce(self, obj: Any, root: int, op: ReduceOp, blocking: bool) -> Any:
+        tensor, back = as_torch(obj)
         mpi_op = self._op(op, tensor)
         self._check_root(root)
-        wire = to_wire(tensor, reduction=True, device_ok=self._device_ok(True, blocking))
+        wire = self._wire(tensor, "reduce" if blocking else "ireduce", reduction=True)
         self._count("reduce", wire.data.nbytes)
         spec = wire.spec()
         send: Any
@@ -207,77 +334,83 @@ class Communicator:
             finish = self._finisher(wire, op)
         else:
             send, recv = spec, None
-            finish = lambda: wire.user
+            finish = _releaser(wire)
         run = (lambda: self.mpi.Reduce(send, recv, mpi_op, root)) if blocking else (
             lambda: self.mpi.Ireduce(send, recv, mpi_op, root))
-        return self._post(blocking, run, finish, wire)
+        return self._post(blocking, run, finish, wire, [wire], back)
 
     # ------------------------------------------------------------- broadcast
-    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+    def broadcast(self, tensor: A, root: int = 0) -> A:
         """Overwrite ``tensor`` on every rank with ``root``'s values; returns it."""
-        return self._broadcast(tensor, root, blocking=True)
+        return cast(A, self._broadcast(tensor, root, blocking=True))
 
-    def ibroadcast(self, tensor: torch.Tensor, root: int = 0) -> Handle[torch.Tensor]:
+    def ibroadcast(self, tensor: A, root: int = 0) -> Handle[A]:
         """Non-blocking :meth:`broadcast`."""
-        return self._broadcast(tensor, root, blocking=False)
+        return cast(Handle[A], self._broadcast(tensor, root, blocking=False))
 
-    def _broadcast(self, tensor: torch.Tensor, root: int, blocking: bool) -> Any:
+    def _broadcast(self, obj: Any, root: int, blocking: bool) -> Any:
+        tensor, back = as_torch(obj)
         self._check_root(root)
-        wire = to_wire(tensor, reduction=False, device_ok=self._device_ok(False, blocking),
-                       need_input=self.rank == root)
+        wire = self._wire(tensor, "bcast" if blocking else "ibcast", reduction=False,
+                          need_input=self.rank == root)
         self._count("broadcast", wire.data.nbytes)
         spec = wire.spec()
         run = (lambda: self.mpi.Bcast(spec, root)) if blocking else (
             lambda: self.mpi.Ibcast(spec, root))
-        return self._post(blocking, run, wire.land, wire)
+        finish = _releaser(wire) if self.rank == root else wire.land
+        return self._post(blocking, run, finish, wire, [wire], back)
 
     # ------------------------------------------------------------- allgather
-    def allgather(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def allgather(self, tensor: A, out: A | None = None) -> A:
         """Gather equal-shaped tensors: result has shape ``(size, *tensor.shape)``.
 
         ``out`` (that shape and dtype) receives the result; reuse it across calls for
         large messages: a fresh multi-MiB result costs page faults on every call.
         """
-        return self._allgather(tensor, out, blocking=True)
+        return cast(A, self._allgather(tensor, out, blocking=True))
 
-    def iallgather(self, tensor: torch.Tensor,
-                   out: torch.Tensor | None = None) -> Handle[torch.Tensor]:
+    def iallgather(self, tensor: A, out: A | None = None) -> Handle[A]:
         """Non-blocking :meth:`allgather`."""
-        return self._allgather(tensor, out, blocking=False)
+        return cast(Handle[A], self._allgather(tensor, out, blocking=False))
 
-    def _allgather(self, tensor: torch.Tensor, out: torch.Tensor | None, blocking: bool) -> Any:
+    def _allgather(self, obj: Any, out_obj: Any | None, blocking: bool) -> Any:
+        tensor, back = as_torch(obj)
         shape = (self.size, *tensor.shape)
-        if out is None:
+        if out_obj is None:
             out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
-        elif tuple(out.shape) != shape or out.dtype != tensor.dtype:
-            raise ValueError(f"allgather: out must have shape {shape} and dtype {tensor.dtype}, "
-                             f"got {tuple(out.shape)} {out.dtype}")
-        device_ok = self._device_ok(False, blocking)
-        send = to_wire(tensor, reduction=False, device_ok=device_ok)
-        recv = to_wire(out, reduction=False, device_ok=device_ok, need_input=False)
+        else:
+            out, back = as_torch(out_obj)
+            if tuple(out.shape) != shape or out.dtype != tensor.dtype:
+                raise ValueError(f"allgather: out must have shape {shape} and dtype "
+                                 f"{tensor.dtype}, got {tuple(out.shape)} {out.dtype}")
+            _check_same_device(tensor, out, "allgather")
+        call = "allgather" if blocking else "iallgather"
+        send = self._wire(tensor, call, reduction=False)
+        recv = self._wire(out, call, reduction=False, need_input=False)
         self._count("allgather", recv.data.nbytes)
         sspec = send.spec()
         buf, _, dtype = recv.spec()
         rspec = [buf, send.data.numel(), dtype]  # mpi4py: count per rank
         run = (lambda: self.mpi.Allgather(sspec, rspec)) if blocking else (
             lambda: self.mpi.Iallgather(sspec, rspec))
-        return self._post(blocking, run, recv.land, (send, recv))
+        return self._post(blocking, run, _lander(recv, [send]), (send, recv), [send, recv], back)
 
-    def allgatherv(self, tensor: torch.Tensor, counts: Sequence[int] | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+    def allgatherv(self, tensor: A, counts: Sequence[int] | None = None,
+                   out: A | None = None) -> A:
         """Gather variable-length flat tensors into one 1-D tensor ordered by rank.
 
         ``counts`` (elements per rank) avoids an extra small allgather to learn them.
         """
-        return self._allgatherv(tensor, counts, out, blocking=True)
+        return cast(A, self._allgatherv(tensor, counts, out, blocking=True))
 
-    def iallgatherv(self, tensor: torch.Tensor, counts: Sequence[int] | None = None,
-                    out: torch.Tensor | None = None) -> Handle[torch.Tensor]:
+    def iallgatherv(self, tensor: A, counts: Sequence[int] | None = None,
+                    out: A | None = None) -> Handle[A]:
         """Non-blocking :meth:`allgatherv`."""
-        return self._allgatherv(tensor, counts, out, blocking=False)
+        return cast(Handle[A], self._allgatherv(tensor, counts, out, blocking=False))
 
-    def _allgatherv(self, tensor: torch.Tensor, counts: Sequence[int] | None,
-                    out: torch.Tensor | None, blocking: bool) -> Any:
+    def _allgatherv(self, obj: Any, counts: Sequence[int] | None, out_obj: Any | None,
+                    blocking: bool) -> Any:
+        tensor, back = as_torch(obj)
         if counts is None:
             counts = self.allgather_object(tensor.numel())
         counts = _check_counts(counts, self.size, None, "allgatherv")
@@ -285,66 +418,74 @@ class Communicator:
             raise ValueError(f"allgatherv: counts[{self.rank}]={counts[self.rank]} but this rank's "
                              f"tensor has {tensor.numel()} elements")
         total = sum(counts)
-        if out is None:
+        if out_obj is None:
             out = torch.empty(total, dtype=tensor.dtype, device=tensor.device)
-        elif out.numel() != total or out.dtype != tensor.dtype:
-            raise ValueError(f"allgatherv: out must hold {total} elements of {tensor.dtype}")
-        device_ok = self._device_ok(False, blocking)
-        send = to_wire(tensor.reshape(-1), reduction=False, device_ok=device_ok)
-        recv = to_wire(out, reduction=False, device_ok=device_ok, need_input=False)
+        else:
+            out, back = as_torch(out_obj)
+            if out.numel() != total or out.dtype != tensor.dtype:
+                raise ValueError(f"allgatherv: out must hold {total} elements of {tensor.dtype}")
+            _check_same_device(tensor, out, "allgatherv")
+        call = "allgatherv" if blocking else "iallgatherv"
+        send = self._wire(tensor.reshape(-1), call, reduction=False)
+        recv = self._wire(out, call, reduction=False, need_input=False)
         self._count("allgatherv", recv.data.nbytes)
         sspec = send.spec()
         buf, _, dtype = recv.spec()
         rspec = [buf, counts, _displacements(counts), dtype]
         run = (lambda: self.mpi.Allgatherv(sspec, rspec)) if blocking else (
             lambda: self.mpi.Iallgatherv(sspec, rspec))
-        return self._post(blocking, run, recv.land, (send, recv))
+        return self._post(blocking, run, _lander(recv, [send]), (send, recv), [send, recv], back)
 
     # -------------------------------------------------------- point to point
-    def send(self, tensor: torch.Tensor, dest: int, tag: int = 0) -> None:
+    def send(self, tensor: Any, dest: int, tag: int = 0) -> None:
         """Blocking send of a tensor to ``dest``."""
-        wire = to_wire(tensor, reduction=False, device_ok=self.cuda_aware)
+        t, back = as_torch(tensor)
+        wire = self._wire(t, "send", reduction=False)
         self._count("send", wire.data.nbytes)
-        self.mpi.Send(wire.spec(), dest, tag)
+        spec = wire.spec()
+        self._post(True, lambda: self.mpi.Send(spec, dest, tag), _releaser(wire), wire, [wire],
+                   back)
 
-    def recv(self, tensor: torch.Tensor, source: int, tag: int = 0) -> torch.Tensor:
+    def recv(self, tensor: A, source: int, tag: int = 0) -> A:
         """Blocking receive into ``tensor`` from ``source``; returns it."""
-        wire = to_wire(tensor, reduction=False, device_ok=self.cuda_aware, need_input=False)
+        t, back = as_torch(tensor)
+        wire = self._wire(t, "recv", reduction=False, need_input=False)
         self._count("recv", wire.data.nbytes)
-        self.mpi.Recv(wire.spec(), source, tag)
-        return wire.land()
+        spec = wire.spec()
+        return cast(A, self._post(True, lambda: self.mpi.Recv(spec, source, tag), wire.land,
+                                  wire, [wire], back))
 
     # --------------------------------------------------------------- objects
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         """Broadcast a picklable object (small metadata) from ``root``."""
         self._check_root(root)
         payload = pickle.dumps(obj) if self.rank == root else None
-        payload = self.mpi.bcast(payload, root)
+        payload = self._blocking(lambda: self.mpi.bcast(payload, root))
         self._count("object", len(payload))
         return pickle.loads(payload) if self.rank != root else obj
 
     def allgather_object(self, obj: Any) -> list[Any]:
         """Gather one picklable object per rank, ordered by rank."""
-        payloads = self.mpi.allgather(pickle.dumps(obj))
+        mine = pickle.dumps(obj)
+        payloads = self._blocking(lambda: self.mpi.allgather(mine))
         self._count("object", sum(len(p) for p in payloads))
         return [pickle.loads(p) for p in payloads]
 
     def any(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on at least one (allreduce MAX)."""
-        value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        value = torch.tensor([1 if flag else 0], dtype=torch.int32, device="cpu")
         return bool(self.allreduce(value, "max").item())
 
     # ----------------------------------------------------------------- misc
     def barrier(self) -> None:
         """Block until every rank arrives."""
         self._count("barrier", 0)
-        self.mpi.Barrier()
+        self._blocking(self.mpi.Barrier)
 
     def split(self, color: int, key: int | None = None, name: str | None = None) -> Communicator:
         """Sub-communicator of the ranks with the same ``color`` (ordered by ``key``)."""
-        child = Communicator(self.mpi.Split(color, self.rank if key is None else key),
-                             cuda_aware=self.cuda_aware,
-                             name=name or f"{self.name}/split{color}")
+        mpi_comm = self._blocking(lambda: self.mpi.Split(color, self.rank if key is None else key))
+        child = Communicator(mpi_comm, cuda=self.cuda, name=name or f"{self.name}/split{color}")
         return self._adopt(child)
 
     def _adopt(self, child: Communicator) -> Communicator:
@@ -356,13 +497,16 @@ class Communicator:
 
     def split_shared(self) -> Communicator:
         """Sub-communicator of the ranks that share this node's memory (local ranks)."""
-        child = Communicator(self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank),
-                             cuda_aware=self.cuda_aware, name=f"{self.name}/node")
+        mpi_comm = self._blocking(
+            lambda: self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank))
+        child = Communicator(mpi_comm, cuda=self.cuda, name=f"{self.name}/node")
         return self._adopt(child)
 
     def free(self) -> None:
         """Release a sub-communicator (never the world)."""
         if self.mpi not in (MPI.COMM_WORLD, MPI.COMM_SELF):
+            self._flush()
+            _forget_queue(self.mpi)
             self.mpi.Free()
 
     def abort(self, message: str, code: int = 1) -> None:
@@ -385,13 +529,57 @@ class Communicator:
         if not 0 <= root < self.size:
             raise ValueError(f"root {root} is not a rank of a communicator of size {self.size}")
 
-    def _finisher(self, wire: Wire, op: str) -> Callable[[], torch.Tensor]:
-        size = self.size
+    def _finisher(self, wire: Wire, op: str,
+                  also: Sequence[Wire] = ()) -> Callable[[], torch.Tensor]:
+        divide_by = self.size if op == "avg" else 1
 
         def finish() -> torch.Tensor:
-            if op == "avg" and size > 1:
-                wire.data.div_(size)
-            return wire.land()
+            for other in also:
+                other.release()
+            return wire.land(divide_by)
 
         return finish
 
+
+_Queue = tuple["collections.deque[Handle[Any]]", threading.RLock]
+_queues: dict[int, _Queue] = {}
+_queues_lock = threading.Lock()
+
+
+def _queue_of(mpi_comm: MPI.Comm) -> _Queue:
+    """The queue of non-blocking calls not yet posted on ``mpi_comm``, and its lock."""
+    with _queues_lock:
+        key = mpi_comm.py2f()
+        if key not in _queues:
+            _queues[key] = (collections.deque(), threading.RLock())
+        return _queues[key]
+
+
+def _forget_queue(mpi_comm: MPI.Comm) -> None:
+    """Drop a freed communicator's queue (its handle may be reused by a new one)."""
+    with _queues_lock:
+        _queues.pop(mpi_comm.py2f(), None)
+
+
+def _releaser(wire: Wire) -> Callable[[], torch.Tensor]:
+    """Finish of a call whose result is the caller's own tensor, unchanged."""
+    def finish() -> torch.Tensor:
+        wire.release()
+        return wire.user
+
+    return finish
+
+
+def _lander(recv: Wire, also: Sequence[Wire]) -> Callable[[], torch.Tensor]:
+    def finish() -> torch.Tensor:
+        for other in also:
+            other.release()
+        return recv.land()
+
+    return finish
+
+
+def _check_same_device(tensor: torch.Tensor, out: torch.Tensor, what: str) -> None:
+    if out.device != tensor.device:
+        raise ValueError(f"{what}: out is on {out.device} but the tensor is on {tensor.device}; "
+                         "pass an out on the same device")

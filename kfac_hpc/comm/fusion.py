@@ -13,7 +13,7 @@ from kfac_hpc.comm.communicator import Communicator, Handle, ReduceOp
 def flatten(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
     """Concatenate the tensors' elements into one 1-D tensor (a copy)."""
     if not tensors:
-        return torch.empty(0, dtype=dtype or torch.float32)
+        return torch.empty(0, dtype=dtype or torch.float32, device="cpu")
     dtype = dtype or tensors[0].dtype
     return torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
 

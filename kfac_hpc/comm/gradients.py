@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from kfac_hpc.comm import replicas, threads
 from kfac_hpc.comm.communicator import Communicator, Handle
 from kfac_hpc.comm.fusion import buckets_by_size, flatten, unflatten_into
 
@@ -25,14 +26,35 @@ class GradientAverager:
     ``synchronize()`` posts what is left (parameters without gradients travel as zeros
     and keep ``grad=None``), waits, and writes the averages back.
 
+    ``check_replicas`` (default): the constructor checks, collectively, that every rank
+    holds the same parameters (structure and values; see
+    :func:`~kfac_hpc.comm.replicas.check_replicas`): ranks with different models would
+    otherwise post reductions of different sizes (memory corruption or a hang).
+
     With torch DDP the gradients are already averaged: do not use both.
     Inside ``with averager.no_sync():`` (gradient accumulation) nothing is sent.
+
+    On CUDA the hooks never block the backward stream: a bucket's flat copy is queued
+    on the stream that produced the gradients, staged or handed to MPI once its event
+    completes (see :class:`~kfac_hpc.comm.Communicator`), and every hook tests the
+    buckets in flight so they are posted as soon as their data is ready. The hooks run
+    on autograd's worker thread, so the MPI library must provide at least
+    ``MPI_THREAD_SERIALIZED`` (checked here).
     """
 
     def __init__(self, model: nn.Module, comm: Communicator, *, bucket_cap_mb: float = 25.0,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, check_replicas: bool = True) -> None:
         self.comm = comm
+        if check_replicas:  # ranks with different models would post mismatched buckets
+            replicas.check_replicas(model.named_parameters(), comm)
         self.params = [p for p in model.parameters() if p.requires_grad][::-1]
+        devices = sorted({str(p.device) for p in self.params})
+        if len(devices) > 1:
+            raise ValueError(f"GradientAverager needs every parameter on one device, got "
+                             f"{', '.join(devices)}: move the model with model.to(device)")
+        if any(p.is_cuda for p in self.params) and comm.size > 1:
+            threads.require_hook_level(what="GradientAverager posts reductions from backward "
+                                            "hooks, which run on autograd's CUDA worker thread")
         sizes = [p.numel() * (dtype.itemsize if dtype else p.element_size()) for p in self.params]
         self.buckets = buckets_by_size(sizes, int(bucket_cap_mb * 2**20))
         self.dtype = dtype
@@ -44,6 +66,7 @@ class GradientAverager:
         self._order: list[int] | None = None  # agreed posting order (after the first step)
         self._completed: list[int] = []  # buckets in the order they completed this step
         self._posted: set[int] = set()
+        self._posted_order: list[int] = []
         self._enabled = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
@@ -59,12 +82,21 @@ class GradientAverager:
         while self._next < len(self._order) and len(self._ready[self._order[self._next]]) == len(
                 self.buckets[self._order[self._next]]):
             self._post(self._order[self._next])
+        self.progress()
+
+    def progress(self) -> None:
+        """Post buckets whose data is ready and let MPI advance them (cheap; hooks call it)."""
+        for b in self._posted_order:
+            handle = self._handles[b]
+            if handle is not None:
+                handle.test()
 
     def _post(self, b: int) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p)
                  for p in (self.params[i] for i in self.buckets[b])]
         self._handles[b] = self.comm.iallreduce(flatten(grads, self.dtype), "avg")
         self._posted.add(b)
+        self._posted_order.append(b)
         self._next += 1
 
     def synchronize(self) -> None:
@@ -90,6 +122,7 @@ class GradientAverager:
         self._handles = [None] * len(self.buckets)
         self._ready = [set() for _ in self.buckets]
         self._completed, self._posted, self._next = [], set(), 0
+        self._posted_order = []
 
     def _agree_on_order(self) -> list[int]:
         """The completion order of this step if every rank saw the same, else index order."""

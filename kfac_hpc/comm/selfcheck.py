@@ -20,6 +20,7 @@ reduce-scatter (its input is ``size`` blocks), each rank's contribution to allga
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
 import time
@@ -31,6 +32,7 @@ import torch
 from mpi4py import MPI
 
 from kfac_hpc.comm.communicator import Communicator, Handle, ReduceOp
+from kfac_hpc.comm.cuda import CudaSupport
 from kfac_hpc.comm.errors import install_abort_on_error
 
 CHECK_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
@@ -44,9 +46,13 @@ DEFAULT_REPEAT = 10
 
 
 # ---------------------------------------------------------------------- data
-def rank_values(rank: int, n: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
+CPU = torch.device("cpu")
+
+
+def rank_values(rank: int, n: int, dtype: torch.dtype, salt: int = 0,
+                device: torch.device = CPU) -> torch.Tensor:
     """Rank ``rank``'s ``n`` input values: integers in [-4, 4], exact in every dtype."""
-    return torch.from_numpy(_values(rank, n, salt)).to(dtype)
+    return torch.from_numpy(_values(rank, n, salt)).to(device=device, dtype=dtype)
 
 
 def _values(rank: int, n: int, salt: int) -> np.ndarray:
@@ -77,7 +83,7 @@ def _compare(got: torch.Tensor, expected: np.ndarray, dtype: torch.dtype,
         return f"dtype {got.dtype}, expected {dtype}"
     if tuple(got.shape) != expected.shape:
         return f"shape {tuple(got.shape)}, expected {expected.shape}"
-    g = got.detach().to(torch.float64).numpy()
+    g = got.detach().to(torch.float64).cpu().numpy()
     e = torch.from_numpy(np.ascontiguousarray(expected)).to(dtype).to(torch.float64).numpy()
     if exact:
         bad = g != e
@@ -92,7 +98,7 @@ def _compare(got: torch.Tensor, expected: np.ndarray, dtype: torch.dtype,
 
 
 # -------------------------------------------------------------------- checks
-CheckFn = Callable[[Communicator, torch.dtype], "str | None"]
+CheckFn = Callable[[Communicator, torch.dtype], "str | None"]  # device bound (functools.partial)
 
 
 class _Findings:
@@ -107,14 +113,15 @@ class _Findings:
             self.first = f"{context}: {problem}"
 
 
-def check_allreduce(comm: Communicator, dtype: torch.dtype, op: ReduceOp = "sum") -> str | None:
+def check_allreduce(comm: Communicator, dtype: torch.dtype, op: ReduceOp = "sum",
+                    device: torch.device = CPU) -> str | None:
     """In-place allreduce of every shape, plus a non-contiguous (transposed) tensor."""
     found = _Findings()
     cases = [(shape, False) for shape in CHECK_SHAPES] + [((5, 3), True)]
     for salt, (shape, transposed) in enumerate(cases):
         n = int(np.prod(shape))
         stored = shape[::-1] if transposed else shape
-        t = rank_values(comm.rank, n, dtype, salt).reshape(stored)
+        t = rank_values(comm.rank, n, dtype, salt, device=device).reshape(stored)
         if transposed:
             t = t.t()
         out = comm.allreduce(t, op)
@@ -129,13 +136,14 @@ def check_allreduce(comm: Communicator, dtype: torch.dtype, op: ReduceOp = "sum"
     return found.first
 
 
-def check_reduce_scatter(comm: Communicator, dtype: torch.dtype) -> str | None:
+def check_reduce_scatter(comm: Communicator, dtype: torch.dtype,
+                         device: torch.device = CPU) -> str | None:
     """Reduce-scatter with uneven counts, zeros included; sum, and avg once."""
     found = _Findings()
     for salt, scale in enumerate(UNEVEN_SCALES):
         counts = uneven_counts(comm.size, scale)
         op: ReduceOp = "avg" if scale == 5 else "sum"
-        t = rank_values(comm.rank, sum(counts), dtype, salt)
+        t = rank_values(comm.rank, sum(counts), dtype, salt, device=device)
         out = comm.reduce_scatter(t, counts, op)
         start = _offsets(counts)[comm.rank]
         ref = _sum_over_ranks(comm.size, sum(counts), salt)[start:start + counts[comm.rank]]
@@ -150,13 +158,14 @@ def reduce_root(size: int) -> int:
     return 1 if size > 1 else 0
 
 
-def check_reduce(comm: Communicator, dtype: torch.dtype) -> str | None:
+def check_reduce(comm: Communicator, dtype: torch.dtype,
+                 device: torch.device = CPU) -> str | None:
     """Reduce onto a non-zero root; the other ranks' tensors stay unchanged."""
     found = _Findings()
     root = reduce_root(comm.size)
     for salt, shape in enumerate(CHECK_SHAPES):
         n = int(np.prod(shape))
-        t = rank_values(comm.rank, n, dtype, salt).reshape(shape)
+        t = rank_values(comm.rank, n, dtype, salt, device=device).reshape(shape)
         out = comm.reduce(t, root)
         ref = _sum_over_ranks(comm.size, n, salt) if comm.rank == root else \
             _values(comm.rank, n, salt)
@@ -164,13 +173,14 @@ def check_reduce(comm: Communicator, dtype: torch.dtype) -> str | None:
     return found.first
 
 
-def check_broadcast(comm: Communicator, dtype: torch.dtype) -> str | None:
+def check_broadcast(comm: Communicator, dtype: torch.dtype,
+                    device: torch.device = CPU) -> str | None:
     """Broadcast from the last rank overwrites every rank's tensor."""
     found = _Findings()
     root = comm.size - 1
     for salt, shape in enumerate(CHECK_SHAPES):
         n = int(np.prod(shape))
-        t = rank_values(comm.rank, n, dtype, salt).reshape(shape)
+        t = rank_values(comm.rank, n, dtype, salt, device=device).reshape(shape)
         out = comm.broadcast(t, root)
         context = f"shape {shape} root {root}"
         found.note(context, None if out is t else "result is not the (in-place) input tensor")
@@ -178,24 +188,27 @@ def check_broadcast(comm: Communicator, dtype: torch.dtype) -> str | None:
     return found.first
 
 
-def check_allgather(comm: Communicator, dtype: torch.dtype) -> str | None:
+def check_allgather(comm: Communicator, dtype: torch.dtype,
+                    device: torch.device = CPU) -> str | None:
     """Allgather of equal shapes: result ``(size, *shape)`` ordered by rank."""
     found = _Findings()
     for salt, shape in enumerate(CHECK_SHAPES):
         n = int(np.prod(shape))
-        out = comm.allgather(rank_values(comm.rank, n, dtype, salt).reshape(shape))
+        t = rank_values(comm.rank, n, dtype, salt, device=device).reshape(shape)
+        out = comm.allgather(t)
         ref = np.stack([_values(r, n, salt).reshape(shape) for r in range(comm.size)])
         found.note(f"shape {shape}", _compare(out, ref, dtype))
     return found.first
 
 
-def check_allgatherv(comm: Communicator, dtype: torch.dtype) -> str | None:
+def check_allgatherv(comm: Communicator, dtype: torch.dtype,
+                     device: torch.device = CPU) -> str | None:
     """Allgatherv with uneven counts (zeros included), counts given and learned."""
     found = _Findings()
     for salt, scale in enumerate(UNEVEN_SCALES):
         counts = uneven_counts(comm.size, scale)
         given = salt % 2 == 0
-        t = rank_values(comm.rank, counts[comm.rank], dtype, salt)
+        t = rank_values(comm.rank, counts[comm.rank], dtype, salt, device=device)
         out = comm.allgatherv(t, counts if given else None)
         ref = np.concatenate([_values(r, c, salt) for r, c in enumerate(counts)])
         found.note(f"counts {counts} ({'given' if given else 'learned'})",
@@ -203,7 +216,8 @@ def check_allgatherv(comm: Communicator, dtype: torch.dtype) -> str | None:
     return found.first
 
 
-def check_nonblocking(comm: Communicator, dtype: torch.dtype) -> str | None:
+def check_nonblocking(comm: Communicator, dtype: torch.dtype,
+                      device: torch.device = CPU) -> str | None:
     """Seven non-blocking collectives in flight at once, completed in reverse order."""
     size, rank, n = comm.size, comm.rank, 1000
     counts = uneven_counts(size, 300)
@@ -214,19 +228,22 @@ def check_nonblocking(comm: Communicator, dtype: torch.dtype) -> str | None:
     def post(name: str, handle: Handle[torch.Tensor], ref: np.ndarray, exact: bool = True) -> None:
         posted.append((name, handle, ref, exact))
 
-    post("iallreduce sum", comm.iallreduce(rank_values(rank, n, dtype, 1)), total(size, n, 1))
-    post("iallreduce avg", comm.iallreduce(rank_values(rank, n, dtype, 2), "avg"),
+    def values(n: int, salt: int) -> torch.Tensor:
+        return rank_values(rank, n, dtype, salt, device=device)
+
+    post("iallreduce sum", comm.iallreduce(values(n, 1)), total(size, n, 1))
+    post("iallreduce avg", comm.iallreduce(values(n, 2), "avg"),
          total(size, n, 2) / size, exact=False)
     start = _offsets(counts)[rank]
-    post("ireduce_scatter", comm.ireduce_scatter(rank_values(rank, sum(counts), dtype, 3), counts),
+    post("ireduce_scatter", comm.ireduce_scatter(values(sum(counts), 3), counts),
          total(size, sum(counts), 3)[start:start + counts[rank]])
-    post("ireduce", comm.ireduce(rank_values(rank, n, dtype, 4), root),
+    post("ireduce", comm.ireduce(values(n, 4), root),
          total(size, n, 4) if rank == root else _values(rank, n, 4))
-    post("ibroadcast", comm.ibroadcast(rank_values(rank, n, dtype, 5), size - 1),
+    post("ibroadcast", comm.ibroadcast(values(n, 5), size - 1),
          _values(size - 1, n, 5))
-    post("iallgather", comm.iallgather(rank_values(rank, n, dtype, 6)),
+    post("iallgather", comm.iallgather(values(n, 6)),
          np.stack([_values(r, n, 6) for r in range(size)]))
-    post("iallgatherv", comm.iallgatherv(rank_values(rank, counts[rank], dtype, 7), counts),
+    post("iallgatherv", comm.iallgatherv(values(counts[rank], 7), counts),
          np.concatenate([_values(r, c, 7) for r, c in enumerate(counts)]))
     results = {name: handle.wait() for name, handle, _, _ in reversed(posted)}
     found = _Findings()
@@ -237,7 +254,8 @@ def check_nonblocking(comm: Communicator, dtype: torch.dtype) -> str | None:
     return found.first
 
 
-def check_split(comm: Communicator, dtype: torch.dtype) -> str | None:
+def check_split(comm: Communicator, dtype: torch.dtype,
+                device: torch.device = CPU) -> str | None:
     """Allreduce on sub-communicators of the even and the odd ranks."""
     found = _Findings()
     sub = comm.split(comm.rank % 2, name="selfcheck/parity")
@@ -245,7 +263,7 @@ def check_split(comm: Communicator, dtype: torch.dtype) -> str | None:
         members = [r for r in range(comm.size) if r % 2 == comm.rank % 2]
         if sub.size != len(members) or sub.rank != members.index(comm.rank):
             found.note("split", f"rank {sub.rank} of {sub.size}, expected {members}")
-        out = sub.allreduce(rank_values(comm.rank, 257, dtype, 8))
+        out = sub.allreduce(rank_values(comm.rank, 257, dtype, 8, device=device))
         ref = np.sum([_values(r, 257, 8) for r in members], axis=0)
         found.note(f"ranks {members}", _compare(out, ref, dtype))
     finally:
@@ -253,20 +271,21 @@ def check_split(comm: Communicator, dtype: torch.dtype) -> str | None:
     return found.first
 
 
-def checks(dtypes: Sequence[torch.dtype] = CHECK_DTYPES,
-           size: int = 1) -> Iterator[tuple[str, torch.dtype, CheckFn]]:
-    """Every (name, dtype, check) of the self-check, in order."""
+def checks(dtypes: Sequence[torch.dtype] = CHECK_DTYPES, size: int = 1,
+           device: torch.device = CPU) -> Iterator[tuple[str, torch.dtype, CheckFn]]:
+    """Every (name, dtype, check) of the self-check on ``device``, in order."""
     root, last = reduce_root(size), size - 1
+    on = functools.partial
     for dtype in dtypes:
-        yield "allreduce sum", dtype, lambda c, d: check_allreduce(c, d, "sum")
-        yield "allreduce avg", dtype, lambda c, d: check_allreduce(c, d, "avg")
-        yield "reduce_scatter uneven+zero counts", dtype, check_reduce_scatter
-        yield f"reduce to root {root}", dtype, check_reduce
-        yield f"broadcast from root {last}", dtype, check_broadcast
-        yield "allgather", dtype, check_allgather
-        yield "allgatherv uneven+zero counts", dtype, check_allgatherv
-        yield "7 non-blocking, waited in reverse", dtype, check_nonblocking
-    yield "allreduce on split sub-communicators", torch.float32, check_split
+        yield "allreduce sum", dtype, on(check_allreduce, op="sum", device=device)
+        yield "allreduce avg", dtype, on(check_allreduce, op="avg", device=device)
+        yield "reduce_scatter uneven+zero counts", dtype, on(check_reduce_scatter, device=device)
+        yield f"reduce to root {root}", dtype, on(check_reduce, device=device)
+        yield f"broadcast from root {last}", dtype, on(check_broadcast, device=device)
+        yield "allgather", dtype, on(check_allgather, device=device)
+        yield "allgatherv uneven+zero counts", dtype, on(check_allgatherv, device=device)
+        yield "7 non-blocking, waited in reverse", dtype, on(check_nonblocking, device=device)
+    yield "allreduce on split sub-communicators", torch.float32, on(check_split, device=device)
 
 
 @dataclass
@@ -301,7 +320,7 @@ def run_one(comm: Communicator, name: str, dtype: torch.dtype, check: CheckFn) -
         detail = check(comm, dtype)
     except Exception as exc:
         detail = f"raised {type(exc).__name__}: {exc}"
-    details = comm.mpi.allgather(detail)
+    details = comm._blocking(lambda: comm.mpi.allgather(detail))  # after anything queued
     failed = [r for r, d in enumerate(details) if d is not None]
     return CheckResult(name, dtype, failed, details[failed[0]] if failed else "")
 
@@ -315,11 +334,13 @@ def check_traffic_consistent(comm: Communicator) -> CheckResult:
 
 
 def run_checks(comm: Communicator, dtypes: Sequence[torch.dtype] = CHECK_DTYPES,
-               report: Callable[[CheckResult], None] | None = None) -> list[CheckResult]:
-    """Run every check (see :func:`checks`); ``report`` sees each result as it lands."""
+               report: Callable[[CheckResult], None] | None = None,
+               device: torch.device = CPU, label: str = "") -> list[CheckResult]:
+    """Run every check (see :func:`checks`) on ``device``; ``report`` sees each result as
+    it lands; ``label`` is appended to the check names."""
     results = []
-    for name, dtype, check in checks(dtypes, comm.size):
-        results.append(run_one(comm, name, dtype, check))
+    for name, dtype, check in checks(dtypes, comm.size, device):
+        results.append(run_one(comm, name + label, dtype, check))
         if report is not None:
             report(results[-1])
     results.append(check_traffic_consistent(comm))
@@ -393,29 +414,33 @@ def time_calls(calls: Mapping[str, Callable[[], object]], mpi_comm: MPI.Comm, *,
 
 def block_elements(nbytes: int, dtype: torch.dtype = torch.float32) -> int:
     """Elements of ``dtype`` in a block of ``nbytes`` (at least one)."""
-    return max(1, nbytes // torch.empty((), dtype=dtype).element_size())
+    return max(1, nbytes // dtype.itemsize)
 
 
 def communicator_op(comm: Communicator, collective: str, nbytes: int,
-                    dtype: torch.dtype = torch.float32) -> Callable[[], object]:
+                    dtype: torch.dtype = torch.float32,
+                    device: torch.device = CPU) -> Callable[[], object]:
     """A zero-argument call of one Communicator collective on a block of ``nbytes``.
 
-    Buffers are zeros, allocated once (repeated sums stay finite); broadcast is from
-    rank 0; reduce-scatter gives every rank an equal block.
+    Buffers are zeros on ``device``, allocated once (repeated sums stay finite);
+    broadcast is from rank 0; reduce-scatter gives every rank an equal block.
     """
     n = block_elements(nbytes, dtype)
+
+    def zeros(*shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device)
+
     if collective == "allreduce":
-        t = torch.zeros(n, dtype=dtype)
+        t = zeros(n)
         return lambda: comm.allreduce(t)
     if collective == "reduce_scatter":
-        t, out, counts = torch.zeros(n * comm.size, dtype=dtype), torch.empty(n, dtype=dtype), \
-            [n] * comm.size
+        t, out, counts = zeros(n * comm.size), zeros(n), [n] * comm.size
         return lambda: comm.reduce_scatter(t, counts, out=out)
     if collective == "broadcast":
-        t = torch.zeros(n, dtype=dtype)
+        t = zeros(n)
         return lambda: comm.broadcast(t, 0)
     if collective == "allgather":
-        t, gathered = torch.zeros(n, dtype=dtype), torch.empty(comm.size, n, dtype=dtype)
+        t, gathered = zeros(n), zeros(comm.size, n)
         return lambda: comm.allgather(t, out=gathered)
     raise ValueError(f"unknown collective {collective!r}; use one of {COLLECTIVES}")
 
@@ -435,11 +460,12 @@ class Timing:
 
 
 def time_collectives(comm: Communicator, sizes: Sequence[int], repeat: int,
-                     report: Callable[[str], None] | None = None) -> list[Timing]:
+                     report: Callable[[str], None] | None = None,
+                     device: torch.device = CPU) -> list[Timing]:
     """Median time per call of every collective of :data:`COLLECTIVES` at ``sizes``."""
     out = []
     for nbytes in sizes:
-        calls = {c: communicator_op(comm, c, nbytes) for c in COLLECTIVES}
+        calls = {c: communicator_op(comm, c, nbytes, device=device) for c in COLLECTIVES}
         samples = time_calls(calls, comm.mpi, repeat=repeat)
         out += [Timing(c, nbytes, s.median) for c, s in samples.items()]
         if report is not None:
@@ -503,6 +529,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"timing samples per size (median reported), default "
                              f"{DEFAULT_REPEAT}")
     parser.add_argument("--no-timing", action="store_true", help="checks only, no timing table")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the tensors live (cuda: each rank uses the GPU of its local "
+                             "rank; checked both staged and device-direct where the MPI library "
+                             "takes device memory); skipped with a message without a GPU")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -522,16 +552,34 @@ def run(args: argparse.Namespace) -> int:
     library = MPI.Get_library_version().splitlines()[0].split(",")[0].strip()
     say(f"kfac-hpc selfcheck: {comm.size} rank(s); {library}; mpi4py {mpi4py.__version__}; "
         f"torch {torch.__version__}")
+    device = CPU
+    passes: list[tuple[str, Communicator]] = [("", comm)]
+    if getattr(args, "device", "cpu") == "cuda":
+        has_cuda = comm.mpi.allreduce(int(torch.cuda.is_available()), op=MPI.MIN)
+        if not has_cuda:
+            say("selfcheck --device cuda: SKIPPED: no CUDA device visible to every rank "
+                f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); run it on GPU "
+                "nodes, or without --device to check CPU tensors")
+            return 0
+        device = _select_local_gpu(comm)
+        say(f"device: cuda (GPU of each rank's local rank); {comm.cuda.summary()}")
+        staged = Communicator(comm.mpi, cuda=CudaSupport.staged(comm.cuda.vendor, "selfcheck"),
+                              name="selfcheck/staged")
+        comm._adopt(staged)
+        passes = [(" [staged]", staged)] + ([(" [as detected]", comm)] if comm.cuda.aware else [])
     dtypes = ", ".join(str(d).removeprefix("torch.") for d in CHECK_DTYPES)
     say(f"checks ({dtypes}; shapes {[s for s in CHECK_SHAPES]}; uneven scales "
         f"{list(UNEVEN_SCALES)}):")
-    results = run_checks(comm, report=lambda r: say("  " + r.line()))
+    results = []
+    for label, pass_comm in passes:
+        results += run_checks(pass_comm, report=lambda r: say("  " + r.line()), device=device,
+                              label=label)
     failed = sum(not r.ok for r in results)
 
     if not args.no_timing and args.repeat > 0:
-        say(f"timing: Communicator, float32, median of {args.repeat} samples "
+        say(f"timing: Communicator, float32 on {device.type}, median of {args.repeat} samples "
             "(slowest rank each); size = one rank's block")
-        timings = time_collectives(comm, args.sizes, args.repeat)
+        timings = time_collectives(comm, args.sizes, args.repeat, device=device)
         say(timing_table(timings))
     say("traffic counters (rank 0; the same on every rank):")
     say(traffic_table(comm))
@@ -546,3 +594,14 @@ def run(args: argparse.Namespace) -> int:
             f"({elapsed:.1f} s)")
     sys.stdout.flush()
     return 1 if failed else 0
+
+
+def _select_local_gpu(comm: Communicator) -> torch.device:
+    """The GPU of this rank's local rank, made current before MPI sees device memory."""
+    from kfac_hpc.runtime.device import select_device
+
+    node = comm.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    try:
+        return select_device("cuda", local_rank=node.Get_rank())
+    finally:
+        node.Free()

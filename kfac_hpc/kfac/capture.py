@@ -53,7 +53,7 @@ class StatisticsCapture:
     """
 
     def __init__(self, layers: dict[str, LayerCurvature], *, dtype_of: Callable[[str], torch.dtype],
-                 active: Callable[[], bool], grad_scale: Callable[[], float],
+                 active: Callable[[], bool], grad_scale: Callable[[], float | Tensor],
                  on_ready: FactorCallback | None = None) -> None:
         self.stats = {name: LayerStatistics(name, curv) for name, curv in layers.items()}
         self._dtype_of = dtype_of

@@ -3,17 +3,42 @@
 A :class:`Layout` says, for every sender (or receiver) slot, which named pieces go into
 its part of one flat message and how many elements each has. Every rank builds the
 same layout from the placement, so a message needs no headers.
+
+Device rule: a message lives on the device of the data it carries (the model's). Every
+tensor made here names that device; scalar pieces (counts, valid flags) are given as
+Python numbers and written on the message's device, and :func:`read_scalars` brings a
+message's scalars back to the host in one transfer (one synchronisation, not one per
+piece).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from kfac_hpc.comm import Communicator, Handle
+
+Piece = Tensor | float
+
+
+def _flat(value: Piece, dtype: torch.dtype, device: torch.device) -> Tensor:
+    if isinstance(value, Tensor):
+        if value.device != device:
+            raise RuntimeError(f"message piece on {value.device}, message on {device}: every "
+                               "piece must live on the model's device")
+        return value.reshape(-1).to(dtype)
+    return torch.full((1,), float(value), dtype=dtype, device=device)
+
+
+def read_scalars(pieces: Mapping[str, Piece], keys: Iterable[str]) -> list[float]:
+    """The one-element pieces ``keys`` as numbers, in one device-to-host transfer."""
+    chosen = [pieces[k] for k in keys]
+    tensors = [p.reshape(-1) for p in chosen if isinstance(p, Tensor)]
+    values = iter(torch.cat(tensors).tolist() if tensors else [])
+    return [next(values) if isinstance(p, Tensor) else float(p) for p in chosen]
 
 
 @dataclass(frozen=True)
@@ -29,15 +54,15 @@ class Layout:
     def counts(self) -> list[int]:
         return [sum(n for _, n in part) for part in self.parts]
 
-    def pack(self, values: Mapping[str, Tensor], slots: Sequence[int] | None = None,
-             dtype: torch.dtype | None = None) -> Tensor:
-        """Concatenate the pieces of ``slots`` (default: all, in order) into one flat tensor."""
+    def pack(self, values: Mapping[str, Piece], *, dtype: torch.dtype, device: torch.device,
+             slots: Sequence[int] | None = None) -> Tensor:
+        """Concatenate the pieces of ``slots`` (default: all, in order) into one flat
+        ``dtype`` tensor on ``device``; a number is a one-element piece."""
         chosen = range(len(self.parts)) if slots is None else slots
-        pieces = [values[key].reshape(-1) for s in chosen for key, _ in self.parts[s]]
+        pieces = [_flat(values[key], dtype, device) for s in chosen for key, _ in self.parts[s]]
         if not pieces:
-            return torch.empty(0, dtype=dtype or torch.float32)
-        flat = torch.cat(pieces)
-        return flat if dtype is None else flat.to(dtype)
+            return torch.empty(0, dtype=dtype, device=device)
+        return torch.cat(pieces)
 
     def unpack(self, flat: Tensor, slot: int) -> dict[str, Tensor]:
         """Views of ``flat`` (one slot's part) keyed by piece name."""
@@ -50,16 +75,16 @@ class Layout:
         return out
 
 
-def reduce_scatter_parts(comm: Communicator, layout: Layout, values: Mapping[str, Tensor],
-                         dtype: torch.dtype) -> dict[str, Tensor]:
+def reduce_scatter_parts(comm: Communicator, layout: Layout, values: Mapping[str, Piece],
+                         dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:
     """Sum every piece over ranks; rank r receives the pieces of slot r (one fused call)."""
-    flat = layout.pack(values, dtype=dtype)
+    flat = layout.pack(values, dtype=dtype, device=device)
     mine = comm.reduce_scatter(flat, layout.counts(), "sum")
     return layout.unpack(mine, comm.rank)
 
 
-def broadcast_parts(comm: Communicator, layout: Layout, produce: Callable[[], Mapping[str, Tensor]],
-                    dtype: torch.dtype, like: Tensor) -> dict[str, Tensor]:
+def broadcast_parts(comm: Communicator, layout: Layout, produce: Callable[[], Mapping[str, Piece]],
+                    dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:
     """Every slot broadcasts its pieces to the whole communicator (one fused message each).
 
     Broadcasts are posted in slot order (the same on every rank); the receives for
@@ -76,12 +101,12 @@ def broadcast_parts(comm: Communicator, layout: Layout, produce: Callable[[], Ma
             return
         handles.append((slot, comm.ibroadcast(buffer, root=slot)))
 
-    buffers = {s: torch.empty(counts[s], dtype=dtype, device=like.device)
+    buffers = {s: torch.empty(counts[s], dtype=dtype, device=device)
                for s in range(comm.size) if s != comm.rank}
     for slot in range(comm.rank):
         post(slot, buffers[slot])
     own = produce()
-    own_flat = layout.pack(own, [comm.rank], dtype=dtype)
+    own_flat = layout.pack(own, slots=[comm.rank], dtype=dtype, device=device)
     post(comm.rank, own_flat)
     for slot in range(comm.rank + 1, comm.size):
         post(slot, buffers[slot])

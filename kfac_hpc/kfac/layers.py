@@ -105,11 +105,12 @@ class LayerCurvature(ABC):
             rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
         return rows
 
-    def g_rows(self, grad_output: Tensor, grad_scale: float = 1.0) -> Tensor:
+    def g_rows(self, grad_output: Tensor, grad_scale: float | Tensor = 1.0) -> Tensor:
         """Rows of ``δ = b·∂L/∂y / grad_scale`` (``(rows, g_dim)``).
 
         ``grad_scale`` is whatever factor the loss was multiplied by before backward (an
-        AMP loss scale, or ``1/accumulation_steps``); dividing by it restores ``δ``.
+        AMP loss scale, or ``1/accumulation_steps``); dividing by it restores ``δ``. A
+        0-dim tensor (the GradScaler's scale, on the device) is used without a host sync.
         """
         rows, b = self._output_rows(grad_output.detach())
         return rows * (b / grad_scale)
@@ -119,7 +120,8 @@ class LayerCurvature(ABC):
         return covariance(self.a_rows(_cast(inputs, dtype)))
 
     def g_factor(
-        self, grad_output: Tensor, dtype: torch.dtype | None = None, grad_scale: float = 1.0
+        self, grad_output: Tensor, dtype: torch.dtype | None = None,
+        grad_scale: float | Tensor = 1.0,
     ) -> Tensor:
         """``G`` = mean over rows of ``δ δᵀ`` with the loss scale removed, in ``dtype``."""
         return covariance(self.g_rows(_cast(grad_output, dtype), grad_scale))
@@ -259,7 +261,8 @@ class Conv2dCurvature(LayerCurvature):
         return column_covariance(patches, append_one=self.has_bias)
 
     def g_factor(
-        self, grad_output: Tensor, dtype: torch.dtype | None = None, grad_scale: float = 1.0
+        self, grad_output: Tensor, dtype: torch.dtype | None = None,
+        grad_scale: float | Tensor = 1.0,
     ) -> Tensor:
         g = _cast(grad_output, dtype)
         g = g if g.dim() == 4 else g.unsqueeze(0)

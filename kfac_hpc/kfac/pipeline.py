@@ -17,17 +17,18 @@ import torch
 from torch import Tensor
 
 from kfac_hpc.comm import Communicator, Handle, buckets_by_size
-from kfac_hpc.kfac.exchange import Layout
+from kfac_hpc.kfac.exchange import Layout, Piece
 
-PieceFn = Callable[[str], dict[str, Tensor]]
+PieceFn = Callable[[str], dict[str, Piece]]
 
 
 class FactorPipeline:
     """Buckets of factor reductions posted from hooks and completed at ``finish()``."""
 
     def __init__(self, comm: Communicator, keys: Sequence[str], owner: Mapping[str, int],
-                 numel: Mapping[str, int], *, cap_bytes: int, dtype: torch.dtype) -> None:
-        self.comm, self.dtype = comm, dtype
+                 numel: Mapping[str, int], *, cap_bytes: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.comm, self.dtype, self.device = comm, dtype, device
         sizes = [(numel[k] + 1) * dtype.itemsize for k in keys]
         self.buckets = [[keys[i] for i in idx] for idx in buckets_by_size(sizes, cap_bytes)]
         self.layouts = []
@@ -54,11 +55,11 @@ class FactorPipeline:
             handle.test()
 
     def _post(self, b: int, pieces: PieceFn) -> None:
-        values: dict[str, Tensor] = {}
+        values: dict[str, Piece] = {}
         for key in self.buckets[b]:
             values.update(pieces(key))
         layout = self.layouts[b]
-        flat = layout.pack(values, dtype=self.dtype)
+        flat = layout.pack(values, dtype=self.dtype, device=self.device)
         with self.comm.stats.tagged("factors"):  # posted from hooks, outside step()
             self._inflight.append((b, self.comm.ireduce_scatter(flat, layout.counts(), "sum")))
         self._next = b + 1

@@ -10,6 +10,13 @@ One step, as the algorithm reads (DESIGN.md, "kfac — distribution"):
 3. precondition   — gradient workers precondition their layers; the results are
                      broadcast inside receiver groups (fused per sender);
 4. KL clipping    — every rank scales all preconditioned gradients by the same ν.
+
+Device rule: every tensor K-FAC creates lives on ``self.device``, the device of the
+registered layers (a CUDA model keeps all K-FAC state on its GPU); messages are packed
+on it (:mod:`kfac_hpc.kfac.exchange`) and their scalars (counts, valid flags) are read
+back in one transfer per phase. Faults are agreed: a rank that sees non-finite
+statistics or a failed decomposition joins the step's collectives and then every rank
+raises the same :class:`~kfac_hpc.kfac.errors.KFACNumericalError`.
 """
 
 from __future__ import annotations
@@ -22,10 +29,17 @@ from typing import Any, Literal, cast
 import torch
 from torch import Tensor, nn
 
-from kfac_hpc.comm import Communicator, pack_upper, triu_count, unpack_upper, world
+from kfac_hpc.comm import Communicator, pack_upper, replicas, triu_count, unpack_upper, world
 from kfac_hpc.kfac import linalg
 from kfac_hpc.kfac.capture import LayerStatistics, StatisticsCapture
-from kfac_hpc.kfac.exchange import Layout, broadcast_parts, reduce_scatter_parts
+from kfac_hpc.kfac.errors import KFACNumericalError
+from kfac_hpc.kfac.exchange import (
+    Layout,
+    Piece,
+    broadcast_parts,
+    read_scalars,
+    reduce_scatter_parts,
+)
 from kfac_hpc.kfac.factor_sync import LocalAverage
 from kfac_hpc.kfac.hyperparams import (
     Scalar,
@@ -155,16 +169,19 @@ class KFACPreconditioner:
         self.bucket_cap_mb = bucket_cap_mb
         self.factor_sync = factor_sync
         self.steps = 0
+        self._closed = False
 
         model = getattr(model, "module", model) if _is_wrapper(model) else model
         self.layers = _register_layers(model, tuple(skip_layers), self.comm.rank)
         if not self.layers:
             raise ValueError("the model has no layer K-FAC can precondition "
                              "(nn.Linear / nn.Conv2d with trainable weights)")
+        self.device = _layers_device(self.layers)
         self.factor_dtype = factor_dtype or _default_factor_dtype(self.layers)
         self.input_shape = batch_shape
-        if check_replicas:
-            _check_replicas(model, self.comm, batch_shape)
+        if check_replicas:  # the placement depends on input_shape: it must agree too
+            replicas.check_replicas(model.named_parameters(), self.comm,
+                                    settings={"input_shape": batch_shape})
 
         grad_workers = grad_workers_for(strategy, self.comm.size, grad_worker_fraction)
         self.placement: Placement = place(
@@ -194,7 +211,8 @@ class KFACPreconditioner:
             self.comm, [k for k in self._readiness_order() if not self._is_local(k)],
             {k: self.factor_owner(k) for k in keys},
             {k: self._wire_numel(k) for k in keys},
-            cap_bytes=int(bucket_cap_mb * 2**20), dtype=self.factor_dtype) if overlap else None
+            cap_bytes=int(bucket_cap_mb * 2**20), dtype=self.factor_dtype,
+            device=self.device) if overlap else None
         self.capture = StatisticsCapture(
             captured, dtype_of=lambda _: self.factor_dtype, active=self._capturing,
             grad_scale=self._grad_scale, on_ready=self._on_factor_ready if overlap else None)
@@ -220,15 +238,18 @@ class KFACPreconditioner:
     def step(self) -> None:
         """Precondition the gradients of every registered layer (call after backward)."""
         k = self.steps
+        if self._closed:
+            raise RuntimeError("KFACPreconditioner.step() after close(); build a new one")
+        self._check_device()
         if self._is_factor_step(k):
             self._update_factors(k)
         if self._is_inverse_step(k) or self._decomposed_at is None:
-            if self.factor_sync == "inverse":
-                self._synchronise_local_averages()
             # after a load between inverse steps, the stored (stale) decompositions are
             # what an uninterrupted run would use: restore them instead of recomputing
-            self._update_decompositions(
-                restore=self._restored is not None and not self._is_inverse_step(k))
+            restore = self._restored is not None and not self._is_inverse_step(k)
+            if self.factor_sync == "inverse" and not restore:
+                self._synchronise_local_averages()
+            self._update_decompositions(restore=restore)
             self._restored = None
         updates = self._precondition_my_layers(k)
         updates = self._share_preconditioned(updates)
@@ -249,56 +270,92 @@ class KFACPreconditioner:
                 "step(), once per step() call")
         decay = self.factor_decay(k)
         if self.factor_sync == "inverse":  # fold into local averages; reduced at inverse steps
-            for key, local in self.local_averages.items():
-                total, count = self._local_sum(key)
-                if count:
-                    first = key not in self._has_history and local.updates == 0
-                    local.fold(total / count, decay, first)
+            sums = {key: self._local_sum(key) for key in self.local_averages}
+            if self._statistics_usable(k, {key: t for key, (t, c) in sums.items() if c}):
+                for key, (total, count) in sums.items():
+                    if count:
+                        local = self.local_averages[key]
+                        first = key not in self._has_history and local.updates == 0
+                        local.fold(total / count, decay, first)
             self.capture.clear()
             return
         if self.strategy == "dp-kfac":
             received = {key: self._local_sum(key) for key in self.factors}
+            local_sums = {key: t for key, (t, c) in received.items() if c}
         else:
+            local_sums = {key: t for key in self.factor_keys()
+                          for t, c in [self._local_sum(key)] if c}
             with self.comm.stats.tagged("factors"):
                 if self.pipeline is not None:
                     mine = self.pipeline.finish(self._wire_pieces)
                 else:
                     mine = reduce_scatter_parts(self.comm, self._factor_layout(),
                                                 _merge(map(self._wire_pieces, self.factor_keys())),
-                                                self.factor_dtype)
+                                                self.factor_dtype, self.device)
                 mine.update(self._allreduce_local_factors(
                     _merge(map(self._wire_pieces, self._local_keys()))))
-            received = {key: (self._from_wire(key, mine[key]),
-                              round(float(mine[key + "#count"].item()))) for key in self.factors}
-        for key, (total, count) in received.items():
-            if count == 0:
-                continue  # the layer was not used on any rank this step
-            if self.grad_scaler is not None and not bool(torch.isfinite(total).all()):
-                log.warning("K-FAC skips the update of factor %s at step %d: non-finite "
-                            "statistics (AMP overflow)", key, k)
-                continue
-            state = self.factors[key]
-            state.average = linalg.update_running_average(state.average, total / count, decay)
-            state.updates += 1
+            counts = read_scalars(mine, [key + "#count" for key in self.factors])
+            received = {key: (self._from_wire(key, mine[key]), round(count))
+                        for key, count in zip(self.factors, counts)}
+        if self._statistics_usable(k, local_sums):
+            for key, (total, count) in received.items():
+                if count == 0:
+                    continue  # the layer was not used on any rank this step
+                state = self.factors[key]
+                state.average = linalg.update_running_average(state.average, total / count,
+                                                              decay)
+                state.updates += 1
         self.capture.clear()
+
+    def _statistics_usable(self, k: int, sums: Mapping[str, Tensor]) -> bool:
+        """Whether every rank's statistics of this step are finite (agreed on all ranks).
+
+        Non-finite statistics with a GradScaler are an AMP overflow: every rank skips this
+        factor update. Without one, every rank raises :class:`KFACNumericalError`.
+        """
+        bad = _nonfinite(sums)
+        ranks = self._ranks_reporting(bool(bad))
+        if ranks == 0:
+            return True
+        if self.grad_scaler is not None:
+            if self.comm.rank == 0:
+                log.warning("K-FAC skips the factor update of step %d: non-finite statistics "
+                            "on %d rank(s) (AMP overflow)", k, ranks)
+            return False
+        here = f"; on this rank: {', '.join(bad)}" if bad else ""
+        self.capture.clear()  # the step is not applied: its statistics are dropped
+        raise KFACNumericalError(
+            f"K-FAC step {k}: non-finite (NaN/Inf) factor statistics on {ranks} rank(s){here}. "
+            "The inputs or gradients of these layers overflowed or hold NaN; factors were not "
+            "updated. Lower the learning rate, check the data, or use a GradScaler under "
+            "AMP; restore the last checkpoint to continue.", step=k, ranks=ranks, local=bad)
+
+    def _ranks_reporting(self, flag: bool) -> int:
+        """How many ranks pass a true ``flag`` (a host-side allreduce of one integer)."""
+        if self.comm.size == 1:
+            return int(flag)
+        count = torch.tensor([int(flag)], dtype=torch.int32, device="cpu")
+        with self.comm.stats.tagged("agreement"):
+            return int(self.comm.allreduce(count, "sum")[0])
 
     def _synchronise_local_averages(self) -> None:
         """factor_sync='inverse': owners get ``c·F + mean_r D_r`` (one fused reduce-scatter)."""
-        values: dict[str, Tensor] = {}
+        values: dict[str, Piece] = {}
         for key in self.factor_keys():
             local = self.local_averages[key]
             n = self.factor_shape(key)[0]
             delta = local.delta if local.delta is not None else torch.zeros(
-                n, n, dtype=self.factor_dtype)
+                n, n, dtype=self.factor_dtype, device=self.device)
             values[key] = pack_upper(delta) if self.symmetric_packing else delta
-            values[key + "#count"] = torch.tensor([1.0 if local.updates else 0.0])
+            values[key + "#count"] = 1.0 if local.updates else 0.0
         with self.comm.stats.tagged("factors"):
             mine = reduce_scatter_parts(self.comm, self._factor_layout(), values,
-                                        self.factor_dtype)
+                                        self.factor_dtype, self.device)
             mine.update(self._allreduce_local_factors(values))
-        for key, state in self.factors.items():
+        counts = read_scalars(mine, [key + "#count" for key in self.factors])
+        for (key, state), count in zip(self.factors.items(), counts):
             local = self.local_averages[key]
-            ranks = round(float(mine[key + "#count"].item()))
+            ranks = round(count)
             if ranks == 0:
                 continue
             mean_delta = self._from_wire(key, mine[key]) / ranks
@@ -319,7 +376,7 @@ class KFACPreconditioner:
         total = None if stats is None else stats.sums[f]
         if total is None:
             n = self._dim(layer, f)
-            return torch.zeros(n, n, dtype=self.factor_dtype), 0
+            return torch.zeros(n, n, dtype=self.factor_dtype, device=self.device), 0
         assert stats is not None
         return total, stats.counts[f]
 
@@ -327,11 +384,11 @@ class KFACPreconditioner:
         n = self.factor_shape(key)[0]
         return triu_count(n) if self.symmetric_packing else n * n
 
-    def _wire_pieces(self, key: str) -> dict[str, Tensor]:
+    def _wire_pieces(self, key: str) -> dict[str, Piece]:
         """What a rank sends for factor ``key``: its (packed) sum and its count."""
         total, count = self._local_sum(key)
         return {key: pack_upper(total) if self.symmetric_packing else total,
-                key + "#count": torch.tensor([float(count)])}
+                key + "#count": float(count)}
 
     def _from_wire(self, key: str, flat: Tensor) -> Tensor:
         n = self.factor_shape(key)[0]
@@ -352,14 +409,15 @@ class KFACPreconditioner:
     def _local_keys(self) -> list[str]:
         return [k for k in self.factor_keys() if self._is_local(k)]
 
-    def _allreduce_local_factors(self, values: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    def _allreduce_local_factors(self, values: Mapping[str, Piece]) -> dict[str, Tensor]:
         """Local (small) factors: one fused allreduce, every gradient worker keeps the sum."""
         keys = self._local_keys()
         if not keys:
             return {}
         layout = Layout.of([[p for k in keys for p in ((k, self._wire_numel(k)),
                                                          (k + "#count", 1))]])
-        flat = self.comm.allreduce(layout.pack(values, dtype=self.factor_dtype), "sum")
+        flat = self.comm.allreduce(layout.pack(values, dtype=self.factor_dtype,
+                                               device=self.device), "sum")
         return layout.unpack(flat, 0)
 
     def _readiness_order(self) -> list[str]:
@@ -388,45 +446,75 @@ class KFACPreconditioner:
                     owner = self.placement.factor_owner[(layer, f)]
                     parts[owner - group * g] += self._decomposition_pieces(layer, f)
 
-        def decompose(local: bool) -> dict[str, Tensor]:
-            out: dict[str, Tensor] = {}
+        failures: dict[str, BaseException] = {}
+
+        def decompose_safely(key: str, state: FactorState) -> dict[str, Piece]:
+            # a failure must not leave the other ranks waiting in the broadcast: this rank
+            # sends the factor as invalid, and every rank raises after the agreement below
+            try:
+                return self._decompose(key, state)
+            except Exception as exc:
+                failures[key] = exc
+                return self._decompose(key, FactorState(state.dim))
+
+        def decompose(local: bool) -> dict[str, Piece]:
+            out: dict[str, Piece] = {}
             for key, state in self.factors.items():
                 if self._is_local(key) == local:
-                    out.update(self._decompose(key, state))
+                    out.update(decompose_safely(key, state))
             return out
 
-        def restored() -> dict[str, Tensor]:
-            out: dict[str, Tensor] = {}
+        def restored() -> dict[str, Piece]:
+            out: dict[str, Piece] = {}
             for key, state in self._owned_states().items():
                 layer, f = key.rsplit("/", 1)
                 names = [p for p, _ in self._decomposition_pieces(layer, f) if "#" not in p]
                 loaded = self._restored or {}
                 if all(p in loaded for p in names):
                     out.update({p: loaded[p] for p in names})
-                    out[key + "#valid"] = torch.ones(1, dtype=self.inv_dtype)
+                    out[key + "#valid"] = 1.0
                 else:
-                    out.update(self._decompose(key, state))
+                    out.update(decompose_safely(key, state))
             return out
 
         with self.comm.stats.tagged("decompositions"):
             pieces = broadcast_parts(self.worker_comm, Layout.of(parts),
                                      restored if restore else lambda: decompose(local=False),
-                                     self.inv_dtype, torch.empty(0))
-        if not restore:
-            pieces.update(decompose(local=True))
+                                     self.inv_dtype, self.device)
+        all_pieces: dict[str, Piece] = {**pieces, **(decompose(local=True) if not restore else {})}
+        self._agree_on_decompositions(failures)
+        keys = [self._key(layer, f) for layer in my_layers for f in FACTORS]
+        valid = read_scalars(all_pieces, [key + "#valid" for key in keys])
         self.decompositions = {}
-        for layer in my_layers:
-            for f in FACTORS:
-                key = self._key(layer, f)
-                n = self._dim(layer, f)
-                if pieces[key + "#valid"].item() == 0:
-                    continue
-                if self.compute_method == "eigen":
-                    self.decompositions[key] = {"Q": pieces[key + ":Q"].view(n, n),
-                                                "lambda": pieces[key + ":lambda"]}
-                else:
-                    self.decompositions[key] = {"inv": pieces[key + ":inv"].view(n, n)}
+        for key, ok in zip(keys, valid):
+            if not ok:
+                continue
+            n = self.factor_shape(key)[0]
+            part = cast(dict[str, Tensor], all_pieces)
+            if self.compute_method == "eigen":
+                self.decompositions[key] = {"Q": part[key + ":Q"].view(n, n),
+                                            "lambda": part[key + ":lambda"]}
+            else:
+                self.decompositions[key] = {"inv": part[key + ":inv"].view(n, n)}
         self._decomposed_at = self.steps
+
+    def _agree_on_decompositions(self, failures: Mapping[str, BaseException]) -> None:
+        """Every rank raises when a decomposition failed on any rank (the old ones stay)."""
+        ranks = self._ranks_reporting(bool(failures))
+        if ranks == 0:
+            return
+        k = self.steps
+        message = (f"K-FAC step {k}: the decomposition of {len(failures) or 'a'} factor(s) "
+                   f"failed on {ranks} rank(s)")
+        if failures:
+            first = next(iter(failures.values()))
+            message += (f"; on this rank: {', '.join(failures)} "
+                        f"({type(first).__name__}: {first})")
+        error = KFACNumericalError(
+            message + ". Decompositions were not updated; increase damping, check for "
+            "diverging training, or restore the last checkpoint.",
+            step=k, ranks=ranks, local=list(failures))
+        raise error from (next(iter(failures.values())) if failures else None)
 
     def _decomposition_pieces(self, layer: str, f: str) -> list[tuple[str, int]]:
         key, n = self._key(layer, f), self._dim(layer, f)
@@ -434,12 +522,12 @@ class KFACPreconditioner:
             return [(key + ":Q", n * n), (key + ":lambda", n), (key + "#valid", 1)]
         return [(key + ":inv", n * n), (key + "#valid", 1)]
 
-    def _decompose(self, key: str, state: FactorState) -> dict[str, Tensor]:
+    def _decompose(self, key: str, state: FactorState) -> dict[str, Piece]:
         if state.average is None:  # never saw statistics: marked invalid, not preconditioned
             layer, f = key.rsplit("/", 1)
-            return {p: torch.zeros(m, dtype=self.inv_dtype)
+            return {p: torch.zeros(m, dtype=self.inv_dtype, device=self.device)
                     for p, m in self._decomposition_pieces(layer, f)}
-        valid = {key + "#valid": torch.ones(1, dtype=self.inv_dtype)}
+        valid: dict[str, Piece] = {key + "#valid": 1.0}
         if self.compute_method == "eigen":
             q, lam = linalg.eigh_clamped(state.average, dtype=self.inv_dtype)
             return {key + ":Q": q, key + ":lambda": lam, **valid}
@@ -474,26 +562,40 @@ class KFACPreconditioner:
         for name, curv in self.layers.items():
             parts[self.placement.layer_group[name]] += [
                 (name, curv.g_dim * curv.a_dim), (name + "#valid", 1)]
-        values: dict[str, Tensor] = {}
+        values: dict[str, Piece] = {}
         for name, curv in self.layers.items():
             v = mine.get(name)
-            values[name] = v if v is not None else torch.zeros(curv.g_dim, curv.a_dim)
-            values[name + "#valid"] = torch.ones(1) if v is not None else torch.zeros(1)
+            values[name] = v if v is not None else torch.zeros(
+                curv.g_dim, curv.a_dim, dtype=self.inv_dtype, device=self.device)
+            values[name + "#valid"] = 1.0 if v is not None else 0.0
         with self.comm.stats.tagged("gradients"):
             pieces = broadcast_parts(self.receiver_comm, Layout.of(parts), lambda: values,
-                                     self.inv_dtype, torch.empty(0))
+                                     self.inv_dtype, self.device)
+        valid = read_scalars(pieces, [name + "#valid" for name in self.layers])
         return {name: pieces[name].view(curv.g_dim, curv.a_dim).clone()
-                for name, curv in self.layers.items() if pieces[name + "#valid"].item() != 0}
+                for (name, curv), ok in zip(self.layers.items(), valid) if ok}
 
     # ------------------------------------------------------------------ helpers
+    def _check_device(self) -> None:
+        """The model must stay where it was when the preconditioner was built."""
+        weight = next(iter(self.layers.values())).module.weight
+        if weight.device != self.device:
+            raise RuntimeError(
+                f"the model moved to {weight.device} after the KFACPreconditioner was built on "
+                f"{self.device}; build it after model.to(device)")
+
     def _capturing(self) -> bool:
         return self._is_factor_step(self.steps)
 
-    def _grad_scale(self) -> float:
+    def _grad_scale(self) -> float | Tensor:
+        """What the loss was multiplied by: ``loss scale / accumulation_steps``. The AMP
+        scale stays a device tensor (reading it would sync the host in every hook)."""
         scale = 1.0 / self.accumulation_steps
         scaler = self.grad_scaler
         if scaler is not None and scaler.is_enabled():
-            scale *= float(scaler.get_scale())
+            on_device = getattr(scaler, "_get_scale_async", lambda: None)()
+            return on_device * scale if isinstance(on_device, Tensor) \
+                else float(scaler.get_scale()) * scale
         return scale
 
     def _is_factor_step(self, k: int) -> bool:
@@ -534,13 +636,23 @@ class KFACPreconditioner:
         n = self._dim(layer, f)
         return (n, n)
 
-    def state_dict(self, eigenbases: bool = False) -> dict[str, Any]:
+    def state_dict(self, eigenbases: bool = True) -> dict[str, Any]:
         """Step counter, config and the factors this rank owns (keyed by name).
 
-        ``eigenbases=True`` adds the owned factors' current decompositions
+        ``eigenbases`` (default) adds the owned factors' current decompositions
         (``{"Q", "lambda"}`` or ``{"inv"}``): a run resumed between two inverse updates
-        then uses the same stale decompositions as an uninterrupted run (exact resume).
+        then uses the same stale decompositions as the run that saved (exact resume).
+        ``eigenbases=False`` halves the state; the decompositions are then recomputed from
+        the factors at the first step after a load (not bitwise between inverse updates).
+
+        With ``factor_sync="inverse"`` this is collective (every rank calls it): the
+        ranks' pending local averages are first folded into the owners' factors, as at an
+        inverse-update step (without decomposing), so the state is complete on any number
+        of ranks, and the saving run continues from exactly the state it saved.
         """
+        if self.factor_sync == "inverse" and any(
+                local.updates for local in self.local_averages.values()):
+            self._synchronise_local_averages()
         state: dict[str, Any] = {
             "step": self.steps,
             "factors": {k: s.average for k, s in self._owned_states().items()
@@ -548,6 +660,8 @@ class KFACPreconditioner:
             "factor_updates": {k: s.updates for k, s in self._owned_states().items()},
             "config": self.config(),
         }
+        if self.factor_sync == "inverse":  # every rank's: which factors were updated before
+            state["history"] = sorted(self._has_history)
         if eigenbases:
             state["eigenbases"] = {k: dict(self.decompositions[k]) for k in self._owned_states()
                                    if k in self.decompositions}
@@ -584,15 +698,27 @@ class KFACPreconditioner:
                 "load_state_dict failed on another rank (see its message); nothing loaded")
         for key, s in owned.items():
             value = factors.get(key)
-            s.average = None if value is None else value.detach().to(self.factor_dtype).clone()
+            s.average = None if value is None else value.detach().to(
+                device=self.device, dtype=self.factor_dtype, copy=True)
             s.updates = int(updates[key])
         self._share_local_replicas()
         self.steps = int(state["step"])
         self._decomposed_at = None  # restored or recomputed at the next step
         eig = state.get("eigenbases") or {}
-        self._restored = {f"{key}:{part}": value.detach().to(self.inv_dtype).reshape(-1)
-                          for key in owned for part, value in (eig.get(key) or {}).items()
-                          } if eig else None
+        restored = {f"{key}:{part}": value.detach().to(
+                        device=self.device, dtype=self.inv_dtype, copy=True).reshape(-1)
+                    for key in owned for part, value in (eig.get(key) or {}).items()}
+        # restoring is a collective path: decided together (a rank that owns nothing
+        # has no decompositions of its own to restore)
+        self._restored = restored if self.comm.any(bool(restored)) else None
+        # factor_sync="inverse": the saved factors include every fold (state_dict()
+        # synchronised them); local averages restart empty, and a factor that has been
+        # updated before is not "first" again
+        for local in self.local_averages.values():
+            local.reset()
+        history = state.get("history")
+        self._has_history = set(history) & set(self.local_averages) if history is not None \
+            else {k for k in self.local_averages if int(updates.get(k, 0)) > 0}
 
     def _share_local_replicas(self) -> None:
         """Owners of local factors broadcast them (and their counts) in the worker group."""
@@ -606,21 +732,24 @@ class KFACPreconditioner:
                 n = self.factor_shape(key)[0]
                 parts[self.factor_owner(key) - group * g] += [(key, n * n), (key + "#updates", 1)]
 
-        def own() -> dict[str, Tensor]:
-            out = {}
+        def own() -> dict[str, Piece]:
+            out: dict[str, Piece] = {}
             for key, s in self._owned_states().items():
                 if self._is_local(key):
-                    n = s.dim
-                    out[key] = s.average if s.average is not None else torch.zeros(n, n)
-                    out[key + "#updates"] = torch.tensor([float(s.updates)])
+                    out[key] = s.average if s.average is not None else torch.zeros(
+                        s.dim, s.dim, dtype=self.factor_dtype, device=self.device)
+                    out[key + "#updates"] = float(s.updates)
             return out
 
         pieces = broadcast_parts(self.worker_comm, Layout.of(parts), own, self.factor_dtype,
-                                 torch.empty(0))
-        for key, s in self.factors.items():
-            if self._is_local(key) and self.factor_owner(key) != self.comm.rank:
-                s.updates = round(float(pieces[key + "#updates"].item()))
-                s.average = pieces[key].view(s.dim, s.dim).clone() if s.updates else None
+                                 self.device)
+        replicas = [key for key, s in self.factors.items()
+                    if self._is_local(key) and self.factor_owner(key) != self.comm.rank]
+        updates = read_scalars(pieces, [key + "#updates" for key in replicas])
+        for key, count in zip(replicas, updates):
+            s = self.factors[key]
+            s.updates = round(count)
+            s.average = pieces[key].view(s.dim, s.dim).clone() if s.updates else None
 
     def config(self) -> dict[str, Any]:
         """The settings, JSON-able (schedules are shown as ``"<schedule>"``)."""
@@ -666,6 +795,19 @@ class KFACPreconditioner:
         """Detach from the model (the preconditioner can no longer step)."""
         self.capture.remove()
 
+    def close(self) -> None:
+        """Detach from the model and free the sub-communicators this preconditioner made.
+
+        Collective (every rank calls it; MPI frees communicators together); idempotent.
+        The preconditioner can no longer step.
+        """
+        self.remove_hooks()
+        for sub in {id(c): c for c in (self.worker_comm, self.receiver_comm)}.values():
+            if sub is not self.comm:
+                sub.free()
+        self.worker_comm = self.receiver_comm = self.comm
+        self._closed = True
+
 
 def _resolve_auto(model: nn.Module, comm: Communicator, profile: Any,
                   **options: Any) -> tuple[Strategy, float | None]:
@@ -686,8 +828,8 @@ def _resolve_auto(model: nn.Module, comm: Communicator, profile: Any,
     return strategy, fraction  # type: ignore[return-value]
 
 
-def _merge(dicts: Iterable[Mapping[str, Tensor]]) -> dict[str, Tensor]:
-    out: dict[str, Tensor] = {}
+def _merge(dicts: Iterable[Mapping[str, Piece]]) -> dict[str, Piece]:
+    out: dict[str, Piece] = {}
     for d in dicts:
         out.update(d)
     return out
@@ -707,12 +849,31 @@ def _register_layers(model: nn.Module, skip: tuple[str, ...],
     return layers
 
 
+def _layers_device(layers: Mapping[str, LayerCurvature]) -> torch.device:
+    """The one device of the registered layers (where all K-FAC state lives)."""
+    devices = {cast(Tensor, c.module.weight).device for c in layers.values()}
+    if len(devices) > 1:
+        where = {str(d): [n for n, c in layers.items()
+                          if cast(Tensor, c.module.weight).device == d][:3]
+                 for d in devices}
+        raise ValueError(f"K-FAC layers live on several devices ({where}); move the model to "
+                         "one device (model.to(device)) before building the preconditioner, "
+                         "or list the others in skip_layers")
+    return devices.pop()
+
+
+def _nonfinite(tensors: Mapping[str, Tensor]) -> list[str]:
+    """Keys of the tensors holding NaN or Inf (one multi-tensor kernel, one host sync)."""
+    if not tensors:
+        return []
+    peaks = torch._foreach_norm(list(tensors.values()), float("inf"))
+    finite = torch.stack([p.to(peaks[0].device) for p in peaks]).isfinite().tolist()
+    return [key for key, ok in zip(tensors, finite) if not ok]
+
+
 def _default_factor_dtype(layers: Mapping[str, LayerCurvature]) -> torch.dtype:
     dtypes = {c.module.weight.dtype for c in layers.values()}
     return torch.float64 if torch.float64 in dtypes else torch.float32
-
-
-_INPUT_SHAPE = "<input_shape>"  # the replica check's row for input_shape
 
 
 def _batch_shape(input_shape: Iterable[int] | None) -> tuple[int, ...] | None:
@@ -725,36 +886,3 @@ def _batch_shape(input_shape: Iterable[int] | None) -> tuple[int, ...] | None:
         raise ValueError(f"input_shape must be one rank's input batch shape, (batch, *sample) "
                          f"with positive integers, e.g. (32, 3, 32, 32); got {input_shape!r}")
     return shape
-
-
-def _check_replicas(model: nn.Module, comm: Communicator,
-                    input_shape: tuple[int, ...] | None = None) -> None:
-    """Fail fast when ranks start from different parameters (a cheap checksum) or pass
-    different ``input_shape`` (the placement would differ): one broadcast of a row per
-    parameter tensor plus one row for the input shape."""
-    if comm.size == 1:
-        return
-    shape_row = [float(len(input_shape)), float(sum(
-        d * 7919 ** i for i, d in enumerate(input_shape)) % 2**52)] if input_shape else [0.0, 0.0]
-    with torch.no_grad():
-        sums = torch.tensor([[p.double().sum().item(), p.double().abs().sum().item()]
-                             for p in model.parameters()] + [shape_row], dtype=torch.float64)
-    reference = sums.clone()
-    comm.broadcast(reference, root=0)
-    same = torch.isclose(sums, reference, rtol=1e-9, atol=0).all(dim=1)
-    same[-1] = bool(torch.equal(sums[-1], reference[-1]))  # the input shape: exactly
-    bad = torch.nonzero(~same)
-    names = [n for n, _ in model.named_parameters()] + [_INPUT_SHAPE]
-    mine = [names[i] for i in bad.flatten().tolist()]
-    if comm.any(bool(mine)):
-        everyone = comm.allgather_object(mine)
-        bad_ranks = {r: m for r, m in enumerate(everyone) if m}
-        if any(_INPUT_SHAPE in m for m in bad_ranks.values()):
-            shapes = comm.allgather_object(input_shape)
-            raise ValueError(f"input_shape differs across ranks (rank: input_shape): "
-                             f"{dict(enumerate(shapes))}; pass every rank the same per-rank "
-                             "batch shape (it decides the DP-KFAC placement)")
-        raise ValueError(
-            "model parameters differ across ranks (rank: parameters differing from rank 0): "
-            f"{bad_ranks}; seed every rank identically or broadcast the model from rank 0 "
-            "before building the preconditioner")

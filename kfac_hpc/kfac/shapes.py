@@ -47,9 +47,11 @@ def rows_per_sample(model: nn.Module, modules: Iterable[nn.Module],
                 rows[key] = int(torch.Size(x.shape[1:-1]).numel()) if x.dim() > 1 else 1
 
         handles.append(clone.register_forward_hook(hook))
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()),
+                 torch.get_default_dtype())
     try:
         with torch.no_grad():
-            probe(torch.empty((1, *sample_shape), device="meta"))
+            probe(torch.empty((1, *sample_shape), dtype=dtype, device="meta"))
     finally:
         for h in handles:
             h.remove()

@@ -18,8 +18,9 @@ in the datatype that travels, on every rank, nothing at world size 1):
   ``Σ (n² + n + 1)`` (eigen: Q, λ, ``#valid``) or ``Σ (n² + 1)`` (inverse).
 * gradients (every step, when there is more than one worker group): per non-empty
   group one broadcast of ``Σ (g·a + 1)`` inside the receiver group.
-* construction: the replica check, a broadcast of ``16 · (parameter tensors)`` bytes
-  and a 4-byte allreduce.
+* agreement: a 4-byte allreduce at every factor step (every rank's statistics are
+  finite) and one at every inverse step (every decomposition succeeded).
+* construction: the replica check (:func:`kfac_hpc.comm.replicas.replica_check_bytes`).
 
 **Times** are seconds per iteration, averaged over the factor/inverse update schedule;
 per phase, computation is the slowest rank's and communication follows
@@ -38,6 +39,7 @@ import torch
 
 from kfac_hpc.comm.buffers import WIDENED_DTYPES
 from kfac_hpc.comm.fusion import buckets_by_size, triu_count
+from kfac_hpc.comm.replicas import replica_check_bytes
 from kfac_hpc.kfac.placement import (
     FACTORS,
     LayerShape,
@@ -55,7 +57,8 @@ __all__ = ["PHASES", "STRATEGIES", "Distribution", "Estimate", "KFACOptions", "S
 STRATEGIES = ("comm-opt", "mem-opt", "hybrid-opt", "dp-kfac")
 PHASES = ("forward", "backward", "grad avg", "factor stats", "factor comm", "decomposition",
           "decomp bcast", "precondition", "grad bcast", "other")
-BYTE_PHASES = ("factors", "decompositions", "gradients")
+AGREEMENT_BYTES = 4  # one int32: how many ranks report a fault
+BYTE_PHASES = ("factors", "decompositions", "gradients", "agreement")
 
 # Tensor operations per unit of work (framework overhead = count × op_overhead_s).
 # Rough counts of the library's code paths; they matter only where layers are tiny.
@@ -333,6 +336,9 @@ class Distribution:
         if self.n_groups > 1:
             groups = self.group_grad_numel
             out.add("gradients", sum(groups) * isize, sum(1 for s in groups if s))
+        for agreed in (factor, inverse):  # KFACPreconditioner._ranks_reporting
+            if agreed:
+                out.add("agreement", AGREEMENT_BYTES, 1)
         return out
 
     def mean_traffic(self, rank: int) -> dict[str, float]:
@@ -379,13 +385,13 @@ class Distribution:
 
 
 def construction_traffic(model: ModelSpec, options: KFACOptions, world: int) -> StepTraffic:
-    """The constructor's replica check: broadcast of (parameter tensors + 1) x 2 float64
-    sums (the extra row checks ``input_shape``) and a 4-byte allreduce; nothing at world
-    size 1 or with ``check_replicas=False``."""
+    """The constructor's replica check (:func:`kfac_hpc.comm.replicas.check_replicas`):
+    a structure digest, the parameter checksums and the outcome; nothing at world size 1
+    or with ``check_replicas=False``."""
     out = StepTraffic(bytes={"construction": 0}, calls={"construction": 0})
     if world > 1 and options.check_replicas:
-        out.add("construction", 16 * (model.param_tensors + 1), 1)
-        out.add("construction", 4, 1)
+        for nbytes in replica_check_bytes(model.param_tensors):
+            out.add("construction", nbytes, 1)
     return out
 
 

@@ -1,8 +1,9 @@
 """Where this process runs: rank, size, local rank, node, job, device.
 
 MPI is the source of truth (``Split_type(COMM_TYPE_SHARED)`` gives the local rank);
-the launcher's variables (SLURM, Open MPI, MPICH/PMI) are the fallback when MPI is not
-initialised yet, e.g. to choose the GPU before the first MPI call touches device memory.
+the launcher's variables (Open MPI, MVAPICH, MPICH/Hydra/PMI, Flux, SLURM) are the
+fallback when MPI is not initialised yet. Choosing the GPU before MPI starts is
+:func:`kfac_hpc.runtime.select_device` (:mod:`kfac_hpc.runtime.device`).
 """
 
 from __future__ import annotations
@@ -15,15 +16,24 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kfac_hpc.runtime import device as _device
+
 if TYPE_CHECKING:
     from kfac_hpc.comm import Communicator
 
-# (rank, size, local rank, local size) variables, by launcher, in order of preference
-_LAUNCHER_VARIABLES: dict[str, tuple[str, str, str, str | None]] = {
-    "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
-    "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    "pmi": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+# (rank, size, local rank(s), local size(s)) variables by launcher, in order of
+# preference: the MPI launcher that started this process before SLURM, whose variables
+# ranks started by mpirun/mpiexec inside a batch job inherit from the batch shell or
+# the per-node daemon (then SLURM_PROCID/SLURM_LOCALID are wrong for them).
+_LAUNCHER_VARIABLES: dict[str, tuple[str, str, tuple[str, ...], tuple[str, ...]]] = {
+    "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", ("OMPI_COMM_WORLD_LOCAL_RANK",),
+                ("OMPI_COMM_WORLD_LOCAL_SIZE",)),
+    "mvapich": ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", ("MV2_COMM_WORLD_LOCAL_RANK",),
+                ("MV2_COMM_WORLD_LOCAL_SIZE",)),
+    "pmi": ("PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID", "PMI_LOCAL_RANK", "PALS_LOCAL_RANKID"),
+            ("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE")),
+    "flux": ("FLUX_TASK_RANK", "FLUX_JOB_SIZE", ("FLUX_TASK_LOCAL_ID",), ()),
+    "slurm": ("SLURM_PROCID", "SLURM_NTASKS", ("SLURM_LOCALID",), ("SLURM_NTASKS_PER_NODE",)),
 }
 
 
@@ -37,7 +47,7 @@ class JobEnvironment:
     local_size: int
     nodes: int
     host: str
-    source: str  # "mpi", "slurm", "openmpi", "pmi" or "single"
+    source: str  # "mpi", "openmpi", "mvapich", "pmi", "flux", "slurm" or "single"
     job_id: str | None = None
     restart_count: int = 0
 
@@ -45,10 +55,12 @@ class JobEnvironment:
 def from_environment(env: Mapping[str, str] | None = None) -> JobEnvironment:
     """The job as the launcher's variables describe it (no MPI call)."""
     env = os.environ if env is None else env
-    for source, (rank_v, size_v, local_v, local_size_v) in _LAUNCHER_VARIABLES.items():
+    for source, (rank_v, size_v, local_vs, local_size_vs) in _LAUNCHER_VARIABLES.items():
         if rank_v in env and size_v in env:
             rank, size = _int(env, rank_v), _int(env, size_v)
+            local_v = next((v for v in local_vs if v in env), local_vs[0])
             local_rank = _int(env, local_v) if local_v in env else 0
+            local_size_v = next((v for v in local_size_vs if v in env), None)
             local_size = _local_size(env, local_size_v) if local_size_v else 1
             nodes = _int(env, "SLURM_NNODES") if "SLURM_NNODES" in env else max(
                 1, -(-size // max(local_size, 1)))
@@ -84,18 +96,12 @@ def from_mpi(comm: Communicator | None = None,
 
 
 def select_device(local_rank: int, *, prefer_cuda: bool = True) -> torch.device:
-    """The device of this rank: ``cuda:<local_rank mod visible GPUs>`` or the CPU.
+    """``cuda:<local_rank mod visible GPUs>`` (made current) or the CPU.
 
-    Respects ``CUDA_VISIBLE_DEVICES`` and srun's per-task binding (one visible GPU ->
-    ``cuda:0``). Sets it as the current CUDA device, which must happen before any MPI
-    call touches device memory.
+    Kept for existing callers; new code calls :func:`kfac_hpc.runtime.select_device`,
+    which also reads the local rank from the launcher before MPI starts.
     """
-    if not (prefer_cuda and torch.cuda.is_available()):
-        return torch.device("cpu")
-    count = torch.cuda.device_count()
-    device = torch.device("cuda", local_rank % count)
-    torch.cuda.set_device(device)
-    return device
+    return _device.select_device("auto" if prefer_cuda else "cpu", local_rank=local_rank)
 
 
 def time_left(env: Mapping[str, str] | None = None, now: float | None = None) -> float | None:

@@ -5,21 +5,41 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import subprocess
 from typing import Any
 
 import torch
 
 
-def collect() -> dict[str, Any]:
+def cuda_detection(run_ompi_info: bool = True) -> dict[str, Any]:
+    """Which MPI calls take CUDA device memory here, the evidence, and the override."""
+    from kfac_hpc.comm import cuda
+
+    def ompi_info() -> str | None:
+        executable = cuda.find_ompi_info(cuda.read_maps())
+        if executable is None:
+            return None
+        try:
+            return cuda.run_ompi_info(executable)
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    support = cuda.detect(ompi_info=ompi_info if run_ompi_info else None)
+    out = support.as_dict()
+    out["override"] = f"{cuda.CUDA_AWARE_ENV}=0|1|all (unset: detect)"
+    return out
+
+
+def collect(run_ompi_info: bool = True) -> dict[str, Any]:
     """Versions, MPI library and CUDA-awareness, ranks and devices of this process."""
     import h5py
     import mpi4py
     from mpi4py import MPI
 
     from kfac_hpc import __version__
-    from kfac_hpc.comm import detect_cuda_aware
 
     world = MPI.COMM_WORLD
+    detection = cuda_detection(run_ompi_info and world.Get_rank() == 0)  # rank 0 prints
     node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
     info = {
         "kfac_hpc": __version__,
@@ -34,7 +54,7 @@ def collect() -> dict[str, Any]:
         "mpi_thread_level": {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
                              MPI.THREAD_SERIALIZED: "serialized",
                              MPI.THREAD_MULTIPLE: "multiple"}[MPI.Query_thread()],
-        "cuda_aware_mpi": detect_cuda_aware(),
+        "cuda_aware_mpi": detection["aware"],
         "world_size": world.Get_size(),
         "rank": world.Get_rank(),
         "local_size": node.Get_size(),
@@ -42,6 +62,8 @@ def collect() -> dict[str, Any]:
         "host": MPI.Get_processor_name(),
         "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "cpu_threads": torch.get_num_threads(),
+        "torch_cuda": torch.version.cuda,
+        "cuda_detection": detection,
     }
     node.Free()
     return info
@@ -58,7 +80,24 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
     else:
-        width = max(len(k) for k in info)
-        for key, value in info.items():
-            print(f"{key:<{width}}  {value}")
+        print(format_table(info))
     return 0
+
+
+def format_table(info: dict[str, Any]) -> str:
+    """``key  value`` lines; the CUDA detection as its evidence and per-call table."""
+    flat = {k: v for k, v in info.items() if k != "cuda_detection"}
+    width = max(len(k) for k in flat)
+    lines = [f"{key:<{width}}  {value}" for key, value in flat.items()]
+    detection = info.get("cuda_detection")
+    if detection:
+        lines.append(f"CUDA-aware MPI detection: {detection['vendor']}, "
+                     f"{'aware' if detection['aware'] else 'not aware'} [{detection['source']}]")
+        lines += [f"  evidence: {line}" for line in detection["evidence"]]
+        table = detection["table"]
+        device = [c for c, how in table.items() if how == "device"]
+        staged = [c for c, how in table.items() if how == "staged"]
+        lines.append(f"  device memory to MPI: {', '.join(device) or '(none)'}")
+        lines.append(f"  staged through pinned host memory: {', '.join(staged) or '(none)'}")
+        lines.append(f"  override: {detection['override']}")
+    return "\n".join(lines)

@@ -16,9 +16,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from types import FrameType
+from typing import TYPE_CHECKING
 
-from kfac_hpc.comm import Communicator
 from kfac_hpc.runtime.discovery import time_left
+
+if TYPE_CHECKING:  # importing the communicator starts MPI: not needed to parse signals
+    from kfac_hpc.comm import Communicator
 
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "checkpointed, run me again"
 

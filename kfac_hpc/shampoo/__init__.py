@@ -37,6 +37,14 @@ number of ranks: each rank keeps the blocks it owns. Use
 Failures (:mod:`.errors`): non-finite statistics, repeated root failures, non-finite
 updates and exceptions on an owner are reported through a status word in the gather,
 so every rank raises together and none is left waiting in a collective.
+
+Devices: every tensor the optimizer keeps (factors, roots, grafting and momentum
+state, gather buffers, failure flags) lives on its parameters' device (one device
+per optimizer, e.g. this rank's GPU); ``state_dict()`` returns CPU tensors and
+``load_state_dict()`` moves them to the parameters' device. Per-block failure flags
+stay on the device and are combined into the status word, so a step reads device
+memory on the host once (the gathered status words); root recomputations add one
+read per root (the eigensolver synchronises anyway).
 """
 
 from kfac_hpc.shampoo.blocking import BlockSpec, block_param, merge_dims

@@ -4,7 +4,8 @@ Order of operations (``t`` = the block's step, counted from 1):
 
 1. coupled weight decay (``decoupled_weight_decay=False``): ``g ← g + wd·p``;
 2. factors ``F_i ← β2·F_i + (1-β2)·X_(i)X_(i)ᵀ`` (``β2 = 1``: plain sum), in
-   ``factor_dtype``; non-finite ⇒ :data:`STATUS_NONFINITE_STATISTICS`;
+   ``factor_dtype``; non-finite ⇒ a device flag that the optimizer turns into
+   :data:`STATUS_NONFINITE_STATISTICS` (the step goes on: no host sync per block);
 3. grafting second moment from ``g``;
 4. β1 filtering ``m ← β1·m + (1-β1)·g``, ``m̂ = m / (1-β1^t)`` with bias correction
    (``β1 = 0``: ``m̂ = g``);
@@ -30,7 +31,7 @@ import torch
 from torch import Tensor
 
 from kfac_hpc.shampoo import grafting as graft
-from kfac_hpc.shampoo.errors import STATUS_NONFINITE_STATISTICS, STATUS_ROOT_FAILURES
+from kfac_hpc.shampoo.errors import STATUS_ROOT_FAILURES
 from kfac_hpc.shampoo.kronecker import factor_statistics, precondition
 from kfac_hpc.shampoo.roots import RootComputationError, inverse_root
 
@@ -97,6 +98,10 @@ def _update_roots(state: BlockState, order: int, hp: BlockHyper) -> int:
         for i in range(order):
             factor = state[f"factor_{i}"]
             matrix = factor / correction if correction != 1.0 else factor
+            # Non-finite statistics fail this step anyway (reported by the caller's
+            # flag, not known here without a host sync); the eigensolver must not see
+            # them, so they are zeroed (a no-op on a finite factor).
+            matrix = torch.nan_to_num(matrix, nan=0.0, posinf=0.0, neginf=0.0)
             roots.append(inverse_root(matrix, 2.0 * order, hp.epsilon))
     except RootComputationError:
         state["root_failures"] += 1
@@ -115,11 +120,15 @@ def _update_roots(state: BlockState, order: int, hp: BlockHyper) -> int:
 
 
 def update_block(state: BlockState, grad: Tensor, param: Tensor,
-                 hp: BlockHyper) -> tuple[Tensor, int]:
-    """Advance a block's state by one step; return its direction (param dtype) and status.
+                 hp: BlockHyper) -> tuple[Tensor, Tensor, int]:
+    """Advance a block's state by one step: ``(direction, nonfinite_statistics, status)``.
 
-    ``grad`` and ``param`` are the block's views (same shape). On a status other
-    than 0 the returned direction is meaningless.
+    ``grad`` and ``param`` are the block's views (same shape). ``direction`` has the
+    parameter's dtype; ``nonfinite_statistics`` is a 0-d bool tensor on the block's
+    device, never read here (no host synchronisation: the caller gathers every
+    block's flag into its status word); ``status`` holds the bits known on the host
+    (:data:`STATUS_ROOT_FAILURES`). When the flag is set or the status is not 0 the
+    direction is meaningless.
     """
     order = grad.dim()
     if hp.weight_decay != 0.0 and not hp.decoupled_weight_decay:
@@ -134,10 +143,10 @@ def update_block(state: BlockState, grad: Tensor, param: Tensor,
             factor.add_(stat)
         else:
             factor.mul_(hp.beta2).add_(stat, alpha=1.0 - hp.beta2)
-        # A NaN/Inf anywhere in the gradient reaches the diagonal (a sum of squares),
-        # so checking the diagonal is exact and costs O(d) instead of O(d²).
-        if not torch.isfinite(factor.diagonal()).all():
-            return grad, STATUS_NONFINITE_STATISTICS
+    # A NaN/Inf anywhere in the gradient reaches the diagonal (a sum of squares), so
+    # checking the diagonals is exact and costs O(d) instead of O(d²).
+    diagonals = [state[f"factor_{i}"].diagonal() for i in range(order)]
+    nonfinite = torch.cat(diagonals).isfinite().all().logical_not()
 
     second_moment = None
     if graft.uses_second_moment(hp.grafting):
@@ -173,4 +182,4 @@ def update_block(state: BlockState, grad: Tensor, param: Tensor,
         buf = _buffer(state, "momentum_buffer", grad)
         buf.mul_(hp.momentum).add_(direction)
         direction = direction.add(buf, alpha=hp.momentum) if hp.nesterov else buf
-    return direction, status
+    return direction, nonfinite, status

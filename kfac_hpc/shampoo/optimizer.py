@@ -20,13 +20,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kfac_hpc.comm import Communicator, world
+from kfac_hpc.comm import Communicator, replicas, world
 from kfac_hpc.shampoo import blocking
 from kfac_hpc.shampoo import hyperparameters as hyper
 from kfac_hpc.shampoo.block_update import BlockHyper, BlockState, new_block_state, update_block
 from kfac_hpc.shampoo.blocking import BlockSpec
 from kfac_hpc.shampoo.errors import (
     STATUS_EXCEPTION,
+    STATUS_NONFINITE_STATISTICS,
     STATUS_NONFINITE_UPDATE,
     ShampooNumericalError,
     describe_status,
@@ -70,6 +71,9 @@ class DistributedShampoo(torch.optim.Optimizer):
             rounded values, so parameters stay identical across ranks.
         max_consecutive_root_failures: a block whose roots fail this many times in a
             row raises :class:`~kfac_hpc.shampoo.errors.ShampooNumericalError`.
+        check_replicas: check, collectively, that every rank holds the same parameters
+            (names, shapes, values) and settings; one ``ValueError`` on every rank
+            otherwise (different models would gather mismatched directions).
 
     ``step()`` expects ``.grad`` already averaged over ranks and identical on every
     rank; a parameter whose ``.grad`` is ``None`` is skipped (no state change, no
@@ -98,6 +102,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         factor_dtype: torch.dtype = torch.float32,
         communication_dtype: torch.dtype = torch.float32,
         max_consecutive_root_failures: int = 5,
+        check_replicas: bool = True,
     ) -> None:
         defaults = dict(
             lr=lr, betas=betas, epsilon=epsilon, momentum=momentum, nesterov=nesterov,
@@ -121,6 +126,8 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._layout: Layout | None = None
         self._steps = 0
         super().__init__(params, defaults)
+        if check_replicas:  # different models would gather mismatched directions
+            self._check_replicas()
         self._build()
 
     # ------------------------------------------------------------ structure
@@ -142,6 +149,16 @@ class DistributedShampoo(torch.optim.Optimizer):
             self._install_states(saved)
             raise
         self._install_states(saved)
+
+    def _check_replicas(self) -> None:
+        """Every rank holds the same parameters and settings (collective; one clear error)."""
+        names = [n for group in self._param_names() for n in group]
+        params = [p for group in self.param_groups for p in group["params"]]
+        groups = [{k: v for k, v in g.items() if k not in ("params", "param_names")}
+                  for g in self.param_groups]
+        replicas.check_replicas(zip(names, params), self.comm, settings={
+            "param_groups": groups, "factor_dtype": self.factor_dtype,
+            "communication_dtype": self.communication_dtype})
 
     def _param_names(self) -> list[list[str]]:
         """Names of every group's parameters ("param_<i>" for unnamed ones)."""
@@ -226,25 +243,32 @@ class DistributedShampoo(torch.optim.Optimizer):
         hypers = [BlockHyper.from_group(g, self.max_consecutive_root_failures)
                   for g in self.param_groups]
         error: BaseException | None = None
+        status: Tensor | int
         try:
             status = self._update_owned_blocks(hypers)
         except Exception as exc:  # report, join the collective, then re-raise
             error, status = exc, STATUS_EXCEPTION
-        self._send[0] = status
+        self._send[0] = status  # a device-to-device copy for a tensor: no host sync
         recv = self.comm.allgatherv(self._send, layout.counts, out=self._recv)
         if error is not None:
             raise error
         statuses = recv[self._status_at]
-        if bool((statuses != 0).any()):
+        if bool((statuses != 0).any()):  # the step's one host read of the status words
             self._raise_failure(recv, statuses)
         self._apply(recv)
         return loss
 
-    def _update_owned_blocks(self, hypers: list[BlockHyper]) -> int:
-        """Write this rank's block directions into the send buffer; return its status."""
+    def _update_owned_blocks(self, hypers: list[BlockHyper]) -> Tensor | int:
+        """Write this rank's block directions into the send buffer; return its status.
+
+        The status is a 0-d tensor on the parameters' device (or 0 with no block to
+        update): every block's failure flags are combined on the device and read once,
+        after the gather, by every rank alike — no host synchronisation per block.
+        """
         layout, send = self.layout, self._send
-        status = 0
-        flagged: set[int] = set()
+        host_status = 0
+        statistics: list[Tensor] = []  # per updated block: non-finite factor statistics
+        updates: list[Tensor] = []  # per updated block: non-finite direction (otherwise)
         for i in self._owned:
             spec, p = layout.blocks[i], self._block_param[i]
             slot = send[layout.local_span(i)]
@@ -257,18 +281,21 @@ class DistributedShampoo(torch.optim.Optimizer):
                     spec.shape, self.factor_dtype, p.device)
             grad = p.grad.reshape(spec.merged_shape)[spec.slices]
             param = p.detach().reshape(spec.merged_shape)[spec.slices]
-            direction, code = update_block(state, grad, param, hypers[self._group_of_block[i]])
-            if code:
-                status |= code
-                flagged.add(i)
+            direction, nonfinite, code = update_block(state, grad, param,
+                                                      hypers[self._group_of_block[i]])
+            if code:  # known on the host (root failures): the block fails as a whole
+                host_status |= code
                 slot.fill_(math.nan)
-            else:
-                slot.copy_(direction.reshape(-1))
-        if len(send) > 1 and not torch.isfinite(send[1:]).all():
-            for i in self._owned:
-                if i not in flagged and not torch.isfinite(send[layout.local_span(i)]).all():
-                    status |= STATUS_NONFINITE_UPDATE
-        return status
+                continue
+            slot.copy_(direction.reshape(-1))
+            slot.masked_fill_(nonfinite, math.nan)  # every rank sees the failed block
+            statistics.append(nonfinite)
+            updates.append(slot.isfinite().all().logical_not() & nonfinite.logical_not())
+        if not statistics:
+            return host_status
+        return (torch.stack(statistics).any().to(torch.int64) * STATUS_NONFINITE_STATISTICS
+                + torch.stack(updates).any().to(torch.int64) * STATUS_NONFINITE_UPDATE
+                + host_status)
 
     def _raise_failure(self, recv: Tensor, statuses: Tensor) -> None:
         layout = self.layout
@@ -493,8 +520,8 @@ def _normalise_states(state: dict[str, Any]) -> dict[tuple[str, int], BlockState
             for key, value in block_state.items():
                 if key in _INT_KEYS:
                     value = int(value)
-                elif not isinstance(value, Tensor):
-                    value = torch.as_tensor(value)
+                elif not isinstance(value, Tensor):  # numpy: moved to the device on install
+                    value = torch.as_tensor(value, device="cpu")
                 block[key] = value
             out[(str(name), _block_index(index))] = block
     return out

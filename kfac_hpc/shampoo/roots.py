@@ -24,11 +24,11 @@ def _eigh_root(matrix: Tensor, p: float, epsilon: float) -> Tensor | None:
         eigenvalues, eigenvectors = torch.linalg.eigh(matrix)
     except RuntimeError:  # torch.linalg.LinAlgError and backend errors
         return None
-    if not (torch.isfinite(eigenvalues).all() and torch.isfinite(eigenvectors).all()):
-        return None
     scale = (eigenvalues.clamp(min=0) + epsilon).pow(-1.0 / p)
     root = (eigenvectors * scale.unsqueeze(0)) @ eigenvectors.mT
-    if not torch.isfinite(root).all():
+    # One host read: non-finite eigenvectors make the root non-finite (scale is finite
+    # and positive), a +Inf eigenvalue would not (its scale is 0), so check both.
+    if not bool(torch.isfinite(eigenvalues).all() & torch.isfinite(root).all()):
         return None
     return root
 

@@ -45,7 +45,7 @@ def gather_block_states(comm: Communicator,
             else:
                 entries.append((name, "value", value))
         meta.append((key, entries))
-    payload = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+    payload = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8, device="cpu")
     metas = comm.allgather_object((meta, payload.numel()))
     gathered = comm.allgatherv(payload, [n for _, n in metas])
     out: dict[Key, dict[str, Any]] = {}

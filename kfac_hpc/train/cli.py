@@ -3,8 +3,12 @@
 Run it on N ranks with ``launch/local -n 4 kfac-hpc train`` (or ``srun``/``mpiexec``).
 Flags override a ``--config`` file, which overrides the defaults (see
 :mod:`kfac_hpc.train.config`). Exit status: 0 on success, 2 for bad input (one message
-on rank 0, every rank exits 2 together); any other error aborts all ranks with the
-failing rank's traceback.
+on rank 0, every rank exits 2 together), 3 when training diverged (the loss, the
+parameters or K-FAC/Shampoo statistics became NaN/Inf: one message on rank 0 naming
+the step and the last good checkpoint, every rank exits 3 together), 1 when a
+checkpoint cannot be written (disk full, ...: one message, every rank exits 1), 75
+after a preemption checkpoint; any other error aborts all ranks with the failing
+rank's traceback.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["add_arguments", "env_rank", "main", "run"]
+__all__ = ["add_arguments", "env_rank", "main", "run", "select_device_before_mpi"]
 
 _GROUP_TITLES = {
     "data": "data",
@@ -147,16 +151,20 @@ def run(args: argparse.Namespace) -> int:
     rank = env_rank()
     try:
         cfg = config_from_args(args)
-        cfg.validate()  # pure: every rank reaches the same verdict, no MPI yet
-    except ConfigError as exc:
+        # First: mpi4py starts MPI on import, and validate() may import it already
+        # (--preempt-signals are checked by the MPI-aware preemption module).
+        select_device_before_mpi(cfg.device)
+        cfg.validate()  # every rank reaches the same verdict, no collective
+    except ValueError as exc:  # ConfigError, or a malformed launcher variable
         return _usage_error(str(exc), rank)
 
     from kfac_hpc.comm import install_abort_on_error, world
 
     install_abort_on_error()
     comm = world()
+    from kfac_hpc.checkpoint import CheckpointError
     from kfac_hpc.runtime.preemption import REQUEUE_EXIT_CODE, PreemptionGuard
-    from kfac_hpc.train.loop import train
+    from kfac_hpc.train.loop import TrainingDiverged, train
 
     margin = cfg.time_limit_margin_minutes
     guard = PreemptionGuard(comm, signals=cfg.preempt_signals,
@@ -165,6 +173,14 @@ def run(args: argparse.Namespace) -> int:
         result = train(cfg, comm, should_stop=lambda: guard.local_reason() is not None)
     except ConfigError as exc:  # raised alike on every rank by the setup agreement
         return _usage_error(str(exc), comm.rank)
+    except TrainingDiverged as exc:  # raised alike on every rank, at the same step
+        if comm.rank == 0:
+            print(f"kfac-hpc train: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_status
+    except CheckpointError as exc:  # a save failed (disk full, ...): alike on every rank
+        if comm.rank == 0:
+            print(f"kfac-hpc train: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
         # a late second signal (SLURM may repeat it) must not kill a rank that has
         # checkpointed and is about to exit 75
@@ -182,6 +198,15 @@ def run(args: argparse.Namespace) -> int:
                   flush=True)
         return REQUEUE_EXIT_CODE
     return 0 if result.ranks_agree else 1
+
+
+def select_device_before_mpi(device: str) -> None:
+    """Make this rank's GPU current before anything imports mpi4py (see
+    :func:`kfac_hpc.runtime.select_device`); ``--device cuda`` without a GPU is left to
+    ``validate()``, which reports it with the other problems."""
+    from kfac_hpc.runtime.device import select_device
+
+    select_device("cpu" if device == "cpu" else "auto")
 
 
 def _usage_error(message: str, rank: int) -> int:

@@ -14,6 +14,13 @@ Runs on every rank of ``comm`` (default: the world). Order of events:
    takes the same decision at the same step boundary).
 5. Evaluation on the sharded test set, epoch records, final summary.
 
+Divergence: the global loss of every step (already reduced for the metrics, so
+checking it costs nothing) and every evaluation must be finite; K-FAC's and Shampoo's
+numerical errors (raised alike on every rank) and a checkpoint refused for NaN/Inf
+state end the same way: :class:`TrainingDiverged` on every rank, naming the step,
+the epoch and the last good checkpoint; no checkpoint is written after it
+(``kfac-hpc train`` exits with :data:`DIVERGED_EXIT_CODE`).
+
 Traffic accounting: ``bytes_per_step`` counts what the training communicator (the
 gradient averager and K-FAC) put on the wire during training steps; metric
 reductions, evaluation and checkpoints use other counters or are subtracted.
@@ -57,12 +64,48 @@ from kfac_hpc.train.optim import (
     lr_schedule,
 )
 
-__all__ = ["TrainResult", "Trainer", "param_checksum", "train"]
+__all__ = ["DIVERGED_EXIT_CODE", "TrainResult", "Trainer", "TrainingDiverged", "param_checksum",
+           "train"]
 
 #: Exceptions raised by setup that mean "bad input", reported without a traceback.
 USAGE_ERRORS: tuple[type[BaseException], ...] = (
     ConfigError, FeatureUnavailable, ValueError, FileNotFoundError, ImportError,
 )
+
+#: Exit status of ``kfac-hpc train`` after :class:`TrainingDiverged` (0 done, 2 bad input,
+#: 75 checkpointed and asks for a requeue).
+DIVERGED_EXIT_CODE = 3
+
+
+class TrainingDiverged(FloatingPointError):
+    """The loss, the parameters or the K-FAC/Shampoo statistics became NaN or Inf.
+
+    Raised on every rank with the same message, at the same step; nothing was
+    checkpointed after the last good state. ``checkpoint`` is the last good checkpoint
+    (written or resumed from by this run; None if there is none), ``exit_status`` what
+    ``kfac-hpc train`` exits with.
+    """
+
+    exit_status = DIVERGED_EXIT_CODE
+
+    def __init__(self, message: str, *, step: int, epoch: int,
+                 checkpoint: str | None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.epoch = epoch
+        self.checkpoint = checkpoint
+
+
+def _numerical_errors() -> tuple[type[BaseException], ...]:
+    """K-FAC's and Shampoo's numerical errors: raised alike on every rank (agreed)."""
+    found: list[type[BaseException]] = []
+    for module, name in (("kfac_hpc.kfac.errors", "KFACNumericalError"),
+                         ("kfac_hpc.shampoo.errors", "ShampooNumericalError")):
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    return tuple(found)
 
 
 @dataclass
@@ -144,7 +187,8 @@ def train(
     ``should_stop`` (a rank-local flag, e.g. set by a signal handler) is polled at
     every step boundary; if any rank reports ``True`` all ranks checkpoint (when a
     checkpoint directory is configured) and return with ``stopped="stop_requested"``.
-    Raises :class:`ConfigError` (on every rank alike) for invalid input.
+    Raises :class:`ConfigError` (on every rank alike) for invalid input and
+    :class:`TrainingDiverged` (on every rank alike) when training produced NaN/Inf.
     """
     cfg.validate()
     trainer = Trainer(cfg, comm, verbose=verbose, should_stop=should_stop)
@@ -181,6 +225,10 @@ class Trainer:
         self.pre: Any = None
         self.scaler: Any = None
         self._ckpt: Any = None
+        self.last_checkpoint: str | None = None  # the last good one (written or resumed)
+        self._epoch = 0  # the epoch in progress (0-based)
+        self._step_loss: torch.Tensor | None = None  # this rank's loss sum of the step
+        self._numerical = _numerical_errors()
         self._threads_before = torch.get_num_threads()
         # Metrics, flags and setup agreement travel on a duplicate: never counted as
         # training traffic, never interleaved with the preconditioner's requests.
@@ -231,9 +279,13 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def _select_device(self) -> torch.device:
         from kfac_hpc.comm import mpi_vendor
+        from kfac_hpc.runtime.device import selected_device
         from kfac_hpc.runtime.discovery import banner, from_mpi, select_device
 
-        device = select_device(self.local_rank, prefer_cuda=self.cfg.device != "cpu")
+        # the CLI chose the device before MPI started; a direct caller of train() may not
+        device = selected_device()
+        if device is None or (self.cfg.device == "cpu") != (device.type == "cpu"):
+            device = select_device(self.local_rank, prefer_cuda=self.cfg.device != "cpu")
         job = from_mpi(self.aux)
         if self.rank == 0 and self.verbose:
             print(banner(job, device=device, mpi_library=mpi_vendor(),
@@ -398,6 +450,7 @@ class Trainer:
         except errors as exc:
             raise ConfigError(f"cannot resume from {path}: {exc}") from None
         self.step = int(_get(info, "step"))
+        self.last_checkpoint = str(_get(info, "path") or path)
         metrics = dict(extra.get("metrics") or {})
         self.history = list(metrics.get("history", []))
         self.train_time = float(metrics.get("train_time", 0.0))
@@ -426,13 +479,47 @@ class Trainer:
         if self.scaler is not None:
             extra["grad_scaler"] = self.scaler.state_dict()
         # Between two inverse updates the preconditioner uses stale decompositions: store
-        # them, or a resumed run would recompute them from newer factors (not exact).
-        stale = self.pre is not None and self.cfg.inv_update_steps > 1
-        kwargs = {"store_eigenbases": True} if stale else {}
-        self._ckpt.save(self.cfg.checkpoint_dir, model=self.model, optimizer=self.opt,
-                        preconditioner=self.pre, step=self.step, comm=self.comm, extra=extra,
-                        keep_last=self.cfg.checkpoint_keep, **kwargs)
+        # them, or a resumed run would recompute them from newer factors (not exact). With
+        # an inverse update every step they are recomputed anyway: not worth the bytes.
+        kwargs = {} if self.pre is None else {"store_eigenbases": self.cfg.inv_update_steps > 1}
+        refused = getattr(self._ckpt, "NonFiniteStateError", None)
+        try:
+            path = self._ckpt.save(self.cfg.checkpoint_dir, model=self.model, optimizer=self.opt,
+                                   preconditioner=self.pre, step=self.step, comm=self.comm,
+                                   extra=extra, keep_last=self.cfg.checkpoint_keep, **kwargs)
+        except Exception as exc:  # raised alike on every rank, before anything was written
+            if refused is not None and isinstance(exc, refused):
+                raise self._diverged(f"{getattr(exc, 'tensor', 'the state')} became NaN/Inf",
+                                     self.step) from exc
+            raise
+        self.last_checkpoint = str(path)
         self.excluded_bytes += self.comm.traffic().total_bytes - before
+
+    def _numerical_failure(self, exc: BaseException) -> TrainingDiverged:
+        """K-FAC or Shampoo gave up on this step (on every rank): if the step's loss was
+        already NaN/Inf, that is the message (one allreduce, on this path only)."""
+        local = self._step_loss
+        (loss,) = global_sums(self.aux, [float(local) if local is not None else 0.0])
+        if not math.isfinite(loss):
+            return self._diverged("loss became NaN/Inf", self.step + 1)
+        what = "Shampoo" if "Shampoo" in type(exc).__name__ else "K-FAC"
+        return self._diverged(f"{what} statistics became NaN/Inf or unusable", self.step + 1,
+                              exc)
+
+    def _diverged(self, what: str, step: int, cause: BaseException | None = None
+                  ) -> TrainingDiverged:
+        """The one message of a diverged run (every rank builds the same one)."""
+        if self.last_checkpoint is not None:
+            where = self.last_checkpoint
+        elif self.cfg.checkpoint_dir is None:
+            where = "none (no --checkpoint-dir)"
+        else:
+            where = f"none yet in {self.cfg.checkpoint_dir}"
+        detail = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
+        message = (f"{what} at step {step} (epoch {self._epoch + 1}){detail}; "
+                   f"last good checkpoint: {where}")
+        return TrainingDiverged(message, step=step, epoch=self._epoch + 1,
+                                checkpoint=self.last_checkpoint)
 
     # ------------------------------------------------------------------ steps
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -472,6 +559,7 @@ class Trainer:
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             loss_sum += loss.detach().float() * ym.numel()
             correct += (out.detach().argmax(1) == ym).sum()
+        self._step_loss = loss_sum  # read only if K-FAC or Shampoo fail below
         if self.averager is not None:
             self.averager.synchronize()
         if self.scaler is not None:
@@ -573,6 +661,8 @@ class Trainer:
                          or epoch + 1 == cfg.epochs)
             if evaluated:
                 last_eval = self.evaluate()
+                if not math.isfinite(last_eval.loss_sum):
+                    raise self._diverged("test loss became NaN/Inf", self.step)
             record = {
                 "epoch": (epoch + 1 if complete
                           else epoch + self.train_loader.batch_index / self.steps_per_epoch),
@@ -618,9 +708,13 @@ class Trainer:
     def _run_epoch(self, epoch: int, bar: Any, wall0: float) -> bool:
         """Steps of ``epoch`` from the loader's position; True if a stop was requested."""
         cfg = self.cfg
+        self._epoch = epoch
         t_step = time.perf_counter()
         for x, y in self.train_loader:
-            loss, correct, n = self.train_step(x, y)
+            try:
+                loss, correct, n = self.train_step(x, y)
+            except self._numerical as exc:  # agreed: the same error on every rank
+                raise self._numerical_failure(exc) from exc
             want_ckpt = (cfg.checkpoint_every_minutes is not None and
                          time.monotonic() - self._last_ckpt >= 60 * cfg.checkpoint_every_minutes)
             want_stop = bool(self.should_stop is not None and self.should_stop())
@@ -646,6 +740,8 @@ class Trainer:
                     f"ep {epoch + 1}/{cfg.epochs} loss {g_loss / g_n:.3f} "
                     f"acc {100 * g_correct / g_n:.1f}% {1000 * dt:.0f} ms/step "
                     f"{g_n / dt:,.0f} samples/s", refresh=False)
+            if not math.isfinite(g_loss):  # the global sum: the same verdict on every rank
+                raise self._diverged("loss became NaN/Inf", self.step)
             every = cfg.checkpoint_every_steps
             if g_stop > 0 or g_ckpt > 0 or (every and self.step % every == 0):
                 self.save_checkpoint()

@@ -43,8 +43,12 @@ EPOCH_FIELDS = ("epoch", "step", "lr", "train_loss", "train_acc", "test_loss", "
 
 
 def global_sums(comm: Any, values: Sequence[float]) -> list[float]:
-    """Sum ``values`` over the ranks of ``comm`` (one float64 allreduce; same result everywhere)."""
-    t = torch.tensor(list(values), dtype=torch.float64)
+    """Sum ``values`` over the ranks of ``comm`` (one float64 allreduce; same result everywhere).
+
+    A NaN or Inf on any rank makes the sum non-finite on every rank, so a check of the
+    result is agreed on without another collective.
+    """
+    t = torch.tensor(list(values), dtype=torch.float64, device="cpu")
     if comm is not None and comm.size > 1:
         comm.allreduce(t, "sum")
     return [float(v) for v in t]

@@ -1,0 +1,182 @@
+"""The file HDF5 writes through: a full disk never reaches HDF5.
+
+HDF5 does not survive a failed write. After ``ENOSPC`` its caches are inconsistent,
+h5py reports the error (or drops it inside a destructor), and closing the file or
+the interpreter's exit then crashes the process (HDF5 2.0: a segmentation fault in
+``H5D_flush_all``). So the writer hands HDF5 a :class:`GuardedFile` (h5py's
+``fileobj`` driver): every write goes through :func:`os.pwrite`; the first
+``OSError`` is recorded and every later write is discarded while reporting success,
+so HDF5 finishes and closes normally, and the writer raises one clear error and
+deletes the file. A background thread writes the file back to disk as it grows
+(``fdatasync`` every :data:`FLUSH_BYTES`), and its errors are recorded too (an
+error that write-back reports once must not be lost before the final ``fsync``).
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import queue
+import threading
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FLUSH_BYTES", "GuardedFile", "free_bytes", "human", "space_problem"]
+
+FLUSH_BYTES = 64 << 20  # start writing back to disk every this many bytes
+
+_pwrite = os.pwrite  # the lowest level of every write (the tests replace it)
+_fdatasync = os.fdatasync
+
+
+class GuardedFile(io.RawIOBase):
+    """A new file (truncated) for h5py's ``fileobj`` driver that never fails a write.
+
+    ``error`` is the first ``OSError`` of any write, truncation or write-back;
+    ``written`` counts the bytes that reached the file system before it.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.error: OSError | None = None
+        self.written = 0
+        self._pos = 0
+        self._size = 0
+        self._since = 0
+        self._todo: queue.Queue[bool] = queue.Queue()
+        self._thread = threading.Thread(target=self._write_back, name="ckpt-flush", daemon=True)
+        self._thread.start()
+
+    # ---- what h5py's fileobj driver calls
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        data = os.pread(self.fd, view.nbytes, self._pos) if self.error is None else b""
+        view[:len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+    def write(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = view.nbytes
+        if self.error is None:
+            try:
+                done = 0
+                while done < n:
+                    k = _pwrite(self.fd, view[done:], self._pos + done)
+                    if k <= 0:
+                        raise OSError(errno.EIO, "write made no progress")
+                    done += k
+                    self.written += k
+            except OSError as exc:
+                self._fail(exc)
+        self._pos += n
+        self._size = max(self._size, self._pos)
+        self._since += n
+        if self._since >= FLUSH_BYTES:
+            self._since = 0
+            self._todo.put(True)
+        return n
+
+    def truncate(self, size: int | None = None) -> int:
+        size = self._pos if size is None else int(size)
+        if self.error is None:
+            try:
+                os.ftruncate(self.fd, size)
+            except OSError as exc:
+                self._fail(exc)
+        self._size = size
+        return size
+
+    def flush(self) -> None:
+        """Nothing: data reaches the disk by write-back and :meth:`sync`."""
+
+    # ---- the writer's side
+    def sync(self) -> None:
+        """``fsync`` the file (the error, if any, goes to :attr:`error`)."""
+        if self.error is None:
+            try:
+                os.fsync(self.fd)
+            except OSError as exc:
+                self._fail(exc)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self._todo.put(False)
+        self._thread.join()
+        os.close(self.fd)
+        super().close()
+
+    def _fail(self, exc: OSError) -> None:
+        if self.error is None:
+            self.error = exc
+
+    def _write_back(self) -> None:
+        while self._todo.get():
+            if self.error is None:
+                try:
+                    _fdatasync(self.fd)
+                except OSError as exc:
+                    self._fail(exc)
+
+
+def free_bytes(directory: str | os.PathLike[str]) -> int | None:
+    """Bytes an unprivileged user may still write in ``directory`` (None if unknown)."""
+    try:
+        st = os.statvfs(directory)
+    except (OSError, AttributeError):
+        return None
+    return int(st.f_bavail) * int(st.f_frsize)
+
+
+def human(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"
+
+
+_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def space_problem(directory: Path, needed: int, exc: OSError | None = None,
+                  written: int | None = None, name: str | None = None) -> str:
+    """One message for a checkpoint that does not fit (or failed to write) in ``directory``.
+
+    ``exc`` None: the pre-check found less free space than the data needs.
+    """
+    free = free_bytes(directory)
+    have = "unknown free space" if free is None else f"{human(free)} free"
+    need = f"the checkpoint needs at least {human(needed)}"
+    if exc is None:
+        return (f"not enough space in {directory}: {have}, {need}; free space there "
+                "(or keep fewer checkpoints: keep_last / --checkpoint-keep)")
+    what = exc.strerror or str(exc)
+    where = f" writing {name}" if name else ""
+    after = f" after {human(written)}" if written is not None else ""
+    if exc.errno in _SPACE_ERRNOS:
+        return (f"{what}{where}{after} in {directory} ({have}; {need}); free space there "
+                "(or keep fewer checkpoints: keep_last / --checkpoint-keep)")
+    return f"{what}{where}{after} in {directory} ({have}; {need})"

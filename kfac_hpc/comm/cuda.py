@@ -1,0 +1,385 @@
+"""Which MPI calls may be handed CUDA device memory: detection you can trust.
+
+"CUDA-aware" is not one flag. Whether a library takes device memory depends on the
+vendor, on how it was built, on run-time switches, and on the call: Open MPI takes
+device memory in blocking collectives but not in non-blocking reductions, and in
+non-blocking data movement only through its UCX transport. :func:`detect` gathers the
+evidence of the running process and returns a :class:`CudaSupport`: the vendor, the
+evidence (what was looked at, what it said), and the set of calls that take device
+memory. Every other call on a CUDA tensor is staged through pinned host memory: slower
+(a device→host and a host→device copy per call), never wrong. The tables below are
+therefore conservative: a call is listed only where the vendor documents it.
+
+Evidence per vendor (the MPI library's own version string names the vendor):
+
+========== ============================================================================
+Open MPI   ``MPIX_Query_cuda_support()`` (built with CUDA *and* supported at run time);
+           UCX's CUDA transport (``libuct_cuda``) loaded; optionally ``ompi_info``
+MVAPICH2   ``MV2_USE_CUDA=1`` (device buffers are refused without it)
+Cray MPICH ``MPICH_GPU_SUPPORT_ENABLED=1`` and the GPU transport layer
+           ``libmpi_gtl_cuda`` linked into the process (``/proc/self/maps``)
+Intel MPI  ``I_MPI_OFFLOAD`` >= 1 and ``I_MPI_OFFLOAD_MODE`` not ``level_zero``
+MPICH      ``MPIX_Query_cuda_support()`` (MPICH >= 4.0); ``MPIR_CVAR_ENABLE_GPU=0`` off
+========== ============================================================================
+
+``KFAC_HPC_CUDA_AWARE`` overrides the detection: ``0`` stages every call, ``1`` trusts
+the vendor's table (for a library detection missed), ``all`` hands device memory to
+every call (for a library known to do better than its table). Every input of
+:func:`detect` can be injected, so tests fake each vendor on a CPU machine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CUDA_AWARE_ENV = "KFAC_HPC_CUDA_AWARE"
+
+# The MPI calls the Communicator makes, named after the MPI functions (lower case).
+BLOCKING_CALLS = ("allreduce", "reduce", "reduce_scatter", "bcast", "allgather", "allgatherv",
+                  "send", "recv")
+NONBLOCKING_CALLS = ("iallreduce", "ireduce", "ireduce_scatter", "ibcast", "iallgather",
+                     "iallgatherv")
+CALLS = BLOCKING_CALLS + NONBLOCKING_CALLS
+NONBLOCKING_REDUCTIONS = frozenset({"iallreduce", "ireduce", "ireduce_scatter"})
+NONBLOCKING_MOVEMENT = frozenset(NONBLOCKING_CALLS) - NONBLOCKING_REDUCTIONS
+
+OPEN_MPI, MPICH, MVAPICH, CRAY_MPICH, INTEL_MPI, UNKNOWN = (
+    "Open MPI", "MPICH", "MVAPICH", "Cray MPICH", "Intel MPI", "unknown")
+
+ALL = frozenset(CALLS)
+BLOCKING = frozenset(BLOCKING_CALLS)
+# What each library takes in device memory once it is CUDA-aware (documented behaviour).
+TABLES: dict[str, frozenset[str]] = {
+    # Open MPI docs ("Which MPI APIs work with CUDA-aware?"): blocking calls only;
+    # with the UCX PML also Ibcast/Iallgather(v); never the non-blocking reductions.
+    OPEN_MPI: BLOCKING,
+    # MPICH >= 4 (yaksa GPU engine) and Cray MPICH (GTL): every collective.
+    MPICH: ALL,
+    CRAY_MPICH: ALL,
+    # Documented for point-to-point and blocking collectives; non-blocking ones staged.
+    MVAPICH: BLOCKING,
+    INTEL_MPI: BLOCKING,
+    # A library that says yes to MPIX_Query_cuda_support but that we do not know.
+    UNKNOWN: BLOCKING,
+}
+OPEN_MPI_UCX_EXTRA = NONBLOCKING_MOVEMENT
+
+
+@dataclass(frozen=True)
+class CudaSupport:
+    """What this process's MPI library does with CUDA device memory, and why we think so."""
+
+    vendor: str
+    aware: bool  # the library takes device memory in at least some calls
+    device_calls: frozenset[str]  # calls that get device memory; the rest are staged
+    source: str  # "detected", or the override that decided ("KFAC_HPC_CUDA_AWARE=1", ...)
+    evidence: tuple[str, ...] = field(default=())
+    library: str = ""
+
+    def device_ok(self, call: str) -> bool:
+        """Whether ``call`` (e.g. ``"iallreduce"``) may be handed device memory."""
+        if call not in CALLS:
+            raise ValueError(f"unknown MPI call {call!r}; use one of {', '.join(CALLS)}")
+        return call in self.device_calls
+
+    @property
+    def staged_calls(self) -> tuple[str, ...]:
+        return tuple(c for c in CALLS if c not in self.device_calls)
+
+    def table(self) -> dict[str, str]:
+        """``{call: "device" | "staged"}`` for every call, in a fixed order."""
+        return {c: "device" if c in self.device_calls else "staged" for c in CALLS}
+
+    def summary(self) -> str:
+        """One line: vendor, verdict and how it was reached."""
+        verdict = ("CUDA-aware for " + ", ".join(c for c in CALLS if c in self.device_calls)
+                   if self.aware else "not CUDA-aware (CUDA tensors staged through host memory)")
+        return f"{self.vendor}: {verdict} [{self.source}]"
+
+    def as_dict(self) -> dict[str, object]:
+        return {"vendor": self.vendor, "aware": self.aware, "source": self.source,
+                "library": self.library, "evidence": list(self.evidence),
+                "table": self.table()}
+
+    @staticmethod
+    def staged(vendor: str = UNKNOWN, source: str = "forced", library: str = "",
+               evidence: tuple[str, ...] = ()) -> CudaSupport:
+        """Every call staged (a CPU-only or non-CUDA-aware library)."""
+        return CudaSupport(vendor, False, frozenset(), source, evidence, library)
+
+
+# ------------------------------------------------------------------ inputs
+def vendor_of(library_version: str) -> str:
+    """The MPI implementation named by ``MPI_Get_library_version``'s text."""
+    text = library_version.lower()
+    if "cray mpich" in text:
+        return CRAY_MPICH
+    if "mvapich" in text:
+        return MVAPICH
+    if "intel(r) mpi" in text or "intel mpi" in text:
+        return INTEL_MPI
+    if "open mpi" in text:
+        return OPEN_MPI
+    if "mpich" in text:
+        return MPICH
+    return UNKNOWN
+
+
+def read_maps() -> str:
+    """This process's memory map (the shared libraries it has loaded); '' if unreadable."""
+    try:
+        return Path("/proc/self/maps").read_text()
+    except OSError:
+        return ""
+
+
+def loaded_libraries(maps: str) -> list[str]:
+    """Paths of the shared objects in a ``/proc/<pid>/maps`` text, each once, in order."""
+    seen: dict[str, None] = {}
+    for line in maps.splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].startswith("/") and ".so" in parts[5]:
+            seen.setdefault(parts[5].strip(), None)
+    return list(seen)
+
+
+_MPI_LIBRARY = re.compile(r"/lib(mpi|mpich|mpi_cray|mpi_intel)(\.so|_[a-z]+\.so|-[^/]*\.so)")
+_SONAMES = ("libmpi.so.40", "libmpi.so.12", "libmpi_cray.so.12", "libmpich.so.12", "libmpi.so",
+            "libmpich.so")
+
+
+def query_cuda_support(maps: str | None = None) -> int | None:
+    """``MPIX_Query_cuda_support()`` of the loaded MPI library; None where it lacks it.
+
+    The library is found among the loaded shared objects (``RTLD_NOLOAD``: nothing new
+    is loaded). Call after MPI is initialised (importing ``mpi4py.MPI`` does that).
+    """
+    paths = [p for p in loaded_libraries(read_maps() if maps is None else maps)
+             if _MPI_LIBRARY.search(p) and "gtl" not in p]
+    for name in [*paths, *_SONAMES]:
+        try:
+            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+        query = getattr(lib, "MPIX_Query_cuda_support", None)
+        if query is not None:
+            query.restype = ctypes.c_int
+            return int(query())
+    return None
+
+
+def library_version() -> str:
+    from mpi4py import MPI
+
+    return str(MPI.Get_library_version()).replace("\x00", "")
+
+
+def find_ompi_info(maps: str) -> str | None:
+    """``ompi_info`` next to the loaded ``libmpi`` (``<prefix>/bin``), else on PATH."""
+    for path in loaded_libraries(maps):
+        if re.search(r"/libmpi\.so", path):
+            candidate = Path(path).parent.parent / "bin" / "ompi_info"
+            if candidate.exists():
+                return str(candidate)
+    return shutil.which("ompi_info")
+
+
+def run_ompi_info(executable: str) -> str:
+    """``ompi_info --parsable --all`` (for ``kfac-hpc info``; never in a training run)."""
+    proc = subprocess.run([executable, "--parsable", "--all"], capture_output=True, text=True,
+                          timeout=30, check=False)
+    return proc.stdout
+
+
+# ---------------------------------------------------------------- decision
+def _truthy(value: str | None) -> bool:
+    return value is not None and value.strip().lower() in ("1", "true", "yes", "on", "enabled")
+
+
+def _falsy(value: str | None) -> bool:
+    return value is not None and value.strip().lower() in ("0", "false", "no", "off", "disabled")
+
+
+def parse_override(value: str | bool | None) -> str | None:
+    """``None`` (detect), ``"0"``, ``"1"`` or ``"all"`` from an override value."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    text = value.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return "1"
+    if text in ("0", "false", "no", "off"):
+        return "0"
+    if text == "all":
+        return "all"
+    raise ValueError(f"{CUDA_AWARE_ENV}={value!r}: use 0 (stage every CUDA tensor), 1 (trust "
+                     "the MPI vendor's table of CUDA-aware calls) or all (device memory to "
+                     "every call); unset it to detect")
+
+
+def ucx_tls_allows_cuda(tls: str) -> bool:
+    """Whether a ``UCX_TLS`` value keeps the CUDA transports (``^a,b`` excludes a and b)."""
+    text = tls.strip().lower()
+    if text.startswith("^"):
+        return not ({"cuda", "cuda_copy"} & {t.strip() for t in text[1:].split(",")})
+    tokens = {t.strip() for t in text.split(",")}
+    return "all" in tokens or any("cuda" in t for t in tokens)
+
+
+def _ucx_cuda(libraries: list[str], env: Mapping[str, str]) -> tuple[bool, list[str]]:
+    """Whether UCX's CUDA transport is in use (Open MPI's path for non-blocking movement)."""
+    cuda_tl = [p for p in libraries if re.search(r"/libuct_cuda[^/]*\.so", p)]
+    notes = []
+    if cuda_tl:
+        notes.append(f"UCX CUDA transport loaded: {Path(cuda_tl[0]).name}")
+    elif any(re.search(r"/libucp\.so", p) for p in libraries):
+        notes.append("UCX loaded without its CUDA transport (no libuct_cuda*.so)")
+    tls = env.get("UCX_TLS")
+    if tls is not None and not ucx_tls_allows_cuda(tls):
+        notes.append(f"UCX_TLS={tls} excludes the CUDA transports")
+        return False, notes
+    return bool(cuda_tl), notes
+
+
+def _open_mpi(query: int | None, libraries: list[str], env: Mapping[str, str],
+              ompi_info: str | None) -> tuple[bool, frozenset[str], list[str]]:
+    notes = [f"MPIX_Query_cuda_support() = {query}" if query is not None
+             else "MPIX_Query_cuda_support not exported (CUDA extension disabled)"]
+    aware = query == 1
+    if ompi_info:
+        for key in ("opal_built_with_cuda_support", "mpi_built_with_cuda_support",
+                    "opal_cuda_support"):
+            match = re.search(rf":{key}:value:(\w+)", ompi_info)
+            if match:
+                notes.append(f"ompi_info: {key} = {match.group(1)}")
+        if re.search(r":(opal|mpi)_built_with_cuda_support:value:false", ompi_info):
+            aware = False
+        match = re.search(r"^options:mpi_ext:(.*)$", ompi_info, re.MULTILINE)
+        if match:
+            notes.append(f"ompi_info: MPI extensions: {match.group(1).strip()}")
+    if any(_falsy(env.get(f"OMPI_MCA_{k}_cuda_support")) for k in ("opal", "mpi")):
+        notes.append("OMPI_MCA_opal_cuda_support/mpi_cuda_support switches CUDA support off")
+        aware = False
+    ucx, ucx_notes = _ucx_cuda(libraries, env)
+    notes += ucx_notes
+    calls = TABLES[OPEN_MPI] | (OPEN_MPI_UCX_EXTRA if ucx else frozenset())
+    if aware:
+        notes.append("Open MPI: non-blocking reductions never take device memory" +
+                     ("" if ucx else "; non-blocking movement only through UCX"))
+    return aware, calls, notes
+
+
+def _mvapich(env: Mapping[str, str]) -> tuple[bool, list[str]]:
+    value = env.get("MV2_USE_CUDA")
+    if _truthy(value):
+        return True, ["MV2_USE_CUDA=1"]
+    return False, [f"MV2_USE_CUDA={value!r}: MVAPICH2 takes device buffers only with "
+                   "MV2_USE_CUDA=1" if value is not None else
+                   "MV2_USE_CUDA unset: MVAPICH2 takes device buffers only with MV2_USE_CUDA=1"]
+
+
+def _cray(env: Mapping[str, str], libraries: list[str]) -> tuple[bool, list[str]]:
+    enabled = _truthy(env.get("MPICH_GPU_SUPPORT_ENABLED"))
+    gtl = [p for p in libraries if re.search(r"/libmpi_gtl_[^/]*\.so", p)]
+    gtl_cuda = [p for p in gtl if "gtl_cuda" in p]
+    notes = [f"MPICH_GPU_SUPPORT_ENABLED={env.get('MPICH_GPU_SUPPORT_ENABLED')!r}",
+             f"GTL linked: {', '.join(Path(p).name for p in gtl)}" if gtl else
+             "no GPU transport layer (libmpi_gtl_*) linked into this process"]
+    if enabled and not gtl_cuda:
+        notes.append("GPU support requested but libmpi_gtl_cuda is not linked: build with the "
+                     "craype-accel-nvidia* module loaded (or LD_PRELOAD libmpi_gtl_cuda.so)")
+    return enabled and bool(gtl_cuda), notes
+
+
+def _intel(env: Mapping[str, str]) -> tuple[bool, list[str]]:
+    value, mode = env.get("I_MPI_OFFLOAD"), env.get("I_MPI_OFFLOAD_MODE", "auto")
+    notes = [f"I_MPI_OFFLOAD={value!r}", f"I_MPI_OFFLOAD_MODE={mode}"]
+    try:
+        level = int(value) if value is not None else 0
+    except ValueError:
+        level = 1 if _truthy(value) else 0
+    if mode.strip().lower() == "level_zero":
+        notes.append("offload mode level_zero: Intel GPUs only, not CUDA")
+        return False, notes
+    if level < 1:
+        notes.append("Intel MPI takes device buffers only with I_MPI_OFFLOAD=1")
+    return level >= 1, notes
+
+
+def _mpich(query: int | None, env: Mapping[str, str]) -> tuple[bool, list[str]]:
+    notes = [f"MPIX_Query_cuda_support() = {query}" if query is not None
+             else "MPIX_Query_cuda_support not exported (MPICH < 4.0 or built without GPU)"]
+    if _falsy(env.get("MPIR_CVAR_ENABLE_GPU")):
+        notes.append("MPIR_CVAR_ENABLE_GPU=0 switches GPU support off")
+        return False, notes
+    return query == 1, notes
+
+
+def detect(override: str | bool | None = None, *,
+           env: Mapping[str, str] | None = None,
+           library: str | Callable[[], str] = library_version,
+           query: int | Callable[[], int | None] | None = None,
+           maps: str | Callable[[], str] = read_maps,
+           ompi_info: str | Callable[[], str | None] | None = None) -> CudaSupport:
+    """What the MPI library of this process does with CUDA device memory.
+
+    ``override`` (``Communicator(cuda_aware=...)``) comes first, then the environment
+    variable ``KFAC_HPC_CUDA_AWARE``, then the evidence. Every input can be injected
+    (a value, or a function producing it): ``env`` (default ``os.environ``),
+    ``library`` (``MPI_Get_library_version``), ``query`` (``MPIX_Query_cuda_support()``
+    via ctypes; a function returning None fakes a library without it), ``maps``
+    (``/proc/self/maps``) and ``ompi_info`` (``ompi_info --parsable --all``; not run
+    unless given: it forks).
+    """
+    env = os.environ if env is None else env
+    library_text = library() if callable(library) else library
+    maps_text = maps() if callable(maps) else maps
+    libraries = loaded_libraries(maps_text)
+    vendor = vendor_of(library_text)
+    first_line = library_text.strip().splitlines()[0].strip() if library_text.strip() else ""
+    query_value = query() if callable(query) else (
+        query if query is not None else query_cuda_support(maps_text))
+    info_text = ompi_info() if callable(ompi_info) else ompi_info
+
+    if vendor == OPEN_MPI:
+        aware, calls, notes = _open_mpi(query_value, libraries, env, info_text)
+    else:
+        calls = TABLES[vendor]
+        if vendor == MVAPICH:
+            aware, notes = _mvapich(env)
+        elif vendor == CRAY_MPICH:
+            aware, notes = _cray(env, libraries)
+        elif vendor == INTEL_MPI:
+            aware, notes = _intel(env)
+        elif vendor == MPICH:
+            aware, notes = _mpich(query_value, env)
+        else:
+            aware = query_value == 1
+            notes = [f"unrecognised MPI library; MPIX_Query_cuda_support() = {query_value}"]
+
+    forced = parse_override(override)
+    source = "Communicator(cuda_aware=...)" if forced is not None else "detected"
+    if forced is None:
+        forced = parse_override(env.get(CUDA_AWARE_ENV))
+        if forced is not None:
+            source = f"{CUDA_AWARE_ENV}={env[CUDA_AWARE_ENV]}"
+    if forced is not None:
+        notes.append(f"override {source} (detected: {'aware' if aware else 'not aware'})")
+        if forced == "0":
+            aware = False
+        elif forced == "1":
+            aware = True
+        else:
+            aware, calls = True, ALL
+    if not aware:
+        calls = frozenset()
+    return CudaSupport(vendor, aware and bool(calls), frozenset(calls), source, tuple(notes),
+                       first_line)

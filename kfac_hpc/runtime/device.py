@@ -1,0 +1,127 @@
+"""Choose this rank's device before MPI starts.
+
+``from mpi4py import MPI`` initialises MPI, and some MPI libraries (CUDA-aware builds
+in particular) bind to the GPU that is current at that moment. So the device is
+chosen from the *launcher's* variables, without importing mpi4py: call
+:func:`select_device` first thing in a training script, before anything imports
+``mpi4py`` or ``kfac_hpc.comm``.
+
+Local-rank variables, first found wins (:data:`LOCAL_RANK_VARIABLES`): the MPI
+launcher that started this process comes before SLURM, because processes started by
+``mpirun``/``mpiexec`` inside a batch job inherit the batch shell's (or the per-node
+daemon's) ``SLURM_LOCALID``, which is then 0 on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DEVICE_CHOICES", "LOCAL_RANK_VARIABLES", "LocalRank", "NoCudaDeviceError",
+           "local_rank_from_environment", "select_device", "selected_device"]
+
+#: ``(variable, launcher)`` in order of preference.
+LOCAL_RANK_VARIABLES: tuple[tuple[str, str], ...] = (
+    ("OMPI_COMM_WORLD_LOCAL_RANK", "Open MPI mpirun/mpiexec"),
+    ("MV2_COMM_WORLD_LOCAL_RANK", "MVAPICH"),
+    ("MPI_LOCALRANKID", "MPICH/Intel MPI (Hydra)"),
+    ("PMI_LOCAL_RANK", "PMI (Cray MPICH on PALS, MPICH PMI2)"),
+    ("PALS_LOCAL_RANKID", "Cray PALS"),
+    ("FLUX_TASK_LOCAL_ID", "Flux"),
+    ("SLURM_LOCALID", "SLURM srun"),
+)
+
+DEVICE_CHOICES = ("auto", "cuda", "cpu")
+
+_selected: torch.device | None = None
+
+
+class NoCudaDeviceError(RuntimeError):
+    """``select_device("cuda")`` found no usable CUDA device."""
+
+
+@dataclass(frozen=True)
+class LocalRank:
+    """This process's rank on its node and the variable it was read from."""
+
+    rank: int
+    variable: str | None  # None: no launcher variable, a single process (rank 0)
+
+
+def local_rank_from_environment(env: Mapping[str, str] | None = None) -> LocalRank:
+    """The node-local rank from the launcher's variables (no MPI call, no mpi4py import)."""
+    env = os.environ if env is None else env
+    for name, _ in LOCAL_RANK_VARIABLES:
+        value = env.get(name)
+        if value is None or not value.strip():
+            continue
+        try:
+            rank = int(value)
+        except ValueError:
+            raise ValueError(f"{name}={value!r} is not an integer; the launcher sets it to this "
+                             "process's rank on its node: unset it or fix the launch") from None
+        if rank < 0:
+            raise ValueError(f"{name}={rank} is negative; it should be this process's rank on "
+                             "its node (0, 1, ...)")
+        return LocalRank(rank, name)
+    return LocalRank(0, None)
+
+
+def select_device(device: str = "auto", *, local_rank: int | None = None,
+                  env: Mapping[str, str] | None = None) -> torch.device:
+    """Pick this rank's device, make it the current CUDA device, and return it.
+
+    Call it before ``mpi4py`` is imported (``from mpi4py import MPI`` starts MPI)::
+
+        import kfac_hpc
+        device = kfac_hpc.runtime.select_device()   # before any MPI import
+        from kfac_hpc.comm import world              # MPI starts here
+
+    ``device``: ``"auto"`` (a GPU when CUDA is available, else the CPU), ``"cuda"``
+    (a GPU, or :class:`NoCudaDeviceError`) or ``"cpu"``. The GPU is
+    ``cuda:<local rank mod visible GPUs>``: all of a node's GPUs shared by its ranks,
+    or one each when the launcher narrowed ``CUDA_VISIBLE_DEVICES`` per task (e.g.
+    SLURM ``--gpus-per-task=1``: every rank sees its own GPU as ``cuda:0``).
+    ``local_rank`` overrides the launcher's variables (:func:`local_rank_from_environment`
+    reads ``env``, default ``os.environ``).
+    """
+    global _selected
+    if device not in DEVICE_CHOICES:
+        raise ValueError(f"select_device: invalid device={device!r}; allowed: "
+                         f"{', '.join(map(repr, DEVICE_CHOICES))}")
+    if local_rank is not None and (isinstance(local_rank, bool) or not isinstance(local_rank, int)
+                                   or local_rank < 0):
+        raise ValueError(f"select_device: invalid local_rank={local_rank!r}; allowed: an "
+                         "integer >= 0, or None to read it from the launcher's variables")
+    if device == "cpu" or not torch.cuda.is_available():
+        if device == "cuda":
+            raise NoCudaDeviceError(_no_cuda_message(env))
+        _selected = torch.device("cpu")
+        return _selected
+    rank = local_rank if local_rank is not None else local_rank_from_environment(env).rank
+    chosen = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(chosen)
+    _selected = chosen
+    return chosen
+
+
+def selected_device() -> torch.device | None:
+    """What the last :func:`select_device` call in this process chose (None: no call yet)."""
+    return _selected
+
+
+def _no_cuda_message(env: Mapping[str, str] | None) -> str:
+    env = os.environ if env is None else env
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        why = (f"this torch ({torch.__version__}) is a CPU-only build: install a CUDA build "
+               "of torch")
+    else:
+        visible = env.get("CUDA_VISIBLE_DEVICES")
+        why = ("no GPU is visible to this process"
+               + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
+               + ": run on a GPU node and check the job's GPU request (e.g. SLURM "
+               "--gpus-per-node or --gpus-per-task)")
+    return f"select_device('cuda'): {why}; or select 'auto' or 'cpu' to run on the CPU"

@@ -1,0 +1,28 @@
+"""GPU tests (each module sets ``pytestmark = pytest.mark.gpu``; skipped without CUDA).
+
+``KFAC_HPC_TEST_DEVICE`` (default ``cuda``) names the device; ``cpu`` runs the tests'
+logic on a machine without a GPU (CUDA-only checks skip themselves), to check the tests.
+With several ranks and one GPU, the ranks share it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """``cuda:<local rank mod GPUs>`` (made current), or the ``KFAC_HPC_TEST_DEVICE`` stand-in."""
+    name = os.environ.get("KFAC_HPC_TEST_DEVICE", "cuda")
+    if name != "cuda":
+        return torch.device(name)
+    from mpi4py import MPI
+
+    local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    index = local.Get_rank() % max(1, torch.cuda.device_count())
+    local.Free()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)

@@ -1,0 +1,186 @@
+"""K-FAC on CUDA: the same numbers as on the CPU, all state on the GPU, faults agreed.
+
+Every rank uses the same batch (no gradient averaging needed), so a CPU run in the same
+process is the reference. float64 throughout: results equal to 1e-10.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from mpi4py import MPI
+from torch import nn
+
+from kfac_hpc import GradientAverager, KFACPreconditioner
+from kfac_hpc.comm import Communicator
+
+pytestmark = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-only check")
+
+STEPS = 5
+CASES = [
+    ("comm-opt", {}),
+    ("comm-opt", {"compute_method": "inverse"}),
+    ("comm-opt", {"overlap": True, "bucket_cap_mb": 1e-4}),
+    ("comm-opt", {"symmetric_packing": True}),
+    ("comm-opt", {"factor_sync": "inverse"}),
+    ("comm-opt", {"local_decomposition_threshold": 10}),
+    ("mem-opt", {}),
+    ("mem-opt", {"overlap": True, "symmetric_packing": True}),
+    ("mem-opt", {"compute_method": "inverse", "factor_sync": "inverse"}),
+    ("hybrid-opt", {}),
+    ("dp-kfac", {}),
+    ("dp-kfac", {"input_shape": (4, 2, 6, 6)}),
+]
+IDS = [f"{s}-" + "-".join(f"{k}={v}" for k, v in o.items()) for s, o in CASES]
+
+
+def cnn(device: torch.device, dtype: torch.dtype = torch.float64) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(2, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2),
+                         nn.ReLU(), nn.Flatten(), nn.Linear(32, 20), nn.ReLU(),
+                         nn.Linear(20, 3)).to(device=device, dtype=dtype)
+
+
+def batches(device: torch.device, dtype: torch.dtype = torch.float64, n: int = STEPS):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(4, 2, 6, 6, generator=g, dtype=dtype).to(device),
+             torch.randint(0, 3, (4,), generator=g).to(device)) for _ in range(n)]
+
+
+def fraction_for(strategy: str, size: int) -> tuple[str, float | None]:
+    if strategy == "hybrid-opt":
+        return (strategy, 0.5) if size % 2 == 0 else ("comm-opt", None)
+    return strategy, None
+
+
+def train(device: torch.device, comm: Communicator, strategy: str, options: dict
+          ) -> tuple[nn.Module, KFACPreconditioner]:
+    strategy, fraction = fraction_for(strategy, comm.size)
+    model = cnn(device)
+    pre = KFACPreconditioner(model, comm=comm, strategy=strategy, grad_worker_fraction=fraction,
+                             damping=0.01, inv_update_steps=2, inv_dtype=torch.float64,
+                             **options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in batches(device):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        pre.step()
+        opt.step()
+    return model, pre
+
+
+def assert_on(pre: KFACPreconditioner, device: torch.device) -> None:
+    tensors = [s.average for s in pre.factors.values() if s.average is not None]
+    tensors += [t for parts in pre.decompositions.values() for t in parts.values()]
+    tensors += [s.delta for s in pre.local_averages.values() if s.delta is not None]
+    assert tensors
+    assert {t.device for t in tensors} == {device}
+    assert pre.device == device
+
+
+def compare(device: torch.device, comm: Communicator, strategy: str, options: dict) -> None:
+    on_device, pre = train(device, comm, strategy, options)
+    assert_on(pre, device)
+    on_cpu, _ = train(torch.device("cpu"), comm, strategy, options)
+    for (name, p), q in zip(on_device.named_parameters(), on_cpu.parameters()):
+        assert p.device == device
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-10, atol=1e-12, msg=f"{name} differs")
+
+
+@pytest.mark.parametrize("strategy, options", CASES, ids=IDS)
+def test_cuda_equals_cpu_one_rank(device, strategy, options):
+    compare(device, Communicator(MPI.COMM_SELF), strategy, options)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("strategy, options", CASES, ids=IDS)
+def test_cuda_equals_cpu_ranks(device, comm, strategy, options):
+    compare(device, comm, strategy, options)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_overlap_hooks_on_cuda_equal_plain_run(device, comm):
+    """Reductions posted from backward hooks (staged on a side stream, or device-direct)
+    give the plain run's parameters; buckets were posted during backward."""
+    plain, _ = train(device, comm, "comm-opt", {})
+    overlapped, pre = train(device, comm, "comm-opt", {"overlap": True, "bucket_cap_mb": 1e-4})
+    assert pre.pipeline is not None and len(pre.pipeline.buckets) > 1
+    for (name, p), q in zip(overlapped.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=f"{name} differs")
+
+
+@needs_cuda
+@pytest.mark.mpi(min_size=2)
+def test_amp_fp16_inf_on_one_rank_skips_everywhere(device, comm):
+    """AMP fp16 with an Inf injected into one rank's batch: the GradScaler skips the
+    optimizer step on every rank (gradients are averaged), K-FAC skips the factor update
+    on every rank, factors stay finite, and the next steps run (no hang)."""
+    model = cnn(device, torch.float32)
+    scaler = torch.amp.GradScaler("cuda")
+    pre = KFACPreconditioner(model, comm=comm, damping=0.01, inv_update_steps=2,
+                             grad_scaler=scaler)
+    averager = GradientAverager(model, comm)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scales = []
+    for step, (x, y) in enumerate(batches(device, torch.float32, n=6)):
+        if step == 3 and comm.rank == comm.size - 1:
+            x = x.clone()
+            x[0, 0, 0, 0] = float("inf")
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        averager.synchronize()
+        scaler.unscale_(opt)
+        before = {k: s.average.clone() for k, s in pre.factors.items() if s.average is not None}
+        pre.step()
+        if step == 3:
+            for key, value in before.items():
+                assert torch.equal(pre.factors[key].average, value), key
+        scaler.step(opt)
+        scaler.update()
+        scales.append(float(scaler.get_scale()))
+    everyone = comm.allgather_object(scales)
+    assert all(s == everyone[0] for s in everyone), "ranks disagree on the skipped steps"
+    assert scales[3] < scales[2], "the overflow step was not skipped"
+    for s in pre.factors.values():
+        assert s.average is None or bool(torch.isfinite(s.average).all())
+    for p in model.parameters():
+        assert bool(torch.isfinite(p).all())
+
+
+def syncs_per_step(device: torch.device, hidden_layers: int) -> int:
+    """Synchronising CUDA calls that torch reports during one K-FAC step."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(8, 16)]
+    for _ in range(hidden_layers):
+        layers += [nn.Tanh(), nn.Linear(16, 16)]
+    model = nn.Sequential(*layers, nn.Tanh(), nn.Linear(16, 3)).to(device)
+    pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), strategy="comm-opt")
+    x = torch.randn(8, 8, device=device)
+    y = torch.randint(0, 3, (8,), device=device)
+    for _ in range(2):  # warm: decompositions exist
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        pre.step()
+    model.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pre.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@needs_cuda
+def test_host_syncs_do_not_grow_with_layers(device):
+    """Counts, valid flags and finiteness are read once per phase, not per factor."""
+    shallow, deep = syncs_per_step(device, 1), syncs_per_step(device, 8)
+    assert deep == shallow, f"{shallow} syncs with 3 layers but {deep} with 10"

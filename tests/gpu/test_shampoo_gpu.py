@@ -1,0 +1,162 @@
+"""DistributedShampoo on CUDA tensors: two ranks on the GPU equal the same run on the CPU.
+
+``KFAC_HPC_TEST_DEVICE`` (default ``cuda``) is the device under test; without CUDA the
+root conftest skips these tests. ``KFAC_HPC_TEST_DEVICE=cpu`` runs them on the CPU
+(the comparison is then CPU against CPU), which checks the test code itself::
+
+    launch/local -n 2 python -m mpi4py -m pytest --with-mpi --only-mpi tests/gpu
+    KFAC_HPC_TEST_DEVICE=cpu launch/local -n 2 python -m mpi4py -m pytest --with-mpi \\
+        --only-mpi tests/gpu
+
+Tolerance: float64 factors, roots and communication; cuSOLVER and LAPACK
+eigendecompositions and the matrix products differ in the last bits only, so after 5
+steps parameters agree to ~1e-13 relative; 1e-10 leaves room, a wrong device, dtype or
+update gives O(1e-3) or more.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from kfac_hpc.comm import Communicator
+from kfac_hpc.runtime import select_device
+from kfac_hpc.shampoo import DistributedShampoo
+
+KIND = os.environ.get("KFAC_HPC_TEST_DEVICE", "cuda")
+pytestmark = pytest.mark.gpu
+
+KWARGS: dict[str, Any] = dict(lr=0.01, momentum=0.9, nesterov=True, weight_decay=1e-3,
+                              max_preconditioner_dim=4, precondition_frequency=2,
+                              factor_dtype=torch.float64, communication_dtype=torch.float64)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """This rank's device, chosen from the launcher's local rank (as a script would)."""
+    return select_device(KIND)
+
+
+class Net(nn.Module):
+    """Conv 4-D weight (merged to 3-D), matrices, vectors and a 0-d scale; max dim 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(2, 3, 3)
+        self.fc1 = nn.Linear(12, 6)
+        self.fc2 = nn.Linear(6, 3)
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.conv(x)).flatten(1)
+        return self.fc2(torch.tanh(self.fc1(h))) * self.scale
+
+
+def batches(steps: int, seed: int) -> list[tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 2, 4, 4, generator=g, dtype=torch.float64),
+             torch.randn(8, 3, generator=g, dtype=torch.float64)) for _ in range(steps)]
+
+
+def train(model: nn.Module, opt: DistributedShampoo, data: list[tuple[Tensor, Tensor]],
+          device: torch.device) -> None:
+    for x, y in data:
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
+        opt.step()
+
+
+def held_tensors(opt: DistributedShampoo) -> dict[str, Tensor]:
+    out = {"send buffer": opt._send, "receive buffer": opt._recv,
+           "status offsets": opt._status_at}
+    for p, blocks in opt.state.items():
+        for index, block in blocks.items():
+            for key, value in block.items():
+                if isinstance(value, Tensor):
+                    out[f"{opt._name_of[p]} block {index} {key}"] = value
+    return out
+
+
+def assert_on(opt: DistributedShampoo, device: torch.device, *, with_state: bool = True) -> None:
+    held = held_tensors(opt)
+    wrong = {k: str(v.device) for k, v in held.items() if v.device != device}
+    assert not wrong, f"not on {device}: {wrong}"
+    if with_state and opt._owned:
+        assert len(held) > 3, "no block state held: the check proved nothing"
+
+
+def params_cpu(model: nn.Module) -> list[Tensor]:
+    return [p.detach().cpu() for p in model.parameters()]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_two_ranks_on_the_device_equal_the_cpu(comm: Communicator,
+                                               device: torch.device) -> None:
+    cpu_model = Net().double()
+    dev_model = copy.deepcopy(cpu_model).to(device)
+    cpu_opt = DistributedShampoo(cpu_model.named_parameters(), comm=comm, **KWARGS)
+    dev_opt = DistributedShampoo(dev_model.named_parameters(), comm=comm, **KWARGS)
+    assert_on(dev_opt, device, with_state=False)
+    data = batches(5, seed=1)
+    train(cpu_model, cpu_opt, data, torch.device("cpu"))
+    train(dev_model, dev_opt, data, device)
+    for a, b in zip(params_cpu(dev_model), params_cpu(cpu_model)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert_on(dev_opt, device)
+    rows = comm.allgather(torch.cat([p.reshape(-1) for p in params_cpu(dev_model)]))
+    assert all(torch.equal(rows[0], row) for row in rows)  # identical on every rank
+
+    # A state dict (CPU tensors) loads into an optimizer on the device, onto the device.
+    sd = dev_opt.state_dict()
+    assert all(v.device.type == "cpu" for blocks in sd["state"].values()
+               for block in blocks.values() for v in block.values() if isinstance(v, Tensor))
+    twin = copy.deepcopy(dev_model)
+    other = DistributedShampoo(twin.named_parameters(), comm=comm, **KWARGS)
+    other.load_state_dict(sd)
+    assert_on(other, device)
+    more = batches(3, seed=2)
+    train(dev_model, dev_opt, more, device)
+    train(twin, other, more, device)
+    for a, b in zip(params_cpu(twin), params_cpu(dev_model)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_host_syncs_per_step_do_not_grow_with_blocks(device: torch.device) -> None:
+    """Between root recomputations a step synchronises with the GPU as often for one
+    block as for 14 (the gather's copies and the one status read; none per block)."""
+    if device.type != "cuda":
+        pytest.skip("CUDA's sync debug mode needs CUDA; tests/test_shampoo_device.py "
+                    "counts host reads on the CPU")
+    from mpi4py import MPI
+
+    comm = Communicator(MPI.COMM_SELF, name="self")
+    g = torch.Generator().manual_seed(0)
+    per_step = []
+    for shapes in ([(4, 4)], [(4, 4), (10,), (6, 10), (4, 5, 6)]):
+        params = [nn.Parameter(torch.randn(s, generator=g).to(device)) for s in shapes]
+        opt = DistributedShampoo(params, comm=comm, lr=0.01, momentum=0.9,
+                                 max_preconditioner_dim=4, precondition_frequency=1000)
+        counts = []
+        for step in range(4):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g).to(device)
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    opt.step()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            if step > 0:  # step 0 computes the first roots (an eigensolver syncs)
+                counts.append(sum("synchroniz" in str(w.message) for w in caught))
+        per_step.append(counts)
+    assert per_step[0] == per_step[1], per_step
+    assert min(per_step[0]) >= 1, per_step  # the status read registers: the count is real

@@ -1,0 +1,208 @@
+"""K-FAC faults end in one agreed outcome on every rank, and resume is exact.
+
+* Non-finite statistics on one rank: every rank raises ``KFACNumericalError`` (nothing
+  updated, the next steps run: no rank is left waiting); with a GradScaler every rank
+  skips the factor update instead.
+* A failed decomposition on one rank: every rank raises, the old decompositions stay.
+* ``close()`` frees the sub-communicators.
+* Save through ``checkpoint.save`` with its defaults between two inverse updates, load
+  into fresh objects: the continued run is bitwise the run that saved.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mpi4py import MPI
+from torch import nn
+
+from kfac_hpc import GradientAverager, KFACPreconditioner, checkpoint
+from kfac_hpc.comm import Communicator
+from kfac_hpc.kfac import linalg
+from kfac_hpc.kfac.errors import KFACNumericalError
+
+CASES = [
+    ("comm-opt", {}),
+    ("mem-opt", {}),
+    ("comm-opt", {"compute_method": "inverse"}),
+    ("mem-opt", {"factor_sync": "inverse"}),
+    ("comm-opt", {"overlap": True}),
+    ("dp-kfac", {}),
+]
+IDS = [f"{s}-" + "-".join(f"{k}={v}" for k, v in o.items()) for s, o in CASES]
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 20), nn.Tanh(), nn.Linear(20, 18), nn.Tanh(),
+                         nn.Linear(18, 3)).double()
+
+
+def batch(step: int, rank: int, per_rank: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return (torch.randn(per_rank, 6, generator=g, dtype=torch.float64),
+            torch.randint(0, 3, (per_rank,), generator=g))
+
+
+def kfac(model: nn.Module, comm: Communicator, strategy: str, **options) -> KFACPreconditioner:
+    return KFACPreconditioner(model, comm=comm, strategy=strategy, damping=0.01,
+                              inv_update_steps=2, inv_dtype=torch.float64, **options)
+
+
+def backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    model.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+
+
+def factor_snapshot(pre: KFACPreconditioner) -> dict[str, torch.Tensor]:
+    """Running averages, and the local ones of factor_sync='inverse'."""
+    return {**{k: s.average.clone() for k, s in pre.factors.items() if s.average is not None},
+            **{f"local {k}": s.delta.clone() for k, s in pre.local_averages.items()
+               if s.delta is not None}}
+
+
+def poison_one_rank(comm: Communicator, strategy: str, options: dict, scaler=None) -> None:
+    model = mlp()
+    pre = kfac(model, comm, strategy, grad_scaler=scaler, **options)
+    bad_rank = pre.factor_owner("0/A")  # DP-KFAC: the rank whose batch makes that factor
+    for step in range(3):
+        backward(model, *batch(step, comm.rank))
+        pre.step()
+    before = factor_snapshot(pre)
+    x, y = batch(3, comm.rank)  # between inverse updates (an inverse step also synchronises)
+    if comm.rank == bad_rank:
+        x[0, 0] = float("inf")
+    backward(model, x, y)
+    if scaler is None:
+        with pytest.raises(KFACNumericalError, match="non-finite") as info:
+            pre.step()
+        assert info.value.ranks == 1
+        assert bool(info.value.local) == (comm.rank == bad_rank)
+    else:
+        pre.step()  # skipped on every rank, no error
+    after = factor_snapshot(pre)
+    assert after.keys() == before.keys()
+    for key in before:  # nothing of the poisoned step was applied
+        assert torch.equal(after[key], before[key]), key
+    for step in range(4, 6):  # the job goes on: no rank waits in a collective
+        backward(model, *batch(step, comm.rank))
+        pre.step()
+    assert all(torch.isfinite(t).all() for t in factor_snapshot(pre).values())
+    pre.close()
+
+
+@pytest.mark.parametrize("strategy, options", CASES, ids=IDS)
+def test_nonfinite_statistics_one_rank(strategy, options):
+    poison_one_rank(Communicator(MPI.COMM_SELF), strategy, options)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("strategy, options", CASES, ids=IDS)
+def test_nonfinite_statistics_agreed(comm, strategy, options):
+    poison_one_rank(comm, strategy, options)
+
+
+class Scaler:
+    """The two methods K-FAC reads from a ``torch.amp.GradScaler``."""
+
+    def is_enabled(self) -> bool:
+        return True
+
+    def get_scale(self) -> float:
+        return 1.0
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("strategy, options", CASES[:2] + CASES[3:4], ids=IDS[:2] + IDS[3:4])
+def test_overflow_with_grad_scaler_skips_on_every_rank(comm, strategy, options):
+    poison_one_rank(comm, strategy, options, scaler=Scaler())
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("strategy", ["comm-opt", "mem-opt"])
+def test_failed_decomposition_agreed(comm, strategy, monkeypatch):
+    model = mlp()
+    pre = kfac(model, comm, strategy, local_decomposition_threshold=0)
+    backward(model, *batch(0, comm.rank))
+    pre.step()
+    old = {k: {p: t.clone() for p, t in parts.items()} for k, parts in pre.decompositions.items()}
+    real = linalg.eigh_clamped
+    failing_rank = pre.factor_owner("0/A")
+
+    def eigh_fails(F, dtype=torch.float32):
+        raise torch.linalg.LinAlgError("injected: the algorithm failed to converge")
+
+    if comm.rank == failing_rank:
+        monkeypatch.setattr(linalg, "eigh_clamped", eigh_fails)
+    backward(model, *batch(1, comm.rank))
+    pre.step()  # not an inverse step
+    backward(model, *batch(2, comm.rank))
+    with pytest.raises(KFACNumericalError, match="decomposition") as info:
+        pre.step()
+    assert info.value.ranks == 1
+    if comm.rank == failing_rank:
+        assert isinstance(info.value.__cause__, torch.linalg.LinAlgError)
+    assert pre.decompositions.keys() == old.keys()
+    for key, parts in old.items():
+        for part, value in parts.items():
+            assert torch.equal(pre.decompositions[key][part], value)
+    monkeypatch.setattr(linalg, "eigh_clamped", real)
+    backward(model, *batch(3, comm.rank))
+    pre.step()  # decomposes again, on every rank
+    pre.close()
+
+
+@pytest.mark.mpi(min_size=4)
+def test_close_frees_subcommunicators(comm):
+    pre = kfac(mlp(), comm, "hybrid-opt", grad_worker_fraction=0.5)
+    subs = [c for c in (pre.worker_comm, pre.receiver_comm) if c is not comm]
+    assert subs, "hybrid-opt at 4 ranks splits the world"
+    pre.close()
+    assert all(sub.mpi == MPI.COMM_NULL for sub in subs)
+    with pytest.raises(RuntimeError, match="close"):
+        pre.step()
+    pre.close()  # idempotent
+
+
+def train_with_checkpoint(comm: Communicator, strategy: str, options: dict, directory,
+                          resume: bool) -> nn.Module:
+    """6 steps of K-FAC on SGD over sharded data; at step 3 (between inverse updates)
+    save with ``checkpoint.save``'s defaults; ``resume``: load into fresh objects."""
+    def build() -> tuple[nn.Module, torch.optim.Optimizer, KFACPreconditioner,
+                         GradientAverager]:
+        model = mlp()
+        return (model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                kfac(model, comm, strategy, **options), GradientAverager(model, comm))
+
+    model, opt, pre, avg = build()
+    for step in range(6):
+        if step == 3:
+            checkpoint.save(directory, model=model, optimizer=opt, preconditioner=pre,
+                            step=step, comm=comm)
+            if resume:
+                pre.close()
+                model, opt, pre, avg = build()
+                checkpoint.load(directory, model=model, optimizer=opt, preconditioner=pre,
+                                comm=comm)
+        backward(model, *batch(step, comm.rank))
+        avg.synchronize()
+        pre.step()
+        opt.step()
+    pre.close()
+    return model
+
+
+RESUME_CASES = [("comm-opt", {}), ("mem-opt", {}), ("comm-opt", {"factor_sync": "inverse"}),
+                ("comm-opt", {"compute_method": "inverse"}), ("dp-kfac", {})]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("strategy, options", RESUME_CASES,
+                         ids=[f"{s}-{o}" for s, o in RESUME_CASES])
+def test_checkpoint_resume_is_bitwise(comm, strategy, options, tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume") if comm.rank == 0 else None
+    root = comm.broadcast_object(root)
+    saving = train_with_checkpoint(comm, strategy, options, root / "a", resume=False)
+    resumed = train_with_checkpoint(comm, strategy, options, root / "b", resume=True)
+    for (name, p), q in zip(saving.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), f"{name}: resumed run differs from the run that saved"
