@@ -827,7 +827,7 @@ class Trainer:
     def close(self) -> None:
         """Release communicators, the DDP process group (if ours) and open files."""
         self.writer.close()
-        for obj, method in ((self.pre, "remove_hooks"), (getattr(self, "averager", None),
+        for obj, method in ((self.pre, "close"), (getattr(self, "averager", None),
                                                           "remove")):
             detach = getattr(obj, method, None)
             if detach is not None:
