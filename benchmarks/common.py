@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmark scripts: machine description, tables, JSON, plots.
+"""Helpers shared by the benchmark scripts: machine, device, tables, JSON, plots.
 
 Scripts in this folder import it as ``from common import ...`` (running
 ``python benchmarks/X.py`` puts the folder first on ``sys.path``).
@@ -6,12 +6,17 @@ Scripts in this folder import it as ``from common import ...`` (running
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import platform
+import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 # Set by mpiexec itself on every rank: not a user's setting.
@@ -56,6 +61,7 @@ def machine() -> dict[str, Any]:
         "ranks_on_node": local_ranks,
         "oversubscribed": cores is not None and local_ranks > cores,
         "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        **gpu_info(),
         "load_average_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "env": {k: v for k, v in sorted(os.environ.items())  # settings that change timings
                 if k.startswith(("OMPI_MCA_", "PRTE_MCA_", "MPICH_", "OMP_", "THP_"))
@@ -66,10 +72,104 @@ def machine() -> dict[str, Any]:
 def describe(info: dict[str, Any]) -> str:
     """One line from :func:`machine`'s dict."""
     over = ", oversubscribed" if info.get("oversubscribed") else ""
+    gpus = info.get("gpus") or []
+    gpu = (f"; {len(gpus)} GPU(s) {', '.join(sorted(set(gpus)))} (CUDA {info.get('cuda_runtime')}, "
+           f"driver {info.get('cuda_driver')})" if gpus else "")
     return (f"{info['world_size']} ranks ({info['ranks_on_node']} on {info['host']}{over}); "
-            f"{info['cores']} cores {info['cpu']}; {info['mpi_library']}; "
+            f"{info['cores']} cores {info['cpu']}{gpu}; {info['mpi_library']}; "
             f"mpi4py {info['mpi4py']}; torch {info['torch']}; "
             f"load {info.get('load_average_1m')}")
+
+
+def gpu_info() -> dict[str, Any]:
+    """The visible GPUs' names, the CUDA runtime torch was built with, the driver; and the
+    fp32 math settings that change GPU timings (TF32, cuDNN autotuning). Empty without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    driver = None
+    try:  # the driver's CUDA version, e.g. 12040 -> "12.4"
+        version = ctypes.c_int()
+        if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version)) == 0:
+            driver = f"{version.value // 1000}.{version.value % 1000 // 10}"
+    except (OSError, AttributeError):
+        pass
+    return {
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "gpu_memory_gib": [round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1)
+                           for i in range(torch.cuda.device_count())],
+        "cuda_runtime": torch.version.cuda,
+        "cuda_driver": driver,
+        "cudnn": torch.backends.cudnn.version(),
+        "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "env_cuda": {k: v for k, v in sorted(os.environ.items())
+                     if k.startswith(("CUDA_", "NCCL_", "UCX_", "KFAC_HPC_CUDA"))},
+    }
+
+
+# Node-local rank variables set by launchers, first found wins (read without MPI, so a
+# script can pick its GPU before ``from mpi4py import MPI`` starts MPI).
+LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK",
+                        "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "PALS_LOCAL_RANKID",
+                        "SLURM_LOCALID")
+
+
+def local_rank() -> int:
+    """This process's rank on its node: a launcher's variable, else (when mpi4py is
+    already imported) MPI's shared-memory split of ``COMM_WORLD``, else 0."""
+    for name in LOCAL_RANK_VARIABLES:
+        value = os.environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    if "mpi4py.MPI" in sys.modules:
+        from mpi4py import MPI
+
+        node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED, key=MPI.COMM_WORLD.Get_rank())
+        rank = node.Get_rank()
+        node.Free()
+        return rank
+    return 0
+
+
+class NoGPUError(SystemExit):
+    """``--device cuda`` on a machine (or torch build) without a usable CUDA device."""
+
+
+def select_device(name: str) -> torch.device:
+    """``cpu``, or ``cuda:<local rank mod visible GPUs>`` made the current CUDA device.
+
+    Raises :class:`NoGPUError` (a ``SystemExit`` with the reason) when ``name`` is
+    ``cuda`` and torch sees no GPU. Ranks on a node share its GPUs round-robin.
+    """
+    import torch
+
+    if name == "cpu":
+        return torch.device("cpu")
+    if name != "cuda":
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {name!r}")
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            why = f"this torch ({torch.__version__}) is a CPU-only build"
+        else:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            why = (f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU"
+                   + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""))
+        raise NoGPUError(f"--device cuda: no CUDA device available: {why}. Run on a GPU "
+                         "machine with a CUDA build of torch, or use --device cpu.")
+    device = torch.device("cuda", local_rank() % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (CUDA kernels run asynchronously); no-op on CPU."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],

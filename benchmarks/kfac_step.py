@@ -1,13 +1,23 @@
 """K-FAC step: where an iteration's time goes, bytes and memory per strategy.
 
-    launch/local -n 4 python benchmarks/kfac_step.py [--model all|mlp|resnet20]
-        [--steps N] [--warmup W] [--quick] [--markdown] [--out benchmarks/out]
+    launch/local -n 4 python benchmarks/kfac_step.py [--model all|mlp|resnet20|resnet50]
+        [--device cpu|cuda] [--steps N] [--warmup W] [--quick] [--markdown]
+        [--sections ratio matrix eigh] [--out benchmarks/out]
+    launch/local -n 1 python benchmarks/kfac_step.py --device cuda --model resnet50  # GPU
 
-Models: an MLP on 64-feature inputs (hidden 256, 128; 10 classes) and the CIFAR
-ResNet-20 on a synthetic 32x32x3 batch; per-rank batch ``--batch`` (32), a fixed
-synthetic batch per rank (data loading is not measured). Every rank averages
-gradients with :class:`kfac_hpc.GradientAverager` (its own communicator) and takes a
-plain SGD step; K-FAC runs ``KFACPreconditioner.step()`` in between.
+Models: an MLP on 64-feature inputs (hidden 256, 128; 10 classes), the CIFAR ResNet-20
+on a synthetic 32x32x3 batch, and (only when asked for: ``--model resnet50``) the
+ImageNet ResNet-50 on a synthetic 224x224x3 batch with 1000 classes; per-rank batch
+``--batch`` (32; 32-64 for ResNet-50 on a GPU), a fixed synthetic batch per rank (data
+loading is not measured). Every rank averages gradients with
+:class:`kfac_hpc.GradientAverager` (its own communicator) and takes a plain SGD step;
+K-FAC runs ``KFACPreconditioner.step()`` in between.
+
+``--device cuda`` runs model, data and preconditioners on ``cuda:<local rank mod GPUs>``
+(made current with ``torch.cuda.set_device``; ranks of a node share its GPUs); it exits
+with the reason when torch sees no GPU. MPI is started when this script is imported,
+before the device is chosen: right for Open MPI/UCX and MPICH, not for MPI libraries
+that bind a GPU at ``MPI_Init`` (set ``CUDA_VISIBLE_DEVICES`` per rank there).
 
 Sections (at the current world size):
 
@@ -26,6 +36,25 @@ Sections (at the current world size):
   and without ``symmetric_packing`` (and ``overlap`` when the constructor has it), all
   at (1,1) — every iteration is a second-order update. Combinations the constructor
   rejects are listed as such. Ratios are against comm-opt without options.
+* ``eigh``: ``torch.linalg.eigh`` of a random SPD matrix the size of the model's largest
+  K-FAC factor (4608 for ResNet-50: 512·3·3, its convolutions have no bias; or
+  ``--eigh-dims``) on the device, fp32 (what the library decomposes in) and fp64 for
+  reference: median of ``--eigh-runs`` synchronised calls after one untimed call (whose
+  time, with CUDA's solver set-up, is reported as "first call"), on rank 0 alone while
+  the other ranks wait without spinning; the relative residual
+  ``||A V - V diag(w)|| / ||A||`` is reported as a check.
+
+On CUDA (``--device cuda``) kernels run asynchronously, so a wall-clock phase would
+mostly time the launches. Every phase boundary therefore synchronises the device
+(``torch.cuda.synchronize()``) inside the wrappers and in the iteration, so each phase
+is charged its own kernels. This serialises work that would otherwise overlap (e.g.
+K-FAC statistics kernels with the rest of the backward pass, communication with
+computation) and adds a synchronisation per wrapped call: the phased iteration time is
+an upper bound. So in the ``ratio`` section every timed iteration is followed by the
+same iteration with only two synchronisations, at its start and end (``--whole-iteration``,
+default on CUDA only), and its time is reported as "no phase sync" (iteration time and
+ratio to SGD, composed the same way). The ``matrix`` section and the direct (1,10) check
+report phased times only. On the CPU the synchronisations are no-ops.
 
 How it is measured (from outside the library, which is not modified):
 
@@ -62,8 +91,9 @@ How it is measured (from outside the library, which is not modified):
 * Memory per rank: ``pre.memory_bytes()`` (factors + decompositions this rank holds)
   plus, with ``factor_sync="inverse"``, the local running averages; max over ranks.
 
-Writes ``kfac_step_<model>_n<ranks>.json`` and PNG plots (stacked time split; bytes,
-time and memory per strategy) under ``--out``; prints the tables on rank 0.
+Writes ``kfac_step_<model>_n<ranks>.json`` (``..._cuda.json`` on CUDA) and PNG plots
+(stacked time split; bytes, time and memory per strategy) under ``--out``; prints the
+tables on rank 0.
 """
 
 from __future__ import annotations
@@ -83,13 +113,24 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from common import OUT_DIR, describe, format_table, machine, pyplot, save_figure, write_json
+from common import (
+    OUT_DIR,
+    describe,
+    format_table,
+    machine,
+    pyplot,
+    save_figure,
+    select_device,
+    synchronize,
+    write_json,
+)
 from mpi4py import MPI
 from torch import nn
 
 import kfac_hpc.kfac.linalg as kfac_linalg
 from kfac_hpc import GradientAverager, KFACPreconditioner
 from kfac_hpc.comm import Communicator
+from kfac_hpc.kfac.layers import register_layers
 from kfac_hpc.models import build_model
 
 PHASES = ("forward", "backward", "factor stats", "factor comm", "decomposition",
@@ -99,10 +140,37 @@ COLORS = ("#4e79a7", "#a0cbe8", "#f28e2b", "#e15759", "#59a14f", "#8cd17d", "#b0
 BYTE_TAGS = ("factors", "decompositions", "gradients", "other")
 KINDS = ("fi", "f", "p")
 SCHEDULES = ((1, 1), (1, 10), (10, 100))
-DEFAULT_STEPS = {"mlp": (30, 20), "resnet20": (4, 3)}  # timed rounds: ratio, matrix
+DEFAULT_STEPS = {"mlp": (30, 20), "resnet20": (4, 3),  # timed rounds: ratio, matrix
+                 "resnet50": (10, 5)}
 NEVER = 10**9  # an update interval that no step number below it is a multiple of
 WORLD = MPI.COMM_WORLD
 ACCEPTED = set(inspect.signature(KFACPreconditioner).parameters)
+
+
+@dataclass
+class Sync:
+    """Device synchronisation at phase boundaries (CUDA kernels are asynchronous).
+
+    ``phases``: synchronise at every phase boundary (the wrappers and the iteration's
+    split points); ``cuda``: the device is a GPU, so iteration boundaries synchronise even
+    when ``phases`` is off. Both off on the CPU, where every call is a no-op.
+    """
+
+    cuda: bool = False
+    phases: bool = False
+
+    def phase(self) -> None:
+        """A phase boundary."""
+        if self.phases:
+            torch.cuda.synchronize()
+
+    def boundary(self) -> None:
+        """An iteration boundary (start or end of a timed iteration)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+SYNC = Sync()
 
 
 # --------------------------------------------------------------------------- probes
@@ -145,10 +213,12 @@ class Probe:
     def _wrap(self, name: str, fn: Callable[..., Any], tag: str | None) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
             before = self.pre.comm.traffic().total_bytes if tag and self.count_bytes else 0
+            SYNC.phase()  # work queued before the call belongs to the caller's phase
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
+                SYNC.phase()
                 self.t[name] += time.perf_counter() - t0
                 if tag and self.count_bytes:
                     self.bytes[tag] += self.pre.comm.traffic().total_bytes - before
@@ -167,10 +237,12 @@ def _patch_running_averages() -> None:
     """Time the running-average arithmetic (module function and LocalAverage.fold)."""
     def timing(fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
+            SYNC.phase()
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
+                SYNC.phase()
                 probe = _ACTIVE[0]
                 if probe is not None:
                     probe.t["average"] += time.perf_counter() - t0
@@ -195,19 +267,25 @@ class Workload:
     y: torch.Tensor
 
 
-def make_workload(name: str, batch: int) -> Workload:
-    """The model (same weights on every rank) and this rank's fixed synthetic batch."""
+def make_workload(name: str, batch: int, device: torch.device) -> Workload:
+    """The model (same weights on every rank) and this rank's fixed synthetic batch, on
+    ``device`` (drawn on the CPU, so the same on every device)."""
     torch.manual_seed(0)
+    classes = 10
     if name == "mlp":
-        model = build_model("mlp", num_classes=10, input_dim=64, hidden=(256, 128))
+        model = build_model("mlp", num_classes=classes, input_dim=64, hidden=(256, 128))
         shape: tuple[int, ...] = (batch, 64)
+    elif name == "resnet50":
+        classes = 1000
+        model = build_model(name, num_classes=classes, in_channels=3, image_size=224)
+        shape = (batch, 3, 224, 224)
     else:
-        model = build_model(name, num_classes=10, in_channels=3, image_size=32)
+        model = build_model(name, num_classes=classes, in_channels=3, image_size=32)
         shape = (batch, 3, 32, 32)
     g = torch.Generator().manual_seed(1000 + WORLD.Get_rank())
     x = torch.randn(shape, generator=g)
-    y = torch.randint(0, 10, (batch,), generator=g)
-    return Workload(name, model, x, y)
+    y = torch.randint(0, classes, (batch,), generator=g)
+    return Workload(name, model.to(device), x.to(device), y.to(device))
 
 
 @dataclass
@@ -265,8 +343,18 @@ def build_runner(label: str, work: Workload, grad_comm: Communicator, kinds: Seq
 
 # ----------------------------------------------------------------------- iterations
 def iteration(r: Runner, work: Workload, kind: str, grad_comm: Communicator,
-              count_bytes: bool = False) -> dict[str, float]:
-    """One training iteration of ``kind``; this rank's phase times (seconds)."""
+              count_bytes: bool = False, phase_sync: bool = True) -> dict[str, float]:
+    """One training iteration of ``kind``; this rank's phase times (seconds).
+
+    ``phase_sync=False`` (CUDA): synchronise only at the start and end, so the total is
+    the whole iteration with its natural overlap and the phases are meaningless.
+    """
+    if not phase_sync:
+        phases, SYNC.phases = SYNC.phases, False
+        try:
+            return iteration(r, work, kind, grad_comm, count_bytes)
+        finally:
+            SYNC.phases = phases
     probe = r.probe
     if probe is not None:
         r.mode.factor, r.mode.inverse = kind in ("fi", "f"), kind == "fi"
@@ -275,20 +363,25 @@ def iteration(r: Runner, work: Workload, kind: str, grad_comm: Communicator,
     _ACTIVE[0] = probe
     tags_before = _tag_snapshot(r.pre) if count_bytes and r.pre is not None else {}
     grad_before = grad_comm.traffic().total_bytes
+    SYNC.boundary()
     WORLD.Barrier()
     t0 = time.perf_counter()
     r.opt.zero_grad()
     loss = F.cross_entropy(r.model(work.x), work.y)
+    SYNC.phase()
     t1 = time.perf_counter()
     hooks_fwd = dict(probe.t) if probe is not None else {}
     loss.backward()
     r.averager.synchronize()
+    SYNC.phase()
     t2 = time.perf_counter()
     hooks_bwd = dict(probe.t) if probe is not None else {}
     if r.pre is not None:
         r.pre.step()
+    SYNC.phase()
     t3 = time.perf_counter()
     r.opt.step()
+    SYNC.boundary()
     t4 = time.perf_counter()
     _ACTIVE[0] = None
     t = dict(probe.t) if probe is not None else {}
@@ -337,12 +430,15 @@ def _tag_snapshot(pre: KFACPreconditioner | None) -> dict[str, int]:
 
 
 def run_round_robin(runners: Sequence[Runner], work: Workload, grad_comm: Communicator,
-                    steps: int, warmup: int, say: Callable[[str], None], what: str) -> None:
+                    steps: int, warmup: int, say: Callable[[str], None], what: str,
+                    unsynced: bool = False) -> None:
     """Warm up (counting bytes in the last warm-up round), then time ``steps`` rounds.
 
     A round runs every runner's kinds once. The very first step of a preconditioner
     always updates factors and decompositions, so a runner whose first kind is not
-    ``fi`` gets one extra untimed ``fi`` step first.
+    ``fi`` gets one extra untimed ``fi`` step first. ``unsynced``: each iteration is
+    followed by the same kind without phase synchronisations, whose total is kept as
+    ``total_unsynced``.
     """
     start = time.perf_counter()
     for r in runners:
@@ -353,6 +449,9 @@ def run_round_robin(runners: Sequence[Runner], work: Workload, grad_comm: Commun
         for r in runners:
             for kind in r.kinds:
                 sample = iteration(r, work, kind, grad_comm, count_bytes=counting)
+                if unsynced:
+                    sample["total_unsynced"] = iteration(r, work, kind, grad_comm,
+                                                         phase_sync=False)["total"]
                 if rnd >= max(1, warmup):
                     r.samples.setdefault(kind, []).append(sample)
         if rnd == 0:
@@ -372,9 +471,15 @@ def summarise(r: Runner) -> dict[str, Any]:
         slowest = [max(rank[i]["total"] for rank in per_rank) for i in range(rounds)]
         split = {p: statistics.fmean(statistics.median(x[p] for x in rank) for rank in per_rank)
                  for p in PHASES}
+        unsynced = {}
+        if all("total_unsynced" in x for rank in per_rank for x in rank):
+            plain = [max(rank[i]["total_unsynced"] for rank in per_rank) for i in range(rounds)]
+            unsynced = {"iteration_unsynced_s": statistics.median(plain),
+                        "iteration_unsynced_samples_s": plain}
         kinds[kind] = {
             "iteration_s": statistics.median(slowest),
             "iteration_samples_s": slowest,
+            **unsynced,
             "split_s": split,
             "split_max_rank_s": {p: max(statistics.median(x[p] for x in rank)
                                         for rank in per_rank) for p in PHASES},
@@ -403,6 +508,9 @@ def compose(kinds: dict[str, Any], f: int, i: int) -> dict[str, Any]:
     if missing:
         raise KeyError(missing)
     out: dict[str, Any] = {"iteration_s": sum(v * kinds[k]["iteration_s"] for k, v in w.items())}
+    if all("iteration_unsynced_s" in kinds[k] for k in w):
+        out["iteration_unsynced_s"] = sum(v * kinds[k]["iteration_unsynced_s"]
+                                          for k, v in w.items())
     out["split_s"] = {p: sum(v * kinds[k]["split_s"][p] for k, v in w.items()) for p in PHASES}
     tags = set().union(*(kinds[k]["bytes_per_rank"] for k in w))
     out["bytes_per_rank"] = {t: sum(v * kinds[k]["bytes_per_rank"].get(t, 0.0)
@@ -410,17 +518,19 @@ def compose(kinds: dict[str, Any], f: int, i: int) -> dict[str, Any]:
     return out
 
 
-def per_round_ratio(kinds: dict[str, Any], sgd: dict[str, Any], f: int, i: int) -> float:
+def per_round_ratio(kinds: dict[str, Any], sgd: dict[str, Any], f: int, i: int,
+                    key: str = "iteration_samples_s") -> float:
     """Median over rounds of (composed K-FAC iteration / SGD iteration) of the same round.
 
     Neighbouring iterations share the machine's momentary load, so this ratio is less
-    sensitive to other work on a shared machine than the ratio of the medians.
+    sensitive to other work on a shared machine than the ratio of the medians. ``key``
+    picks the samples (``iteration_unsynced_samples_s``: without phase synchronisation).
     """
     w = {"fi": 1 / i, "f": 1 / f - 1 / i, "p": 1 - 1 / f}
-    rounds = len(sgd["iteration_samples_s"])
+    rounds = len(sgd[key])
     return statistics.median(
-        sum(v * kinds[k]["iteration_samples_s"][n] for k, v in w.items() if v > 1e-12)
-        / sgd["iteration_samples_s"][n] for n in range(rounds))
+        sum(v * kinds[k][key][n] for k, v in w.items() if v > 1e-12)
+        / sgd[key][n] for n in range(rounds))
 
 
 def _jsonable(options: dict[str, Any]) -> dict[str, Any]:
@@ -453,16 +563,19 @@ def ratio_section(work: Workload, grad_comm: Communicator, args: argparse.Namesp
         specs.append(("K-FAC eigen, factor_sync=inverse", ("f",),
                       {"strategy": "comm-opt", "factor_sync": "inverse"}))
     runners = []
-    for label, kinds, opts in specs:
-        r = build_runner(label, work, grad_comm, kinds, opts)
+    for label, spec_kinds, opts in specs:
+        r = build_runner(label, work, grad_comm, spec_kinds, opts)
         if isinstance(r, str):
             say(f"  {label}: rejected ({r})")
             continue
         runners.append(r)
-    run_round_robin(runners, work, grad_comm, args.ratio_steps, args.warmup, say, "ratio")
+    run_round_robin(runners, work, grad_comm, args.ratio_steps, args.warmup, say, "ratio",
+                    unsynced=args.unsynced)
     results = {r.label: summarise(r) for r in runners}
     sgd = results["SGD"]["kinds"]["p"]
     composed: dict[str, Any] = {"SGD": compose({"fi": sgd}, 1, 1) | {"ratio": 1.0}}
+    if "iteration_unsynced_s" in sgd:
+        composed["SGD"]["ratio_unsynced"] = 1.0
     for label, res in results.items():
         if label == "SGD":
             continue
@@ -476,6 +589,9 @@ def ratio_section(work: Workload, grad_comm: Communicator, args: argparse.Namesp
             c = compose(kinds, f, i)
             c["ratio_of_medians"] = c["iteration_s"] / sgd["iteration_s"]
             c["ratio"] = per_round_ratio(kinds, sgd, f, i)
+            if "iteration_unsynced_s" in c and "iteration_unsynced_s" in sgd:
+                c["ratio_unsynced"] = per_round_ratio(kinds, sgd, f, i,
+                                                      "iteration_unsynced_samples_s")
             composed[f"{label} ({f},{i})"] = c
     direct = None
     if not args.quick:
@@ -563,6 +679,79 @@ def matrix_section(work: Workload, grad_comm: Communicator, args: argparse.Names
     return {"configs": results, "rejected": rejected}
 
 
+def largest_factors(model: nn.Module, top: int = 3) -> list[dict[str, Any]]:
+    """The ``top`` largest K-FAC factors of ``model`` (the preconditioner's layer rule)."""
+    layers, _ = register_layers(model)
+    factors: list[dict[str, Any]] = [
+        {"layer": name, "factor": f, "dim": d} for name, curv in layers.items()
+        for f, d in (("A", curv.a_dim), ("G", curv.g_dim))]
+    return sorted(factors, key=lambda x: -int(x["dim"]))[:top]
+
+
+def time_eigh(dim: int, dtype: torch.dtype, device: torch.device, runs: int) -> dict[str, Any]:
+    """Seconds of ``torch.linalg.eigh`` of a random ``dim``x``dim`` SPD matrix on ``device``."""
+    g = torch.Generator().manual_seed(dim)
+    x = torch.randn(dim, dim, generator=g, dtype=dtype).to(device)
+    a = x @ x.T / dim + 1e-3 * torch.eye(dim, dtype=dtype, device=device)
+    del x
+    synchronize(device)
+    t0 = time.perf_counter()
+    w, v = torch.linalg.eigh(a)
+    synchronize(device)
+    first = time.perf_counter() - t0
+    residual = float(torch.linalg.matrix_norm(a @ v - v * w) / torch.linalg.matrix_norm(a))
+    del w, v
+    times = []
+    for _ in range(runs):
+        synchronize(device)
+        t0 = time.perf_counter()
+        torch.linalg.eigh(a)
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return {"dim": dim, "dtype": str(dtype).removeprefix("torch."), "median_s":
+            statistics.median(times), "min_s": min(times), "max_s": max(times),
+            "samples_s": times, "first_call_s": first, "relative_residual": residual}
+
+
+def eigh_section(work: Workload, device: torch.device, args: argparse.Namespace,
+                 say: Callable[[str], None]) -> dict[str, Any]:
+    """Time eigh on rank 0 alone; the other ranks wait without spinning."""
+    largest = largest_factors(work.model)
+    dims = args.eigh_dims or [largest[0]["dim"]]
+    runs = args.eigh_runs or (2 if args.quick else 5)
+    rows: list[dict[str, Any]] = []
+    if WORLD.Get_rank() == 0:
+        for dim in dims:
+            for dtype in (torch.float32, torch.float64):
+                rows.append(time_eigh(dim, dtype, device, runs))
+                say(f"  eigh {dim}x{dim} {rows[-1]['dtype']}: {rows[-1]['median_s']:.3f} s")
+    req = WORLD.Ibarrier()
+    while not req.Test():
+        time.sleep(0.005)
+    rows = WORLD.bcast(rows)
+    library: str | None = None
+    if device.type == "cuda":
+        library = str(torch.backends.cuda.preferred_linalg_library())
+    return {"device": str(device), "runs": runs, "largest_factors": largest,
+            "linalg_library": library, "threads": torch.get_num_threads(), "results": rows}
+
+
+def eigh_table(res: dict[str, Any], md: bool) -> str:
+    big = res["largest_factors"]
+    where = ", ".join(f"{f['layer']}.{f['factor']} {f['dim']}" for f in big)
+    lib = f", torch linalg library {res['linalg_library']}" if res["linalg_library"] else ""
+    rows = [[f"{r['dim']}x{r['dim']}", r["dtype"], f"{r['median_s'] * 1e3:.1f}",
+             f"{r['min_s'] * 1e3:.1f}", f"{r['max_s'] * 1e3:.1f}",
+             f"{r['first_call_s'] * 1e3:.1f}", f"{r['relative_residual']:.1e}"]
+            for r in res["results"]]
+    return "\n".join([
+        f"torch.linalg.eigh of a random SPD matrix on {res['device']} (rank 0 alone, "
+        f"{res['threads']} torch thread(s){lib}; median of {res['runs']} synchronised "
+        f"runs after the first call; largest factors of the model: {where}):",
+        format_table(["matrix", "dtype", "median ms", "min ms", "max ms", "first call ms",
+                      "rel. residual"], rows, md)])
+
+
 def _dispose(r: Runner) -> None:
     r.averager.remove()
     if r.pre is not None:
@@ -573,28 +762,36 @@ def _dispose(r: Runner) -> None:
 def ratio_tables(res: dict[str, Any], md: bool) -> str:
     out = []
     rows = []
+    plain = all("ratio_unsynced" in c for c in res["composed"].values())
     for label, c in res["composed"].items():
         s = c["split_s"]
+        extra = [ms(c["iteration_unsynced_s"]), f"{c['ratio_unsynced']:.2f}"] if plain else []
         rows.append([label, ms(c["iteration_s"]), f"{c['ratio']:.2f}",
-                     f"{c.get('ratio_of_medians', 1.0):.2f}"] + [ms(s[p]) for p in PHASES])
+                     f"{c.get('ratio_of_medians', 1.0):.2f}", *extra]
+                    + [ms(s[p]) for p in PHASES])
+    plain_head = ["iter ms, no phase sync", "x SGD, no phase sync"] if plain else []
     out += ["K-FAC / SGD iteration time (ms; split = mean rank; (F,I) = factor, inverse "
             "update steps, composed from timed iteration kinds; x SGD = median over rounds "
-            "of the ratio within a round):",
-            format_table(["config", "iter ms", "x SGD", "x SGD (medians)", *PHASES], rows,
-                         md)]
+            "of the ratio within a round"
+            + ("; phases synchronise the device at their boundaries, 'no phase sync' = the "
+               "same iterations timed whole, synchronised only at start and end" if plain
+               else "") + "):",
+            format_table(["config", "iter ms", "x SGD", "x SGD (medians)", *plain_head,
+                          *PHASES], rows, md)]
     rows = []
     for label, cfg in res["configs"].items():
         for kind, k in cfg["kinds"].items():
             s = k["split_s"]
             b = k["bytes_per_rank"]
-            rows.append([f"{label} [{kind}]", ms(k["iteration_s"])]
+            extra = [ms(k["iteration_unsynced_s"])] if plain else []
+            rows.append([f"{label} [{kind}]", ms(k["iteration_s"]), *extra]
                         + [ms(s[p]) for p in PHASES]
                         + [kib(b.get(t, 0.0)) for t in ("factors", "decompositions",
                                                         "gradients", "grad avg")])
     out += ["\nTimed iteration kinds (fi = factor+inverse update, f = factor update only, "
             "p = neither; ms, bytes in KiB per rank per step):",
-            format_table(["config [kind]", "iter ms", *PHASES, "KiB factors", "KiB decomp",
-                          "KiB grads", "KiB grad avg"], rows, md)]
+            format_table(["config [kind]", "iter ms", *plain_head[:1], *PHASES, "KiB factors",
+                          "KiB decomp", "KiB grads", "KiB grad avg"], rows, md)]
     d = res.get("direct_1_10")
     if d:
         comp = res["composed"].get("K-FAC eigen (1,10)")
@@ -700,8 +897,14 @@ def plot_matrix(res: dict[str, Any], title: str, path: Path) -> Path:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=("all", "mlp", "resnet20"), default=None,
-                   help="default: all (mlp with --quick)")
+    p.add_argument("--model", choices=("all", "mlp", "resnet20", "resnet50"), default=None,
+                   help="default: all = mlp and resnet20 (mlp with --quick); resnet50 only "
+                        "when named (ImageNet shapes, 1000 classes)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: cuda:<local rank mod GPUs>, phases synchronised (default cpu)")
+    p.add_argument("--whole-iteration", choices=("auto", "yes", "no"), default="auto",
+                   help="also time every ratio-section iteration without phase "
+                        "synchronisation (default auto: on CUDA only)")
     p.add_argument("--steps", type=int, default=None,
                    help="timed rounds per configuration and kind (default: mlp 30 in the "
                         "ratio section, 20 in the matrix; resnet20 4 and 3; 2 with --quick)")
@@ -710,9 +913,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=32, help="per-rank batch size (default 32)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per rank (default: cores / ranks on the node, >= 1)")
-    p.add_argument("--sections", nargs="+", choices=("ratio", "matrix"),
-                   default=["ratio", "matrix"])
-    p.add_argument("--quick", action="store_true", help="few rounds, MLP only: a smoke run")
+    p.add_argument("--sections", nargs="+", choices=("ratio", "matrix", "eigh"),
+                   default=["ratio", "matrix", "eigh"])
+    p.add_argument("--eigh-dims", type=int, nargs="+", default=None,
+                   help="matrix sizes for the eigh section (default: the model's largest "
+                        "factor)")
+    p.add_argument("--eigh-runs", type=int, default=None,
+                   help="timed eigh calls per size and dtype (default 5; 2 with --quick)")
+    p.add_argument("--quick", action="store_true",
+                   help="few rounds, MLP unless --model is given: a smoke run")
     p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     p.add_argument("--out", type=Path, default=OUT_DIR, help=f"output folder (default {OUT_DIR})")
     return p.parse_args(argv)
@@ -726,7 +935,13 @@ def models_of(args: argparse.Namespace) -> Iterator[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    device = select_device(args.device)
+    SYNC.cuda = SYNC.phases = device.type == "cuda"
+    args.unsynced = (args.whole_iteration == "yes"
+                     or (args.whole_iteration == "auto" and device.type == "cuda"))
+    suffix = "_cuda" if device.type == "cuda" else ""
     info = machine()
+    info["devices"] = WORLD.allgather(str(device))
     threads = args.threads or max(1, (info["cores"] or 1) // max(1, info["ranks_on_node"]))
     torch.set_num_threads(threads)
     info["torch_threads_per_rank"] = threads
@@ -738,7 +953,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _patch_running_averages()
     present = [o for o in ("symmetric_packing", "overlap", "bucket_cap_mb", "factor_sync",
                            "local_decomposition_threshold") if o in ACCEPTED]
-    say(f"# kfac_step: {describe(info)}; {threads} torch thread(s)/rank")
+    say(f"# kfac_step: {describe(info)}; {threads} torch thread(s)/rank; device per rank: "
+        f"{', '.join(info['devices'])}"
+        + ("; phases synchronise the device" if SYNC.phases else ""))
     say(f"# preconditioner options present: {', '.join(present) or '(none)'}")
     grad_comm = Communicator(WORLD.Dup(), name="grad-avg")
     for name in models_of(args):
@@ -750,11 +967,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_args = argparse.Namespace(**{**vars(args), "ratio_steps": ratio_steps,
                                          "matrix_steps": matrix_steps,
                                          "warmup": max(1, args.warmup)})
-        work = make_workload(name, args.batch)
+        work = make_workload(name, args.batch, device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         say(f"\n## {name} at {size} rank(s), per-rank batch {args.batch}, "
             f"{ratio_steps} (ratio) / {matrix_steps} (matrix) timed rounds after "
             f"{run_args.warmup} warm-up")
         record: dict[str, Any] = {"machine": info, "model": name, "world_size": size,
+                                  "device": device.type, "phase_sync": SYNC.phases,
+                                  "whole_iteration_timed": args.unsynced,
                                   "batch_per_rank": args.batch,
                                   "steps": {"ratio": ratio_steps, "matrix": matrix_steps},
                                   "warmup": run_args.warmup, "options_present": present,
@@ -768,24 +989,34 @@ def main(argv: Sequence[str] | None = None) -> int:
             say(ratio_tables(res, args.markdown))
             if rank == 0:
                 bars = {k.replace("K-FAC ", ""): c["split_s"] for k, c in res["composed"].items()}
-                p = plot_split(bars, f"{name}, {size} rank(s), {threads} thread(s)/rank, "
-                               f"{info['cores']} cores: time split per iteration",
-                               args.out / f"kfac_step_{name}_n{size}_split.png")
+                where = (f"{device.type}" if device.type == "cuda"
+                         else f"{threads} thread(s)/rank, {info['cores']} cores")
+                p = plot_split(bars, f"{name}, {size} rank(s), {where}: time split per "
+                               f"iteration", args.out / f"kfac_step_{name}_n{size}{suffix}"
+                               f"_split.png")
                 say(f"wrote {p}")
         if "matrix" in args.sections and size > 1:
             res = matrix_section(work, grad_comm, run_args, say)
             record["matrix"] = res
             say("\n" + matrix_tables(res, args.markdown))
             if rank == 0:
-                p = plot_matrix(res, f"{name}, {size} ranks, (1,1): bytes, time split and "
-                                f"memory per strategy", args.out /
-                                f"kfac_step_{name}_n{size}_matrix.png")
+                p = plot_matrix(res, f"{name}, {size} ranks, {device.type}, (1,1): bytes, "
+                                f"time split and memory per strategy", args.out /
+                                f"kfac_step_{name}_n{size}{suffix}_matrix.png")
                 say(f"wrote {p}")
+        if "eigh" in args.sections:
+            res = eigh_section(work, device, args, say)
+            record["eigh"] = res
+            say("\n" + eigh_table(res, args.markdown))
+        if device.type == "cuda":
+            peak = WORLD.allgather(torch.cuda.max_memory_allocated(device))
+            record["cuda_peak_allocated_bytes_per_rank"] = peak
+            say(f"# CUDA peak memory allocated (max over ranks): {max(peak) / 2**30:.2f} GiB")
         if hasattr(os, "getloadavg"):
             record["load_average_1m_end"] = round(os.getloadavg()[0], 2)
             say(f"# load average (1 min) at the end: {record['load_average_1m_end']}")
         if rank == 0:
-            say(f"wrote {write_json(args.out / f'kfac_step_{name}_n{size}.json', record)}")
+            say(f"wrote {write_json(args.out / f'kfac_step_{name}_n{size}{suffix}.json', record)}")
     return 0
 
 
