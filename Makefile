@@ -43,7 +43,7 @@ test: install
 	PYTHON=$(BIN)/python tests/run_all.sh
 
 lint: install
-	$(BIN)/ruff check kfac_hpc tests benchmarks
+	$(BIN)/ruff check kfac_hpc tests benchmarks examples
 	$(BIN)/mypy
 	$(BIN)/shellcheck -x launch/* jobs/*.sbatch jobs/lib/*.sh tests/fake_slurm/* tests/run_all.sh .ci/run
 

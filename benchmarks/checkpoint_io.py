@@ -19,6 +19,16 @@ over the ranks by LPT on n^3 (mem-opt). For each world size we time
 Best of ``--repeats`` runs (other jobs on a shared machine only add time). The results
 go to ``benchmarks/RESULTS.md`` under "## Checkpoint I/O (issue 6)" (the section is
 replaced when it exists).
+
+``--stall`` (issue 15) measures instead how long training stalls for one checkpoint of
+the same state: a stand-in training loop (matmuls of ~``--step-ms`` per step on every
+rank, one allreduce per step) runs ``--steps`` steps with one checkpoint in the middle,
+written in the foreground (``checkpoint.save``) or in the background
+(``checkpoint.BackgroundSaver``: snapshot, then a writer thread); the stall is the wall
+time beyond the same loop without a checkpoint, and "blocked" the time the ``save``
+call itself took. ``--idle-steps``: the steps sleep instead (the host of a GPU-bound
+run, whose CPU cores are free for the writer). It prints a JSON line per world size
+and a table (RESULTS.md is not touched).
 """
 
 from __future__ import annotations
@@ -195,6 +205,102 @@ def worker(out: Path, directory: Path, repeats: int) -> None:
         out.write_text(json.dumps(results))
 
 
+def stall_worker(out: Path, directory: Path, repeats: int, steps: int, step_ms: float,
+                 idle: bool = False) -> None:
+    """Training stall of one checkpoint, foreground vs background (run under mpiexec)."""
+    import torch
+    from torch import nn
+
+    from kfac_hpc import checkpoint
+    from kfac_hpc.comm import world
+
+    comm = world()
+    torch.set_num_threads(1)
+    pre = BenchKFAC(comm, factor_dims())
+    model = nn.Linear(1, 1)
+    x = torch.randn(256, 256)
+    flag = torch.zeros(1)
+    n = 1  # matmuls per step, calibrated to ~step_ms
+    t0 = time.perf_counter()
+    for _ in range(20):
+        x @ x
+    per = (time.perf_counter() - t0) / 20
+    n = max(1, round(step_ms / 1000 / per))
+    saver = checkpoint.BackgroundSaver(comm)
+
+    def loop(mode: str, step0: int) -> tuple[float, float, float]:
+        comm.barrier()
+        blocked, longest = 0.0, 0.0
+        t_start = time.perf_counter()
+        for s in range(steps):
+            t_step = time.perf_counter()
+            if idle:  # the host waits for an accelerator: the CPU is free meanwhile
+                time.sleep(step_ms / 1000)
+            else:
+                for _ in range(n):
+                    x @ x
+            comm.allreduce(flag)
+            if s == steps // 4 and mode != "none":
+                tb = time.perf_counter()
+                if mode == "foreground":
+                    checkpoint.save(directory, model=model, optimizer=None, preconditioner=pre,
+                                    step=step0 + s, comm=comm, keep_last=2,
+                                    store_eigenbases=False)
+                else:
+                    saver.save(directory, model=model, optimizer=None, preconditioner=pre,
+                               step=step0 + s, keep_last=2, store_eigenbases=False)
+                blocked = time.perf_counter() - tb
+            longest = max(longest, time.perf_counter() - t_step)
+        total = time.perf_counter() - t_start
+        if mode == "background":
+            saver.wait()  # after the loop (the write normally ended during it)
+        comm.barrier()
+        return total, blocked, longest
+
+    times: dict[str, list[tuple[float, float, float]]] = {}
+    step0 = 0
+    for _ in range(repeats):
+        for mode in ("none", "foreground", "background"):
+            step0 += steps
+            times.setdefault(mode, []).append(loop(mode, step0))
+    saver.close()
+    if comm.rank == 0:
+        base = min(t for t, _, _ in times["none"])
+        res: dict[str, Any] = {"ranks": comm.size, "steps": steps,
+                               "step_s": base / steps,
+                               "state_bytes": sum(d * d * 4 for d in pre.shape.values())}
+        for mode in ("foreground", "background"):
+            best_total = min(t for t, _, _ in times[mode])
+            res[f"{mode}_stall_s"] = best_total - base
+            res[f"{mode}_blocked_s"] = min(b for _, b, _ in times[mode])
+            res[f"{mode}_longest_step_s"] = min(m for _, _, m in times[mode])
+        out.write_text(json.dumps(res))
+
+
+def run_stall(ranks: list[int], repeats: int, steps: int, step_ms: float, idle: bool = False
+              ) -> list[dict[str, Any]]:
+    rows = []
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
+        for n in ranks:
+            out = Path(tmp) / f"s{n}.json"
+            cmd = [str(ROOT / "launch" / "local"), "-n", str(n), "--timeout", "900",
+                   sys.executable, "-m", "mpi4py", __file__, "--stall-worker", str(out),
+                   str(Path(tmp) / f"ck{n}"), "--repeats", str(repeats), "--steps", str(steps),
+                   "--step-ms", str(step_ms), *(["--idle-steps"] if idle else [])]
+            subprocess.run(cmd, check=True, cwd=ROOT)
+            rows.append(json.loads(out.read_text()))
+            print(json.dumps(rows[-1]), flush=True)
+    print("| ranks | step ms | state GB | foreground: stall s | blocked s | "
+          "background: stall s | blocked s | longest step s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['ranks']} | {1000 * r['step_s']:.0f} | {r['state_bytes'] / 1e9:.2f} | "
+              f"{r['foreground_stall_s']:.2f} | {r['foreground_blocked_s']:.2f} | "
+              f"{r['background_stall_s']:.2f} | {r['background_blocked_s']:.2f} | "
+              f"{r['background_longest_step_s']:.2f} |")
+    return rows
+
+
 def run_all(ranks: list[int], repeats: int, results_md: Path) -> list[dict[str, Any]]:
     rows = []
     load = [os.getloadavg()[0]]
@@ -264,9 +370,24 @@ def main() -> None:
     ap.add_argument("--ranks", default="1,2,4", help="world sizes (default 1,2,4)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
+    ap.add_argument("--stall", action="store_true",
+                    help="training stall of one checkpoint, foreground vs background")
+    ap.add_argument("--stall-worker", nargs=2, metavar=("OUT", "DIR"), help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, default=200, help="--stall: steps per loop")
+    ap.add_argument("--step-ms", type=float, default=50.0, help="--stall: compute per step")
+    ap.add_argument("--idle-steps", action="store_true",
+                    help="--stall: steps sleep instead of computing (a GPU-bound run's host)")
     args = ap.parse_args()
     if args.worker:
         worker(Path(args.worker[0]), Path(args.worker[1]), args.repeats)
+        return
+    if args.stall_worker:
+        stall_worker(Path(args.stall_worker[0]), Path(args.stall_worker[1]), args.repeats,
+                     args.steps, args.step_ms, args.idle_steps)
+        return
+    if args.stall:
+        run_stall([int(x) for x in args.ranks.split(",")], args.repeats, args.steps,
+                  args.step_ms, args.idle_steps)
         return
     run_all([int(x) for x in args.ranks.split(",")], args.repeats, Path(args.results))
 

@@ -224,3 +224,42 @@ def save_figure(fig: Any, path: str | os.PathLike[str], dpi: int = 120) -> Path:
     fig.savefig(path, dpi=dpi)
     pyplot().close(fig)
     return path
+
+
+def matmul_throughput(dim: int = 2048, runs: int = 3, device: torch.device | None = None,
+                      dtype: torch.dtype | None = None, min_seconds: float = 0.5,
+                      max_runs: int = 50) -> dict[str, Any]:
+    """FLOP/s of a ``dim``x``dim`` by ``dim``x``dim`` matmul (``2·dim³`` flops) on
+    ``device`` (default CPU) in ``dtype`` (default float32) at torch's current thread
+    count: median of at least ``runs`` synchronised calls after one untimed call, more
+    (up to ``max_runs``) until they add up to ``min_seconds``.
+
+    A reference for "how far from the machine": a large GEMM is about the most a core
+    (or GPU) sustains on dense arithmetic.
+    """
+    import statistics
+    import time
+
+    import torch
+
+    device = device or torch.device("cpu")
+    dtype = dtype or torch.float32
+    g = torch.Generator().manual_seed(dim)
+    a = torch.randn(dim, dim, generator=g, dtype=dtype).to(device)
+    b = torch.randn(dim, dim, generator=g, dtype=dtype).to(device)
+    out = torch.empty(dim, dim, dtype=dtype, device=device)
+    torch.mm(a, b, out=out)
+    synchronize(device)
+    times: list[float] = []
+    while len(times) < max(1, runs) or (sum(times) < min_seconds and len(times) < max_runs):
+        synchronize(device)
+        t0 = time.perf_counter()
+        torch.mm(a, b, out=out)
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    flops = 2 * dim ** 3
+    median = statistics.median(times)
+    return {"dim": dim, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
+            "threads": torch.get_num_threads(), "flops": flops, "median_s": median,
+            "samples_s": times, "flops_per_s": flops / median,
+            "best_flops_per_s": flops / min(times)}

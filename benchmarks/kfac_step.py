@@ -2,7 +2,8 @@
 
     launch/local -n 4 python benchmarks/kfac_step.py [--model all|mlp|resnet20|resnet50]
         [--device cpu|cuda] [--steps N] [--warmup W] [--quick] [--markdown]
-        [--sections ratio matrix eigh] [--out benchmarks/out]
+        [--sections ratio matrix eigh] [--kfac-approx expand|reduce] [--peak-dim 2048]
+        [--out benchmarks/out]
     launch/local -n 1 python benchmarks/kfac_step.py --device cuda --model resnet50  # GPU
 
 Models: an MLP on 64-feature inputs (hidden 256, 128; 10 classes), the CIFAR ResNet-20
@@ -18,6 +19,38 @@ K-FAC runs ``KFACPreconditioner.step()`` in between.
 with the reason when torch sees no GPU. MPI is started when this script is imported,
 before the device is chosen: right for Open MPI/UCX and MPICH, not for MPI libraries
 that bind a GPU at ``MPI_Init`` (set ``CUDA_VISIBLE_DEVICES`` per rank there).
+
+``--kfac-approx`` passes ``kfac_approx=`` ("expand", the default, or "reduce") to every
+K-FAC configuration; reduce runs write ``..._reduce.json`` / ``.png``.
+
+How far from the machine: at the start, the fp32 throughput of a ``--peak-dim``² matmul
+(``2·n³`` flops; median of ``--peak-runs`` or more calls, at least 0.5 s, after one
+untimed call) is measured at the
+ranks' torch thread count, on rank 0 alone while the others wait without spinning (the
+reference: what one rank's threads reach with the cores to themselves; the machine's
+limit is that per thread times the cores the ranks can use), and, as a reading of the
+momentary load, on every rank at once. The ``ratio`` section then reports, per
+composed configuration and phase, the flops of the mean rank's iteration and the GFLOP/s
+they reach in the phase's time, as a percentage of the reference; and for the whole
+iteration, every rank's flops over the slowest rank's iteration time as a percentage of
+the machine's throughput. With more ranks than cores, ranks computing at once share a
+core, so a phase stays well below 100 % (about cores / ranks at best when every rank
+computes in it); above 100 % means fewer flops were done than counted (the symmetric
+statistics update). On a shared machine the reference moves with other users' load, so
+it is measured again (rank 0 alone) at the end as a check. Flops (one multiply-add =
+2): forward/backward by ``torch.utils.flop_counter.FlopCounterMode`` (matmuls and
+convolutions of the model, counted once on a copy); factor statistics per
+``a_factor``/``g_factor`` call by ``kfac_hpc.kfac.shapes.statistics_flops`` (the layer's
+approximation and rows per sample from ``shapes.rows_per_sample``; the dense Gram count,
+also where the library's symmetric update computes half); decomposition per factor a
+rank decomposes, ``shapes.eigh_flops`` (``4d³``, nominal) or ``d³`` (Cholesky inverse);
+precondition, the GEMMs per gradient a rank preconditions (eigen ``4ga(g+a)``, inverse
+``2ga(g+a)``); other, the running averages (3 per element) and the KL clip's inner
+products (``2ga`` per layer). Communication phases have no flops. Backward includes the
+gradient allreduce, so its rate is a lower bound on the backward kernels'. The counts
+are deterministic per iteration kind and composed with the same weights as the times
+(the inverse and factor_sync rows borrow their untimed kinds' flops from the eigen run,
+as they borrow the times).
 
 Sections (at the current world size):
 
@@ -118,6 +151,7 @@ from common import (
     describe,
     format_table,
     machine,
+    matmul_throughput,
     pyplot,
     save_figure,
     select_device,
@@ -130,7 +164,8 @@ from torch import nn
 import kfac_hpc.kfac.linalg as kfac_linalg
 from kfac_hpc import GradientAverager, KFACPreconditioner
 from kfac_hpc.comm import Communicator
-from kfac_hpc.kfac.layers import register_layers
+from kfac_hpc.kfac.layers import LayerCurvature, register_layers
+from kfac_hpc.kfac.shapes import eigh_flops, rows_per_sample, statistics_flops
 from kfac_hpc.models import build_model
 
 PHASES = ("forward", "backward", "factor stats", "factor comm", "decomposition",
@@ -145,6 +180,9 @@ DEFAULT_STEPS = {"mlp": (30, 20), "resnet20": (4, 3),  # timed rounds: ratio, ma
 NEVER = 10**9  # an update interval that no step number below it is a multiple of
 WORLD = MPI.COMM_WORLD
 ACCEPTED = set(inspect.signature(KFACPreconditioner).parameters)
+# phases whose arithmetic is counted (see flop_counts); the rest are communication
+FLOP_PHASES = ("forward", "backward", "factor stats", "decomposition", "precondition", "other")
+EXTRA_OPTIONS: dict[str, Any] = {}  # added to every K-FAC configuration (--kfac-approx)
 
 
 @dataclass
@@ -190,47 +228,107 @@ class Probe:
         "_share_preconditioned": "gradients",
     }
 
-    def __init__(self, pre: KFACPreconditioner) -> None:
+    def __init__(self, pre: KFACPreconditioner, rows: dict[int, int] | None = None) -> None:
         self.pre = pre
         self.t: defaultdict[str, float] = defaultdict(float)
+        self.flops: defaultdict[str, int] = defaultdict(int)
         self.bytes: defaultdict[str, int] = defaultdict(int)
         self.count_bytes = False
         self.wrapped: list[str] = []
+        counters = {"_decompose": self._decompose_flops,
+                    "_precondition_my_layers": self._precondition_flops}
         for name, tag in self.METHODS.items():
             fn = getattr(pre, name, None)
             if callable(fn):
-                setattr(pre, name, self._wrap(name, fn, tag))
+                setattr(pre, name, self._wrap(name, fn, tag, counters.get(name)))
                 self.wrapped.append(name)
+        rows = rows or {}
         for stats in pre.capture.stats.values():
             curv = stats.curvature
-            curv.a_factor = self._wrap("stats", curv.a_factor, None)  # type: ignore[method-assign]
-            curv.g_factor = self._wrap("stats", curv.g_factor, None)  # type: ignore[method-assign]
+            per_sample = rows.get(id(curv.module), 1)
+            curv.a_factor = self._wrap(  # type: ignore[method-assign]
+                "stats", curv.a_factor, None, self._statistics_flops(curv, "A", per_sample))
+            curv.g_factor = self._wrap(  # type: ignore[method-assign]
+                "stats", curv.g_factor, None, self._statistics_flops(curv, "G", per_sample))
         ready = getattr(pre.capture, "_on_ready", None)
         if ready is not None:
             pre.capture._on_ready = self._wrap("on_ready", ready, "factors")
             self.wrapped.append("capture._on_ready")
 
-    def _wrap(self, name: str, fn: Callable[..., Any], tag: str | None) -> Callable[..., Any]:
+    def _wrap(self, name: str, fn: Callable[..., Any], tag: str | None,
+              flops: Callable[[tuple[Any, ...], Any], int] | None = None) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
             before = self.pre.comm.traffic().total_bytes if tag and self.count_bytes else 0
             SYNC.phase()  # work queued before the call belongs to the caller's phase
             t0 = time.perf_counter()
+            result = None
             try:
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
+                return result
             finally:
                 SYNC.phase()
                 self.t[name] += time.perf_counter() - t0
                 if tag and self.count_bytes:
                     self.bytes[tag] += self.pre.comm.traffic().total_bytes - before
+                if flops is not None and result is not None:
+                    self.flops[name] += flops(args, result)
 
         return timed
 
+    # Flop counts of what a call did (one multiply-add = 2 flops), from the pure
+    # functions of kfac_hpc.kfac.shapes; see flop_counts() for the conventions.
+    @staticmethod
+    def _statistics_flops(curv: LayerCurvature, factor: str, per_sample: int
+                          ) -> Callable[[tuple[Any, ...], Any], int]:
+        def count(args: tuple[Any, ...], _result: Any) -> int:
+            t = args[0]
+            batch = int(t.shape[0]) if t.dim() >= 2 else 1
+            a, g = (curv.a_dim, 0) if factor == "A" else (0, curv.g_dim)
+            return statistics_flops(a, g, batch, per_sample, curv.approx)
+
+        return count
+
+    def _decompose_flops(self, args: tuple[Any, ...], _result: Any) -> int:
+        state = args[1]
+        if getattr(state, "average", None) is None:
+            return 0
+        return decomposition_flops(int(state.dim), self.pre.compute_method)
+
+    def _precondition_flops(self, _args: tuple[Any, ...], result: Any) -> int:
+        return sum(precondition_flops(int(v.shape[0]), int(v.shape[1]),
+                                      self.pre.compute_method) for v in result.values())
+
     def reset(self) -> None:
         self.t.clear()
+        self.flops.clear()
         self.bytes.clear()
 
 
+def decomposition_flops(d: int, method: str) -> int:
+    """Nominal flops of one factor's decomposition: ``eigh_flops`` (``4d³``) for eigen;
+    ``d³`` for inverse (Cholesky ``d³/3`` + ``cholesky_inverse`` ``2d³/3``)."""
+    return eigh_flops(d) if method == "eigen" else d ** 3
+
+
+def precondition_flops(g: int, a: int, method: str) -> int:
+    """GEMM flops of preconditioning a ``(g, a)`` gradient: eigen ``Q_Gᵀ X Q_A`` and
+    ``Q_G V Q_Aᵀ`` = ``2·(g²a + g a²)`` multiply-adds = ``4ga(g + a)`` flops; inverse
+    ``G⁻¹ X A⁻¹`` = ``g²a + g a²`` multiply-adds = ``2ga(g + a)`` flops."""
+    return (4 if method == "eigen" else 2) * g * a * (g + a)
+
+
 _ACTIVE: list[Probe | None] = [None]
+
+
+def _average_flops(args: tuple[Any, ...]) -> int:
+    """``c·decay + (1-decay)·B``: 3 flops an element (0 for a first update, a copy).
+    Arguments: ``(current, batch, decay)`` or ``(local_average, batch, decay, first)``."""
+    if len(args) >= 4 and args[3]:
+        return 0
+    if len(args) == 3 and args[0] is None:
+        return 0
+    batch = args[1]
+    return 3 * int(batch.numel()) if isinstance(batch, torch.Tensor) else 0
 
 
 def _patch_running_averages() -> None:
@@ -246,6 +344,7 @@ def _patch_running_averages() -> None:
                 probe = _ACTIVE[0]
                 if probe is not None:
                     probe.t["average"] += time.perf_counter() - t0
+                    probe.flops["average"] += _average_flops(args)
 
         return timed
 
@@ -265,6 +364,24 @@ class Workload:
     model: nn.Module
     x: torch.Tensor
     y: torch.Tensor
+    # matmul/convolution flops of this rank's forward and backward (torch's FlopCounterMode)
+    forward_flops: int = 0
+    backward_flops: int = 0
+
+
+def count_model_flops(work: Workload) -> None:
+    """Forward and backward flops of ``work``'s model on its batch, counted by
+    ``torch.utils.flop_counter.FlopCounterMode`` on a copy (matmuls and convolutions,
+    2 flops a multiply-add; norms and activations are not counted)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = copy.deepcopy(work.model)
+    with FlopCounterMode(display=False) as fwd:
+        loss = F.cross_entropy(model(work.x), work.y)
+    with FlopCounterMode(display=False) as bwd:
+        loss.backward()
+    work.forward_flops = int(fwd.get_total_flops())
+    work.backward_flops = int(bwd.get_total_flops())
 
 
 def make_workload(name: str, batch: int, device: torch.device) -> Workload:
@@ -285,7 +402,9 @@ def make_workload(name: str, batch: int, device: torch.device) -> Workload:
     g = torch.Generator().manual_seed(1000 + WORLD.Get_rank())
     x = torch.randn(shape, generator=g)
     y = torch.randint(0, classes, (batch,), generator=g)
-    return Workload(name, model.to(device), x.to(device), y.to(device))
+    work = Workload(name, model.to(device), x.to(device), y.to(device))
+    count_model_flops(work)
+    return work
 
 
 @dataclass
@@ -313,6 +432,8 @@ class Runner:
     samples: dict[str, list[dict[str, float]]] = field(default_factory=dict)
     bytes: dict[str, dict[str, float]] = field(default_factory=dict)
     lib_tags: dict[str, dict[str, int]] = field(default_factory=dict)
+    flops: dict[str, dict[str, int]] = field(default_factory=dict)  # kind -> phase -> flops
+    model_flops: tuple[int, int] = (0, 0)  # forward, backward
 
 
 def build_runner(label: str, work: Workload, grad_comm: Communicator, kinds: Sequence[str],
@@ -321,7 +442,10 @@ def build_runner(label: str, work: Workload, grad_comm: Communicator, kinds: Seq
     model = copy.deepcopy(work.model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     averager = GradientAverager(model, grad_comm)
-    runner = Runner(label, tuple(kinds), model, opt, averager, options=dict(options or {}))
+    if options is not None:
+        options = {**EXTRA_OPTIONS, **options}
+    runner = Runner(label, tuple(kinds), model, opt, averager, options=dict(options or {}),
+                    model_flops=(work.forward_flops, work.backward_flops))
     if options is None:
         return runner
     mode = runner.mode
@@ -337,7 +461,9 @@ def build_runner(label: str, work: Workload, grad_comm: Communicator, kinds: Seq
         comm.free()
         return str(e).split(";")[0]
     runner.pre = pre
-    runner.probe = Probe(pre)
+    rows = rows_per_sample(model, [c.module for c in pre.layers.values()],
+                           tuple(work.x.shape[1:]))
+    runner.probe = Probe(pre, rows)
     return runner
 
 
@@ -404,6 +530,9 @@ def iteration(r: Runner, work: Workload, kind: str, grad_comm: Communicator,
     step_known = sum(out[p] for p in PHASES[3:8]) - t.get("on_ready", 0.0)
     out["other"] = (t3 - t2) - step_known + (t4 - t3)
     out["total"] = t4 - t0
+    # deterministic per kind after the very first step (whose running averages are
+    # copies): the last iteration of the kind is kept
+    r.flops[kind] = flop_counts(r)
     if count_bytes:
         b = dict(probe.bytes) if probe is not None else {}
         kfac_total = 0
@@ -417,6 +546,36 @@ def iteration(r: Runner, work: Workload, kind: str, grad_comm: Communicator,
         row["kfac"] = float(kfac_total)
         row["grad avg"] = float(grad_comm.traffic().total_bytes - grad_before)
         r.bytes[kind] = row
+    return out
+
+
+def flop_counts(r: Runner) -> dict[str, int]:
+    """This rank's flops per phase in the iteration just run (one multiply-add = 2).
+
+    * forward / backward: ``FlopCounterMode`` of the model (matmuls, convolutions);
+    * factor stats: ``shapes.statistics_flops`` per ``a_factor`` / ``g_factor`` call
+      this rank made, with the layer's approximation and rows per sample (the dense
+      Gram count ``2·rows·d²``, also where the library's symmetric update does half);
+    * decomposition: ``eigh_flops`` (``4d³``) or ``d³`` (inverse) per factor this
+      rank decomposed;
+    * precondition: the GEMMs of each gradient this rank preconditioned (eigen
+      ``4ga(g+a)``, inverse ``2ga(g+a)``);
+    * other: running averages (3 flops an element) and the KL clip's inner products
+      ``2ga`` per layer (in float64).
+    """
+    fwd, bwd = r.model_flops
+    out = dict.fromkeys(FLOP_PHASES, 0)
+    out["forward"], out["backward"] = fwd, bwd
+    probe, pre = r.probe, r.pre
+    if probe is None or pre is None:
+        return out
+    f = probe.flops
+    out["factor stats"] = f.get("stats", 0)
+    out["decomposition"] = f.get("_decompose", 0)
+    out["precondition"] = f.get("_precondition_my_layers", 0)
+    # every rank clips every layer's update (after the gradient broadcast, if any)
+    kl = 0 if pre.kl_clip is None else sum(2 * c.g_dim * c.a_dim for c in pre.layers.values())
+    out["other"] = f.get("average", 0) + kl
     return out
 
 
@@ -464,6 +623,7 @@ def run_round_robin(runners: Sequence[Runner], work: Workload, grad_comm: Commun
 def summarise(r: Runner) -> dict[str, Any]:
     """Collective: per kind, iteration (median of slowest rank) and mean-rank split."""
     everyone = WORLD.allgather(r.samples)
+    everyone_flops = WORLD.allgather(r.flops)
     kinds: dict[str, Any] = {}
     for kind in r.kinds:
         per_rank = [s[kind] for s in everyone]
@@ -486,6 +646,11 @@ def summarise(r: Runner) -> dict[str, Any]:
             "bytes_per_rank": r.bytes.get(kind, {}),
             "library_tags": r.lib_tags.get(kind, {}),
         }
+        if all(kind in f for f in everyone_flops):  # mean rank, like the split
+            kinds[kind]["flops"] = {p: statistics.fmean(f[kind][p] for f in everyone_flops)
+                                    for p in FLOP_PHASES}
+            kinds[kind]["flops_max_rank"] = {p: max(f[kind][p] for f in everyone_flops)
+                                             for p in FLOP_PHASES}
     memory = {}
     if r.pre is not None:
         mem = dict(r.pre.memory_bytes())
@@ -512,6 +677,9 @@ def compose(kinds: dict[str, Any], f: int, i: int) -> dict[str, Any]:
         out["iteration_unsynced_s"] = sum(v * kinds[k]["iteration_unsynced_s"]
                                           for k, v in w.items())
     out["split_s"] = {p: sum(v * kinds[k]["split_s"][p] for k, v in w.items()) for p in PHASES}
+    if all("flops" in kinds[k] for k in w):
+        out["flops"] = {p: sum(v * kinds[k]["flops"][p] for k, v in w.items())
+                        for p in FLOP_PHASES}
     tags = set().union(*(kinds[k]["bytes_per_rank"] for k in w))
     out["bytes_per_rank"] = {t: sum(v * kinds[k]["bytes_per_rank"].get(t, 0.0)
                                     for k, v in w.items()) for t in tags}
@@ -758,8 +926,121 @@ def _dispose(r: Runner) -> None:
         r.pre.remove_hooks()
 
 
+def reference_throughput(device: torch.device, dim: int, runs: int, info: dict[str, Any],
+                         say: Callable[[str], None]) -> dict[str, Any]:
+    """The machine's fp32 matmul throughput at this script's torch thread count.
+
+    Measured on rank 0 alone while the others wait without spinning: the reference of a
+    phase (what one rank's threads reach with their cores to themselves). The machine's
+    limit, the reference of a whole iteration's flops over all ranks, is that rate per
+    thread times the cores the ranks can use (``min(cores, ranks on the node × threads)``
+    per node). Also measured on every rank at once and recorded, as a reading of the
+    momentary load (on a shared machine it moves with other users' work).
+    """
+    alone: dict[str, Any] | None = None
+    if WORLD.Get_rank() == 0:
+        alone = matmul_throughput(dim, runs, device)
+    req = WORLD.Ibarrier()
+    while not req.Test():
+        time.sleep(0.005)
+    alone = WORLD.bcast(alone)
+    assert alone is not None
+    together = alone
+    per_rank = [alone["flops_per_s"]]
+    if WORLD.Get_size() > 1:
+        WORLD.Barrier()
+        mine = matmul_throughput(dim, runs, device)
+        per_rank = WORLD.allgather(mine["flops_per_s"])
+        together = mine
+    ref = alone["flops_per_s"]
+    threads = torch.get_num_threads()
+    per_node = info["ranks_on_node"] or 1
+    nodes = max(1, WORLD.Get_size() // per_node)
+    if device.type == "cuda":  # units are GPUs: ranks of a node share its GPUs
+        usable = min(per_node, info.get("cuda_devices") or 1)
+        machine = ref * usable * nodes
+    else:
+        usable = min(info["cores"] or per_node * threads, per_node * threads)
+        machine = ref / threads * usable * nodes
+    out = {"machine_flops_per_s": machine, "usable_cores": usable, "nodes": nodes,
+           "dim": dim, "dtype": "float32", "runs": runs, "threads": torch.get_num_threads(),
+           "device": str(device), "alone_flops_per_s": alone["flops_per_s"],
+           "alone_best_flops_per_s": alone["best_flops_per_s"],
+           "concurrent_flops_per_s_per_rank": per_rank,
+           "concurrent_machine_flops_per_s": sum(per_rank),
+           "reference_flops_per_s": ref, "samples_s_rank0_alone": alone["samples_s"],
+           "samples_s_concurrent_here": together["samples_s"]}
+    say(f"# reference: fp32 {dim}x{dim} matmul, {out['threads']} thread(s)/rank: "
+        f"{ref / 1e9:.1f} GFLOP/s on rank 0 alone, so {out['machine_flops_per_s'] / 1e9:.1f} "
+        f"for the {usable} usable core(s)/GPU(s) x {nodes} node(s); measured with all "
+        f"{WORLD.Get_size()} rank(s) computing at once: "
+        f"{statistics.fmean(per_rank) / 1e9:.1f} per rank, {sum(per_rank) / 1e9:.1f} in "
+        f"all; load average "
+        f"{os.getloadavg()[0] if hasattr(os, 'getloadavg') else '?'}")
+    return out
+
+
+def reference_check(device: torch.device, peak: dict[str, Any],
+                    say: Callable[[str], None]) -> dict[str, Any]:
+    """The reference matmul again on rank 0 alone (drift of a shared machine's load)."""
+    again: dict[str, Any] | None = None
+    if WORLD.Get_rank() == 0:
+        again = matmul_throughput(peak["dim"], peak["runs"], device)
+    req = WORLD.Ibarrier()
+    while not req.Test():
+        time.sleep(0.005)
+    again = WORLD.bcast(again)
+    assert again is not None
+    say(f"# reference check at the end: {again['flops_per_s'] / 1e9:.1f} GFLOP/s on rank 0 "
+        f"alone (start: {peak['reference_flops_per_s'] / 1e9:.1f})")
+    return {"alone_flops_per_s": again["flops_per_s"], "samples_s": again["samples_s"]}
+
+
 # ----------------------------------------------------------------------- reporting
-def ratio_tables(res: dict[str, Any], md: bool) -> str:
+def flops_tables(res: dict[str, Any], peak: dict[str, Any], md: bool) -> str:
+    """Per composed configuration and phase: flops per iteration (mean rank), the
+    GFLOP/s reached in the phase's time, and its share of the reference throughput."""
+    ref = peak["reference_flops_per_s"]
+    machine_ref = peak["machine_flops_per_s"]
+    ranks = WORLD.Get_size()
+
+    def rate(flops: float, seconds: float) -> str:
+        if flops <= 0 or seconds <= 0:
+            return "-"
+        return f"{flops / seconds / 1e9:.2f} ({100 * flops / seconds / ref:.0f}%)"
+
+    counts, rates = [], []
+    for label, c in res["composed"].items():
+        fl = c.get("flops")
+        if not fl:
+            continue
+        s = c["split_s"]
+        total, seconds = sum(fl.values()), sum(s[p] for p in PHASES)
+        counts.append([label] + [f"{fl[p] / 1e6:.1f}" for p in FLOP_PHASES]
+                      + [f"{total / 1e6:.1f}"])
+        machine_share = total * ranks / c["iteration_s"] / machine_ref
+        rates.append([label] + [rate(fl[p], s[p]) for p in FLOP_PHASES]
+                     + [rate(total, seconds), f"{100 * machine_share:.1f}%"])
+    if not counts:
+        return ""
+    where = (f"fp32 {peak['dim']}² matmul at {peak['threads']} thread(s) on one rank alone: "
+             f"{ref / 1e9:.1f} GFLOP/s; the machine: that per thread (GPU) x "
+             f"{peak['usable_cores']} usable core(s) (GPUs) x {peak['nodes']} node(s) = "
+             f"{machine_ref / 1e9:.1f} GFLOP/s")
+    return "\n".join([
+        "\nFlops per iteration (MFLOP, mean rank; one multiply-add = 2 flops; forward/"
+        "backward: FlopCounterMode of matmuls and convolutions; factor stats: dense Gram "
+        "count of shapes.statistics_flops; decomposition: 4d³ per eigh, d³ per inverse; "
+        "precondition: its GEMMs; other: running averages + KL clip):",
+        format_table(["config", *FLOP_PHASES, "iteration"], counts, md),
+        f"\nGFLOP/s reached in each phase's time (mean rank) and % of the reference ({where}; "
+        "backward includes the gradient allreduce; iteration = the mean rank's flops over "
+        "its iteration time; machine = every rank's flops over the (slowest rank's) "
+        "iteration time, % of the machine's throughput):",
+        format_table(["config", *FLOP_PHASES, "iteration", "machine"], rates, md)])
+
+
+def ratio_tables(res: dict[str, Any], md: bool, peak: dict[str, Any] | None = None) -> str:
     out = []
     rows = []
     plain = all("ratio_unsynced" in c for c in res["composed"].values())
@@ -798,6 +1079,8 @@ def ratio_tables(res: dict[str, Any], md: bool) -> str:
         out.append(f"\nDirect (1,10) over one period: K-FAC {ms(d['kfac_mean_iteration_s'])} ms "
                    f"mean vs SGD {ms(d['sgd_median_iteration_s'])} ms: {d['ratio']:.2f}x "
                    f"(composed: {comp['ratio']:.2f}x)" if comp else "")
+    if peak is not None:
+        out.append(flops_tables(res, peak, md))
     return "\n".join(out)
 
 
@@ -920,6 +1203,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "factor)")
     p.add_argument("--eigh-runs", type=int, default=None,
                    help="timed eigh calls per size and dtype (default 5; 2 with --quick)")
+    p.add_argument("--kfac-approx", choices=("expand", "reduce"), default="expand",
+                   help="K-FAC approximation of every K-FAC configuration (kfac_approx=; "
+                        "default expand); reduce writes ..._reduce.json / .png")
+    p.add_argument("--peak-dim", type=int, default=2048,
+                   help="size of the fp32 matmul whose throughput is the reference of the "
+                        "flops tables (default 2048; 0: no reference, no flops tables)")
+    p.add_argument("--peak-runs", type=int, default=3,
+                   help="timed matmuls for the reference (median; at least this many and "
+                        "0.5 s; default 3)")
     p.add_argument("--quick", action="store_true",
                    help="few rounds, MLP unless --model is given: a smoke run")
     p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
@@ -939,7 +1231,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     SYNC.cuda = SYNC.phases = device.type == "cuda"
     args.unsynced = (args.whole_iteration == "yes"
                      or (args.whole_iteration == "auto" and device.type == "cuda"))
-    suffix = "_cuda" if device.type == "cuda" else ""
+    suffix = ("_cuda" if device.type == "cuda" else "") + (
+        "_reduce" if args.kfac_approx == "reduce" else "")
+    if "kfac_approx" in ACCEPTED:
+        EXTRA_OPTIONS["kfac_approx"] = args.kfac_approx
+    elif args.kfac_approx != "expand":
+        raise SystemExit("--kfac-approx reduce: this KFACPreconditioner has no kfac_approx")
     info = machine()
     info["devices"] = WORLD.allgather(str(device))
     threads = args.threads or max(1, (info["cores"] or 1) // max(1, info["ranks_on_node"]))
@@ -956,7 +1253,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     say(f"# kfac_step: {describe(info)}; {threads} torch thread(s)/rank; device per rank: "
         f"{', '.join(info['devices'])}"
         + ("; phases synchronise the device" if SYNC.phases else ""))
-    say(f"# preconditioner options present: {', '.join(present) or '(none)'}")
+    say(f"# preconditioner options present: {', '.join(present) or '(none)'}; "
+        f"kfac_approx={args.kfac_approx}")
+    reference = (reference_throughput(device, args.peak_dim, args.peak_runs, info, say)
+                 if args.peak_dim > 0 else None)
     grad_comm = Communicator(WORLD.Dup(), name="grad-avg")
     for name in models_of(args):
         ratio_steps, matrix_steps = DEFAULT_STEPS[name]
@@ -982,11 +1282,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   "option_defaults": {
                                       o: repr(inspect.signature(KFACPreconditioner)
                                               .parameters[o].default) for o in present},
-                                  "quick": args.quick}
+                                  "quick": args.quick, "kfac_approx": args.kfac_approx,
+                                  "reference_throughput": reference,
+                                  "model_flops": {"forward": work.forward_flops,
+                                                  "backward": work.backward_flops}}
         if "ratio" in args.sections:
             res = ratio_section(work, grad_comm, run_args, say)
             record["ratio"] = res
-            say(ratio_tables(res, args.markdown))
+            say(ratio_tables(res, args.markdown, reference))
             if rank == 0:
                 bars = {k.replace("K-FAC ", ""): c["split_s"] for k, c in res["composed"].items()}
                 where = (f"{device.type}" if device.type == "cuda"
@@ -1012,6 +1315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             peak = WORLD.allgather(torch.cuda.max_memory_allocated(device))
             record["cuda_peak_allocated_bytes_per_rank"] = peak
             say(f"# CUDA peak memory allocated (max over ranks): {max(peak) / 2**30:.2f} GiB")
+        if reference is not None:
+            record["reference_check_end"] = reference_check(device, reference, say)
         if hasattr(os, "getloadavg"):
             record["load_average_1m_end"] = round(os.getloadavg()[0], 2)
             say(f"# load average (1 min) at the end: {record['load_average_1m_end']}")

@@ -14,6 +14,13 @@ test accuracy and wall time, then reports, per optimizer, mean +- std over seeds
 and plots test accuracy against epochs and against wall time (one line per optimizer,
 mean over seeds, +- std shaded) into ``--fig-dir``.
 
+``--tasks gpt`` (not in the default) adds the byte-level language model: ``gpt``
+(``--gpt-options``, default dim 64, depth 2, 4 heads) on ``stdlib-text`` (the standard
+library's source), K-FAC comm-opt (on AdamW) and Shampoo against AdamW
+(``--gpt-optimizers``). There "accuracy" is next-token test accuracy, the target is
+AdamW's mean final value minus ``--margin-gpt``, and the table adds the final test
+perplexity (``exp`` of the test loss). Its learning rates were not swept.
+
 With a cosine schedule every run converges near its own end, so "the first epoch above
 the target" mostly measures the schedule. The published comparisons (SC20, KAISA) give
 each optimizer its own, shorter schedule instead; ``--budgets 0.5,0.75`` does that: the
@@ -76,13 +83,20 @@ OPTIMIZERS: dict[str, list[str]] = {
     "kfac-dp-kfac": ["--optimizer", "sgd", "--preconditioner", "kfac",
                      "--kfac-strategy", "dp-kfac"],
     "shampoo": ["--optimizer", "shampoo", "--preconditioner", "none"],
+    "adamw": ["--optimizer", "adamw", "--preconditioner", "none"],
 }
+# the image tasks' default comparison (AdamW is the language model's reference)
+DEFAULT_OPTIMIZERS = ("sgd", "adam", "kfac-comm-opt", "kfac-mem-opt", "kfac-dp-kfac", "shampoo")
+# the language model: K-FAC and Shampoo against AdamW
+GPT_OPTIMIZERS = ("adamw", "kfac-comm-opt", "shampoo")
 LABELS = {"sgd": "SGD", "adam": "Adam", "kfac-comm-opt": "K-FAC comm-opt",
           "kfac-mem-opt": "K-FAC mem-opt", "kfac-dp-kfac": "K-FAC dp-kfac",
-          "shampoo": "Shampoo"}
+          "shampoo": "Shampoo", "adamw": "AdamW"}
 COLORS = {"sgd": "black", "adam": "tab:orange", "kfac-comm-opt": "tab:blue",
-          "kfac-mem-opt": "tab:cyan", "kfac-dp-kfac": "tab:purple", "shampoo": "tab:green"}
-TASKS = ("digits", "resnet20")
+          "kfac-mem-opt": "tab:cyan", "kfac-dp-kfac": "tab:purple", "shampoo": "tab:green",
+          "adamw": "tab:red"}
+TASKS = ("digits", "resnet20", "gpt")
+DEFAULT_TASKS = ("digits", "resnet20")
 # Peak learning rates (after 1 warm-up epoch, cosine decay): the best final test accuracy
 # of a 1-seed sweep (seed 0, so the benchmark's default seeds are 1, 2, 3) over
 # {0.3, 1, 3, 10} x a starting value per optimizer; "kfac" = every K-FAC strategy, on
@@ -90,7 +104,11 @@ TASKS = ("digits", "resnet20")
 LEARNING_RATES: dict[str, dict[str, float]] = {
     "digits": {"sgd": 0.3, "adam": 0.03, "kfac": 1.0, "shampoo": 0.03},
     "resnet20": {"sgd": 0.4, "adam": 0.1, "kfac": 4.0, "shampoo": 0.3},
+    # gpt: not swept (a common AdamW value for small transformers, used by all three)
+    "gpt": {"sgd": 0.3, "adam": 3e-3, "adamw": 3e-3, "kfac": 3e-3, "shampoo": 3e-3},
 }
+for _lrs in LEARNING_RATES.values():
+    _lrs.setdefault("adamw", _lrs["adam"])
 
 
 # ------------------------------------------------------------------ configuration
@@ -100,6 +118,10 @@ def task_flags(task: str, args: argparse.Namespace) -> list[str]:
     if task == "digits":
         return ["--dataset", "digits", "--model", "mlp",
                 "--epochs", str(args.digits_epochs), *common]
+    if task == "gpt":  # byte-level language model on the standard library's source
+        return ["--dataset", "stdlib-text", "--model", "gpt",
+                "--model-options", args.gpt_options, "--eval-batch-size", "256",
+                "--epochs", str(args.gpt_epochs), *common]
     return ["--dataset", "synthetic", "--model", "resnet20",
             "--synthetic-shape", args.resnet_shape,
             "--synthetic-classes", str(args.resnet_classes),
@@ -114,6 +136,8 @@ def lr_key(name: str) -> str:
 
 def optimizer_flags(name: str, task: str, args: argparse.Namespace) -> list[str]:
     flags = [*OPTIMIZERS[name], "--lr", str(args.lrs[task][lr_key(name)])]
+    if task == "gpt" and name.startswith("kfac"):
+        flags += ["--optimizer", "adamw"]  # K-FAC on AdamW there (the last flag wins)
     if name == "shampoo":
         flags += ["--shampoo-options", f"precondition_frequency={args.shampoo_frequency}"]
     if name.startswith("kfac"):
@@ -123,7 +147,12 @@ def optimizer_flags(name: str, task: str, args: argparse.Namespace) -> list[str]
 
 
 def task_epochs(task: str, args: argparse.Namespace) -> int:
-    return int(args.digits_epochs if task == "digits" else args.resnet_epochs)
+    return int({"digits": args.digits_epochs, "gpt": args.gpt_epochs}.get(
+        task, args.resnet_epochs))
+
+
+def task_optimizers(task: str, args: argparse.Namespace) -> list[str]:
+    return list(args.gpt_optimizer_list if task == "gpt" else args.optimizer_list)
 
 
 def budget_epochs(task: str, args: argparse.Namespace) -> list[int]:
@@ -138,7 +167,7 @@ def plan_task(task: str, args: argparse.Namespace, root: Path) -> list[dict[str,
     runs = []
     full = task_epochs(task, args)
     for seed in args.seed_list:
-        for name in args.optimizer_list:
+        for name in task_optimizers(task, args):
             schedules = [full] + (budget_epochs(task, args)
                                   if name in args.budget_optimizer_list else [])
             for epochs in schedules:
@@ -156,7 +185,7 @@ def warmup_entries(task: str, args: argparse.Namespace, root: Path) -> list[dict
     """A 2-step run of each optimizer kind (batched mode): pays lazy initialisation
     (LAPACK, conv kernels, first collectives) before anything is timed."""
     out = []
-    for name in args.optimizer_list:
+    for name in task_optimizers(task, args):
         d = root / "_warmup" / f"{task}_{name}"
         flags = (task_flags(task, args) + optimizer_flags(name, task, args)
                  + ["--max-steps", "2", "--out", str(d), "--no-progress"])
@@ -301,6 +330,8 @@ def analyse(task: str, runs: list[dict[str, Any]], margin: float,
             "epochs_to_target_each": [e for e, _ in hits],
             "time_to_target_each": [t for _, t in hits],
             "final_acc": mean_std([r["summary"]["test_acc"] for r in rs]),
+            "final_ppl": mean_std([math.exp(min(r["summary"]["test_loss"], 700.0))
+                                   for r in rs]),
             "best_acc": mean_std([max(e["test_acc"] for e in r["epochs"]) for r in rs]),
             "seconds_per_epoch": per_epoch,
             "train_seconds": mean_std([r["summary"]["wall_time"] for r in rs]),
@@ -309,7 +340,7 @@ def analyse(task: str, runs: list[dict[str, Any]], margin: float,
             "curves": [[(e["epoch"], e["wall_time"], e["test_acc"]) for e in r["epochs"]]
                        for r in rs],
         }
-    sgd = rows.get("sgd")
+    sgd = rows.get(ref)  # the reference: SGD, or AdamW for the language model
     for row in rows.values():
         for key, base in (("epochs_ratio", "epochs_to_target"), ("time_ratio", "time_to_target")):
             row[key] = (row[base][0] / sgd[base][0]
@@ -337,8 +368,12 @@ def pm(ms: tuple[float, float], fmt: str, scale: float = 1.0) -> str:
 
 
 def table(result: dict[str, Any], markdown: bool) -> str:
-    headers = ["optimizer", "reached", "epochs to target", "x SGD", "time to target s",
-               "x SGD", "final test acc %", "s / epoch", "KiB / step"]
+    ref = "SGD" if result["reference"] == "sgd" else LABELS[result["reference"]]
+    headers = ["optimizer", "reached", "epochs to target", f"x {ref}", "time to target s",
+               f"x {ref}", "final test acc %", "s / epoch", "KiB / step"]
+    lm = result["task"] == "gpt"
+    if lm:
+        headers.insert(7, "final test ppl")
     rows = []
     for name, r in result["rows"].items():
         rows.append([
@@ -349,6 +384,8 @@ def table(result: dict[str, Any], markdown: bool) -> str:
             "-" if math.isnan(r["time_ratio"]) else f"{r['time_ratio']:.2f}",
             pm(r["final_acc"], ".2f", 100), pm(r["seconds_per_epoch"], ".2f"),
             f"{r['bytes_per_step'] / 1024:.0f}"])
+        if lm:
+            rows[-1].insert(7, pm(r["final_ppl"], ".2f"))
     return format_table(headers, rows, markdown=markdown)
 
 
@@ -444,9 +481,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker", metavar="PLAN", help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true",
                    help="tiny smoke configuration (1 seed, 2-3 epochs, small ResNet data)")
-    p.add_argument("--tasks", default=",".join(TASKS), help="digits,resnet20")
-    p.add_argument("--optimizers", default=",".join(OPTIMIZERS),
-                   help=f"comma list of {', '.join(OPTIMIZERS)}")
+    p.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
+                   help="comma list of digits, resnet20, gpt (the byte-level language model "
+                        "on stdlib-text; not in the default)")
+    p.add_argument("--optimizers", default=",".join(DEFAULT_OPTIMIZERS),
+                   help=f"image tasks: comma list of {', '.join(OPTIMIZERS)}")
+    p.add_argument("--gpt-optimizers", default=",".join(GPT_OPTIMIZERS),
+                   help="the gpt task's optimizers (reference: the first with results, "
+                        "AdamW by default; K-FAC runs on AdamW there)")
+    p.add_argument("--gpt-epochs", type=int, default=4)
+    p.add_argument("--gpt-options", default="dim=64,depth=2,heads=4",
+                   help="--model-options of the gpt task")
+    p.add_argument("--margin-gpt", type=float, default=1.0,
+                   help="target = AdamW's mean final next-token test accuracy - this (pp)")
     p.add_argument("--seeds", default="1,2,3",
                    help="comma list of seeds (seed 0 chose the learning rates)")
     p.add_argument("--ranks", "-n", type=int, default=4)
@@ -492,15 +539,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.seeds = "0"
         args.digits_epochs, args.resnet_epochs = 3, 2
         args.resnet_train_size, args.resnet_test_size = 512, 256
+        args.gpt_epochs = 2
     args.seed_list = [int(s) for s in args.seeds.split(",") if s.strip()]
     args.optimizer_list = [s.strip() for s in args.optimizers.split(",") if s.strip()]
+    args.gpt_optimizer_list = [s.strip() for s in args.gpt_optimizers.split(",") if s.strip()]
     args.task_list = [s.strip() for s in args.tasks.split(",") if s.strip()]
     args.budget_list = [float(s) for s in args.budgets.split(",") if s.strip()]
     args.budget_optimizer_list = [s.strip() for s in args.budget_optimizers.split(",")
                                   if s.strip() in args.optimizer_list]
     if any(not 0 < f < 1 for f in args.budget_list):
         p.error(f"--budgets {args.budgets}: fractions must lie in (0, 1)")
-    bad = ([o for o in args.optimizer_list if o not in OPTIMIZERS]
+    bad = ([o for o in args.optimizer_list + args.gpt_optimizer_list if o not in OPTIMIZERS]
            + [t for t in args.task_list if t not in TASKS])
     if bad:
         p.error(f"unknown optimizer/task: {', '.join(bad)}")
@@ -509,8 +558,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         where, _, value = spec.rpartition("=")
         task, _, opt = where.rpartition(":")
         tasks = [task] if task else list(TASKS)
-        if opt not in ("sgd", "adam", "kfac", "shampoo") or any(t not in TASKS for t in tasks):
-            p.error(f"--lr {spec}: expected [TASK:]OPT=LR with OPT sgd|adam|kfac|shampoo")
+        if opt not in ("sgd", "adam", "adamw", "kfac", "shampoo") or any(
+                t not in TASKS for t in tasks):
+            p.error(f"--lr {spec}: expected [TASK:]OPT=LR with OPT sgd|adam|adamw|kfac|shampoo")
         for t in tasks:
             args.lrs[t][opt] = float(value)
     if args.out is None:
@@ -539,8 +589,9 @@ def main(argv: list[str] | None = None) -> int:
                 run_batched(task, todo, args, root)
             else:
                 run_per_config(todo, args)
-        margin = args.margin_digits if task == "digits" else args.margin_resnet
-        results[task] = analyse(task, runs, margin, args.optimizer_list)
+        margin = {"digits": args.margin_digits, "gpt": args.margin_gpt}.get(
+            task, args.margin_resnet)
+        results[task] = analyse(task, runs, margin, task_optimizers(task, args))
     elapsed = time.perf_counter() - t_start
     info = host_info(args.ranks)
     info["load_average_1m"] = f"{load_start[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end"

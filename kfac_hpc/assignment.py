@@ -7,7 +7,7 @@ and gets the same map, so no communication is needed to agree on ownership.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -50,13 +50,3 @@ def lpt_assign(
         heapq.heappush(heap, (load + cost, worker))
     return owners
 
-
-def loads_of(owners: Mapping[K, int], costs: Mapping[K, float], n_workers: int) -> list[float]:
-    """Total cost per worker of an assignment (for inspection and tests)."""
-    loads = [0.0] * n_workers
-    for key, worker in owners.items():
-        loads[worker] += costs[key]
-    return loads
-
-
-CostFunction = Callable[[int], float]

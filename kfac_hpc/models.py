@@ -19,6 +19,12 @@ Names (see :func:`model_names`):
   conv as in torchvision, 25,557,032 parameters for 1000 classes). ``stem="auto"``
   uses the 7x7/2 conv + 3x3/2 max-pool stem, or a 3x3/1 conv without pooling (the
   usual CIFAR stem) when ``image_size < 64``.
+* ``gpt``: a small decoder-only transformer language model (token and positional
+  ``nn.Embedding``, pre-LayerNorm blocks with causal self-attention whose q/k/v/out
+  projections are ``nn.Linear``, a GELU MLP, a Linear head); ``num_classes`` is the
+  vocabulary (256 for ``stdlib-text`` bytes), ``input_dim`` the context length. Options
+  ``dim=64, depth=2, heads=4, mlp_ratio=4, context``. Its LayerNorms are the exception to
+  the first rule: K-FAC leaves them to the optimizer.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["BasicBlock", "Bottleneck", "build_model", "model_names", "register_model"]
+__all__ = ["GPT", "BasicBlock", "Bottleneck", "build_model", "model_names", "register_model"]
 
 ModelBuilder = Callable[..., nn.Module]
 
@@ -335,3 +341,114 @@ def _resnet50(
         num_classes=num_classes,
         zero_init_residual=zero_init_residual,
     )
+
+
+# --------------------------------------------------------------------- transformer
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with ``nn.Linear`` q/k/v/out projections.
+
+    The projections are separate ``nn.Linear`` modules whose forward is called (not
+    ``nn.MultiheadAttention``, which uses ``out_proj.weight`` directly), so K-FAC
+    preconditions all four, over the ``b·T`` positions (expand).
+    """
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"gpt dim ({dim}) must be a multiple of heads ({heads})")
+        self.heads = heads
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+        self.v = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.heads
+
+        def split(y: torch.Tensor) -> torch.Tensor:
+            return y.reshape(b, t, h, d // h).transpose(1, 2)
+
+        y = nn.functional.scaled_dot_product_attention(
+            split(self.q(x)), split(self.k(x)), split(self.v(x)), is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LayerNorm block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))`` (GELU MLP)."""
+
+    def __init__(self, dim: int, heads: int, mlp_ratio: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = CausalSelfAttention(dim, heads)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, mlp_ratio * dim)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(mlp_ratio * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.proj(self.act(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """Decoder-only language model: token + positional ``nn.Embedding``, pre-LN blocks,
+    final LayerNorm, ``nn.Linear`` head. Input: token indices ``(b, T)`` (int64, ``T`` ≤
+    ``context``); output: logits ``(b, T, vocab)`` for the next token at each position.
+
+    The positional embedding is looked up with positions expanded to ``(b, T)``, so K-FAC
+    sees one row per (example, position) for it as for the token embedding. LayerNorm
+    parameters are not preconditioned (left to the optimizer).
+    """
+
+    def __init__(self, vocab: int, context: int, dim: int, depth: int, heads: int,
+                 mlp_ratio: int) -> None:
+        super().__init__()
+        self.context = context
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(context, dim)
+        self.blocks = nn.ModuleList(
+            [TransformerBlock(dim, heads, mlp_ratio) for _ in range(depth)])
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        idx = idx.long()
+        b, t = idx.shape
+        if t > self.context:
+            raise ValueError(f"sequence length {t} exceeds the model's context {self.context}")
+        positions = torch.arange(t, device=idx.device).expand(b, t)
+        x = self.tok(idx) + self.pos(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+@register_model("gpt")
+def _gpt(
+    *,
+    num_classes: int,
+    in_channels: int,
+    image_size: int | None,
+    input_dim: int | None,
+    dim: int = 64,
+    depth: int = 2,
+    heads: int = 4,
+    mlp_ratio: int = 4,
+    context: int | None = None,
+) -> nn.Module:
+    """Small decoder-only transformer; ``num_classes`` is the vocabulary (256: bytes),
+    ``input_dim`` the sequence length (the default ``context``)."""
+    ctx = context if context is not None else input_dim
+    if ctx is None or ctx < 1:
+        raise ValueError("gpt needs a context length (context=, or input_dim = sequence length)")
+    if min(dim, depth, heads, mlp_ratio) < 1:
+        raise ValueError("gpt dim, depth, heads and mlp_ratio must be >= 1")
+    return GPT(num_classes, int(ctx), int(dim), int(depth), int(heads), int(mlp_ratio))

@@ -563,7 +563,7 @@ def test_unsupported_reasons() -> None:
         nn.Conv1d(2, 2, 3),
         nn.Conv3d(2, 2, 3),
         nn.ConvTranspose2d(2, 2, 3),
-        nn.Embedding(5, 3),
+        nn.EmbeddingBag(5, 3),
     ):
         reason = unsupported_reason(m)
         assert reason is not None and type(m).__name__ in reason
@@ -588,3 +588,24 @@ def test_column_covariance_equals_row_covariance(bias: bool) -> None:
     got = column_covariance(blocks, append_one=bias)
     assert rel_err(got, covariance(rows)) < 1e-14
     assert torch.equal(got, got.t())
+
+
+@pytest.mark.parametrize("d", [63, 64, 150, 577])
+def test_covariance_symmetric_path(d: int) -> None:
+    """From 64 columns only the upper triangle is multiplied (symmetric rank-k update)."""
+    from kfac_hpc.kfac.linalg import mirror_upper, symmetric_gram_
+
+    gen = torch.Generator().manual_seed(d)
+    n = 2 * d + 1  # enough rows for the symmetric path
+    rows = torch.randn(n, d, dtype=DT, generator=gen)
+    ref = rows.t() @ rows / n
+    c = covariance(rows)
+    assert rel_err(c, ref) < 1e-14 and torch.equal(c, c.t())
+    c32 = covariance(rows.float())
+    assert c32.dtype == torch.float32 and torch.equal(c32, c32.t())
+    assert rel_err(c32.double(), ref) < 1e-6
+    for blocks in (1, 2, 7, d + 5):
+        acc = torch.zeros(d, d, dtype=DT)
+        symmetric_gram_(acc, rows, blocks)
+        symmetric_gram_(acc, rows, blocks)  # accumulates
+        assert rel_err(mirror_upper(acc), 2 * ref * n) < 1e-14

@@ -204,7 +204,7 @@ def test_skip_layers_unsupported_and_frozen(caplog):
     ({"inv_update_steps": 1.5}, "inv_update_steps must be a whole number"),
     ({"strategy": "fast"}, "strategy must be one of"),
     ({"compute_method": "svd"}, "compute_method must be one of"),
-    ({"grad_worker_fraction": 0.5}, "applies to strategy='hybrid-opt' only"),
+    ({"grad_worker_fraction": 0.5}, "only applies to strategy='hybrid-opt'"),
     ({"strategy": "hybrid-opt"}, "needs grad_worker_fraction"),
     ({"strategy": "hybrid-opt", "grad_worker_fraction": 1.5}, r"must be in \(0, 1\]"),
     ({"accumulation_steps": 0}, "accumulation_steps must be an integer"),

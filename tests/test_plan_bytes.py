@@ -46,6 +46,7 @@ def tiny_net() -> nn.Module:
 Opt = KFACOptions
 CONFIGS: dict[str, KFACOptions] = {
     "comm-opt": Opt(),
+    "mem-opt+reduce": Opt(strategy="mem-opt", kfac_approx="reduce"),
     "comm-opt+pack+F2I3": Opt(symmetric_packing=True, factor_update_steps=2, inv_update_steps=3),
     "comm-opt+overlap-small-buckets": Opt(overlap=True, bucket_cap_mb=0.002),
     "comm-opt+sync@inv": Opt(factor_sync="inverse", inv_update_steps=2),

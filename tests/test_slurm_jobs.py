@@ -142,3 +142,92 @@ def test_signal_after_the_step_ended_does_not_kill_the_batch_shell(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "got SIGUSR1 after the job step ended; ignored" in done.stdout
     assert (tmp_path / "requeues").read_text().split() == ["77"]
+
+
+# ----------------------------------------------------------- crashes and node failures
+
+
+def rank_pids(tmp: Path) -> list[int]:
+    """The ``kfac-hpc train`` processes (the MPI ranks) of the job in ``tmp``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        words = [a.decode(errors="replace") for a in argv if a]
+        if (len(words) > 2 and "python" in Path(words[0]).name
+                and any(w.endswith("kfac-hpc") for w in words[:2]) and "train" in words
+                and any(str(tmp) in w for w in words)):
+            found.append(int(proc.name))
+    return found
+
+
+def kill_one_rank(tmp: Path) -> None:
+    pids = rank_pids(tmp)
+    assert pids, "no rank process found"
+    os.kill(pids[-1], signal.SIGKILL)
+
+
+def wait_for_checkpoint(tmp: Path, proc: subprocess.Popen[str], timeout: float = 240) -> None:
+    ckpts = run_dir(tmp) / "checkpoints"
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if (ckpts / "latest").exists():
+            return
+        assert proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.2)
+    raise AssertionError(f"no checkpoint in {timeout} s")
+
+
+def test_crash_after_progress_requeues_and_resumes_exactly(tmp_path, uninterrupted):
+    """kill -9 of one rank after a new checkpoint: "crashed", requeued, resumed, same
+    final parameters as the uninterrupted run."""
+    proc = submit(tmp_path, extra="--checkpoint-every-steps 10")
+    wait_for_checkpoint(tmp_path, proc)
+    wait_for_steps(tmp_path, 25, proc)
+    kill_one_rank(tmp_path)
+    rc, out = finish(proc)
+    assert rc == 0, out
+    assert "job step crashed (status" in out
+    assert "crashed after progress (newest valid checkpoint: step -1 ->" in out
+    assert "crashed; requeueing job 1001" in out
+    assert "checkpointed on preemption" not in out
+    assert (tmp_path / "slurm" / "requeues").read_text().split() == ["1001"]
+    assert checksum(tmp_path) == uninterrupted
+
+
+def test_crash_without_progress_is_not_requeued(tmp_path):
+    """A crash before the first new checkpoint (as a deterministic bug would) ends the
+    job with the step's status, without a requeue."""
+    proc = submit(tmp_path)  # periodic checkpoints every 1000 minutes: none before the kill
+    wait_for_steps(tmp_path, 5, proc)
+    kill_one_rank(tmp_path)
+    rc, out = finish(proc)
+    assert rc not in (0, 75), out
+    assert "job step crashed (status" in out
+    assert "crashed without progress" in out
+    assert not (tmp_path / "slurm" / "requeues").exists()
+
+
+@pytest.mark.parametrize("status", [1, 2, 3])
+def test_deliberate_failures_are_not_requeued(tmp_path, status):
+    """1 (checkpoint write failed), 2 (bad input), 3 (diverged) are never requeued, even
+    with a newer checkpoint; 139 (segfault) with one is."""
+    env = dict(os.environ)
+    env.update({"PATH": f"{FAKE}{os.pathsep}{env['PATH']}", "FAKE_SLURM_DIR": str(tmp_path),
+                "SLURM_JOB_ID": "77", "KFAC_CHECKPOINT_DIR": str(tmp_path / "none")})
+    script = f'source jobs/lib/requeue.sh && run_with_requeue bash -c "exit {status}"'
+    done = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == status, done.stdout + done.stderr
+    assert "not requeueing" in done.stdout
+    assert not (tmp_path / "requeues").exists()
+    script = 'source jobs/lib/requeue.sh && run_with_requeue bash -c "exit 139"'
+    done = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 139
+    assert "crashed without progress" in done.stdout + done.stderr
+    assert not (tmp_path / "requeues").exists()

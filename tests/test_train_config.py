@@ -57,6 +57,7 @@ def test_defaults_are_valid_and_resolved() -> None:
         ({"device": "cuda"}, "no CUDA device"),
         ({"checkpoint_every_steps": 10}, "needs --checkpoint-dir"),
         ({"kl_clip": 0.0}, "--kl-clip: must be > 0"),
+        ({"kfac_approx": "exact"}, "--kfac-approx: unknown value 'exact'"),
     ],
 )
 def test_invalid_options_are_named(changes: dict, expected: str) -> None:

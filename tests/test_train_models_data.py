@@ -30,7 +30,7 @@ def n_params(model: nn.Module) -> int:
 
 
 def test_model_names() -> None:
-    assert model_names() == ["mlp", "resnet20", "resnet32", "resnet50", "resnet56"]
+    assert model_names() == ["gpt", "mlp", "resnet20", "resnet32", "resnet50", "resnet56"]
 
 
 @pytest.mark.parametrize(
@@ -313,7 +313,7 @@ def test_imagefolder_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_unknown_dataset() -> None:
-    assert dataset_names() == ["cifar10", "digits", "imagefolder", "synthetic"]
+    assert dataset_names() == ["cifar10", "digits", "imagefolder", "stdlib-text", "synthetic"]
     with pytest.raises(ValueError, match=r"unknown dataset 'mnist'.*cifar10, digits"):
         load_dataset("mnist")
 

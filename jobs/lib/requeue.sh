@@ -1,5 +1,6 @@
 # shellcheck shell=bash
-# Run a job step and requeue the job when it checkpointed on preemption.
+# Run a job step and requeue the job when it checkpointed on preemption, or when it
+# crashed after making progress.
 #
 # Sourced by the sbatch scripts in jobs/. `run_with_requeue CMD...` starts CMD (an
 # `srun ...` line) in the background, forwards USR1/USR2/TERM that reach the batch shell
@@ -8,9 +9,41 @@
 # ranks checkpointed, run me again") the job is requeued with `scontrol requeue`, up to
 # KFAC_MAX_RESTARTS times (SLURM_RESTART_COUNT counts them); the next run resumes from
 # the latest checkpoint by itself.
+#
+# Crashes and node failures: any other status than those `kfac-hpc train` gives on
+# purpose (0 done, 1 checkpoint write failed, 2 bad input, 3 diverged, 75 preempted),
+# e.g. 137 (killed), 139 (segfault) or srun's status after a node failure, is a crash.
+# A crashed step is requeued (under the same KFAC_MAX_RESTARTS cap) only when it made
+# progress: KFAC_CHECKPOINT_DIR holds a valid checkpoint (verified: format, checksums,
+# no NaN/Inf) of a later step than the newest valid one when the step started. A step
+# that crashes before its first new checkpoint would crash again the same way (a
+# deterministic bug): it is not requeued, so it does not burn the allocation. Statuses
+# 1, 2 and 3 are never requeued (3, NaN, is deterministic). Without KFAC_CHECKPOINT_DIR
+# crashes are not requeued.
 
 KFAC_REQUEUE_EXIT_CODE=75
 : "${KFAC_MAX_RESTARTS:=10}"
+: "${KFAC_PYTHON:=python}"
+
+# Step of the newest valid checkpoint in directory $1; -1 when there is none.
+kfac_checkpoint_step() {
+    local dir="$1" step
+    if [[ -z "$dir" || ! -d "$dir" ]]; then
+        echo -1
+        return 0
+    fi
+    step=$("$KFAC_PYTHON" - "$dir" <<'PY' 2>/dev/null
+import sys
+from kfac_hpc.checkpoint.atomic import latest
+from kfac_hpc.checkpoint.layout import step_of_name
+found = latest(sys.argv[1], valid=True)
+step = step_of_name(found.name) if found is not None else None
+print(-1 if step is None else step)
+PY
+) || step=-1
+    [[ "$step" =~ ^-?[0-9]+$ ]] || step=-1
+    echo "$step"
+}
 
 _kfac_forward() {
     local sig="$1"
@@ -25,6 +58,11 @@ _kfac_late() {
 run_with_requeue() {
     local restarts="${SLURM_RESTART_COUNT:-0}"
     echo "kfac_hpc: job ${SLURM_JOB_ID:-?} run $((restarts + 1)) (restarts so far: $restarts, cap $KFAC_MAX_RESTARTS)"
+    local start_step=-1
+    if [[ -n "${KFAC_CHECKPOINT_DIR:-}" ]]; then
+        start_step=$(kfac_checkpoint_step "$KFAC_CHECKPOINT_DIR")
+        echo "kfac_hpc: newest valid checkpoint at start: step $start_step (-1: none)"
+    fi
     "$@" &
     _kfac_step=$!
     trap '_kfac_forward USR1' USR1
@@ -42,16 +80,49 @@ run_with_requeue() {
     trap '_kfac_late USR1' USR1
     trap '_kfac_late USR2' USR2
     trap '_kfac_late TERM' TERM
-    if [[ "$rc" -ne "$KFAC_REQUEUE_EXIT_CODE" ]]; then
-        echo "kfac_hpc: job step finished with status $rc"
-        return "$rc"
+    local why
+    case "$rc" in
+        0) echo "kfac_hpc: job step finished with status 0 (done)"; return 0 ;;
+        1|2|3)
+            case "$rc" in
+                1) why="a checkpoint could not be written" ;;
+                2) why="bad input" ;;
+                *) why="training diverged (NaN/Inf): deterministic, a restart would diverge again" ;;
+            esac
+            echo "kfac_hpc: job step finished with status $rc ($why); not requeueing"
+            return "$rc" ;;
+        "$KFAC_REQUEUE_EXIT_CODE") why="preempted" ;;
+        *) why="crashed" ;;
+    esac
+    if [[ "$why" == crashed ]]; then
+        echo "kfac_hpc: job step crashed (status $rc: killed, segfault or node failure)"
+        if [[ -z "${KFAC_CHECKPOINT_DIR:-}" ]]; then
+            echo "kfac_hpc: crashed; KFAC_CHECKPOINT_DIR is not set, so progress cannot be" \
+                 "checked: not requeueing" >&2
+            return "$rc"
+        fi
+        local now_step
+        now_step=$(kfac_checkpoint_step "$KFAC_CHECKPOINT_DIR")
+        if (( now_step <= start_step )); then
+            echo "kfac_hpc: crashed without progress (newest valid checkpoint: step $now_step," \
+                 "as at the start): not requeueing; a failure before the first new" \
+                 "checkpoint would likely repeat. Fix the cause and resubmit." >&2
+            return "$rc"
+        fi
+        echo "kfac_hpc: crashed after progress (newest valid checkpoint: step $start_step ->" \
+             "$now_step)"
     fi
     if (( restarts >= KFAC_MAX_RESTARTS )); then
-        echo "kfac_hpc: checkpointed, but the restart cap ($KFAC_MAX_RESTARTS) is reached:" \
+        echo "kfac_hpc: $why, but the restart cap ($KFAC_MAX_RESTARTS) is reached:" \
              "not requeueing. Resubmit the script to continue from the last checkpoint." >&2
+        [[ "$why" == crashed ]] && return "$rc"
         return 3
     fi
-    echo "kfac_hpc: checkpointed on preemption; requeueing job ${SLURM_JOB_ID:?}"
+    if [[ "$why" == crashed ]]; then
+        echo "kfac_hpc: crashed; requeueing job ${SLURM_JOB_ID:?} to resume from step $now_step"
+    else
+        echo "kfac_hpc: checkpointed on preemption; requeueing job ${SLURM_JOB_ID:?}"
+    fi
     scontrol requeue "$SLURM_JOB_ID"
     return 0
 }

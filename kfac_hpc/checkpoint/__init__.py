@@ -9,6 +9,7 @@
                            preconditioner=None, comm=None, strict=True)  # dir -> latest
     checkpoint.latest(directory)                                         # -> path | None
     checkpoint.verify_file(path).ok
+    saver = checkpoint.BackgroundSaver(comm); saver.save(dir, ...); saver.wait()
 
 ``save`` and ``load`` are collective (every rank calls them) and raise
 :class:`CheckpointError` on every rank alike (``save`` raises its subclass
@@ -18,6 +19,7 @@ See ``docs/checkpoints.md``.
 """
 
 from kfac_hpc.checkpoint.atomic import latest, list_checkpoints
+from kfac_hpc.checkpoint.background import BackgroundSaver
 from kfac_hpc.checkpoint.errors import CheckpointError, NonFiniteStateError
 from kfac_hpc.checkpoint.layout import FORMAT, FORMAT_VERSION
 from kfac_hpc.checkpoint.reader import LoadInfo, load
@@ -27,6 +29,7 @@ from kfac_hpc.checkpoint.writer import save
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
+    "BackgroundSaver",
     "CheckpointError",
     "LoadInfo",
     "NonFiniteStateError",

@@ -111,12 +111,6 @@ def storage_to_tensor(arr: np.ndarray, name: str) -> torch.Tensor:
     return t if t.dtype == want else t.view(want)
 
 
-def storage_dtype(name: str) -> np.dtype:
-    """The NumPy dtype a tensor of torch dtype ``name`` is stored as."""
-    arr, _ = tensor_to_storage(torch.empty(0, dtype=torch_dtype(name), device="cpu"))
-    return arr.dtype
-
-
 # ------------------------------------------------------------------ digests
 def digest(arr: np.ndarray) -> str:
     """``"crc32:<8 hex digits>"`` of the array's bytes in C order."""

@@ -57,7 +57,7 @@ from kfac_hpc.checkpoint.state import (
     unwrap,
 )
 from kfac_hpc.checkpoint.verify import FileInfo, open_checkpoint, read_chunks, read_header
-from kfac_hpc.checkpoint.writer import TAG, _resolve_comm, factor_path, kfac_rank_group
+from kfac_hpc.checkpoint.writer import TAG, factor_path, kfac_rank_group, resolve_comm
 
 if TYPE_CHECKING:
     from kfac_hpc.comm import Communicator
@@ -393,7 +393,7 @@ def load(directory_or_path: str | os.PathLike[str], *, model: nn.Module, optimiz
     """
     if read_mode not in ("root", "owners", "all"):
         raise ValueError(f"read_mode must be 'root', 'owners' or 'all', got {read_mode!r}")
-    comm = _resolve_comm(comm, preconditioner)
+    comm = resolve_comm(comm, preconditioner)
     plan: Plan | None = None
     f: h5py.File | None = None
     error: CheckpointError | None = None

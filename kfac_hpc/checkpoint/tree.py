@@ -72,6 +72,9 @@ def encode(obj: Any, where: str = "") -> tuple[Any, list[tuple[str, Leaf]]]:
                 raise UnsupportedValue(f"{where}/{name(path)}: sparse tensors are not supported")
             leaves.append((name(path), o))
             return {"tensor": name(path)}
+        if hasattr(o, "remote_owner"):  # held by another rank (streaming saves): a tensor
+            leaves.append((name(path), o))
+            return {"tensor": name(path)}
         if isinstance(o, np.ndarray):
             if o.dtype.hasobject:
                 raise UnsupportedValue(f"{where}/{name(path)}: object arrays are not supported")

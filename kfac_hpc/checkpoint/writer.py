@@ -113,7 +113,7 @@ def kfac_rank_group(rank: int) -> str:
     return f"/{KFAC}/@rank_{rank}"
 
 
-def _resolve_comm(comm: Communicator | None, preconditioner: Any) -> Communicator:
+def resolve_comm(comm: Communicator | None, preconditioner: Any) -> Communicator:
     if comm is not None:
         return comm
     if preconditioner is not None and getattr(preconditioner, "comm", None) is not None:
@@ -181,7 +181,7 @@ class _Prepared:
 def _prepare(comm: Communicator, model: nn.Module, optimizer: Any, preconditioner: Any,
              step: int, extra: dict[str, Any] | None, store_eigenbases: bool,
              opt_sd: Any, pre_sd: dict[str, Any] | None, defer: bool,
-             check_finite: bool = True) -> _Prepared:
+             check_finite: bool = True, streaming: bool = False) -> _Prepared:
     rank = comm.rank
     defer = defer and rank == 0  # rank 0 writes: its digests overlap with the writes
     p = _Prepared()
@@ -213,6 +213,12 @@ def _prepare(comm: Communicator, model: nn.Module, optimizer: Any, preconditione
     for name, arr in arrays.items():
         _add(p.entries, p.local, f"/{RNG}/rank_{rank}/{name}", rank, arr)
     if rank != 0:
+        if streaming and opt_sd is not None:  # this rank's optimizer blocks, sent first
+            own: list[Entry] = []
+            for rel, value in tree.encode(opt_sd, f"/{OPTIMIZER}")[1]:
+                if not hasattr(value, "remote_owner"):
+                    _add(own, p.local, f"/{OPTIMIZER}/{rel}", rank, value, nonfinite=bad)
+            p.entries = own + p.entries
         return p
 
     # ---- rank 0: replicated state and the file's metadata
@@ -232,6 +238,10 @@ def _prepare(comm: Communicator, model: nn.Module, optimizer: Any, preconditione
         p.groups.append((f"/{OPTIMIZER}", {"layout": layout, "class": type(optimizer).__name__,
                                            "structure": to_json(structure)}))
         for rel, value in leaves:
+            if hasattr(value, "remote_owner"):  # streaming: its owner sends it (see _plan)
+                head.append(Entry(f"/{OPTIMIZER}/{rel}", int(value.remote_owner),
+                                  tuple(value.shape), "|u1", {"remote": True}))
+                continue
             _add(head, p.local, f"/{OPTIMIZER}/{rel}", 0, value, defer_digest=defer,
                  nonfinite=bad)
     tail: list[Entry] = []
@@ -264,7 +274,8 @@ def _plan(comm: Communicator, mine: _Prepared, preconditioner: Any,
     learns the whole plan (parallel HDF5); otherwise only rank 0 does. Returns (plan,
     prepared, error).
     """
-    own = [e for e in mine.entries if e.path.startswith((f"/{KFAC}/", f"/{RNG}/"))]
+    own = [e for e in mine.entries if e.path.startswith((f"/{KFAC}/", f"/{RNG}/"))
+           or (comm.rank != 0 and e.path.startswith(f"/{OPTIMIZER}/"))]
     gathered = comm.allgather_object((own, mine.factors, mine.rng_attrs, mine.kfac_structure))
     if everything:
         meta = _Prepared([e for e in mine.entries
@@ -275,7 +286,19 @@ def _plan(comm: Communicator, mine: _Prepared, preconditioner: Any,
         head_tail = mine
     if comm.rank != 0 and not everything:
         return [], mine, None
-    plan = [e for e in head_tail.entries if e.path.startswith((f"/{MODEL}/", f"/{OPTIMIZER}/"))]
+    # optimizer blocks streamed by their owners (DistributedShampoo) replace placeholders
+    streamed = {e.path: e for g in gathered for e in g[0] if e.path.startswith(f"/{OPTIMIZER}/")}
+    plan = []
+    for e in head_tail.entries:
+        if not e.path.startswith((f"/{MODEL}/", f"/{OPTIMIZER}/")):
+            continue
+        if e.attrs.get("remote"):
+            got = streamed.get(e.path)
+            if got is None or got.owner != e.owner:
+                return [], mine, (f"optimizer state {e.path} should come from rank {e.owner}, "
+                                  "which did not report it")
+            e = got
+        plan.append(e)
     groups = list(head_tail.groups)
     if pre_sd is not None:
         factors: dict[str, dict[str, Any]] = {}
@@ -355,8 +378,8 @@ def _write_serial(comm: Communicator, plan: list[Entry], prep: _Prepared, tmp: P
     """Rank 0 writes every dataset; owners send theirs. Returns rank 0's error, if any."""
     if comm.rank != 0:
         for e in prep.entries:
-            if e.owner == comm.rank and e.path.startswith((f"/{KFAC}/", f"/{RNG}/")) \
-                    and e.nbytes:
+            if e.owner == comm.rank and e.nbytes and e.path.startswith(
+                    (f"/{KFAC}/", f"/{RNG}/", f"/{OPTIMIZER}/")):
                 comm.send(_as_bytes(prep.local[e.path]), 0, TAG)
         return None
     assert tmp is not None
@@ -582,7 +605,41 @@ def save(directory_or_path: str | os.PathLike[str], *, model: nn.Module, optimiz
     they were. A checkpoint that does not fit in the free space is refused before it
     is written; a disk that fills up while writing ends the same way.
     """
-    comm = _resolve_comm(comm, preconditioner)
+    comm = resolve_comm(comm, preconditioner)
+    st = _stage(comm, directory_or_path, model=model, optimizer=optimizer,
+                preconditioner=preconditioner, step=step, extra=extra, keep_last=keep_last,
+                store_eigenbases=store_eigenbases, fletcher32=fletcher32, parallel=parallel,
+                prefetch=prefetch, check_finite=check_finite)
+    return _write_and_agree(comm, st)
+
+
+@dataclass
+class _Staged:
+    """A save whose collective part is done: what remains is writing and committing."""
+
+    final: Path
+    tmp: Path
+    is_dir: bool
+    plan: list[Entry]
+    prep: _Prepared
+    keep_last: int | None
+    fletcher32: bool
+    prefetch: bool
+    use_parallel: bool
+
+
+def _stage(comm: Communicator, directory_or_path: str | os.PathLike[str], *, model: nn.Module,
+           optimizer: Any, preconditioner: Any, step: int, extra: dict[str, Any] | None,
+           keep_last: int | None, store_eigenbases: bool, fletcher32: bool,
+           parallel: bool | None, prefetch: bool, check_finite: bool,
+           snapshot: dict[str, np.ndarray] | None = None) -> _Staged:
+    """Everything of a save up to the writing (collective; errors agreed on every rank).
+
+    ``snapshot``: copy this rank's datasets into host memory of its own, so that
+    training may change the model, optimizer and preconditioner while they are
+    written; the dict keeps those buffers (by dataset path) for the next snapshot,
+    which then copies into memory already mapped (no page faults).
+    """
     step = int(step)
     use_parallel = (bool(h5py.get_config().mpi) and comm.size > 1) if parallel is None \
         else parallel
@@ -591,9 +648,15 @@ def save(directory_or_path: str | os.PathLike[str], *, model: nn.Module, optimiz
                               "this h5py is serial")
     error: str | None = None
     opt_sd = pre_sd = None
+    # Streaming (serial HDF5): an optimizer whose state is sharded over the ranks
+    # (DistributedShampoo) reports placeholders for other ranks' blocks, whose owners
+    # send them to rank 0 one at a time, instead of gathering everything everywhere.
+    streaming = (not use_parallel and optimizer is not None
+                 and callable(getattr(optimizer, "checkpoint_state_dict", None)))
     # Collective state_dict() calls first (DistributedShampoo's is a collective).
     try:
-        opt_sd = optimizer.state_dict() if optimizer is not None else None
+        if optimizer is not None:
+            opt_sd = optimizer.checkpoint_state_dict() if streaming else optimizer.state_dict()
     except Exception as exc:
         error = f"optimizer.state_dict(): {exc}"
     try:
@@ -606,7 +669,7 @@ def save(directory_or_path: str | os.PathLike[str], *, model: nn.Module, optimiz
         try:
             prep = _prepare(comm, model, optimizer, preconditioner, step, extra,
                             store_eigenbases, opt_sd, pre_sd, defer=not use_parallel,
-                            check_finite=check_finite)
+                            check_finite=check_finite, streaming=streaming)
         except Exception as exc:  # agreed below: no rank may be left in a collective
             error = f"{type(exc).__name__}: {exc}" if not isinstance(
                 exc, tree.UnsupportedValue | ValueError) else str(exc)
@@ -640,21 +703,49 @@ def save(directory_or_path: str | os.PathLike[str], *, model: nn.Module, optimiz
     no_room = comm.broadcast_object(no_room)
     if no_room is not None:
         raise CheckpointError(f"checkpoint save to {final} failed", [no_room], str(final))
-    if use_parallel:  # pragma: no cover - needs parallel h5py
-        error = _write_parallel(comm, plan, prep, tmp)
+    if snapshot is not None:
+        local: dict[str, np.ndarray] = {}
+        for key, value in prep.local.items():
+            buf = snapshot.get(key)
+            if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
+                buf = np.empty_like(value, order="C")
+            np.copyto(buf, value)
+            local[key] = buf
+        snapshot.clear()
+        snapshot.update(local)
+        prep.local = local
+    return _Staged(final, tmp, is_dir, plan, prep, keep_last, fletcher32, prefetch, use_parallel)
+
+
+def _write_commit(comm: Communicator, st: _Staged) -> tuple[str | None, str | None]:
+    """Write the staged datasets (owners send, rank 0 writes) and, on rank 0, commit.
+
+    Serial HDF5 uses point-to-point messages of ``comm`` only (safe in a background
+    thread on a communicator of its own). Returns (path, error) on rank 0, (None,
+    None) elsewhere (parallel HDF5: the agreed error on every rank).
+    """
+    if st.use_parallel:  # pragma: no cover - needs parallel h5py
+        error = _write_parallel(comm, st.plan, st.prep, st.tmp)
         agree(comm, error, "checkpoint write")
     else:
-        error = _write_serial(comm, plan, prep, tmp if comm.rank == 0 else None, fletcher32,
-                              prefetch)
-    result: tuple[str | None, str | None] = (None, None)
-    if comm.rank == 0:
-        if error is None:
-            error = _commit(tmp, final, is_dir, keep_last, sum(e.nbytes for e in plan))
-        if error is not None:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-        result = (str(final) if error is None else None, error)
+        error = _write_serial(comm, st.plan, st.prep, st.tmp if comm.rank == 0 else None,
+                              st.fletcher32, st.prefetch)
+    if comm.rank != 0:
+        return None, error
+    if error is None:
+        error = _commit(st.tmp, st.final, st.is_dir, st.keep_last,
+                        sum(e.nbytes for e in st.plan))
+    if error is not None:
+        with contextlib.suppress(OSError):
+            st.tmp.unlink()
+    return (str(st.final) if error is None else None), error
+
+
+def _write_and_agree(comm: Communicator, st: _Staged) -> Path:
+    _, error = _write_commit(comm, st)
+    result = (str(st.final) if error is None else None, error) if comm.rank == 0 \
+        else (None, None)
     path, error = comm.broadcast_object(result)
     if error is not None:
-        raise CheckpointError(f"checkpoint save to {final} failed", [error], str(final))
+        raise CheckpointError(f"checkpoint save to {st.final} failed", [error], str(st.final))
     return Path(path)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -111,11 +111,3 @@ class FusedAllreduce:
             unflatten_into(handle.wait(), [self.tensors[i] for i in group])
         self._inflight.clear()
         return self.tensors
-
-
-def fused_call(tensors: Sequence[torch.Tensor],
-               collective: Callable[[torch.Tensor], torch.Tensor],
-               dtype: torch.dtype | None = None) -> None:
-    """Run one in-place collective on the tensors fused, and write results back."""
-    flat = flatten(tensors, dtype)
-    unflatten_into(collective(flat), tensors)

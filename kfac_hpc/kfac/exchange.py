@@ -1,8 +1,11 @@
 """What travels in distributed K-FAC: fused messages laid out by a pure layout.
 
-A :class:`Layout` says, for every sender (or receiver) slot, which named pieces go into
-its part of one flat message and how many elements each has. Every rank builds the
-same layout from the placement, so a message needs no headers.
+A :class:`MessageLayout` says, for every sender (or receiver) slot, which pieces go into
+its part of one flat message and how many elements each has. A piece is named by a typed
+:class:`PieceKey`: *what* it belongs to (a :class:`~kfac_hpc.kfac.placement.FactorKey`
+or a layer name) and *which part* it is (:class:`Part`: the factor, its count, a
+decomposition's Q, λ or inverse, a valid flag, ...). Every rank builds the same layout
+from the placement, so a message needs no headers and no strings are parsed.
 
 Device rule: a message lives on the device of the data it carries (the model's). Every
 tensor made here names that device; scalar pieces (counts, valid flags) are given as
@@ -15,13 +18,36 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from kfac_hpc.comm import Communicator, Handle
+from kfac_hpc.kfac.placement import FactorKey
 
 Piece = Tensor | float
+
+
+class Part(Enum):
+    """Which part of a factor's or a layer's data a message piece is."""
+
+    FACTOR = "factor"  # a factor's statistics sum or running average (packed on the wire)
+    COUNT = "count"  # how many micro-batch factors were summed (or ranks that folded)
+    UPDATES = "updates"  # factor updates so far (local-factor replicas at load)
+    Q = "Q"  # eigenbasis of a factor (compute_method="eigen")
+    LAMBDA = "lambda"  # eigenvalues (clamped at 0)
+    INV = "inv"  # damped inverse (compute_method="inverse")
+    VALID = "valid"  # 1.0 when the decomposition or gradient next to it is usable
+    GRADIENT = "gradient"  # a layer's preconditioned gradient (g x a)
+
+
+class PieceKey(NamedTuple):
+    """One piece of a message: ``part`` of ``subject`` (a factor, or a layer by name)."""
+
+    subject: FactorKey | str
+    part: Part
 
 
 def _flat(value: Piece, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -33,7 +59,7 @@ def _flat(value: Piece, dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.full((1,), float(value), dtype=dtype, device=device)
 
 
-def read_scalars(pieces: Mapping[str, Piece], keys: Iterable[str]) -> list[float]:
+def read_scalars(pieces: Mapping[PieceKey, Piece], keys: Iterable[PieceKey]) -> list[float]:
     """The one-element pieces ``keys`` as numbers, in one device-to-host transfer."""
     chosen = [pieces[k] for k in keys]
     tensors = [p.reshape(-1) for p in chosen if isinstance(p, Tensor)]
@@ -42,19 +68,19 @@ def read_scalars(pieces: Mapping[str, Piece], keys: Iterable[str]) -> list[float
 
 
 @dataclass(frozen=True)
-class Layout:
+class MessageLayout:
     """Per slot, the ordered ``(key, numel)`` pieces of its part of a message."""
 
-    parts: tuple[tuple[tuple[str, int], ...], ...]
+    parts: tuple[tuple[tuple[PieceKey, int], ...], ...]
 
     @staticmethod
-    def of(parts: Sequence[Sequence[tuple[str, int]]]) -> Layout:
-        return Layout(tuple(tuple(p) for p in parts))
+    def of(parts: Sequence[Sequence[tuple[PieceKey, int]]]) -> MessageLayout:
+        return MessageLayout(tuple(tuple(p) for p in parts))
 
     def counts(self) -> list[int]:
         return [sum(n for _, n in part) for part in self.parts]
 
-    def pack(self, values: Mapping[str, Piece], *, dtype: torch.dtype, device: torch.device,
+    def pack(self, values: Mapping[PieceKey, Piece], *, dtype: torch.dtype, device: torch.device,
              slots: Sequence[int] | None = None) -> Tensor:
         """Concatenate the pieces of ``slots`` (default: all, in order) into one flat
         ``dtype`` tensor on ``device``; a number is a one-element piece."""
@@ -64,9 +90,10 @@ class Layout:
             return torch.empty(0, dtype=dtype, device=device)
         return torch.cat(pieces)
 
-    def unpack(self, flat: Tensor, slot: int) -> dict[str, Tensor]:
-        """Views of ``flat`` (one slot's part) keyed by piece name."""
-        out, offset = {}, 0
+    def unpack(self, flat: Tensor, slot: int) -> dict[PieceKey, Tensor]:
+        """Views of ``flat`` (one slot's part) keyed by piece."""
+        out: dict[PieceKey, Tensor] = {}
+        offset = 0
         for key, n in self.parts[slot]:
             out[key] = flat[offset:offset + n]
             offset += n
@@ -75,16 +102,18 @@ class Layout:
         return out
 
 
-def reduce_scatter_parts(comm: Communicator, layout: Layout, values: Mapping[str, Piece],
-                         dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:
+def reduce_scatter_parts(comm: Communicator, layout: MessageLayout,
+                         values: Mapping[PieceKey, Piece], dtype: torch.dtype,
+                         device: torch.device) -> dict[PieceKey, Tensor]:
     """Sum every piece over ranks; rank r receives the pieces of slot r (one fused call)."""
     flat = layout.pack(values, dtype=dtype, device=device)
     mine = comm.reduce_scatter(flat, layout.counts(), "sum")
     return layout.unpack(mine, comm.rank)
 
 
-def broadcast_parts(comm: Communicator, layout: Layout, produce: Callable[[], Mapping[str, Piece]],
-                    dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:
+def broadcast_parts(comm: Communicator, layout: MessageLayout,
+                    produce: Callable[[], Mapping[PieceKey, Piece]],
+                    dtype: torch.dtype, device: torch.device) -> dict[PieceKey, Tensor]:
     """Every slot broadcasts its pieces to the whole communicator (one fused message each).
 
     Broadcasts are posted in slot order (the same on every rank); the receives for
@@ -110,7 +139,7 @@ def broadcast_parts(comm: Communicator, layout: Layout, produce: Callable[[], Ma
     post(comm.rank, own_flat)
     for slot in range(comm.rank + 1, comm.size):
         post(slot, buffers[slot])
-    result: dict[str, Tensor] = {}
+    result: dict[PieceKey, Tensor] = {}
     for slot, handle in handles:
         flat = handle.wait() if handle is not None else (
             own_flat if slot == comm.rank else buffers[slot])

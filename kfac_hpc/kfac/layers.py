@@ -4,7 +4,7 @@ One code path serves A and G: a layer turns its captured tensor into rows
 (``a_rows`` / ``g_rows``) and both factors are ``covariance(rows)`` (mean over rows of
 the outer products). Subclasses only say how rows are formed.
 
-Scaling conventions (DESIGN.md, "kfac — the math contract"), with ``b`` the local batch
+Scaling conventions (docs/design.md, "kfac — the math contract"), with ``b`` the local batch
 size (``grad_output.shape[0]``: batch-first layout assumed) and ``L`` the local
 **mean** loss, so that ``δ = b·∂L/∂y`` is the per-example loss gradient:
 
@@ -27,12 +27,49 @@ size (``grad_output.shape[0]``: batch-first layout assumed) and ``L`` the local
   ``b·T`` rows.
 
 With these conventions ``∇W̄ = (1/b) Σ_rows δ āᵀ`` for every supported layer.
+
+K-FAC-reduce (``approx="reduce"``; Eschenhagen et al., NeurIPS 2023, arXiv 2311.00636)
+replaces the ``T`` rows of an example by one: the **mean** input over its positions
+``â_i = (1/T) Σ_t ā_{i,t}`` (the bias entry stays 1) and the **sum** of its output
+gradients ``ĝ_i = Σ_t δ_{i,t}``. In the paper (per-example Fisher normalised by
+``1/b``) ``F_reduce = A_red ⊗ B_red`` with ``A_red = (1/b) Σ_i â_i â_iᵀ`` and
+``B_red = (1/b) Σ_i ĝ_i ĝ_iᵀ``; K-FAC-expand there is ``A_exp ⊗ B_exp`` with
+``A_exp = (1/(bT)) Σ_{i,t} ā āᵀ`` = our ``A`` and ``B_exp = (1/b) Σ_{i,t} δ δᵀ = T·G``.
+We keep **the same per-position units for both**: ``A = A_red``,
+``G = B_red / T = (1/(bT)) Σ_i ĝ_i ĝ_iᵀ``, so for either approximation
+``A ⊗ G = F_approx / T`` and ``(A⊗G + γI)⁻¹ = T·(F_approx + TγI)⁻¹``: one damping value
+means the same for expand and reduce, and switching the option needs no retuning of
+the damping's scale. Without positions (``T = 1``: Linear on ``(b, in)``) reduce and
+expand coincide. For Conv2d, ``T = Ho·Wo`` and ``â_i`` is the averaged patch, computed
+without the patch matrix (:func:`kfac_hpc.kfac.patches.averaged_patches`).
+
+Embedding (``nn.Embedding``, dense gradients): a Linear layer on one-hot inputs,
+``∇W̄ = (∇W)ᵀ`` of shape ``(embedding_dim, num_embeddings)``, ``A`` = diag(token
+frequencies), ``G`` as Linear over positions (:class:`EmbeddingCurvature`).
+
+**What K-FAC does not precondition** (the rule): only the weight (and bias) of
+``nn.Linear``, ``nn.Conv2d`` (groups=1, zero padding) and ``nn.Embedding`` modules are
+preconditioned. Every other parameter (LayerNorm/BatchNorm scales and shifts, positional
+embeddings held as a bare ``nn.Parameter``, attention parameters that are not the
+weight of an ``nn.Linear`` module, e.g. ``nn.MultiheadAttention.in_proj_weight``) keeps
+its plain gradient and is left to the optimizer (SGD/AdamW) as is. A Linear module
+whose forward is never called, because its owner uses its weight directly
+(``nn.MultiheadAttention.out_proj``), is registered but its hooks never fire: it is
+not preconditioned either, and the preconditioner warns once naming it (use
+``skip_layers`` to silence). Write attention with ``nn.Linear`` q/k/v/out projections
+(as :mod:`kfac_hpc.models`' ``gpt`` does) for K-FAC to see them.
+
+Conv2d expand ``A`` is computed by :func:`kfac_hpc.kfac.patches.patch_covariance`
+(channels-last rows in chunks, symmetric rank-k update) for float32/float64 inputs;
+``Conv2dCurvature.a_factor_unfold`` keeps the ``F.unfold`` path (half precision, and
+the reference the fast path is tested against).
 """
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import cast
 
 import torch
@@ -40,18 +77,28 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kfac_hpc.kfac.linalg import column_covariance, covariance
+from kfac_hpc.kfac.patches import averaged_patches, patch_covariance
 
 __all__ = [
+    "APPROXIMATIONS",
     "Conv2dCurvature",
+    "EmbeddingCurvature",
     "LayerCurvature",
     "LinearCurvature",
+    "approx_for",
     "curvature_for",
     "register_layers",
     "unsupported_reason",
 ]
 
 
+APPROXIMATIONS = ("expand", "reduce")
+"""K-FAC approximations for layers with weight sharing (positions): see the module docstring."""
+
 _WIDE = (torch.float32, torch.float64)  # dtypes of the per-sample (batched) factor path
+# Below this many input channels the fast conv A path copies too few contiguous values
+# per kernel offset (measured: 0.5x the unfold path for ResNet's 3-channel stem).
+_FAST_MIN_CHANNELS = 8
 
 
 def _cast(t: Tensor, dtype: torch.dtype | None) -> Tensor:
@@ -63,12 +110,16 @@ def _cast(t: Tensor, dtype: torch.dtype | None) -> Tensor:
 class LayerCurvature(ABC):
     """Curvature handler of one K-FAC layer (abstract).
 
-    Attributes: ``module``, ``has_bias``; ``a_dim`` = input features per row (+1 with
-    bias), ``g_dim`` = output features. ``∇W̄`` has shape ``(g_dim, a_dim)``.
+    Attributes: ``module``, ``has_bias``, ``approx`` (``"expand"`` or ``"reduce"``, see
+    the module docstring; only the factors depend on it); ``a_dim`` = input features per
+    row (+1 with bias), ``g_dim`` = output features. ``∇W̄`` has shape ``(g_dim, a_dim)``.
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, approx: str = "expand") -> None:
+        if approx not in APPROXIMATIONS:
+            raise ValueError(f"approx must be one of {APPROXIMATIONS}, got {approx!r}")
         self.module = module
+        self.approx = approx
         self.has_bias: bool = getattr(module, "bias", None) is not None
 
     # ----- what a subclass provides ---------------------------------------------------
@@ -90,6 +141,14 @@ class LayerCurvature(ABC):
     def _output_rows(self, grad_output: Tensor) -> tuple[Tensor, int]:
         """``(rows, g_dim)`` rows of ``∂L/∂y`` (unscaled) and the batch size ``b``."""
 
+    @abstractmethod
+    def _reduced_inputs(self, inputs: Tensor) -> Tensor:
+        """``(b, weight_cols)``: each example's input rows averaged over its positions."""
+
+    @abstractmethod
+    def _reduced_outputs(self, grad_output: Tensor) -> tuple[Tensor, int, int]:
+        """``(b, g_dim)`` sums of ``∂L/∂y`` over each example's positions, ``b`` and ``T``."""
+
     # ----- shared path --------------------------------------------------------------------
     @property
     def a_dim(self) -> int:
@@ -97,7 +156,11 @@ class LayerCurvature(ABC):
         return self.weight_cols + int(self.has_bias)
 
     def a_rows(self, inputs: Tensor) -> Tensor:
-        """Rows of ``ā`` (``(rows, a_dim)``), with a column of ones appended when biased."""
+        """Rows of ``ā`` (``(rows, a_dim)``), with a column of ones appended when biased.
+
+        Always the expand rows (one per position), whatever ``approx``: with
+        :meth:`g_rows` they give ``∇W̄ = (1/b) Σ_rows δ āᵀ``.
+        """
         return self._with_bias_column(self._input_rows(inputs.detach()))
 
     def _with_bias_column(self, rows: Tensor) -> Tensor:
@@ -116,15 +179,33 @@ class LayerCurvature(ABC):
         return rows * (b / grad_scale)
 
     def a_factor(self, inputs: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-        """``A`` = mean over rows of ``ā āᵀ``, computed in ``dtype`` (default: inputs' dtype)."""
+        """``A`` = mean over rows of ``ā āᵀ``, computed in ``dtype`` (default: inputs' dtype).
+
+        Reduce: mean over examples of ``â âᵀ`` (``â`` = the example's mean row).
+        """
+        if self.approx == "reduce":
+            return self._reduce_a(_cast(inputs, dtype))
         return covariance(self.a_rows(_cast(inputs, dtype)))
 
     def g_factor(
         self, grad_output: Tensor, dtype: torch.dtype | None = None,
         grad_scale: float | Tensor = 1.0,
     ) -> Tensor:
-        """``G`` = mean over rows of ``δ δᵀ`` with the loss scale removed, in ``dtype``."""
+        """``G`` = mean over rows of ``δ δᵀ`` with the loss scale removed, in ``dtype``.
+
+        Reduce: ``(1/(bT)) Σ_i ĝ_i ĝ_iᵀ`` with ``ĝ_i = Σ_t δ_{i,t}``.
+        """
+        if self.approx == "reduce":
+            return self._reduce_g(_cast(grad_output, dtype), grad_scale)
         return covariance(self.g_rows(_cast(grad_output, dtype), grad_scale))
+
+    def _reduce_a(self, inputs: Tensor) -> Tensor:
+        return covariance(self._with_bias_column(self._reduced_inputs(inputs)))
+
+    def _reduce_g(self, grad_output: Tensor, grad_scale: float | Tensor) -> Tensor:
+        sums, b, positions = self._reduced_outputs(grad_output)
+        scale = b / grad_scale  # δ = b·∂L/∂y / grad_scale, applied to the small result
+        return covariance(sums).mul_(scale * scale / positions)
 
     def grad_matrix(self, dtype: torch.dtype | None = None) -> Tensor:
         """``∇W̄ = [∇W reshaped to (g_dim, weight_cols), ∇b]`` from the ``.grad`` fields.
@@ -168,7 +249,8 @@ class LayerCurvature(ABC):
             _write_grad(bias, matrix[:, self.weight_cols])
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(a_dim={self.a_dim}, g_dim={self.g_dim})"
+        return (f"{type(self).__name__}(a_dim={self.a_dim}, g_dim={self.g_dim}, "
+                f"approx={self.approx!r})")
 
 
 def _write_grad(param: Tensor, value: Tensor) -> None:
@@ -199,6 +281,18 @@ class LinearCurvature(LayerCurvature):
         b = grad_output.shape[0] if grad_output.dim() > 1 else 1  # unbatched input: b = 1
         return grad_output.reshape(-1, self.g_dim), b
 
+    def _reduced_inputs(self, inputs: Tensor) -> Tensor:
+        if inputs.dim() <= 2:  # no positions: reduce = expand
+            return inputs.reshape(-1, self.weight_cols)
+        return inputs.reshape(inputs.shape[0], -1, self.weight_cols).mean(dim=1)
+
+    def _reduced_outputs(self, grad_output: Tensor) -> tuple[Tensor, int, int]:
+        if grad_output.dim() <= 2:
+            rows, b = self._output_rows(grad_output)
+            return rows, b, 1
+        g = grad_output.reshape(grad_output.shape[0], -1, self.g_dim)
+        return g.sum(dim=1), g.shape[0], g.shape[1]
+
 
 class Conv2dCurvature(LayerCurvature):
     """``nn.Conv2d`` with ``groups=1`` and zero padding (any stride, padding, dilation)."""
@@ -213,6 +307,19 @@ class Conv2dCurvature(LayerCurvature):
     @property
     def g_dim(self) -> int:
         return int(self.module.out_channels)
+
+    def pads(self) -> tuple[int, int, int, int]:
+        """``(top, bottom, left, right)`` zero padding of the input."""
+        p = self._explicit_padding()
+        if len(p) == 4:
+            return (p[2], p[3], p[0], p[1])
+        return (p[0], p[0], p[1], p[1])
+
+    def _conv_geometry(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+        m = self.module
+        return (cast(tuple[int, int], tuple(m.kernel_size)),
+                cast(tuple[int, int], tuple(m.stride)),
+                cast(tuple[int, int], tuple(m.dilation)))
 
     def _explicit_padding(self) -> tuple[int, int, int, int] | tuple[int, int]:
         """``(h, w)`` symmetric padding, or ``(left, right, top, bottom)`` for F.pad.
@@ -249,11 +356,32 @@ class Conv2dCurvature(LayerCurvature):
         g = grad_output if grad_output.dim() == 4 else grad_output.unsqueeze(0)
         return g.permute(0, 2, 3, 1).reshape(-1, self.g_dim), g.shape[0]
 
+    def _reduced_inputs(self, inputs: Tensor) -> Tensor:
+        x = inputs if inputs.dim() == 4 else inputs.unsqueeze(0)
+        return averaged_patches(x, *self._conv_geometry(), self.pads())
+
+    def _reduced_outputs(self, grad_output: Tensor) -> tuple[Tensor, int, int]:
+        g = grad_output if grad_output.dim() == 4 else grad_output.unsqueeze(0)
+        return g.sum(dim=(2, 3)), g.shape[0], g.shape[2] * g.shape[3]
+
+    def a_factor(self, inputs: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """``A``: expand via :func:`~kfac_hpc.kfac.patches.patch_covariance` (float32/64
+        with at least 8 input channels; otherwise :meth:`a_factor_unfold`), or reduce."""
+        x = _cast(inputs, dtype)
+        if self.approx == "reduce":
+            return self._reduce_a(x)
+        if x.dtype not in _WIDE or self.module.in_channels < _FAST_MIN_CHANNELS:
+            return self.a_factor_unfold(x)
+        x = x if x.dim() == 4 else x.unsqueeze(0)
+        return patch_covariance(x, *self._conv_geometry(), self.pads(),
+                                append_one=self.has_bias)
+
     # With more output positions than features, the factors are summed per sample from
     # the (b, features, positions) layout F.unfold and the gradient already have:
     # no transposed copy of the rows (2.3x faster for ResNet-20's first stage). Half
     # precision keeps the row path (its scaling happens before the products).
-    def a_factor(self, inputs: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    def a_factor_unfold(self, inputs: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """Expand ``A`` from ``F.unfold`` patches (the previous path; the reference)."""
         patches = self._patches(_cast(inputs, dtype))
         if patches.shape[1] >= patches.shape[2] or patches.dtype not in _WIDE:
             rows = patches.transpose(1, 2).reshape(-1, self.weight_cols)
@@ -264,6 +392,8 @@ class Conv2dCurvature(LayerCurvature):
         self, grad_output: Tensor, dtype: torch.dtype | None = None,
         grad_scale: float | Tensor = 1.0,
     ) -> Tensor:
+        if self.approx == "reduce":
+            return super().g_factor(grad_output, dtype, grad_scale)
         g = _cast(grad_output, dtype)
         g = g if g.dim() == 4 else g.unsqueeze(0)
         b, positions = g.shape[0], g.shape[2] * g.shape[3]
@@ -273,10 +403,101 @@ class Conv2dCurvature(LayerCurvature):
         return column_covariance(g.reshape(b, self.g_dim, positions)).mul_(scale * scale)
 
 
+class EmbeddingCurvature(LayerCurvature):
+    """``nn.Embedding``: a Linear layer on one-hot inputs, ``y = Wᵀ e_x``.
+
+    Inputs are token indices ``(b, *)``; every index is a row (positions beyond the batch
+    as for Linear on sequences). The one-hot row ``e_x`` has ``a_dim = num_embeddings``
+    entries, so ``A = mean over rows of e_x e_xᵀ = diag(token frequencies)``: diagonal.
+    ``G`` is the Linear one over positions (``δ = b·∂L/∂y`` per row). The gradient matrix
+    is the weight gradient **transposed**: ``∇W̄`` has shape
+    ``(g_dim, a_dim) = (embedding_dim, num_embeddings)``; :meth:`grad_matrix` and
+    :meth:`set_grad` transpose. No bias.
+
+    ``A`` is stored as a dense ``a×a`` matrix (the :class:`LayerCurvature` path, so
+    exchange, placement, checkpoints and the planner work unchanged): fine for a byte
+    vocabulary (256² = 65,536 numbers), wasteful for large ones. A diagonal
+    representation would store, reduce and "decompose" ``a`` numbers instead of ``a²``
+    (and skip the ``O(a³)`` eigendecomposition: ``Q_A = I``, ``λ_A`` = the frequencies);
+    for a 50,257-token vocabulary that is 2.5e9 → 5e4 numbers per factor.
+    Reduce (``approx="reduce"``): ``â_i`` is the example's token histogram divided by
+    ``T`` (not diagonal: a dense ``A``), ``ĝ_i`` the sum of its ``δ``.
+    """
+
+    module: nn.Embedding
+
+    def __init__(self, module: nn.Module, approx: str = "expand") -> None:
+        super().__init__(module, approx)
+        self.has_bias = False
+
+    @property
+    def weight_cols(self) -> int:
+        return int(self.module.num_embeddings)
+
+    @property
+    def g_dim(self) -> int:
+        return int(self.module.embedding_dim)
+
+    def _indices(self, inputs: Tensor) -> Tensor:
+        return inputs.detach().reshape(-1).long()
+
+    def _input_rows(self, inputs: Tensor) -> Tensor:
+        dtype = inputs.dtype if inputs.is_floating_point() else self.module.weight.dtype
+        return F.one_hot(self._indices(inputs), self.weight_cols).to(dtype)
+
+    def _output_rows(self, grad_output: Tensor) -> tuple[Tensor, int]:
+        b = grad_output.shape[0] if grad_output.dim() > 1 else 1
+        return grad_output.reshape(-1, self.g_dim), b
+
+    def _reduced_inputs(self, inputs: Tensor) -> Tensor:
+        x = inputs.detach().long()
+        x = x.reshape(x.shape[0], -1) if x.dim() > 1 else x.reshape(-1, 1)
+        dtype = inputs.dtype if inputs.is_floating_point() else self.module.weight.dtype
+        return F.one_hot(x, self.weight_cols).to(dtype).mean(dim=1)
+
+    def _reduced_outputs(self, grad_output: Tensor) -> tuple[Tensor, int, int]:
+        if grad_output.dim() <= 2:
+            rows, b = self._output_rows(grad_output)
+            return rows, b, 1
+        g = grad_output.reshape(grad_output.shape[0], -1, self.g_dim)
+        return g.sum(dim=1), g.shape[0], g.shape[1]
+
+    def a_factor(self, inputs: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """``A = diag(counts / rows)`` (expand) as a dense matrix in ``dtype`` (default:
+        the weight's dtype); the indices are never cast to floating point."""
+        dtype = self.module.weight.dtype if dtype is None else dtype
+        idx = self._indices(inputs)
+        if self.approx == "reduce":
+            rows = self._reduced_inputs(inputs).to(dtype)
+            return covariance(rows)
+        counts = torch.bincount(idx, minlength=self.weight_cols).to(dtype)
+        return torch.diag(counts / max(1, idx.numel()))
+
+    def grad_matrix(self, dtype: torch.dtype | None = None) -> Tensor:
+        """``∇W̄ = (∇W)ᵀ``, shape ``(embedding_dim, num_embeddings)``; zeros without ``.grad``."""
+        weight = self.module.weight
+        out_dtype = weight.dtype if dtype is None else dtype
+        wg = weight.grad
+        if wg is None:
+            return weight.new_zeros(self.g_dim, self.a_dim, dtype=out_dtype)
+        if wg.is_sparse:
+            raise ValueError("K-FAC needs dense Embedding gradients (sparse=False)")
+        return wg.detach().t().to(out_dtype)
+
+    def set_grad(self, matrix: Tensor) -> None:
+        """Write ``matrixᵀ`` to ``weight.grad`` (``matrix``: ``(g_dim, a_dim)``)."""
+        if tuple(matrix.shape) != (self.g_dim, self.a_dim):
+            raise ValueError(
+                f"set_grad expects shape {(self.g_dim, self.a_dim)}, got {tuple(matrix.shape)}"
+            )
+        _write_grad(self.module.weight, matrix.detach().t())
+
+
 def unsupported_reason(module: nn.Module) -> str | None:
     """Why a layer that K-FAC could in principle precondition is skipped, else ``None``.
 
-    ``None`` for supported layers (Linear; Conv2d with groups=1 and zero padding) and for
+    ``None`` for supported layers (Linear; Conv2d with groups=1 and zero padding; dense
+    Embedding) and for
     modules that are not K-FAC layer types at all (activations, norms, containers, …).
     """
     name = type(module).__name__
@@ -290,39 +511,67 @@ def unsupported_reason(module: nn.Module) -> str | None:
         return f"{name} is not supported (only Linear and Conv2d)"
     if isinstance(module, nn.modules.conv._ConvTransposeNd):
         return f"transposed convolution ({name}) is not supported"
-    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
-        return f"{name} is not supported"
+    if isinstance(module, nn.EmbeddingBag):
+        return f"{name} is not supported (only Embedding)"
+    if isinstance(module, nn.Embedding) and module.sparse:
+        return f"{name} with sparse=True is not supported (K-FAC needs dense gradients)"
     return None
 
 
-def curvature_for(module: nn.Module) -> LayerCurvature | None:
+def curvature_for(module: nn.Module, approx: str = "expand") -> LayerCurvature | None:
     """The curvature handler for a supported layer, ``None`` for anything else."""
     if isinstance(module, nn.Linear):
-        return LinearCurvature(module)
+        return LinearCurvature(module, approx)
     if isinstance(module, nn.Conv2d) and unsupported_reason(module) is None:
-        return Conv2dCurvature(module)
+        return Conv2dCurvature(module, approx)
+    if isinstance(module, nn.Embedding) and unsupported_reason(module) is None:
+        return EmbeddingCurvature(module, approx)
     return None
 
 
-def register_layers(model: nn.Module,
-                    skip: Sequence[str] = ()) -> tuple[dict[str, LayerCurvature], list[str]]:
+ApproxOption = str | Mapping[str, str]
+"""``"expand"``/``"reduce"`` for every layer, or a mapping from module names or class
+names (``"Conv2d"``, ``"Linear"``) to one; layers it does not name get ``"expand"``."""
+
+
+def approx_for(name: str, module: nn.Module, approx: ApproxOption) -> str:
+    """The approximation ``approx`` selects for the layer ``name`` (module name first,
+    then class name, else ``"expand"``); raises ``ValueError`` for unknown values."""
+    if isinstance(approx, str):
+        chosen = approx
+    else:
+        chosen = approx.get(name, approx.get(type(module).__name__, "expand"))
+    if chosen not in APPROXIMATIONS:
+        raise ValueError(f"approx must be one of {APPROXIMATIONS}, got {chosen!r} for {name!r}")
+    return chosen
+
+
+def register_layers(model: nn.Module, skip: Sequence[str] = (),
+                    approx: ApproxOption = "expand",
+                    ) -> tuple[dict[str, LayerCurvature], list[str]]:
     """The layers K-FAC preconditions, by name in model order, and why others are skipped.
 
-    ``skip`` matches module names or class names. Unsupported modules (grouped
+    ``skip`` matches module names or class names: each entry is an exact name or a
+    regular expression that must match the whole name (``re.fullmatch``), e.g.
+    ``"blocks[.][0-9]+[.]attn[.].*"`` or ``"Embedding"``. Unsupported modules (grouped
     convolutions, ...) and frozen layers (weight without grad) are skipped with a reason.
+    ``approx`` picks expand or reduce per layer (:func:`approx_for`).
     The preconditioner and the planner both use this rule.
     """
     layers: dict[str, LayerCurvature] = {}
     skipped: list[str] = []
+    patterns = [_skip_pattern(s) for s in skip]
     for name, module in model.named_modules():
-        if any(s == name or s == type(module).__name__ for s in skip):
+        if any(s == name or s == type(module).__name__
+               or (p is not None and (p.fullmatch(name) or p.fullmatch(type(module).__name__)))
+               for s, p in zip(skip, patterns)):
             skipped.append(f"{name or '<model>'} ({type(module).__name__}: skip_layers)")
             continue
         reason = unsupported_reason(module)
         if reason is not None:
             skipped.append(f"{name} ({reason})")
             continue
-        curv = curvature_for(module)
+        curv = curvature_for(module, approx_for(name or type(module).__name__, module, approx))
         if curv is None:
             continue
         weight = getattr(module, "weight", None)
@@ -331,3 +580,12 @@ def register_layers(model: nn.Module,
             continue
         layers[name or type(module).__name__] = curv
     return layers, skipped
+
+
+def _skip_pattern(entry: str) -> re.Pattern[str] | None:
+    """``entry`` compiled as a regular expression (``None`` if it is not one: then it
+    only matches exactly)."""
+    try:
+        return re.compile(entry)
+    except re.error:
+        return None

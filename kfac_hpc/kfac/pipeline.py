@@ -17,31 +17,33 @@ import torch
 from torch import Tensor
 
 from kfac_hpc.comm import Communicator, Handle, buckets_by_size
-from kfac_hpc.kfac.exchange import Layout, Piece
+from kfac_hpc.kfac.exchange import MessageLayout, Part, Piece, PieceKey
+from kfac_hpc.kfac.placement import FactorKey
 
-PieceFn = Callable[[str], dict[str, Piece]]
+PieceFn = Callable[[FactorKey], dict[PieceKey, Piece]]
 
 
 class FactorPipeline:
     """Buckets of factor reductions posted from hooks and completed at ``finish()``."""
 
-    def __init__(self, comm: Communicator, keys: Sequence[str], owner: Mapping[str, int],
-                 numel: Mapping[str, int], *, cap_bytes: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(self, comm: Communicator, keys: Sequence[FactorKey],
+                 owner: Mapping[FactorKey, int], numel: Mapping[FactorKey, int], *,
+                 cap_bytes: int, dtype: torch.dtype, device: torch.device) -> None:
         self.comm, self.dtype, self.device = comm, dtype, device
         sizes = [(numel[k] + 1) * dtype.itemsize for k in keys]
         self.buckets = [[keys[i] for i in idx] for idx in buckets_by_size(sizes, cap_bytes)]
-        self.layouts = []
+        self.layouts: list[MessageLayout] = []
         for bucket in self.buckets:
-            parts: list[list[tuple[str, int]]] = [[] for _ in range(comm.size)]
+            parts: list[list[tuple[PieceKey, int]]] = [[] for _ in range(comm.size)]
             for key in bucket:
-                parts[owner[key]] += [(key, numel[key]), (key + "#count", 1)]
-            self.layouts.append(Layout.of(parts))
-        self._ready: set[str] = set()
+                parts[owner[key]] += [(PieceKey(key, Part.FACTOR), numel[key]),
+                                      (PieceKey(key, Part.COUNT), 1)]
+            self.layouts.append(MessageLayout.of(parts))
+        self._ready: set[FactorKey] = set()
         self._next = 0
         self._inflight: list[tuple[int, Handle[Tensor]]] = []
 
-    def mark_ready(self, key: str, pieces: PieceFn) -> None:
+    def mark_ready(self, key: FactorKey, pieces: PieceFn) -> None:
         """``key`` holds its final statistics: post every bucket that is now complete."""
         self._ready.add(key)
         while self._next < len(self.buckets) and all(k in self._ready
@@ -55,7 +57,7 @@ class FactorPipeline:
             handle.test()
 
     def _post(self, b: int, pieces: PieceFn) -> None:
-        values: dict[str, Piece] = {}
+        values: dict[PieceKey, Piece] = {}
         for key in self.buckets[b]:
             values.update(pieces(key))
         layout = self.layouts[b]
@@ -64,11 +66,11 @@ class FactorPipeline:
             self._inflight.append((b, self.comm.ireduce_scatter(flat, layout.counts(), "sum")))
         self._next = b + 1
 
-    def finish(self, pieces: PieceFn) -> dict[str, Tensor]:
-        """Post the remaining buckets, wait for all; this rank's pieces by name."""
+    def finish(self, pieces: PieceFn) -> dict[PieceKey, Tensor]:
+        """Post the remaining buckets, wait for all; this rank's pieces."""
         while self._next < len(self.buckets):
             self._post(self._next, pieces)
-        out: dict[str, Tensor] = {}
+        out: dict[PieceKey, Tensor] = {}
         for b, handle in self._inflight:
             out.update(self.layouts[b].unpack(handle.wait(), self.comm.rank))
         self._inflight.clear()

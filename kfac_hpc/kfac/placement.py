@@ -26,10 +26,35 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kfac_hpc.assignment import cubic_cost, lpt_assign
 
 FACTORS = ("A", "G")
+
+
+class FactorKey(NamedTuple):
+    """A Kronecker factor: ``factor`` (``"A"`` or ``"G"``) of layer ``layer``.
+
+    The typed key K-FAC uses everywhere inside; :attr:`name` (``"<layer>/A"``) is the
+    spelling at the boundary (``state_dict()``, HDF5 checkpoints, logs). A tuple, so
+    ``(layer, factor)`` finds it in :attr:`Placement.factor_owner` too.
+    """
+
+    layer: str
+    factor: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.layer}/{self.factor}"
+
+    @staticmethod
+    def parse(name: str) -> FactorKey:
+        """The key of ``"<layer>/A"`` (a layer name may itself contain ``/``)."""
+        layer, factor = name.rsplit("/", 1)
+        if factor not in FACTORS:
+            raise KeyError(f"not a factor name: {name!r} (expected '<layer>/A' or '<layer>/G')")
+        return FactorKey(layer, factor)
 
 
 # Cost of one decomposition of an n x n factor in GEMM flops, as a multiple of n³
@@ -58,8 +83,8 @@ class Placement:
     world_size: int
     grad_workers: int  # g: gradient workers per layer (= size of a worker group)
     layer_group: dict[str, int]  # layer -> worker-group index
-    factor_owner: dict[tuple[str, str], int]  # (layer, "A"|"G") -> world rank
-    local_factors: frozenset[tuple[str, str]] = field(default_factory=frozenset)
+    factor_owner: dict[FactorKey, int]  # factor -> world rank
+    local_factors: frozenset[FactorKey] = field(default_factory=frozenset)
 
     @property
     def n_groups(self) -> int:
@@ -71,26 +96,15 @@ class Placement:
     def receiver_group_of_rank(self, rank: int) -> int:
         return rank % self.grad_workers
 
-    def grad_workers_of(self, layer: str) -> list[int]:
-        """World ranks that hold the layer's eigenbases and precondition it."""
-        start = self.layer_group[layer] * self.grad_workers
-        return list(range(start, start + self.grad_workers))
-
     def is_grad_worker(self, layer: str, rank: int) -> bool:
         return self.layer_group[layer] == self.worker_group_of_rank(rank)
-
-    def gradient_root(self, layer: str, rank: int) -> int:
-        """The world rank that sends the layer's preconditioned gradient to ``rank``."""
-        return self.layer_group[layer] * self.grad_workers + self.receiver_group_of_rank(rank)
-
-    def owned_factors(self, rank: int) -> list[tuple[str, str]]:
-        return [key for key, owner in self.factor_owner.items() if owner == rank]
 
     def describe(self) -> str:
         lines = [f"placement: {self.world_size} ranks, {self.grad_workers} gradient "
                  f"worker(s) per layer, {self.n_groups} worker group(s)"]
         for layer, group in self.layer_group.items():
-            a, g = self.factor_owner[(layer, "A")], self.factor_owner[(layer, "G")]
+            a = self.factor_owner[FactorKey(layer, "A")]
+            g = self.factor_owner[FactorKey(layer, "G")]
             lines.append(f"  {layer}: group {group}, A on rank {a}, G on rank {g}")
         return "\n".join(lines)
 
@@ -161,8 +175,8 @@ def place(
     layer_group = lpt_assign([(layer.name, (layer_cost or whole)(layer)) for layer in layers],
                              n_groups)
     group_load = [[0.0] * grad_workers for _ in range(n_groups)]
-    factor_owner: dict[tuple[str, str], int] = {}
-    local: set[tuple[str, str]] = set()
+    factor_owner: dict[FactorKey, int] = {}
+    local: set[FactorKey] = set()
     order = sorted(((-cost(layer.dim(f)), i, j, layer, f)
                     for i, layer in enumerate(layers) for j, f in enumerate(FACTORS)),
                    key=lambda t: (t[0], t[1], t[2]))
@@ -171,10 +185,10 @@ def place(
         loads = group_load[group]
         slot = min(range(grad_workers), key=lambda k: (loads[k], k))
         if grad_workers > 1 and layer.dim(f) < local_threshold:
-            local.add((layer.name, f))
+            local.add(FactorKey(layer.name, f))
         else:
             loads[slot] -= neg_cost
-        factor_owner[(layer.name, f)] = group * grad_workers + slot
-    ordered_owner = {(layer.name, f): factor_owner[(layer.name, f)]
+        factor_owner[FactorKey(layer.name, f)] = group * grad_workers + slot
+    ordered_owner = {FactorKey(layer.name, f): factor_owner[FactorKey(layer.name, f)]
                      for layer in layers for f in FACTORS}
     return Placement(world_size, grad_workers, dict(layer_group), ordered_owner, frozenset(local))

@@ -1,6 +1,6 @@
 """The K-FAC preconditioner: ``step()`` replaces gradients by preconditioned gradients.
 
-One step, as the algorithm reads (DESIGN.md, "kfac — distribution"):
+One step, as the algorithm reads (docs/design.md, "Data flow of one step"):
 
 1. factor update  — batch factors from the hooks are summed onto their owners
                      (one fused reduce-scatter; DP-KFAC: owners use their own batch),
@@ -22,9 +22,10 @@ raises the same :class:`~kfac_hpc.kfac.errors.KFACNumericalError`.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -34,8 +35,10 @@ from kfac_hpc.kfac import linalg
 from kfac_hpc.kfac.capture import LayerStatistics, StatisticsCapture
 from kfac_hpc.kfac.errors import KFACNumericalError
 from kfac_hpc.kfac.exchange import (
-    Layout,
+    MessageLayout,
+    Part,
     Piece,
+    PieceKey,
     broadcast_parts,
     read_scalars,
     reduce_scatter_parts,
@@ -48,10 +51,26 @@ from kfac_hpc.kfac.hyperparams import (
     unit_interval,
     whole_positive,
 )
-from kfac_hpc.kfac.layers import LayerCurvature, register_layers
+from kfac_hpc.kfac.layers import ApproxOption, LayerCurvature, register_layers
+from kfac_hpc.kfac.options import (
+    AUTO,
+    COMPUTE_METHODS,
+    DEFAULT_BUCKET_CAP_MB,
+    DEFAULT_LOCAL_THRESHOLD,
+    FACTOR_SYNCS,
+    STRATEGIES,
+    ComputeMethod,
+    FactorSync,
+    KFACApprox,
+    Strategy,
+    conflicts,
+    default_factor_dtype,
+    sends_factors,
+)
 from kfac_hpc.kfac.pipeline import FactorPipeline
 from kfac_hpc.kfac.placement import (
     FACTORS,
+    FactorKey,
     LayerShape,
     Placement,
     grad_workers_for,
@@ -60,12 +79,10 @@ from kfac_hpc.kfac.placement import (
 )
 from kfac_hpc.kfac.shapes import rows_per_sample
 
-log = logging.getLogger("kfac_hpc")
+if TYPE_CHECKING:
+    from kfac_hpc.plan.profile import Profile
 
-Strategy = Literal["comm-opt", "mem-opt", "hybrid-opt", "dp-kfac"]
-STRATEGIES = ("comm-opt", "mem-opt", "hybrid-opt", "dp-kfac")
-AUTO = "auto"  # resolved by the planner (kfac_hpc.plan.auto) in __init__
-COMPUTE_METHODS = ("eigen", "inverse")
+log = logging.getLogger("kfac_hpc")
 
 
 @dataclass
@@ -78,7 +95,12 @@ class FactorState:
 
 
 class KFACPreconditioner:
-    """Distributed K-FAC over MPI for ``nn.Linear`` and ``nn.Conv2d`` layers.
+    """Distributed K-FAC over MPI for ``nn.Linear``, ``nn.Conv2d``, ``nn.Embedding`` layers.
+
+    ``skip_layers``: module names or class names, each exact or a regular expression
+    matching the whole name (``"blocks[.][0-9]+[.]mlp[.].*"``); see
+    :func:`~kfac_hpc.kfac.layers.register_layers`. Other parameters (LayerNorm, bare
+    ``nn.Parameter`` s) are not preconditioned (the rule in :mod:`kfac_hpc.kfac.layers`).
 
     Use between ``loss.backward()`` (gradients already averaged over ranks) and
     ``optimizer.step()``: ``step()`` replaces the ``.grad`` of every registered layer
@@ -93,7 +115,7 @@ class KFACPreconditioner:
         comm: Communicator | None = None,
         strategy: Strategy | Literal["auto"] = "comm-opt",
         grad_worker_fraction: float | None = None,
-        compute_method: Literal["eigen", "inverse"] = "eigen",
+        compute_method: ComputeMethod = "eigen",
         damping: Scalar = 0.001,
         factor_decay: Scalar = 0.95,
         kl_clip: Scalar | None = 0.001,
@@ -104,15 +126,16 @@ class KFACPreconditioner:
         factor_dtype: torch.dtype | None = None,
         inv_dtype: torch.dtype = torch.float32,
         accumulation_steps: int = 1,
-        grad_scaler: Any | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
         symmetric_packing: bool = False,
         overlap: bool = False,
-        bucket_cap_mb: float = 25.0,
-        factor_sync: Literal["step", "inverse"] = "step",
-        local_decomposition_threshold: int = 16,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        factor_sync: FactorSync = "step",
+        local_decomposition_threshold: int = DEFAULT_LOCAL_THRESHOLD,
         check_replicas: bool = True,
-        plan_profile: Any | None = None,
+        plan_profile: Profile | str | os.PathLike[str] | None = None,
         input_shape: Iterable[int] | None = None,
+        kfac_approx: KFACApprox | Mapping[str, KFACApprox] = "expand",
     ) -> None:
         batch_shape = _batch_shape(input_shape)
         if strategy == AUTO:
@@ -126,7 +149,8 @@ class KFACPreconditioner:
                 bucket_cap_mb=bucket_cap_mb, factor_sync=factor_sync,
                 local_decomposition_threshold=local_decomposition_threshold,
                 factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps,
-                factor_dtype=factor_dtype, inv_dtype=inv_dtype, input_shape=batch_shape)
+                factor_dtype=factor_dtype, inv_dtype=inv_dtype, input_shape=batch_shape,
+                kfac_approx=kfac_approx if isinstance(kfac_approx, str) else "expand")
         elif plan_profile is not None:
             raise ValueError("plan_profile applies to strategy='auto' only")
         if strategy not in STRATEGIES:
@@ -134,20 +158,16 @@ class KFACPreconditioner:
         if compute_method not in COMPUTE_METHODS:
             raise ValueError(f"compute_method must be one of {COMPUTE_METHODS}, "
                              f"got {compute_method!r}")
-        if strategy != "hybrid-opt" and grad_worker_fraction is not None:
-            raise ValueError(f"grad_worker_fraction applies to strategy='hybrid-opt' only "
-                             f"(strategy={strategy!r} fixes it)")
         if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be an integer >= 1, "
                              f"got {accumulation_steps!r}")
-        if factor_sync not in ("step", "inverse"):
-            raise ValueError(f"factor_sync must be 'step' or 'inverse', got {factor_sync!r}")
-        if strategy == "dp-kfac" and (overlap or factor_sync != "step" or symmetric_packing):
-            raise ValueError("overlap, symmetric_packing and factor_sync apply to strategies "
-                             "that reduce factors; strategy='dp-kfac' sends no factors")
-        if overlap and factor_sync == "inverse":
-            raise ValueError("overlap=True pipelines the reduction of every factor update; "
-                             "with factor_sync='inverse' there is none to pipeline: pick one")
+        if factor_sync not in FACTOR_SYNCS:
+            raise ValueError(f"factor_sync must be one of {FACTOR_SYNCS}, got {factor_sync!r}")
+        problems = conflicts(strategy=strategy, grad_worker_fraction=grad_worker_fraction,
+                             overlap=overlap, symmetric_packing=symmetric_packing,
+                             factor_sync=factor_sync)
+        if problems:
+            raise ValueError(f"{problems[0].option} {problems[0].text()}")
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
         if isinstance(skip_layers, str):
@@ -170,12 +190,15 @@ class KFACPreconditioner:
         self.factor_sync = factor_sync
         self.steps = 0
         self._closed = False
+        self._checked_hooks = False  # the never-fired warning is given once
 
         model = getattr(model, "module", model) if _is_wrapper(model) else model
-        self.layers = _register_layers(model, tuple(skip_layers), self.comm.rank)
+        self.kfac_approx = kfac_approx if isinstance(kfac_approx, str) else dict(kfac_approx)
+        self.layers = _register_layers(model, tuple(skip_layers), self.comm.rank,
+                                       self.kfac_approx)
         if not self.layers:
             raise ValueError("the model has no layer K-FAC can precondition "
-                             "(nn.Linear / nn.Conv2d with trainable weights)")
+                             "(nn.Linear / nn.Conv2d / nn.Embedding with trainable weights)")
         self.device = _layers_device(self.layers)
         self.factor_dtype = factor_dtype or _default_factor_dtype(self.layers)
         self.input_shape = batch_shape
@@ -193,23 +216,24 @@ class KFACPreconditioner:
 
         rank = self.comm.rank
         # owned factors, plus replicas of the local (small) factors of this rank's layers
-        self.factors = {key: FactorState(self.factor_shape(key)[0]) for key in self.factor_keys()
-                        if self.factor_owner(key) == rank or (
-                            self._is_local(key)
-                            and self.placement.is_grad_worker(key.rsplit("/", 1)[0], rank))}
-        self.decompositions: dict[str, dict[str, Tensor]] = {}
+        self._factors: dict[FactorKey, FactorState] = {
+            key: FactorState(self._dim(key)) for key in self._keys()
+            if self._owner(key) == rank or (
+                self._is_local(key) and self.placement.is_grad_worker(key.layer, rank))}
+        self._decompositions: dict[FactorKey, dict[str, Tensor]] = {}
         self._decomposed_at: int | None = None
-        self._restored: dict[str, Tensor] | None = None  # loaded decompositions (owned)
+        self._restored: dict[PieceKey, Tensor] | None = None  # loaded decompositions (owned)
         captured = {n: c for n, c in self.layers.items()
-                    if strategy != "dp-kfac" or self.placement.factor_owner[(n, "A")] == rank}
+                    if sends_factors(strategy)
+                    or self.placement.factor_owner[FactorKey(n, "A")] == rank}
         deferred = factor_sync == "inverse"
-        self.local_averages = {self._key(n, f): LocalAverage()
-                               for n in captured for f in FACTORS} if deferred else {}
-        self._has_history: set[str] = set()
-        keys = [k for k in self.factor_keys() if not self._is_local(k)]
+        self.local_averages: dict[FactorKey, LocalAverage] = {
+            FactorKey(n, f): LocalAverage() for n in captured for f in FACTORS} if deferred else {}
+        self._has_history: set[FactorKey] = set()
+        keys = [k for k in self._keys() if not self._is_local(k)]
         self.pipeline = FactorPipeline(
             self.comm, [k for k in self._readiness_order() if not self._is_local(k)],
-            {k: self.factor_owner(k) for k in keys},
+            {k: self._owner(k) for k in keys},
             {k: self._wire_numel(k) for k in keys},
             cap_bytes=int(bucket_cap_mb * 2**20), dtype=self.factor_dtype,
             device=self.device) if overlap else None
@@ -268,6 +292,9 @@ class KFACPreconditioner:
                 "KFACPreconditioner.step(): no statistics were captured since the last step; "
                 "run forward and backward in train mode (not under torch.no_grad()) before "
                 "step(), once per step() call")
+        if not self._checked_hooks:
+            self._checked_hooks = True
+            self._warn_unfired()
         decay = self.factor_decay(k)
         if self.factor_sync == "inverse":  # fold into local averages; reduced at inverse steps
             sums = {key: self._local_sum(key) for key in self.local_averages}
@@ -279,41 +306,60 @@ class KFACPreconditioner:
                         local.fold(total / count, decay, first)
             self.capture.clear()
             return
-        if self.strategy == "dp-kfac":
-            received = {key: self._local_sum(key) for key in self.factors}
+        if not sends_factors(self.strategy):  # DP-KFAC: owners use their own batch
+            received = {key: self._local_sum(key) for key in self._factors}
             local_sums = {key: t for key, (t, c) in received.items() if c}
         else:
-            local_sums = {key: t for key in self.factor_keys()
+            local_sums = {key: t for key in self._keys()
                           for t, c in [self._local_sum(key)] if c}
             with self.comm.stats.tagged("factors"):
                 if self.pipeline is not None:
                     mine = self.pipeline.finish(self._wire_pieces)
                 else:
                     mine = reduce_scatter_parts(self.comm, self._factor_layout(),
-                                                _merge(map(self._wire_pieces, self.factor_keys())),
+                                                _merge(map(self._wire_pieces, self._keys())),
                                                 self.factor_dtype, self.device)
                 mine.update(self._allreduce_local_factors(
                     _merge(map(self._wire_pieces, self._local_keys()))))
-            counts = read_scalars(mine, [key + "#count" for key in self.factors])
-            received = {key: (self._from_wire(key, mine[key]), round(count))
-                        for key, count in zip(self.factors, counts)}
+            counts = read_scalars(mine, [PieceKey(key, Part.COUNT) for key in self._factors])
+            received = {key: (self._from_wire(key, mine[PieceKey(key, Part.FACTOR)]), round(count))
+                        for key, count in zip(self._factors, counts)}
         if self._statistics_usable(k, local_sums):
             for key, (total, count) in received.items():
                 if count == 0:
                     continue  # the layer was not used on any rank this step
-                state = self.factors[key]
+                state = self._factors[key]
                 state.average = linalg.update_running_average(state.average, total / count,
                                                               decay)
                 state.updates += 1
         self.capture.clear()
 
-    def _statistics_usable(self, k: int, sums: Mapping[str, Tensor]) -> bool:
+    def _warn_unfired(self) -> None:
+        """Warn (once, at the first factor step) naming registered layers whose hooks have
+        not fired: their forward is never called (e.g. ``nn.MultiheadAttention.out_proj``,
+        whose weight the attention uses directly), so they are not preconditioned.
+
+        Rank 0 warns for every layer; under DP-KFAC (each rank captures only the layers
+        it owns) every rank warns for its own layers."""
+        if self.comm.rank != 0 and sends_factors(self.strategy):
+            return
+        unfired = [s.name for s in self.capture.stats.values()
+                   if s.counts["A"] == 0 or s.counts["G"] == 0]
+        if unfired:
+            log.warning(
+                "K-FAC: the hooks of %d registered layer(s) never fired in the first factor "
+                "step: %s. Their forward is not called in training (e.g. a parent module "
+                "uses the weight directly, as nn.MultiheadAttention does with out_proj), so "
+                "they are not preconditioned; list them in skip_layers to silence this",
+                len(unfired), ", ".join(unfired))
+
+    def _statistics_usable(self, k: int, sums: Mapping[FactorKey, Tensor]) -> bool:
         """Whether every rank's statistics of this step are finite (agreed on all ranks).
 
         Non-finite statistics with a GradScaler are an AMP overflow: every rank skips this
         factor update. Without one, every rank raises :class:`KFACNumericalError`.
         """
-        bad = _nonfinite(sums)
+        bad = [key.name for key in _nonfinite(sums)]
         ranks = self._ranks_reporting(bool(bad))
         if ranks == 0:
             return True
@@ -340,25 +386,26 @@ class KFACPreconditioner:
 
     def _synchronise_local_averages(self) -> None:
         """factor_sync='inverse': owners get ``c·F + mean_r D_r`` (one fused reduce-scatter)."""
-        values: dict[str, Piece] = {}
-        for key in self.factor_keys():
+        values: dict[PieceKey, Piece] = {}
+        for key in self._keys():
             local = self.local_averages[key]
-            n = self.factor_shape(key)[0]
+            n = self._dim(key)
             delta = local.delta if local.delta is not None else torch.zeros(
                 n, n, dtype=self.factor_dtype, device=self.device)
-            values[key] = pack_upper(delta) if self.symmetric_packing else delta
-            values[key + "#count"] = 1.0 if local.updates else 0.0
+            values[PieceKey(key, Part.FACTOR)] = pack_upper(delta) if self.symmetric_packing \
+                else delta
+            values[PieceKey(key, Part.COUNT)] = 1.0 if local.updates else 0.0
         with self.comm.stats.tagged("factors"):
             mine = reduce_scatter_parts(self.comm, self._factor_layout(), values,
                                         self.factor_dtype, self.device)
             mine.update(self._allreduce_local_factors(values))
-        counts = read_scalars(mine, [key + "#count" for key in self.factors])
-        for (key, state), count in zip(self.factors.items(), counts):
+        counts = read_scalars(mine, [PieceKey(key, Part.COUNT) for key in self._factors])
+        for (key, state), count in zip(self._factors.items(), counts):
             local = self.local_averages[key]
             ranks = round(count)
             if ranks == 0:
                 continue
-            mean_delta = self._from_wire(key, mine[key]) / ranks
+            mean_delta = self._from_wire(key, mine[PieceKey(key, Part.FACTOR)]) / ranks
             if state.average is None or local.coefficient == 0.0:
                 state.average = mean_delta.clone()
             else:
@@ -369,66 +416,67 @@ class KFACPreconditioner:
                 self._has_history.add(key)
             local.reset()
 
-    def _local_sum(self, key: str) -> tuple[Tensor, int]:
+    def _local_sum(self, key: FactorKey) -> tuple[Tensor, int]:
         """This rank's sum of micro-batch factors of ``key`` and how many were added."""
-        layer, f = key.rsplit("/", 1)
-        stats = self.capture.stats.get(layer)
-        total = None if stats is None else stats.sums[f]
+        stats = self.capture.stats.get(key.layer)
+        total = None if stats is None else stats.sums[key.factor]
         if total is None:
-            n = self._dim(layer, f)
+            n = self._dim(key)
             return torch.zeros(n, n, dtype=self.factor_dtype, device=self.device), 0
         assert stats is not None
-        return total, stats.counts[f]
+        return total, stats.counts[key.factor]
 
-    def _wire_numel(self, key: str) -> int:
-        n = self.factor_shape(key)[0]
+    def _wire_numel(self, key: FactorKey) -> int:
+        n = self._dim(key)
         return triu_count(n) if self.symmetric_packing else n * n
 
-    def _wire_pieces(self, key: str) -> dict[str, Piece]:
+    def _factor_pieces(self, key: FactorKey) -> list[tuple[PieceKey, int]]:
+        """A factor in a factor message: its (packed) matrix and its count."""
+        return [(PieceKey(key, Part.FACTOR), self._wire_numel(key)), (PieceKey(key, Part.COUNT), 1)]
+
+    def _wire_pieces(self, key: FactorKey) -> dict[PieceKey, Piece]:
         """What a rank sends for factor ``key``: its (packed) sum and its count."""
         total, count = self._local_sum(key)
-        return {key: pack_upper(total) if self.symmetric_packing else total,
-                key + "#count": float(count)}
+        return {PieceKey(key, Part.FACTOR): pack_upper(total) if self.symmetric_packing else total,
+                PieceKey(key, Part.COUNT): float(count)}
 
-    def _from_wire(self, key: str, flat: Tensor) -> Tensor:
-        n = self.factor_shape(key)[0]
+    def _from_wire(self, key: FactorKey, flat: Tensor) -> Tensor:
+        n = self._dim(key)
         return unpack_upper(flat, n) if self.symmetric_packing else flat.view(n, n)
 
-    def _factor_layout(self) -> Layout:
-        parts: list[list[tuple[str, int]]] = [[] for _ in range(self.comm.size)]
-        for key in self.factor_keys():
+    def _factor_layout(self) -> MessageLayout:
+        parts: list[list[tuple[PieceKey, int]]] = [[] for _ in range(self.comm.size)]
+        for key in self._keys():
             if not self._is_local(key):
-                parts[self.factor_owner(key)] += [(key, self._wire_numel(key)),
-                                                  (key + "#count", 1)]
-        return Layout.of(parts)
+                parts[self._owner(key)] += self._factor_pieces(key)
+        return MessageLayout.of(parts)
 
-    def _is_local(self, key: str) -> bool:
-        layer, f = key.rsplit("/", 1)
-        return (layer, f) in self.placement.local_factors
+    def _is_local(self, key: FactorKey) -> bool:
+        return key in self.placement.local_factors
 
-    def _local_keys(self) -> list[str]:
-        return [k for k in self.factor_keys() if self._is_local(k)]
+    def _local_keys(self) -> list[FactorKey]:
+        return [k for k in self._keys() if self._is_local(k)]
 
-    def _allreduce_local_factors(self, values: Mapping[str, Piece]) -> dict[str, Tensor]:
+    def _allreduce_local_factors(self, values: Mapping[PieceKey, Piece]
+                                 ) -> dict[PieceKey, Tensor]:
         """Local (small) factors: one fused allreduce, every gradient worker keeps the sum."""
         keys = self._local_keys()
         if not keys:
             return {}
-        layout = Layout.of([[p for k in keys for p in ((k, self._wire_numel(k)),
-                                                         (k + "#count", 1))]])
+        layout = MessageLayout.of([[p for k in keys for p in self._factor_pieces(k)]])
         flat = self.comm.allreduce(layout.pack(values, dtype=self.factor_dtype,
                                                device=self.device), "sum")
         return layout.unpack(flat, 0)
 
-    def _readiness_order(self) -> list[str]:
+    def _readiness_order(self) -> list[FactorKey]:
         """Factor keys in the order the hooks complete them: A forward, then G backward."""
         names = list(self.layers)
-        return [self._key(n, "A") for n in names] + [self._key(n, "G") for n in names[::-1]]
+        return [FactorKey(n, "A") for n in names] + [FactorKey(n, "G") for n in names[::-1]]
 
     def _on_factor_ready(self, stats: LayerStatistics, factor: str) -> None:
         assert self.pipeline is not None
         if stats.counts[factor] == self.accumulation_steps:
-            self.pipeline.mark_ready(self._key(stats.name, factor), self._wire_pieces)
+            self.pipeline.mark_ready(FactorKey(stats.name, factor), self._wire_pieces)
         else:
             self.pipeline.progress()
 
@@ -439,16 +487,15 @@ class KFACPreconditioner:
         decompositions instead, local ones included."""
         group, g = self.placement.worker_group_of_rank(self.comm.rank), self.placement.grad_workers
         my_layers = [n for n in self.layers if self.placement.layer_group[n] == group]
-        parts: list[list[tuple[str, int]]] = [[] for _ in range(g)]
-        for layer in my_layers:
-            for f in FACTORS:
-                if restore or (layer, f) not in self.placement.local_factors:
-                    owner = self.placement.factor_owner[(layer, f)]
-                    parts[owner - group * g] += self._decomposition_pieces(layer, f)
+        keys = [FactorKey(layer, f) for layer in my_layers for f in FACTORS]
+        parts: list[list[tuple[PieceKey, int]]] = [[] for _ in range(g)]
+        for key in keys:
+            if restore or not self._is_local(key):
+                parts[self._owner(key) - group * g] += self._decomposition_pieces(key)
 
-        failures: dict[str, BaseException] = {}
+        failures: dict[FactorKey, BaseException] = {}
 
-        def decompose_safely(key: str, state: FactorState) -> dict[str, Piece]:
+        def decompose_safely(key: FactorKey, state: FactorState) -> dict[PieceKey, Piece]:
             # a failure must not leave the other ranks waiting in the broadcast: this rank
             # sends the factor as invalid, and every rank raises after the agreement below
             try:
@@ -457,48 +504,47 @@ class KFACPreconditioner:
                 failures[key] = exc
                 return self._decompose(key, FactorState(state.dim))
 
-        def decompose(local: bool) -> dict[str, Piece]:
-            out: dict[str, Piece] = {}
-            for key, state in self.factors.items():
+        def decompose(local: bool) -> dict[PieceKey, Piece]:
+            out: dict[PieceKey, Piece] = {}
+            for key, state in self._factors.items():
                 if self._is_local(key) == local:
                     out.update(decompose_safely(key, state))
             return out
 
-        def restored() -> dict[str, Piece]:
-            out: dict[str, Piece] = {}
+        def restored() -> dict[PieceKey, Piece]:
+            out: dict[PieceKey, Piece] = {}
             for key, state in self._owned_states().items():
-                layer, f = key.rsplit("/", 1)
-                names = [p for p, _ in self._decomposition_pieces(layer, f) if "#" not in p]
+                names = [PieceKey(key, part) for part in self._decomposition_parts()]
                 loaded = self._restored or {}
                 if all(p in loaded for p in names):
                     out.update({p: loaded[p] for p in names})
-                    out[key + "#valid"] = 1.0
+                    out[PieceKey(key, Part.VALID)] = 1.0
                 else:
                     out.update(decompose_safely(key, state))
             return out
 
         with self.comm.stats.tagged("decompositions"):
-            pieces = broadcast_parts(self.worker_comm, Layout.of(parts),
+            pieces = broadcast_parts(self.worker_comm, MessageLayout.of(parts),
                                      restored if restore else lambda: decompose(local=False),
                                      self.inv_dtype, self.device)
-        all_pieces: dict[str, Piece] = {**pieces, **(decompose(local=True) if not restore else {})}
+        all_pieces: dict[PieceKey, Piece] = {
+            **pieces, **(decompose(local=True) if not restore else {})}
         self._agree_on_decompositions(failures)
-        keys = [self._key(layer, f) for layer in my_layers for f in FACTORS]
-        valid = read_scalars(all_pieces, [key + "#valid" for key in keys])
-        self.decompositions = {}
+        valid = read_scalars(all_pieces, [PieceKey(key, Part.VALID) for key in keys])
+        self._decompositions = {}
         for key, ok in zip(keys, valid):
             if not ok:
                 continue
-            n = self.factor_shape(key)[0]
-            part = cast(dict[str, Tensor], all_pieces)
-            if self.compute_method == "eigen":
-                self.decompositions[key] = {"Q": part[key + ":Q"].view(n, n),
-                                            "lambda": part[key + ":lambda"]}
-            else:
-                self.decompositions[key] = {"inv": part[key + ":inv"].view(n, n)}
+            n = self._dim(key)
+            received = cast(dict[PieceKey, Tensor], all_pieces)
+            # matrices (Q, inv) as n x n, eigenvalues flat; named by Part.value in state_dict()
+            self._decompositions[key] = {
+                part.value: received[PieceKey(key, part)].view(
+                    (n,) if part is Part.LAMBDA else (n, n))
+                for part in self._decomposition_parts()}
         self._decomposed_at = self.steps
 
-    def _agree_on_decompositions(self, failures: Mapping[str, BaseException]) -> None:
+    def _agree_on_decompositions(self, failures: Mapping[FactorKey, BaseException]) -> None:
         """Every rank raises when a decomposition failed on any rank (the old ones stay)."""
         ranks = self._ranks_reporting(bool(failures))
         if ranks == 0:
@@ -508,32 +554,35 @@ class KFACPreconditioner:
                    f"failed on {ranks} rank(s)")
         if failures:
             first = next(iter(failures.values()))
-            message += (f"; on this rank: {', '.join(failures)} "
+            message += (f"; on this rank: {', '.join(key.name for key in failures)} "
                         f"({type(first).__name__}: {first})")
         error = KFACNumericalError(
             message + ". Decompositions were not updated; increase damping, check for "
             "diverging training, or restore the last checkpoint.",
-            step=k, ranks=ranks, local=list(failures))
+            step=k, ranks=ranks, local=[key.name for key in failures])
         raise error from (next(iter(failures.values())) if failures else None)
 
-    def _decomposition_pieces(self, layer: str, f: str) -> list[tuple[str, int]]:
-        key, n = self._key(layer, f), self._dim(layer, f)
-        if self.compute_method == "eigen":
-            return [(key + ":Q", n * n), (key + ":lambda", n), (key + "#valid", 1)]
-        return [(key + ":inv", n * n), (key + "#valid", 1)]
+    def _decomposition_parts(self) -> tuple[Part, ...]:
+        """What a decomposition is made of: eigen ``(Q, λ)``, inverse ``(inv,)``."""
+        return (Part.Q, Part.LAMBDA) if self.compute_method == "eigen" else (Part.INV,)
 
-    def _decompose(self, key: str, state: FactorState) -> dict[str, Piece]:
+    def _decomposition_pieces(self, key: FactorKey) -> list[tuple[PieceKey, int]]:
+        """A factor's decomposition in a message: its parts, then its valid flag."""
+        n = self._dim(key)
+        return [*((PieceKey(key, part), n if part is Part.LAMBDA else n * n)
+                  for part in self._decomposition_parts()), (PieceKey(key, Part.VALID), 1)]
+
+    def _decompose(self, key: FactorKey, state: FactorState) -> dict[PieceKey, Piece]:
         if state.average is None:  # never saw statistics: marked invalid, not preconditioned
-            layer, f = key.rsplit("/", 1)
             return {p: torch.zeros(m, dtype=self.inv_dtype, device=self.device)
-                    for p, m in self._decomposition_pieces(layer, f)}
-        valid: dict[str, Piece] = {key + "#valid": 1.0}
+                    for p, m in self._decomposition_pieces(key)}
+        valid: dict[PieceKey, Piece] = {PieceKey(key, Part.VALID): 1.0}
         if self.compute_method == "eigen":
             q, lam = linalg.eigh_clamped(state.average, dtype=self.inv_dtype)
-            return {key + ":Q": q, key + ":lambda": lam, **valid}
+            return {PieceKey(key, Part.Q): q, PieceKey(key, Part.LAMBDA): lam, **valid}
         damping = self.damping(self.steps)
         inv = linalg.damped_inverse(state.average, damping, dtype=self.inv_dtype)
-        return {key + ":inv": inv, **valid}
+        return {PieceKey(key, Part.INV): inv, **valid}
 
     # ------------------------------------------------------------ preconditioning
     def _precondition_my_layers(self, k: int) -> dict[str, Tensor]:
@@ -542,7 +591,8 @@ class KFACPreconditioner:
         for name, curv in self.layers.items():
             if not self.placement.is_grad_worker(name, self.comm.rank):
                 continue
-            a, g = self.decompositions.get(name + "/A"), self.decompositions.get(name + "/G")
+            a = self._decompositions.get(FactorKey(name, "A"))
+            g = self._decompositions.get(FactorKey(name, "G"))
             if a is None or g is None or curv.module.weight.grad is None:
                 continue
             grad = curv.grad_matrix(self.inv_dtype)
@@ -558,21 +608,22 @@ class KFACPreconditioner:
         """Gradient workers send preconditioned gradients to their receiver groups."""
         if self.placement.n_groups == 1:
             return mine
-        parts: list[list[tuple[str, int]]] = [[] for _ in range(self.placement.n_groups)]
+        parts: list[list[tuple[PieceKey, int]]] = [[] for _ in range(self.placement.n_groups)]
         for name, curv in self.layers.items():
             parts[self.placement.layer_group[name]] += [
-                (name, curv.g_dim * curv.a_dim), (name + "#valid", 1)]
-        values: dict[str, Piece] = {}
+                (PieceKey(name, Part.GRADIENT), curv.g_dim * curv.a_dim),
+                (PieceKey(name, Part.VALID), 1)]
+        values: dict[PieceKey, Piece] = {}
         for name, curv in self.layers.items():
             v = mine.get(name)
-            values[name] = v if v is not None else torch.zeros(
+            values[PieceKey(name, Part.GRADIENT)] = v if v is not None else torch.zeros(
                 curv.g_dim, curv.a_dim, dtype=self.inv_dtype, device=self.device)
-            values[name + "#valid"] = 1.0 if v is not None else 0.0
+            values[PieceKey(name, Part.VALID)] = 1.0 if v is not None else 0.0
         with self.comm.stats.tagged("gradients"):
-            pieces = broadcast_parts(self.receiver_comm, Layout.of(parts), lambda: values,
+            pieces = broadcast_parts(self.receiver_comm, MessageLayout.of(parts), lambda: values,
                                      self.inv_dtype, self.device)
-        valid = read_scalars(pieces, [name + "#valid" for name in self.layers])
-        return {name: pieces[name].view(curv.g_dim, curv.a_dim).clone()
+        valid = read_scalars(pieces, [PieceKey(name, Part.VALID) for name in self.layers])
+        return {name: pieces[PieceKey(name, Part.GRADIENT)].view(curv.g_dim, curv.a_dim).clone()
                 for (name, curv), ok in zip(self.layers.items(), valid) if ok}
 
     # ------------------------------------------------------------------ helpers
@@ -604,13 +655,16 @@ class KFACPreconditioner:
     def _is_inverse_step(self, k: int) -> bool:
         return k % int(self.inv_update_steps(k)) == 0
 
-    @staticmethod
-    def _key(layer: str, factor: str) -> str:
-        return f"{layer}/{factor}"
+    def _keys(self) -> list[FactorKey]:
+        """Every factor in model order (A, G of each layer)."""
+        return [FactorKey(n, f) for n in self.layers for f in FACTORS]
 
-    def _dim(self, layer: str, factor: str) -> int:
-        curv = self.layers[layer]
-        return curv.a_dim if factor == "A" else curv.g_dim
+    def _owner(self, key: FactorKey) -> int:
+        return self.placement.factor_owner[key]
+
+    def _dim(self, key: FactorKey) -> int:
+        curv = self.layers[key.layer]
+        return curv.a_dim if key.factor == "A" else curv.g_dim
 
     def _group_communicators(self) -> tuple[Communicator, Communicator]:
         """Sub-communicators of KAISA's grid (the world itself where a group spans it)."""
@@ -622,19 +676,29 @@ class KFACPreconditioner:
         return worker, receiver
 
     # ---------------------------------------------------------------- state
+    # The checkpoint boundary: factors by name ("<layer>/A"), as in state_dict() and HDF5.
     def factor_keys(self) -> list[str]:
         """Every factor's name in model order (``"<layer>/A"``, ``"<layer>/G"``)."""
-        return [self._key(n, f) for n in self.layers for f in FACTORS]
+        return [key.name for key in self._keys()]
 
-    def factor_owner(self, key: str) -> int:
+    def factor_owner(self, key: str | FactorKey) -> int:
         """The rank that holds factor ``key`` under the current world size and strategy."""
-        layer, f = key.rsplit("/", 1)
-        return self.placement.factor_owner[(layer, f)]
+        return self._owner(_as_key(key))
 
-    def factor_shape(self, key: str) -> tuple[int, int]:
-        layer, f = key.rsplit("/", 1)
-        n = self._dim(layer, f)
+    def factor_shape(self, key: str | FactorKey) -> tuple[int, int]:
+        n = self._dim(_as_key(key))
         return (n, n)
+
+    @property
+    def factors(self) -> dict[str, FactorState]:
+        """The factors this rank holds (owned, plus replicas of local ones), by name."""
+        return {key.name: state for key, state in self._factors.items()}
+
+    @property
+    def decompositions(self) -> dict[str, dict[str, Tensor]]:
+        """The current decompositions this rank holds (``{"Q", "lambda"}`` or
+        ``{"inv"}``), by factor name."""
+        return {key.name: parts for key, parts in self._decompositions.items()}
 
     def state_dict(self, eigenbases: bool = True) -> dict[str, Any]:
         """Step counter, config and the factors this rank owns (keyed by name).
@@ -655,20 +719,20 @@ class KFACPreconditioner:
             self._synchronise_local_averages()
         state: dict[str, Any] = {
             "step": self.steps,
-            "factors": {k: s.average for k, s in self._owned_states().items()
+            "factors": {k.name: s.average for k, s in self._owned_states().items()
                         if s.average is not None},
-            "factor_updates": {k: s.updates for k, s in self._owned_states().items()},
+            "factor_updates": {k.name: s.updates for k, s in self._owned_states().items()},
             "config": self.config(),
         }
         if self.factor_sync == "inverse":  # every rank's: which factors were updated before
-            state["history"] = sorted(self._has_history)
+            state["history"] = sorted(k.name for k in self._has_history)
         if eigenbases:
-            state["eigenbases"] = {k: dict(self.decompositions[k]) for k in self._owned_states()
-                                   if k in self.decompositions}
+            state["eigenbases"] = {k.name: dict(self._decompositions[k])
+                                   for k in self._owned_states() if k in self._decompositions}
         return state
 
-    def _owned_states(self) -> dict[str, FactorState]:
-        return {k: s for k, s in self.factors.items() if self.factor_owner(k) == self.comm.rank}
+    def _owned_states(self) -> dict[FactorKey, FactorState]:
+        return {k: s for k, s in self._factors.items() if self._owner(k) == self.comm.rank}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Take the factors this rank owns from ``state`` (which may hold more).
@@ -679,7 +743,7 @@ class KFACPreconditioner:
         """
         factors = state["factors"]
         updates = state.get("factor_updates", {})
-        owned = self._owned_states()
+        owned = {key.name: s for key, s in self._owned_states().items()}  # by stored name
         problem: Exception | None = None
         missing = [k for k in owned if k not in factors and updates.get(k, 0) > 0]
         missing += [k for k in owned if k not in updates]
@@ -687,27 +751,28 @@ class KFACPreconditioner:
             problem = KeyError(f"factor state missing for {sorted(set(missing))} (owned by "
                                f"rank {self.comm.rank}); was the checkpoint written for this "
                                "model?")
-        for key, s in owned.items():
-            value = factors.get(key)
+        for name, s in owned.items():
+            value = factors.get(name)
             if problem is None and value is not None and tuple(value.shape) != (s.dim, s.dim):
-                problem = ValueError(f"factor {key} has shape {tuple(value.shape)}, "
+                problem = ValueError(f"factor {name} has shape {tuple(value.shape)}, "
                                      f"expected {(s.dim, s.dim)}")
         # every rank decides together before anything collective or anything is changed
         if self.comm.any(problem is not None):
             raise problem if problem is not None else RuntimeError(
                 "load_state_dict failed on another rank (see its message); nothing loaded")
-        for key, s in owned.items():
-            value = factors.get(key)
+        for name, s in owned.items():
+            value = factors.get(name)
             s.average = None if value is None else value.detach().to(
                 device=self.device, dtype=self.factor_dtype, copy=True)
-            s.updates = int(updates[key])
+            s.updates = int(updates[name])
         self._share_local_replicas()
         self.steps = int(state["step"])
         self._decomposed_at = None  # restored or recomputed at the next step
         eig = state.get("eigenbases") or {}
-        restored = {f"{key}:{part}": value.detach().to(
+        restored = {PieceKey(FactorKey.parse(name), _DECOMPOSITION_PARTS[part]): value.detach().to(
                         device=self.device, dtype=self.inv_dtype, copy=True).reshape(-1)
-                    for key in owned for part, value in (eig.get(key) or {}).items()}
+                    for name in owned for part, value in (eig.get(name) or {}).items()
+                    if part in _DECOMPOSITION_PARTS}
         # restoring is a collective path: decided together (a rank that owns nothing
         # has no decompositions of its own to restore)
         self._restored = restored if self.comm.any(bool(restored)) else None
@@ -717,39 +782,41 @@ class KFACPreconditioner:
         for local in self.local_averages.values():
             local.reset()
         history = state.get("history")
-        self._has_history = set(history) & set(self.local_averages) if history is not None \
-            else {k for k in self.local_averages if int(updates.get(k, 0)) > 0}
+        self._has_history = {k for k in self.local_averages if k.name in set(history)} \
+            if history is not None \
+            else {k for k in self.local_averages if int(updates.get(k.name, 0)) > 0}
 
     def _share_local_replicas(self) -> None:
         """Owners of local factors broadcast them (and their counts) in the worker group."""
         if not self.placement.local_factors:
             return
         group, g = self.placement.worker_group_of_rank(self.comm.rank), self.placement.grad_workers
-        parts: list[list[tuple[str, int]]] = [[] for _ in range(g)]
+        parts: list[list[tuple[PieceKey, int]]] = [[] for _ in range(g)]
         for key in self._local_keys():
-            layer = key.rsplit("/", 1)[0]
-            if self.placement.layer_group[layer] == group:
-                n = self.factor_shape(key)[0]
-                parts[self.factor_owner(key) - group * g] += [(key, n * n), (key + "#updates", 1)]
+            if self.placement.layer_group[key.layer] == group:
+                n = self._dim(key)
+                parts[self._owner(key) - group * g] += [(PieceKey(key, Part.FACTOR), n * n),
+                                                        (PieceKey(key, Part.UPDATES), 1)]
 
-        def own() -> dict[str, Piece]:
-            out: dict[str, Piece] = {}
+        def own() -> dict[PieceKey, Piece]:
+            out: dict[PieceKey, Piece] = {}
             for key, s in self._owned_states().items():
                 if self._is_local(key):
-                    out[key] = s.average if s.average is not None else torch.zeros(
-                        s.dim, s.dim, dtype=self.factor_dtype, device=self.device)
-                    out[key + "#updates"] = float(s.updates)
+                    out[PieceKey(key, Part.FACTOR)] = s.average if s.average is not None \
+                        else torch.zeros(s.dim, s.dim, dtype=self.factor_dtype, device=self.device)
+                    out[PieceKey(key, Part.UPDATES)] = float(s.updates)
             return out
 
-        pieces = broadcast_parts(self.worker_comm, Layout.of(parts), own, self.factor_dtype,
+        pieces = broadcast_parts(self.worker_comm, MessageLayout.of(parts), own, self.factor_dtype,
                                  self.device)
-        replicas = [key for key, s in self.factors.items()
-                    if self._is_local(key) and self.factor_owner(key) != self.comm.rank]
-        updates = read_scalars(pieces, [key + "#updates" for key in replicas])
+        replicas = [key for key in self._factors
+                    if self._is_local(key) and self._owner(key) != self.comm.rank]
+        updates = read_scalars(pieces, [PieceKey(key, Part.UPDATES) for key in replicas])
         for key, count in zip(replicas, updates):
-            s = self.factors[key]
+            s = self._factors[key]
             s.updates = round(count)
-            s.average = pieces[key].view(s.dim, s.dim).clone() if s.updates else None
+            s.average = pieces[PieceKey(key, Part.FACTOR)].view(s.dim, s.dim).clone() \
+                if s.updates else None
 
     def config(self) -> dict[str, Any]:
         """The settings, JSON-able (schedules are shown as ``"<schedule>"``)."""
@@ -762,15 +829,16 @@ class KFACPreconditioner:
                 "symmetric_packing": self.symmetric_packing, "overlap": self.overlap,
                 "bucket_cap_mb": self.bucket_cap_mb, "factor_sync": self.factor_sync,
                 "local_decomposition_threshold": self.local_decomposition_threshold,
+                "kfac_approx": self.kfac_approx,
                 "accumulation_steps": self.accumulation_steps, "world_size": self.comm.size,
                 **sched}
 
     # ----------------------------------------------------------- introspection
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of K-FAC state held by this rank: factors and decompositions."""
-        factors = sum(s.average.nbytes for s in self.factors.values() if s.average is not None)
+        factors = sum(s.average.nbytes for s in self._factors.values() if s.average is not None)
         decomp = sum(t.numel() * t.element_size()
-                     for pieces in self.decompositions.values() for t in pieces.values())
+                     for pieces in self._decompositions.values() for t in pieces.values())
         return {"factors": factors, "decompositions": decomp}
 
     def describe(self) -> str:
@@ -781,7 +849,8 @@ class KFACPreconditioner:
         rows = [f"  {'layer':<28} {'A':>6} {'G':>6}  owners(A,G)  group"]
         for name, c in self.layers.items():
             rows.append(f"  {name:<28} {c.a_dim:>6} {c.g_dim:>6}  "
-                        f"{p.factor_owner[(name, 'A')]:>4},{p.factor_owner[(name, 'G')]:<6}  "
+                        f"{p.factor_owner[FactorKey(name, 'A')]:>4},"
+                        f"{p.factor_owner[FactorKey(name, 'G')]:<6}  "
                         f"{p.layer_group[name]:>5}")
         mem = self.memory_bytes()
         rows.append(f"  rank {self.comm.rank}: factors {mem['factors'] / 2**20:.2f} MiB, "
@@ -809,7 +878,8 @@ class KFACPreconditioner:
         self._closed = True
 
 
-def _resolve_auto(model: nn.Module, comm: Communicator, profile: Any,
+def _resolve_auto(model: nn.Module, comm: Communicator,
+                  profile: Profile | str | os.PathLike[str] | None,
                   **options: Any) -> tuple[Strategy, float | None]:
     """strategy='auto': the planner's fastest exact strategy (same on every rank)."""
     from kfac_hpc.plan.auto import resolve_auto
@@ -825,11 +895,19 @@ def _resolve_auto(model: nn.Module, comm: Communicator, profile: Any,
                      best.options.label(), comm.size, best.profile, best.total_s,
                      best.kfac_bytes / 2**20)
     assert strategy in STRATEGIES
-    return strategy, fraction  # type: ignore[return-value]
+    return strategy, fraction
 
 
-def _merge(dicts: Iterable[Mapping[str, Piece]]) -> dict[str, Piece]:
-    out: dict[str, Piece] = {}
+def _as_key(key: str | FactorKey) -> FactorKey:
+    return key if isinstance(key, FactorKey) else FactorKey.parse(key)
+
+
+# state_dict()["eigenbases"][name] keys -> message parts
+_DECOMPOSITION_PARTS = {part.value: part for part in (Part.Q, Part.LAMBDA, Part.INV)}
+
+
+def _merge(dicts: Iterable[Mapping[PieceKey, Piece]]) -> dict[PieceKey, Piece]:
+    out: dict[PieceKey, Piece] = {}
     for d in dicts:
         out.update(d)
     return out
@@ -841,9 +919,9 @@ def _is_wrapper(model: nn.Module) -> bool:
     return isinstance(model, DistributedDataParallel)
 
 
-def _register_layers(model: nn.Module, skip: tuple[str, ...],
-                     rank: int) -> dict[str, LayerCurvature]:
-    layers, skipped = register_layers(model, skip)
+def _register_layers(model: nn.Module, skip: tuple[str, ...], rank: int,
+                     approx: ApproxOption) -> dict[str, LayerCurvature]:
+    layers, skipped = register_layers(model, skip, approx=approx)
     if skipped and rank == 0:
         log.info("K-FAC skips %d layer(s): %s", len(skipped), "; ".join(skipped))
     return layers
@@ -862,7 +940,7 @@ def _layers_device(layers: Mapping[str, LayerCurvature]) -> torch.device:
     return devices.pop()
 
 
-def _nonfinite(tensors: Mapping[str, Tensor]) -> list[str]:
+def _nonfinite(tensors: Mapping[FactorKey, Tensor]) -> list[FactorKey]:
     """Keys of the tensors holding NaN or Inf (one multi-tensor kernel, one host sync)."""
     if not tensors:
         return []
@@ -872,8 +950,8 @@ def _nonfinite(tensors: Mapping[str, Tensor]) -> list[str]:
 
 
 def _default_factor_dtype(layers: Mapping[str, LayerCurvature]) -> torch.dtype:
-    dtypes = {c.module.weight.dtype for c in layers.values()}
-    return torch.float64 if torch.float64 in dtypes else torch.float32
+    names = (str(c.module.weight.dtype).removeprefix("torch.") for c in layers.values())
+    return cast(torch.dtype, getattr(torch, default_factor_dtype(names)))
 
 
 def _batch_shape(input_shape: Iterable[int] | None) -> tuple[int, ...] | None:

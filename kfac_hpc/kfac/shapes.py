@@ -15,7 +15,13 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["rows_per_sample"]
+__all__ = [
+    "eigh_flops",
+    "lowrank_precondition_flops",
+    "randomized_eigh_flops",
+    "rows_per_sample",
+    "statistics_flops",
+]
 
 
 def rows_per_sample(model: nn.Module, modules: Iterable[nn.Module],
@@ -42,6 +48,8 @@ def rows_per_sample(model: nn.Module, modules: Iterable[nn.Module],
                  key: int = id(original)) -> None:
             if isinstance(mod, nn.Conv2d):
                 rows[key] = int(output.shape[-1] * output.shape[-2])
+            elif isinstance(mod, nn.Embedding):  # every index is a row
+                rows[key] = int(torch.Size(inputs[0].shape[1:]).numel())
             else:
                 x = inputs[0]
                 rows[key] = int(torch.Size(x.shape[1:-1]).numel()) if x.dim() > 1 else 1
@@ -51,8 +59,66 @@ def rows_per_sample(model: nn.Module, modules: Iterable[nn.Module],
                  torch.get_default_dtype())
     try:
         with torch.no_grad():
-            probe(torch.empty((1, *sample_shape), dtype=dtype, device="meta"))
+            try:
+                probe(torch.empty((1, *sample_shape), dtype=dtype, device="meta"))
+            except (RuntimeError, IndexError):
+                if not any(isinstance(m, nn.Embedding) for m in probe.modules()):
+                    raise
+                rows.clear()  # a language model: token indices, not features
+                probe(torch.zeros((1, *sample_shape), dtype=torch.long, device="meta"))
     finally:
         for h in handles:
             h.remove()
     return rows
+
+
+# ----- flop counts of the per-layer math (pure; the planner's cost model and the
+# benchmarks use them; one multiply-add = 2 flops) ------------------------------------
+
+
+def statistics_flops(a_dim: int, g_dim: int, batch: int, rows_per_sample: int,
+                     approx: str = "expand", symmetric: bool = False) -> int:
+    """Flops of one factor-statistics update (``A`` and ``G``) of a layer.
+
+    Expand: a Gram matrix over ``batch·rows_per_sample`` rows for each factor
+    (``2·rows·d²``; ``symmetric`` counts only the upper triangle, ``rows·d·(d+1)``, as
+    :func:`kfac_hpc.kfac.patches.symmetric_gram_` does in the limit of many blocks).
+    Reduce: the per-example sums over positions (``rows·d`` adds per factor) and a Gram
+    matrix over ``batch`` rows. ``rows_per_sample`` as :func:`rows_per_sample` gives.
+    """
+    if approx not in ("expand", "reduce"):
+        raise ValueError(f"approx must be 'expand' or 'reduce', got {approx!r}")
+    rows = batch * rows_per_sample
+
+    def gram(n: int, d: int) -> int:
+        return n * d * (d + 1) if symmetric else 2 * n * d * d
+
+    if approx == "expand":
+        return gram(rows, a_dim) + gram(rows, g_dim)
+    return rows * (a_dim + g_dim) + gram(batch, a_dim) + gram(batch, g_dim)
+
+
+def eigh_flops(d: int) -> int:
+    """Nominal flops of a symmetric eigendecomposition with vectors (LAPACK ``syevd``):
+    ``4d³`` = tridiagonalisation ``4/3·d³`` + back-transformation ``2d³`` + about
+    ``2/3·d³`` in divide-and-conquer (less with deflation). A convention for flops/s
+    figures, not a measurement."""
+    return 4 * d ** 3
+
+
+def randomized_eigh_flops(d: int, rank: int, oversample: int = 10, power_iters: int = 2) -> int:
+    """Flops of :func:`kfac_hpc.kfac.lowrank.randomized_eigh` (sketched path): ``2 + q``
+    products ``F·Q`` (``2d²l`` each, ``l = rank + oversample``), ``q + 1`` QRs
+    (``4dl²``), the small ``eigh`` (``9l³``) and ``Q·U`` (``2dl²``)."""
+    sketch = min(d, rank + oversample)
+    return ((2 + power_iters) * 2 * d * d * sketch + (power_iters + 1) * 4 * d * sketch ** 2
+            + 9 * sketch ** 3 + 2 * d * sketch ** 2)
+
+
+def lowrank_precondition_flops(g_dim: int, a_dim: int, g_rank: int, a_rank: int) -> int:
+    """Flops of :func:`kfac_hpc.kfac.lowrank.precondition_lowrank` (the products):
+    ``Q_Gᵀ X``, ``X Q_A``, ``C``, ``K Q_Aᵀ``, ``Q_G [·]`` and ``[·] Q_Aᵀ``. The dense eigen
+    preconditioner costs ``4·g·a·(g + a)``."""
+    ga = g_dim * a_dim
+    return 2 * (2 * ga * g_rank + 2 * ga * a_rank + g_rank * a_dim * a_rank
+                + g_rank * a_rank * a_dim)

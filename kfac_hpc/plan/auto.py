@@ -23,6 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from kfac_hpc.kfac.options import (
+    DEFAULT_BUCKET_CAP_MB,
+    DEFAULT_LOCAL_THRESHOLD,
+    default_factor_dtype,
+)
 from kfac_hpc.plan.choose import choose, hybrid_fractions
 from kfac_hpc.plan.cost import Estimate, KFACOptions, estimate
 from kfac_hpc.plan.model_shapes import model_spec
@@ -50,15 +55,16 @@ def resolve_auto(
     compute_method: str = "eigen",
     symmetric_packing: bool = False,
     overlap: bool = False,
-    bucket_cap_mb: float = 25.0,
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     factor_sync: str = "step",
-    local_decomposition_threshold: int = 16,
+    local_decomposition_threshold: int = DEFAULT_LOCAL_THRESHOLD,
     factor_update_steps: int | Callable[[int], Any] = 1,
     inv_update_steps: int | Callable[[int], Any] = 1,
     factor_dtype: torch.dtype | None = None,
     inv_dtype: torch.dtype = torch.float32,
     memory_budget: int | None = None,
     input_shape: Sequence[int] | None = None,
+    kfac_approx: str = "expand",
 ) -> tuple[str, float | None, Estimate | None, list[Estimate]]:
     """``(strategy, grad_worker_fraction, chosen estimate, all estimates)`` for ``model``.
 
@@ -75,13 +81,13 @@ def resolve_auto(
     batch, sample = ((int(input_shape[0]), tuple(input_shape[1:])) if input_shape
                      else (ASSUMED_BATCH, None))
     spec = model_spec(model, input_shape=sample, skip_layers=tuple(skip_layers))
-    if factor_dtype is None:
-        weights = {p.dtype for p in model.parameters()}
-        factor_dtype = torch.float64 if torch.float64 in weights else torch.float32
+    if factor_dtype is None:  # the preconditioner's default (kfac_hpc.kfac.options)
+        factor_dtype = getattr(torch, default_factor_dtype(
+            _dtype_name(p.dtype) for p in model.parameters()))
     base = KFACOptions(
         compute_method=compute_method, symmetric_packing=symmetric_packing, overlap=overlap,
         bucket_cap_mb=bucket_cap_mb, factor_sync=factor_sync,
-        local_decomposition_threshold=local_decomposition_threshold,
+        local_decomposition_threshold=local_decomposition_threshold, kfac_approx=kfac_approx,
         factor_update_steps=_steps(factor_update_steps),
         inv_update_steps=_steps(inv_update_steps),
         factor_dtype=_dtype_name(factor_dtype), inv_dtype=_dtype_name(inv_dtype))

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -40,8 +40,18 @@ import torch
 from kfac_hpc.comm.buffers import WIDENED_DTYPES
 from kfac_hpc.comm.fusion import buckets_by_size, triu_count
 from kfac_hpc.comm.replicas import replica_check_bytes
+from kfac_hpc.kfac.options import (
+    APPROXIMATIONS,
+    DEFAULT_BUCKET_CAP_MB,
+    DEFAULT_LOCAL_THRESHOLD,
+    STRATEGIES,
+    conflicts,
+    reduces_factors,
+    sends_factors,
+)
 from kfac_hpc.kfac.placement import (
     FACTORS,
+    FactorKey,
     LayerShape,
     Placement,
     grad_workers_for,
@@ -49,22 +59,36 @@ from kfac_hpc.kfac.placement import (
     work_per_step,
 )
 from kfac_hpc.plan.model_shapes import LayerSpec, ModelSpec
-from kfac_hpc.plan.profile import Profile
+from kfac_hpc.plan.profile import ComputeRates, Profile
 
 __all__ = ["PHASES", "STRATEGIES", "Distribution", "Estimate", "KFACOptions", "StepTraffic",
            "construction_traffic", "estimate", "estimate_sgd", "wire_itemsize"]
 
-STRATEGIES = ("comm-opt", "mem-opt", "hybrid-opt", "dp-kfac")
 PHASES = ("forward", "backward", "grad avg", "factor stats", "factor comm", "decomposition",
           "decomp bcast", "precondition", "grad bcast", "other")
 AGREEMENT_BYTES = 4  # one int32: how many ranks report a fault
 BYTE_PHASES = ("factors", "decompositions", "gradients", "agreement")
 
 # Tensor operations per unit of work (framework overhead = count × op_overhead_s).
-# Rough counts of the library's code paths; they matter only where layers are tiny.
+# Counted by reading the library's code paths (not measured); they matter only where
+# layers are tiny, where calibration (kfac_hpc.plan.calibrate) fits op_overhead_s.
 _OPS = {"module_fwd": 1, "module_bwd": 2, "stats_factor": 8, "fold": 3, "wire_factor": 4,
         "decompose": 4, "precondition": 10, "share": 3, "other_layer": 10,
         "collective": 6}
+
+# Memory passes (whole reads or writes of an array) of the code paths :func:`estimate`
+# prices at the profile's ``mem_bandwidth``. Counted from the code (torch 2.13, CPU),
+# not fitted: the rates are what the profiles measure (kfac_hpc.plan.calibrate).
+FP32_BYTES = 4  # parameters, gradients, activations: fp32 in the reference driver
+FACTOR_SUM_PASSES = 3  # statistics: write the batch factor, read it, accumulate the sum
+RUNNING_AVERAGE_PASSES = 3  # F ← ρF + (1−ρ)B: read F, read B, write F (also local folds)
+PACK_PASSES_SYMMETRIC = 3  # symmetric_packing: triangle index gather + copy, vs 1 copy
+PRECONDITION_GEMMS = {"eigen": 4, "inverse": 2}  # GEMMs of g x a by g x g / a x a
+PRECONDITION_PASSES = 4  # gradient matrix in, bias split, result, write .grad
+SHARE_PASSES = 3  # gradient broadcast: pack, unpack, clone
+KL_CLIP_PASSES = 8  # ⟨V, ∇W⟩ reads, ν scaling, .grad writes (weight and bias)
+OPTIMIZER_PASSES = 3  # SGD with momentum: read grad, update buffer, update weight
+MODEL_STATE_COPIES = 3  # weights + gradients + momentum (memory budget)
 
 
 def wire_itemsize(dtype: str | torch.dtype, reduction: bool) -> int:
@@ -96,9 +120,10 @@ class KFACOptions:
     compute_method: str = "eigen"
     symmetric_packing: bool = False
     overlap: bool = False
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
     factor_sync: str = "step"
-    local_decomposition_threshold: int = 16
+    local_decomposition_threshold: int = DEFAULT_LOCAL_THRESHOLD
+    kfac_approx: str = "expand"
     factor_update_steps: int = 1
     inv_update_steps: int = 1
     factor_dtype: str = "float32"
@@ -111,16 +136,15 @@ class KFACOptions:
         """Why the preconditioner would reject these options, or ``None``."""
         if self.strategy not in STRATEGIES:
             return f"unknown strategy {self.strategy!r}"
-        if self.strategy == "dp-kfac" and (self.overlap or self.symmetric_packing
-                                           or self.factor_sync != "step"):
-            return "dp-kfac sends no factors (no overlap/packing/factor_sync)"
-        if self.overlap and self.factor_sync == "inverse":
-            return "overlap and factor_sync='inverse' exclude each other"
+        if self.kfac_approx not in APPROXIMATIONS:
+            return f"kfac_approx must be one of {APPROXIMATIONS}, got {self.kfac_approx!r}"
         if self.factor_reduction not in ("reduce_scatter", "allreduce"):
             return f"unknown factor_reduction {self.factor_reduction!r}"
-        if self.strategy != "hybrid-opt" and self.grad_worker_fraction is not None:
-            return "grad_worker_fraction applies to hybrid-opt only"
-        return None
+        problems = conflicts(strategy=self.strategy,
+                             grad_worker_fraction=self.grad_worker_fraction,
+                             overlap=self.overlap, symmetric_packing=self.symmetric_packing,
+                             factor_sync=self.factor_sync)
+        return f"{problems[0].option} {problems[0].text()}" if problems else None
 
     def label(self) -> str:
         """Short name, e.g. ``hybrid-opt(1/2)+pack+overlap``."""
@@ -131,7 +155,8 @@ class KFACOptions:
                   ("pack" if self.symmetric_packing else ""),
                   ("overlap" if self.overlap else ""),
                   ("sync@inv" if self.factor_sync == "inverse" else ""),
-                  ("inverse" if self.compute_method == "inverse" else "")]
+                  ("inverse" if self.compute_method == "inverse" else ""),
+                  ("reduce" if self.kfac_approx == "reduce" else "")]
         return "+".join([name, *[e for e in extras if e]])
 
     def preconditioner_kwargs(self) -> dict[str, Any]:
@@ -144,6 +169,7 @@ class KFACOptions:
             "symmetric_packing": self.symmetric_packing, "overlap": self.overlap,
             "bucket_cap_mb": self.bucket_cap_mb, "factor_sync": self.factor_sync,
             "local_decomposition_threshold": self.local_decomposition_threshold,
+            "kfac_approx": self.kfac_approx,
             "factor_update_steps": self.factor_update_steps,
             "inv_update_steps": self.inv_update_steps,
             "factor_dtype": getattr(torch, self.factor_dtype),
@@ -225,7 +251,7 @@ class Distribution:
                 yield layer, f
 
     def is_local(self, layer: LayerSpec, f: str) -> bool:
-        return (layer.name, f) in self.placement.local_factors
+        return FactorKey(layer.name, f) in self.placement.local_factors
 
     def wire_numel(self, n: int) -> int:
         return triu_count(n) if self.options.symmetric_packing else n * n
@@ -245,7 +271,7 @@ class Distribution:
         names = [s.name for s in self.model.layers]
         order = [(n, "A") for n in names] + [(n, "G") for n in names[::-1]]
         numel = [self.wire_numel(self.layers[n].dim(f)) + 1 for n, f in order
-                 if (n, f) not in self.placement.local_factors]
+                 if FactorKey(n, f) not in self.placement.local_factors]
         size = _itemsize(self.options.factor_dtype)
         groups = buckets_by_size([e * size for e in numel],
                                  int(self.options.bucket_cap_mb * 2**20))
@@ -263,7 +289,7 @@ class Distribution:
             if self.is_local(layer, f):
                 continue
             group = self.placement.layer_group[layer.name]
-            owner = self.placement.factor_owner[(layer.name, f)]
+            owner = self.placement.factor_owner[FactorKey(layer.name, f)]
             out[group][owner - group * g] += self.decomposition_numel(layer.dim(f))
         return out
 
@@ -286,11 +312,9 @@ class Distribution:
         return step == 0 or step % self.options.inv_update_steps == 0
 
     def reduces_factors(self, step: int) -> bool:
-        if self.options.strategy == "dp-kfac":
-            return False
-        if self.options.factor_sync == "inverse":
-            return self.is_inverse_step(step)
-        return self.is_factor_step(step)
+        return reduces_factors(self.options.strategy, self.options.factor_sync,
+                               factor_step=self.is_factor_step(step),
+                               inverse_step=self.is_inverse_step(step))
 
     def period(self) -> list[tuple[bool, bool]]:
         """(factor step, inverse step) of every step of one steady-state period."""
@@ -314,8 +338,8 @@ class Distribution:
         if p == 1:
             return out
         if reduce is None:
-            reduce = o.strategy != "dp-kfac" and (inverse if o.factor_sync == "inverse"
-                                                  else factor)
+            reduce = reduces_factors(o.strategy, o.factor_sync, factor_step=factor,
+                                     inverse_step=inverse)
         if reduce:
             fsize = wire_itemsize(o.factor_dtype, reduction=True)
             rs, ar = self.reduce_numel
@@ -365,14 +389,14 @@ class Distribution:
         captured_all = o.strategy != "dp-kfac"
         for layer, f in self.factors():
             n = layer.dim(f)
-            owned = pl.factor_owner[(layer.name, f)] == rank
+            owned = pl.factor_owner[FactorKey(layer.name, f)] == rank
             in_group = pl.layer_group[layer.name] == group
             if (owned or (self.is_local(layer, f) and in_group)
                     or o.factor_reduction == "allreduce"):
                 factors += n * n * fb
             if in_group:
                 decomps += (n * n + n if o.compute_method == "eigen" else n * n) * ib
-            captured = captured_all or pl.factor_owner[(layer.name, "A")] == rank
+            captured = captured_all or pl.factor_owner[FactorKey(layer.name, "A")] == rank
             if captured:
                 sums += n * n * fb
                 if o.factor_sync == "inverse":
@@ -513,180 +537,276 @@ def estimate(model: ModelSpec, options: KFACOptions, world: int, batch: int,
     Every term adds ``op_overhead_s`` per tensor operation and every collective call
     ``sync_overhead_s``.
     """
-    prof = profile.at(world)
-    c = prof.compute
-    d = Distribution(model, options, world, batch)
-    o = options
-    leaves = leaf_modules if leaf_modules is not None else model.leaf_modules
-    base = _training_terms(model, batch, world, prof, leaves)
-    ov = c.op_overhead_s
-    fb, ib = _itemsize(o.factor_dtype), _itemsize(o.inv_dtype)
-    ranks = range(world)
-    pl = d.placement
+    ctx = _Context.of(model, options, world, batch, profile, leaf_modules)
+    # one step of the preconditioner, phase by phase (KFACPreconditioner.step())
+    stats = _factor_statistics_s(ctx)  # 1. factor update: hooks capture statistics
+    folds = _local_folds_s(ctx)  # 1'. factor_sync="inverse": fold into local averages
+    reduction = _factor_reduction_s(ctx, hidden_behind=ctx.base["backward"] + stats)
+    averages = _running_averages_s(ctx)  # 1. owners update the running averages
+    decompose = _decompositions_s(ctx)  # 2. inverse update: owners decompose ...
+    decomp_bcast = _decomposition_broadcasts_s(ctx, decompose)  # ... and broadcast
+    precondition = _precondition_s(ctx)  # 3. gradient workers precondition ...
+    grad_bcast = _gradient_broadcasts_s(ctx)  # ... and send to their receiver groups
+    other = _other_s(ctx)  # 4. KL clipping, .grad writes, the optimizer's update
 
-    def captured_by(rank: int) -> list[LayerSpec]:
-        if o.strategy != "dp-kfac":
-            return list(model.layers)
-        return [s for s in model.layers if pl.factor_owner[(s.name, "A")] == rank]
+    t = _schedule_average(ctx, stats=stats, folds=folds, reduction=reduction,
+                          averages=averages, decompose=max(decompose),
+                          decomp_bcast=decomp_bcast)
+    t["precondition"] = precondition
+    t["grad bcast"] = grad_bcast
+    t["other"] += other
 
-    # ---- factor statistics, per rank (captured layers)
+    d, o = ctx.dist, options
+    ranks = range(world)  # per-rank quantities: every rank (cheap enough), the worst one
+    traffic = [d.mean_traffic(r) for r in ranks]
+    per_step = {k: max(tr[k] for tr in traffic) for k in BYTE_PHASES}
+    memories = [d.memory(r) for r in ranks]
+    memory = {k: max(m[k] for m in memories) for k in memories[0]}
+    return Estimate(
+        model=model.name, options=o, world=world, batch=batch, profile=ctx.prof.name, time=t,
+        bytes_per_step=per_step,
+        grad_avg_bytes=model.param_numel * FP32_BYTES if world > 1 else 0,
+        construction_bytes=construction_traffic(model, o, world).total,
+        memory=memory, model_bytes=MODEL_STATE_COPIES * model.param_numel * FP32_BYTES)
+
+
+# ------------------------------------------------------------ estimate: the steps
+@dataclass(frozen=True)
+class _Context:
+    """What every step of :func:`estimate` reads: the model, the options, who owns what
+    (:class:`Distribution`), the profile at this world size and the shared training terms."""
+
+    model: ModelSpec
+    options: KFACOptions
+    world: int
+    batch: int
+    prof: Profile
+    dist: Distribution
+    base: dict[str, float]  # forward, backward, grad avg (shared with S-SGD)
+    fb: int  # factor dtype bytes
+    ib: int  # decomposition (inv_dtype) bytes
+
+    @staticmethod
+    def of(model: ModelSpec, options: KFACOptions, world: int, batch: int,
+           profile: Profile, leaf_modules: int | None) -> _Context:
+        prof = profile.at(world)
+        leaves = leaf_modules if leaf_modules is not None else model.leaf_modules
+        return _Context(model, options, world, batch, prof,
+                        Distribution(model, options, world, batch),
+                        _training_terms(model, batch, world, prof, leaves),
+                        _itemsize(options.factor_dtype), _itemsize(options.inv_dtype))
+
+    @property
+    def c(self) -> ComputeRates:
+        return self.prof.compute
+
+    def captured_by(self, rank: int) -> list[LayerSpec]:
+        """Layers whose statistics ``rank`` computes (all; DP-KFAC: the owner's)."""
+        if sends_factors(self.options.strategy):
+            return list(self.model.layers)
+        pl = self.dist.placement
+        return [s for s in self.model.layers if pl.factor_owner[FactorKey(s.name, "A")] == rank]
+
+
+def _factor_statistics_s(ctx: _Context) -> float:
+    """Hooks: ``2R(a² + g²)`` GEMM flops, the row copies, Conv2d's patch matrix and the
+    sums of micro-batch factors, on the slowest rank (ranks differ only under DP-KFAC)."""
+    c, fb, batch = ctx.c, ctx.fb, ctx.batch
+
+    reduce = ctx.options.kfac_approx == "reduce"
+
     def stats_s(layers: Sequence[LayerSpec]) -> float:
         t = 0.0
         for s in layers:
             rows = batch * s.rows_per_sample
-            t += 2.0 * rows * (s.a_dim ** 2 + s.g_dim ** 2) / c.gemm_flops
-            t += rows * (2 * s.g_dim + s.a_dim) * 4 / c.mem_bandwidth  # δ rows, scaling, ā
+            # reduce: one (averaged) row per example for the products, after one pass
+            # over the positions to average ā and sum δ
+            gemm_rows = batch if reduce else rows
+            t += 2.0 * gemm_rows * (s.a_dim ** 2 + s.g_dim ** 2) / c.gemm_flops
+            t += rows * (2 * s.g_dim + s.a_dim) * FP32_BYTES / c.mem_bandwidth  # δ, scale, ā
             if s.kind == "Conv2d":
-                t += rows * s.weight_cols * 4 / c.unfold_bandwidth  # patch matrix (unfold)
-            t += 3.0 * (s.a_dim ** 2 + s.g_dim ** 2) * fb / c.mem_bandwidth
-            t += 2 * _OPS["stats_factor"] * ov
+                t += rows * s.weight_cols * FP32_BYTES / c.unfold_bandwidth  # patches (unfold)
+            t += FACTOR_SUM_PASSES * (s.a_dim ** 2 + s.g_dim ** 2) * fb / c.mem_bandwidth
+            t += len(FACTORS) * _OPS["stats_factor"] * c.op_overhead_s
         return t
 
-    # distinct capture sets: every rank alike except DP-KFAC
-    stats_by_rank = [stats_s(captured_by(r)) for r in (ranks if o.strategy == "dp-kfac"
-                                                        else range(1))]
-    stats_max = max(stats_by_rank)
-    folds = (sum(3 * (s.a_dim ** 2 + s.g_dim ** 2) * fb for s in model.layers)
-             / c.mem_bandwidth + 2 * len(model.layers) * _OPS["fold"] * ov)
+    distinct = range(ctx.world) if not sends_factors(ctx.options.strategy) else range(1)
+    return max(stats_s(ctx.captured_by(r)) for r in distinct)
 
-    # ---- factor communication (on reduction steps)
-    def factor_comm_s() -> float:
-        if world == 1 or o.strategy == "dp-kfac":
-            return 0.0
-        fsize = wire_itemsize(o.factor_dtype, reduction=True)
-        rs, ar = d.reduce_numel
-        kind = "allreduce" if o.factor_reduction == "allreduce" else "reduce_scatter"
-        link = prof.link(kind)
-        if o.overlap:
-            sizes = d.buckets if o.factor_reduction != "allreduce" or not ar else [
-                *d.buckets, ar]
-        else:
-            sizes = [rs + ar] if o.factor_reduction == "allreduce" else [rs]
-        times = [link.time(kind, e * fsize, world) for e in sizes]
-        if ar and o.factor_reduction != "allreduce":
-            times.append(prof.link("allreduce").time("allreduce", ar * fsize, world))
-        keys = 2 * len(model.layers)
-        pack = (2 * (rs + ar) * fb * (3 if o.symmetric_packing else 1)) / c.mem_bandwidth
-        t = sum(times) + pack + (keys * _OPS["wire_factor"] + len(times) * _OPS[
-            "collective"]) * ov + len(times) * c.sync_overhead_s
-        if o.overlap:
-            hidden = c.overlap_efficiency * (base["backward"] + stats_max)
-            t = max(times[-1] if times else 0.0, t - hidden)
-        return t
 
-    comm_s = factor_comm_s()
+def _local_folds_s(ctx: _Context) -> float:
+    """``factor_sync="inverse"``: fold each batch factor into the local average
+    (:class:`kfac_hpc.kfac.factor_sync.LocalAverage`)."""
+    c, layers = ctx.c, ctx.model.layers
+    return (sum(RUNNING_AVERAGE_PASSES * (s.a_dim ** 2 + s.g_dim ** 2) * ctx.fb for s in layers)
+            / c.mem_bandwidth + len(FACTORS) * len(layers) * _OPS["fold"] * c.op_overhead_s)
 
-    # ---- running averages on owners
+
+def _factor_reduction_s(ctx: _Context, hidden_behind: float) -> float:
+    """The factor messages of :meth:`Distribution.kind_traffic` (reduce-scatter, or
+    buckets with ``overlap``; local factors: one allreduce), each ``α–β`` priced, plus
+    packing them; with ``overlap`` ``overlap_efficiency · hidden_behind`` is hidden
+    (never less than the last bucket)."""
+    o, d, c, world, prof = ctx.options, ctx.dist, ctx.c, ctx.world, ctx.prof
+    if world == 1 or not sends_factors(o.strategy):
+        return 0.0
+    ov = c.op_overhead_s
+    fsize = wire_itemsize(o.factor_dtype, reduction=True)
+    rs, ar = d.reduce_numel
+    kind = "allreduce" if o.factor_reduction == "allreduce" else "reduce_scatter"
+    link = prof.link(kind)
+    if o.overlap:
+        sizes = d.buckets if o.factor_reduction != "allreduce" or not ar else [*d.buckets, ar]
+    else:
+        sizes = [rs + ar] if o.factor_reduction == "allreduce" else [rs]
+    times = [link.time(kind, e * fsize, world) for e in sizes]
+    if ar and o.factor_reduction != "allreduce":
+        times.append(prof.link("allreduce").time("allreduce", ar * fsize, world))
+    keys = len(FACTORS) * len(ctx.model.layers)
+    passes = PACK_PASSES_SYMMETRIC if o.symmetric_packing else 1
+    pack = (2 * (rs + ar) * ctx.fb * passes) / c.mem_bandwidth  # pack and unpack
+    t = sum(times) + pack + (keys * _OPS["wire_factor"] + len(times) * _OPS[
+        "collective"]) * ov + len(times) * c.sync_overhead_s
+    if o.overlap:
+        hidden = c.overlap_efficiency * hidden_behind
+        t = max(times[-1] if times else 0.0, t - hidden)
+    return t
+
+
+def _running_averages_s(ctx: _Context) -> float:
+    """Owners (and holders of local replicas; every rank with ``allreduce``) update
+    ``F ← ρF + (1−ρ)B``: the slowest rank."""
+    o, d, c = ctx.options, ctx.dist, ctx.c
+    pl = d.placement
+
     def average_s(rank: int) -> float:
         t = 0.0
         for layer, f in d.factors():
-            owner = pl.factor_owner[(layer.name, f)] == rank
+            owner = pl.factor_owner[FactorKey(layer.name, f)] == rank
             if owner or o.factor_reduction == "allreduce" or (
                     d.is_local(layer, f) and pl.is_grad_worker(layer.name, rank)):
                 n = layer.dim(f)
-                t += 3 * n * n * fb / c.mem_bandwidth + 2 * ov
+                t += (RUNNING_AVERAGE_PASSES * n * n * ctx.fb / c.mem_bandwidth
+                      + 2 * c.op_overhead_s)
         return t
 
-    avg_max = max(average_s(r) for r in _representatives(d))
+    return max(average_s(r) for r in range(ctx.world))
 
-    # ---- decompositions
+
+def _decompositions_s(ctx: _Context) -> list[float]:
+    """Per rank: its decompositions (owned non-local factors, and the local factors of
+    its worker group), each priced by the profile's eigh/inverse table."""
+    o, d, c = ctx.options, ctx.dist, ctx.c
+    pl = d.placement
+
     def decompose_s(rank: int) -> float:
         t = 0.0
         group = d.group_of(rank)
         for layer, f in d.factors():
             n = layer.dim(f)
-            mine = pl.factor_owner[(layer.name, f)] == rank
+            mine = pl.factor_owner[FactorKey(layer.name, f)] == rank
             local = d.is_local(layer, f) and pl.layer_group[layer.name] == group
             if (mine and not d.is_local(layer, f)) or local:
-                t += c.decomposition_s(n, o.compute_method) + _OPS["decompose"] * ov
+                t += c.decomposition_s(n, o.compute_method) + _OPS["decompose"] * c.op_overhead_s
         return t
 
-    compute = [decompose_s(r) for r in ranks]
-    decomp_max = max(compute)
-    bcast_link = prof.link("broadcast")
-    decomp_bcast = 0.0
-    if world > 1 and d.grad_workers > 1:
-        serial = pipelined = 0.0
-        g = d.grad_workers
-        for group, slots in enumerate(d.slot_numel):
-            roots = [(compute[group * g + k], bcast_link.time("broadcast", n * ib, g)
-                      + _OPS["collective"] * ov + c.sync_overhead_s
-                      + 2 * n * ib / c.mem_bandwidth)
-                     for k, n in enumerate(slots) if n]
-            serial = max(serial, decomp_max + sum(b for _, b in roots))
-            clock = 0.0
-            for ready, b in sorted(roots):  # the network serves roots as they finish
-                clock = max(clock, ready) + b
-            pipelined = max(pipelined, clock, max(compute[group * g:(group + 1) * g]))
-        eta = c.overlap_efficiency if o.pipelined_broadcasts else 0.0
-        decomp_bcast = eta * pipelined + (1 - eta) * serial - decomp_max
+    return [decompose_s(r) for r in range(ctx.world)]
 
-    # ---- preconditioning and gradient broadcasts (every step)
+
+def _decomposition_broadcasts_s(ctx: _Context, compute: Sequence[float]) -> float:
+    """Time the decomposition broadcasts add after the slowest decomposition.
+
+    Each worker group's network serves its roots in the order they finish (pipelined,
+    weight ``overlap_efficiency``; the preconditioner posts the receives before
+    computing), else after the slowest rank, one after the other (serial)."""
+    o, d, c, ib = ctx.options, ctx.dist, ctx.c, ctx.ib
+    if ctx.world == 1 or d.grad_workers == 1:
+        return 0.0
+    ov, link = c.op_overhead_s, ctx.prof.link("broadcast")
+    decomp_max = max(compute)
+    serial = pipelined = 0.0
+    g = d.grad_workers
+    for group, slots in enumerate(d.slot_numel):
+        roots = [(compute[group * g + k], link.time("broadcast", n * ib, g)
+                  + _OPS["collective"] * ov + c.sync_overhead_s
+                  + 2 * n * ib / c.mem_bandwidth)  # pack and unpack
+                 for k, n in enumerate(slots) if n]
+        serial = max(serial, decomp_max + sum(b for _, b in roots))
+        clock = 0.0
+        for ready, b in sorted(roots):  # the network serves roots as they finish
+            clock = max(clock, ready) + b
+        pipelined = max(pipelined, clock, max(compute[group * g:(group + 1) * g]))
+    eta = c.overlap_efficiency if o.pipelined_broadcasts else 0.0
+    return eta * pipelined + (1 - eta) * serial - decomp_max
+
+
+def _precondition_s(ctx: _Context) -> float:
+    """Gradient workers precondition their group's layers: eigen ``4(g²a + ga²)``,
+    inverse ``2(g²a + ga²)`` GEMM flops per layer; the slowest group."""
+    o, c, ib = ctx.options, ctx.c, ctx.ib
+    pl = ctx.dist.placement
+
     def precondition_s(group: int) -> float:
         t = 0.0
-        for s in model.layers:
+        for s in ctx.model.layers:
             if pl.layer_group[s.name] != group:
                 continue
             ga = s.g_dim * s.a_dim
-            mult = 4 if o.compute_method == "eigen" else 2
+            mult = PRECONDITION_GEMMS[o.compute_method]
             t += mult * (s.g_dim * ga + ga * s.a_dim) / c.gemm_flops
-            t += 4 * ga * ib / c.mem_bandwidth + _OPS["precondition"] * ov
+            t += PRECONDITION_PASSES * ga * ib / c.mem_bandwidth + _OPS["precondition"] * (
+                c.op_overhead_s)
         return t
 
-    precond_max = max(precondition_s(g) for g in range(d.n_groups))
-    grad_bcast = 0.0
-    if world > 1 and d.n_groups > 1:
-        grad_bcast = sum(bcast_link.time("broadcast", n * ib, d.n_groups)
-                         + _OPS["collective"] * ov + c.sync_overhead_s
-                         for n in d.group_grad_numel if n)
-        grad_bcast += (3 * sum(d.group_grad_numel) * ib / c.mem_bandwidth
-                       + len(model.layers) * _OPS["share"] * ov)
-    other = (8 * model.kfac_param_numel * 4 / c.mem_bandwidth
-             + len(model.layers) * _OPS["other_layer"] * ov
-             + 3 * model.param_numel * 4 / c.mem_bandwidth
-             + model.param_tensors * (c.param_overhead_s or 3 * ov))
+    return max(precondition_s(g) for g in range(ctx.dist.n_groups))
 
-    # ---- average over the schedule
-    period = d.period()
+
+def _gradient_broadcasts_s(ctx: _Context) -> float:
+    """Preconditioned gradients to the receiver groups (one broadcast per non-empty
+    group, summed), plus packing and unpacking them."""
+    d, c, ib = ctx.dist, ctx.c, ctx.ib
+    if ctx.world == 1 or d.n_groups == 1:
+        return 0.0
+    ov, link = c.op_overhead_s, ctx.prof.link("broadcast")
+    t = sum(link.time("broadcast", n * ib, d.n_groups) + _OPS["collective"] * ov
+            + c.sync_overhead_s for n in d.group_grad_numel if n)
+    t += (SHARE_PASSES * sum(d.group_grad_numel) * ib / c.mem_bandwidth
+          + len(ctx.model.layers) * _OPS["share"] * ov)
+    return t
+
+
+def _other_s(ctx: _Context) -> float:
+    """KL clipping and ``.grad`` writes (``KL_CLIP_PASSES`` fp32 passes over the K-FAC
+    weights) and the optimizer's update (``OPTIMIZER_PASSES`` over every parameter)."""
+    c, model = ctx.c, ctx.model
+    return (KL_CLIP_PASSES * model.kfac_param_numel * FP32_BYTES / c.mem_bandwidth
+            + len(model.layers) * _OPS["other_layer"] * c.op_overhead_s
+            + OPTIMIZER_PASSES * model.param_numel * FP32_BYTES / c.mem_bandwidth
+            + model.param_tensors * (c.param_overhead_s or 3 * c.op_overhead_s))
+
+
+def _schedule_average(ctx: _Context, *, stats: float, folds: float, reduction: float,
+                      averages: float, decompose: float, decomp_bcast: float
+                      ) -> dict[str, float]:
+    """Seconds per iteration by phase: the factor/inverse terms weighted by how often
+    they run over one period of the schedule (:meth:`Distribution.period`)."""
+    o = ctx.options
+    period = ctx.dist.period()
     t = dict.fromkeys(PHASES, 0.0)
-    t.update(base)
+    t.update(ctx.base)
     for factor, inverse in period:
         w = 1 / len(period)
-        reduce = o.strategy != "dp-kfac" and (inverse if o.factor_sync == "inverse"
-                                              else factor)
+        reduce = reduces_factors(o.strategy, o.factor_sync, factor_step=factor,
+                                 inverse_step=inverse)
         if factor:
-            t["factor stats"] += w * stats_max
+            t["factor stats"] += w * stats
             if o.factor_sync == "inverse":
                 t["other"] += w * folds
         if reduce:
-            t["factor comm"] += w * comm_s
+            t["factor comm"] += w * reduction
         if factor or (reduce and o.factor_sync == "inverse"):
-            t["other"] += w * avg_max
+            t["other"] += w * averages
         if inverse:
-            t["decomposition"] += w * decomp_max
+            t["decomposition"] += w * decompose
             t["decomp bcast"] += w * decomp_bcast
-    t["precondition"] = precond_max
-    t["grad bcast"] = grad_bcast
-    t["other"] += other
-
-    reps = _representatives(d)
-    traffic = [d.mean_traffic(r) for r in reps]
-    per_step = {k: max(tr[k] for tr in traffic) for k in BYTE_PHASES}
-    memories = [d.memory(r) for r in reps]
-    memory = {k: max(m[k] for m in memories) for k in memories[0]}
-    return Estimate(
-        model=model.name, options=o, world=world, batch=batch, profile=prof.name, time=t,
-        bytes_per_step=per_step,
-        grad_avg_bytes=model.param_numel * 4 if world > 1 else 0,
-        construction_bytes=construction_traffic(model, o, world).total,
-        memory=memory, model_bytes=3 * model.param_numel * 4)
-
-
-def _representatives(d: Distribution) -> list[int]:
-    """Ranks to evaluate per-rank quantities on (all of them; cheap enough)."""
-    return list(range(d.world))
-
-
-def with_options(options: KFACOptions, **changes: Any) -> KFACOptions:
-    """``dataclasses.replace`` for options (kept for callers' readability)."""
-    return replace(options, **changes)
+    return t

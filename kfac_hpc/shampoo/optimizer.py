@@ -33,7 +33,7 @@ from kfac_hpc.shampoo.errors import (
     describe_status,
 )
 from kfac_hpc.shampoo.ownership import Layout
-from kfac_hpc.shampoo.state_io import gather_block_states
+from kfac_hpc.shampoo.state_io import describe_block_states, gather_block_states
 
 __all__ = ["STATE_DICT_FORMAT", "STATE_DICT_VERSION", "DistributedShampoo"]
 
@@ -390,9 +390,25 @@ class DistributedShampoo(torch.optim.Optimizer):
         Tensors are CPU copies; blocks that never took a step have no entry. The
         world size appears nowhere: the dict loads on any number of ranks.
         """
+        return self._assemble_state_dict(self._gather_states)
+
+    def checkpoint_state_dict(self) -> dict[str, Any]:
+        """:meth:`state_dict` for streaming checkpoint writers (collective, metadata only).
+
+        The same dict on every rank, except that each rank holds only the tensors of the
+        blocks it owns (its live tensors, not copies); the others are
+        :class:`~kfac_hpc.shampoo.state_io.RemoteTensor` placeholders naming the owner,
+        shape and dtype. A writer receives them from their owners one at a time, so no
+        rank materialises the whole state; the file is that of :meth:`state_dict`.
+        """
+        return self._assemble_state_dict(
+            lambda: describe_block_states(self.comm, self._local_states()))
+
+    def _assemble_state_dict(self, collect: Callable[[], dict[tuple[str, int], BlockState]]
+                             ) -> dict[str, Any]:
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        gathered = self._gather_states()
+        gathered = collect()
         state: dict[str, dict[int, BlockState]] = {}
         blocks: dict[str, dict[str, Any]] = {}
         for spec in self.layout.blocks:

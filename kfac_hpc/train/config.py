@@ -23,6 +23,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kfac_hpc.kfac.options import (
+    APPROXIMATIONS,
+    COMPUTE_METHODS,
+    DEFAULT_BUCKET_CAP_MB,
+    DTYPES,
+    FACTOR_SYNCS,
+    STRATEGIES,
+    conflicts,
+)
+
 __all__ = [
     "DATASETS",
     "KFAC_STRATEGIES",
@@ -37,17 +47,42 @@ __all__ = [
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "shampoo")
 PRECONDITIONERS = ("kfac", "none")
-KFAC_STRATEGIES = ("comm-opt", "mem-opt", "hybrid-opt", "dp-kfac")
-COMPUTE_METHODS = ("eigen", "inverse")
+KFAC_STRATEGIES = STRATEGIES  # kfac_hpc.kfac.options: the one list (and its rules)
 LR_SCHEDULES = ("cosine", "step", "constant")
-DATASETS = ("digits", "cifar10", "imagefolder", "synthetic")
+DATASETS = ("digits", "cifar10", "imagefolder", "synthetic", "stdlib-text")
 PATH_DATASETS = ("cifar10", "imagefolder")
 DEVICES = ("auto", "cpu", "cuda")
 AMP_DTYPES = ("float16", "bfloat16")
 
 
+# preconditioner keyword -> TrainConfig field, where they differ
+_KFAC_FIELDS = {"strategy": "kfac_strategy", "overlap": "kfac_overlap",
+                "symmetric_packing": "kfac_symmetric_packing", "factor_sync": "kfac_factor_sync"}
+
+
+def _kfac_flag(option: str, value: str) -> str:
+    """A preconditioner setting as the command line spells it (``--kfac-strategy dp-kfac``)."""
+    return f"--{_KFAC_FIELDS.get(option, option).replace('_', '-')} {value}"
+
+
 class ConfigError(ValueError):
     """Invalid or inconsistent options: the user's input, reported without a traceback."""
+
+
+_PLUGIN_FORM = ("a plugin is named pkg.module:factory (an importable module, a colon, "
+                "a callable's name), e.g. examples.custom_model:build_model")
+
+
+def is_plugin(name: str) -> bool:
+    """``--model``/``--dataset`` names a user factory (``pkg.module:factory``)."""
+    return ":" in name
+
+
+def plugin_syntax_ok(name: str) -> bool:
+    """``pkg.module:attr[.attr]`` with identifiers only (nothing is imported)."""
+    module, _, attr = name.partition(":")
+    return (all(part.isidentifier() for part in module.split("."))
+            and all(part.isidentifier() for part in attr.split(".")))
 
 
 def _opt(default: Any, help: str, group: str, **kw: Any) -> Any:
@@ -59,7 +94,8 @@ class TrainConfig:
     """Every option of the training driver (defaults: the one-minute digits demo)."""
 
     # -- data
-    dataset: str = _opt("digits", f"data set: {' | '.join(DATASETS)}", "data")
+    dataset: str = _opt("digits", f"data set: {' | '.join(DATASETS)} | pkg.module:factory "
+                        "(your own; see docs/training.md)", "data")
     data_path: str | None = _opt(None, "directory of cifar10 (binary) or imagefolder", "data")
     augment: bool = _opt(False, "random crop + flip of the training images", "data")
     split_seed: int = _opt(0, "seed of the digits train/test split", "data")
@@ -70,11 +106,18 @@ class TrainConfig:
     synthetic_train_size: int = _opt(2048, "synthetic training samples", "data")
     synthetic_test_size: int = _opt(512, "synthetic test samples", "data")
     loader_threads: int = _opt(4, "image decoding threads per rank (imagefolder)", "data")
+    loader_workers: int = _opt(0, "DataLoader worker processes per rank (0: load in the "
+                               "training process; the sbatch jobs use SLURM_CPUS_PER_TASK-1)",
+                               "data")
+    prefetch_factor: int = _opt(2, "batches each loader worker prepares ahead", "data")
     # -- model
-    model: str = _opt("mlp", "model: mlp | resnet20 | resnet32 | resnet56 | resnet50", "model")
+    model: str = _opt("mlp", "model: mlp | resnet20 | resnet32 | resnet56 | resnet50 | gpt | "
+                      "pkg.module:factory (your own; see docs/training.md)", "model")
     model_options: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "model options as KEY=VALUE (JSON values), e.g. hidden=[256,128]",
         "group": "model"})
+    loss: str = _opt("cross_entropy", "loss: cross_entropy | pkg.module:fn (fn(output, "
+                     "target) -> mean loss; see docs/training.md)", "model")
     # -- run length and batches
     epochs: int = _opt(20, "training epochs", "run")
     max_steps: int | None = _opt(None, "stop after this many optimizer steps", "run")
@@ -112,6 +155,8 @@ class TrainConfig:
     grad_worker_fraction: float | None = _opt(
         None, "hybrid-opt: fraction of ranks that are gradient workers (0-1]", "kfac")
     kfac_compute_method: str = _opt("eigen", "eigen | inverse", "kfac")
+    kfac_approx: str = _opt("expand", "expand | reduce: K-FAC for layers with positions "
+                            "(convolutions, sequences)", "kfac")
     damping: float | None = _opt(None, "K-FAC damping (default: 0.1 for mlp, 0.003 for the "
                                  "resnets)", "kfac")
     factor_decay: float = _opt(0.95, "running-average decay of the factors", "kfac")
@@ -125,7 +170,8 @@ class TrainConfig:
     kfac_overlap: bool = _opt(False, "start factor reductions from the backward hooks "
                               "(SPD-KFAC)", "kfac")
     kfac_symmetric_packing: bool = _opt(False, "send factors as upper triangles", "kfac")
-    kfac_bucket_cap_mb: float = _opt(25.0, "fusion bucket size of factor messages (MB)", "kfac")
+    kfac_bucket_cap_mb: float = _opt(DEFAULT_BUCKET_CAP_MB,
+                                     "fusion bucket size of factor messages (MB)", "kfac")
     kfac_factor_dtype: str = _opt("auto", "auto (the weights' dtype, at least float32) | "
                                   "float32 | float64", "kfac")
     kfac_inv_dtype: str = _opt("float32", "float32 | float64", "kfac")
@@ -142,8 +188,15 @@ class TrainConfig:
                                "distributed")
     # -- output
     out: str | None = _opt(None, "output directory (default runs/<timestamp>)", "output")
-    progress: bool = _opt(True, "progress bar on rank 0 (only on a terminal)", "output")
+    progress: bool = _opt(True, "progress bar on rank 0 on a terminal, progress lines "
+                          "otherwise (--progress-every-*)", "output")
     log_every_steps: int = _opt(1, "write a step record every N steps", "output")
+    tensorboard: str | None = _opt(None, "also write TensorBoard event files to this "
+                                   "directory (rank 0; needs the tensorboard package)", "output")
+    progress_every_steps: int = _opt(
+        100, "when stdout is not a terminal: a progress line every N steps", "output")
+    progress_every_minutes: float = _opt(
+        5.0, "... and at least every M minutes (0: only every N steps)", "output")
     # -- checkpoints
     checkpoint_dir: str | None = _opt(None, "directory of HDF5 checkpoints", "checkpoint")
     checkpoint_every_steps: int | None = _opt(None, "checkpoint every N steps", "checkpoint")
@@ -219,8 +272,13 @@ class TrainConfig:
                  + _suggest(value, list(valid)))
 
         # data
-        choice("dataset", DATASETS)
-        if self.dataset in PATH_DATASETS:
+        if is_plugin(self.dataset):
+            need(plugin_syntax_ok(self.dataset), "dataset", _PLUGIN_FORM)
+        else:
+            choice("dataset", DATASETS)
+        if is_plugin(self.dataset):
+            pass  # a plugin data set gets --data-path (or None) as its path argument
+        elif self.dataset in PATH_DATASETS:
             need(self.data_path is not None, "data_path",
                  f"the {self.dataset!r} data set needs --data-path DIR")
         elif self.data_path is not None:
@@ -234,8 +292,16 @@ class TrainConfig:
         need(self.synthetic_train_size >= 1 and self.synthetic_test_size >= 1,
              "synthetic_train_size", "synthetic train/test sizes must be >= 1")
         need(self.loader_threads >= 1, "loader_threads", "must be >= 1")
+        need(self.loader_workers >= 0, "loader_workers", "must be >= 0")
+        need(self.prefetch_factor >= 1, "prefetch_factor", "must be >= 1")
         # model
-        choice("model", model_names())
+        if is_plugin(self.model):
+            need(plugin_syntax_ok(self.model), "model", _PLUGIN_FORM)
+        else:
+            choice("model", model_names())
+        if self.loss != "cross_entropy":
+            need(is_plugin(self.loss) and plugin_syntax_ok(self.loss), "loss",
+                 f"cross_entropy or {_PLUGIN_FORM}")
         # run
         need(self.epochs >= 1, "epochs", f"must be >= 1, got {self.epochs}")
         need(self.max_steps is None or self.max_steps >= 1, "max_steps", "must be >= 1")
@@ -282,31 +348,26 @@ class TrainConfig:
                  "gradient); use --preconditioner none with --optimizer shampoo")
             choice("kfac_strategy", KFAC_STRATEGIES)
             choice("kfac_compute_method", COMPUTE_METHODS)
+            choice("kfac_approx", APPROXIMATIONS)
             if self.grad_worker_fraction is not None:
                 need(0 < self.grad_worker_fraction <= 1, "grad_worker_fraction",
                      "must be in (0, 1]")
-                need(self.kfac_strategy == "hybrid-opt", "grad_worker_fraction",
-                     "only applies to --kfac-strategy hybrid-opt (comm-opt is fraction 1, "
-                     "mem-opt is 1/ranks)")
             need(self.damping is None or self.damping > 0, "damping", "must be > 0")
             need(0 <= self.factor_decay < 1, "factor_decay", "must be in [0, 1)")
             need(self.kl_clip is None or self.kl_clip > 0, "kl_clip",
                  "must be > 0 (or none to disable)")
             need(self.factor_update_steps >= 1, "factor_update_steps", "must be >= 1")
             need(self.inv_update_steps >= 1, "inv_update_steps", "must be >= 1")
-            choice("kfac_factor_sync", ("step", "inverse"))
-            choice("kfac_factor_dtype", ("auto", "float32", "float64"))
-            choice("kfac_inv_dtype", ("float32", "float64"))
+            choice("kfac_factor_sync", FACTOR_SYNCS)
+            choice("kfac_factor_dtype", ("auto", *DTYPES))
+            choice("kfac_inv_dtype", DTYPES)
             need(self.kfac_bucket_cap_mb > 0, "kfac_bucket_cap_mb", "must be > 0")
-            if self.kfac_strategy == "dp-kfac":
-                for name, on in (("kfac_overlap", self.kfac_overlap),
-                                 ("kfac_symmetric_packing", self.kfac_symmetric_packing),
-                                 ("kfac_factor_sync", self.kfac_factor_sync != "step")):
-                    need(not on, name, "does not apply to --kfac-strategy dp-kfac, which "
-                         "sends no factors")
-            need(not (self.kfac_overlap and self.kfac_factor_sync == "inverse"), "kfac_overlap",
-                 "pipelines every factor reduction; --kfac-factor-sync inverse has none "
-                 "to pipeline: pick one")
+            for conflict in conflicts(  # the preconditioner's own rules
+                    strategy=self.kfac_strategy, grad_worker_fraction=self.grad_worker_fraction,
+                    overlap=self.kfac_overlap, symmetric_packing=self.kfac_symmetric_packing,
+                    factor_sync=self.kfac_factor_sync):
+                need(False, _KFAC_FIELDS.get(conflict.option, conflict.option),
+                     conflict.text(_kfac_flag))
         # distributed / device
         choice("device", DEVICES)
         choice("amp_dtype", AMP_DTYPES)
@@ -314,6 +375,8 @@ class TrainConfig:
         need(self.grad_bucket_mb > 0, "grad_bucket_mb", "must be > 0")
         # output
         need(self.log_every_steps >= 1, "log_every_steps", "must be >= 1")
+        need(self.progress_every_steps >= 1, "progress_every_steps", "must be >= 1")
+        need(self.progress_every_minutes >= 0, "progress_every_minutes", "must be >= 0")
         # checkpoints
         for name in ("checkpoint_every_steps", "checkpoint_every_minutes"):
             value = getattr(self, name)

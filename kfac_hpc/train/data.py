@@ -38,7 +38,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -53,10 +53,13 @@ __all__ = [
     "DatasetSplits",
     "ImageFolderDataset",
     "RandomCropFlip",
+    "RandomResizedCropFlip",
+    "ShardedBatchSampler",
     "ShardedLoader",
     "TensorDataset",
     "dataset_names",
     "load_dataset",
+    "rescaled_batch_size",
 ]
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -77,6 +80,11 @@ _IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 _STREAM_ORDER = 1
 _STREAM_AUGMENT = 2
 _STREAM_SYNTHETIC = 3
+_STREAM_RESIZED_CROP = 4
+
+#: ImageNet evaluation: resize the shorter side to ``image_size / EVAL_CROP_FRACTION``
+#: (256 for 224), then take the centre ``image_size`` square.
+EVAL_CROP_FRACTION = 0.875
 
 
 def _mix_seed(*parts: int) -> int:
@@ -132,6 +140,83 @@ class RandomCropFlip:
         batch = torch.arange(b)[:, None, None]
         out = xp.permute(0, 2, 3, 1)[batch, rows[:, :, None], cols[:, None, :]]
         return out.permute(0, 3, 1, 2).contiguous()
+
+
+def _resize_chw(x: Tensor, height: int, width: int) -> Tensor:
+    """Bilinear, antialiased resize of a ``(C, H, W)`` uint8 image (torchvision's when
+    installed: the ``vision`` extra; else the same filter through ``F.interpolate``)."""
+    if tuple(x.shape[1:]) == (height, width):
+        return x
+    try:
+        from torchvision.transforms.v2 import functional as tvf
+    except ImportError:
+        out = torch.nn.functional.interpolate(
+            x[None].float(), size=(height, width), mode="bilinear", align_corners=False,
+            antialias=True)[0]
+        return out.round_().clamp_(0, 255).to(torch.uint8)
+    return cast(Tensor, tvf.resize(x, [height, width], antialias=True))
+
+
+class RandomResizedCropFlip:
+    """ImageNet training augmentation on one ``(C, H, W)`` image: a random crop of
+    ``scale`` of the area and aspect ratio in ``ratio`` (log-uniform), resized to
+    ``size x size``, then a random horizontal flip; torchvision's
+    ``RandomResizedCrop`` + ``RandomHorizontalFlip`` algorithm (10 tries, then a
+    clamped centre crop), with the draws of sample ``i`` in epoch ``e`` seeded by
+    ``(seed, e, i)``: the same in any worker process, on any rank, after a resume.
+    """
+
+    def __init__(self, *, seed: int, size: int, scale: tuple[float, float] = (0.08, 1.0),
+                 ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = True) -> None:
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        if not 0 < scale[0] <= scale[1] <= 1 or not 0 < ratio[0] <= ratio[1]:
+            raise ValueError(f"bad scale {scale} or ratio {ratio}")
+        self.seed, self.size, self.scale, self.ratio, self.flip = seed, size, scale, ratio, flip
+
+    def params(self, epoch: int, index: int, height: int, width: int
+               ) -> tuple[int, int, int, int, bool]:
+        """``(top, left, crop height, crop width, flip)`` of sample ``index``."""
+        g = _generator(self.seed, epoch, _STREAM_RESIZED_CROP, index)
+        area = height * width
+        log_lo, log_hi = math.log(self.ratio[0]), math.log(self.ratio[1])
+        draws = torch.rand(10, 4, generator=g, dtype=torch.float64).tolist()
+        flip = self.flip and bool(torch.randint(0, 2, (1,), generator=g).item())
+        for u_area, u_ratio, u_top, u_left in draws:
+            target = area * (self.scale[0] + (self.scale[1] - self.scale[0]) * u_area)
+            aspect = math.exp(log_lo + (log_hi - log_lo) * u_ratio)
+            w = round(math.sqrt(target * aspect))
+            h = round(math.sqrt(target / aspect))
+            if 0 < w <= width and 0 < h <= height:
+                top = min(int(u_top * (height - h + 1)), height - h)
+                left = min(int(u_left * (width - w + 1)), width - w)
+                return top, left, h, w, flip
+        aspect = width / height  # fallback: centre crop at the nearest allowed ratio
+        if aspect < self.ratio[0]:
+            w, h = width, round(width / self.ratio[0])
+        elif aspect > self.ratio[1]:
+            h, w = height, round(height * self.ratio[1])
+        else:
+            w, h = width, height
+        return (height - h) // 2, (width - w) // 2, h, w, flip
+
+    def apply(self, image: Tensor, epoch: int, index: int) -> Tensor:
+        """``image`` (C, H, W) uint8 -> augmented (C, size, size) uint8."""
+        top, left, h, w, flip = self.params(epoch, index, image.shape[1], image.shape[2])
+        out = _resize_chw(image[:, top:top + h, left:left + w], self.size, self.size)
+        return out.flip(2) if flip else out
+
+
+def resize_center_crop(image: Tensor, size: int, resize: int | None = None) -> Tensor:
+    """Evaluation transform: shorter side to ``resize`` (default ``size /``
+    :data:`EVAL_CROP_FRACTION`), then the centre ``size x size`` crop."""
+    resize = round(size / EVAL_CROP_FRACTION) if resize is None else max(size, resize)
+    _, h, w = image.shape
+    s = resize / min(h, w)
+    nh, nw = max(size, round(h * s)), max(size, round(w * s))
+    image = _resize_chw(image, nh, nw)
+    top, left = (nh - size) // 2, (nw - size) // 2
+    return image[:, top:top + size, left:left + size].contiguous()
 
 
 # ----------------------------------------------------------------------- datasets
@@ -220,10 +305,18 @@ class TensorDataset(BatchDataset):
 class ImageFolderDataset(BatchDataset):
     """Lazily decoded images: ``samples`` is a list of ``(file, class index)``.
 
-    Each image is converted to RGB, its shorter side resized to ``image_size``
-    (bilinear) and centre-cropped to ``image_size x image_size``, then augmented
-    (optional) and normalised with ``mean``/``std``. ``num_threads`` decodes a batch
-    in parallel (Pillow releases the GIL while decoding).
+    Each image is decoded to RGB, then transformed to ``image_size x image_size``:
+
+    * training (``augment`` a :class:`RandomResizedCropFlip`, and an epoch given):
+      random resized crop + horizontal flip, drawn from ``(seed, epoch, index)``;
+    * otherwise (evaluation, or no augmentation): shorter side resized to
+      ``image_size / 0.875`` (256 for 224), centre crop (:func:`resize_center_crop`);
+    * a :class:`RandomCropFlip` ``augment`` (pad-crop, the CIFAR recipe) is applied
+      after the centre crop.
+
+    Normalised with ``mean``/``std``. ``num_threads`` decodes a batch in parallel
+    (Pillow releases the GIL while decoding); with a multi-worker
+    :class:`ShardedLoader` each worker process decodes whole batches.
     """
 
     def __init__(
@@ -233,7 +326,7 @@ class ImageFolderDataset(BatchDataset):
         image_size: int,
         mean: Sequence[float] = IMAGENET_MEAN,
         std: Sequence[float] = IMAGENET_STD,
-        augment: RandomCropFlip | None = None,
+        augment: RandomCropFlip | RandomResizedCropFlip | None = None,
         flat: bool = False,
         num_threads: int = 4,
     ) -> None:
@@ -249,30 +342,29 @@ class ImageFolderDataset(BatchDataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def _load(self, index: int) -> Tensor:
+    def decode(self, index: int) -> Tensor:
+        """The full image ``index`` as ``(3, H, W)`` uint8."""
         image_module = _require_pillow()
-        path = self.samples[index][0]
-        with image_module.open(path) as img:
-            img = img.convert("RGB")
-            w, h = img.size
-            s = self.image_size / min(w, h)
-            nw, nh = max(self.image_size, round(w * s)), max(self.image_size, round(h * s))
-            img = img.resize((nw, nh), image_module.Resampling.BILINEAR)
-            left, top = (nw - self.image_size) // 2, (nh - self.image_size) // 2
-            img = img.crop((left, top, left + self.image_size, top + self.image_size))
-            array = np.asarray(img, dtype=np.uint8).copy()
+        with image_module.open(self.samples[index][0]) as img:
+            array = np.asarray(img.convert("RGB"), dtype=np.uint8).copy()
         return torch.from_numpy(array).permute(2, 0, 1)
+
+    def _load(self, index: int, epoch: int | None) -> Tensor:
+        image = self.decode(index)
+        if isinstance(self.augment, RandomResizedCropFlip) and epoch is not None:
+            return self.augment.apply(image, epoch, index)
+        return resize_center_crop(image, self.image_size)
 
     def get_batch(self, indices: Tensor, epoch: int | None = None) -> tuple[Tensor, Tensor]:
         idx = [int(i) for i in indices]
         if self.num_threads > 1 and len(idx) > 1:
             with ThreadPoolExecutor(min(self.num_threads, len(idx))) as pool:
-                images = list(pool.map(self._load, idx))
+                images = list(pool.map(self._load, idx, [epoch] * len(idx)))
         else:
-            images = [self._load(i) for i in idx]
+            images = [self._load(i, epoch) for i in idx]
         size = self.image_size
         x = torch.stack(images) if images else torch.empty(0, 3, size, size, dtype=torch.uint8)
-        if self.augment is not None and epoch is not None:
+        if isinstance(self.augment, RandomCropFlip) and epoch is not None:
             x = self.augment.apply(x, self.augment.params(epoch, len(self))[indices])
         x = _normalize(x, 1.0 / 255.0, self.mean, self.std)
         if self.flat:
@@ -303,8 +395,8 @@ class DatasetSplits:
     """
 
     name: str
-    train: BatchDataset
-    test: BatchDataset
+    train: torch.utils.data.Dataset[Any]  # a BatchDataset for the built-in data sets
+    test: torch.utils.data.Dataset[Any]
     num_classes: int
     input_shape: tuple[int, ...]
     classes: tuple[str, ...] | None = None
@@ -327,7 +419,7 @@ class DatasetSplits:
         }
 
 
-_DATASETS = ("cifar10", "digits", "imagefolder", "synthetic")
+_DATASETS = ("cifar10", "digits", "imagefolder", "stdlib-text", "synthetic")
 
 
 def dataset_names() -> list[str]:
@@ -353,12 +445,16 @@ def load_dataset(
     """Load data set ``name`` (see :func:`dataset_names`).
 
     Args:
-        name: ``digits`` | ``cifar10`` | ``imagefolder`` | ``synthetic``.
+        name: ``digits`` | ``cifar10`` | ``imagefolder`` | ``synthetic`` | ``stdlib-text``
+            (bytes of the standard library's source, 64-byte windows: :mod:`kfac_hpc.train.text`).
         path: directory of ``cifar10`` / ``imagefolder`` (ignored by the others).
         seed: seeds training augmentation and the ``synthetic`` data.
         flat: serve inputs flattened to ``(B, features)`` (for ``mlp``).
-        augment: random crop (padding ``image_size // 8``) + horizontal flip of the
-            training set, for the image data sets (``digits`` uses padding 1).
+        augment: standard training augmentation of the image data sets: ``cifar10``
+            and ``synthetic`` images pad-crop (padding ``size // 8``) + horizontal
+            flip (``digits``: padding 1); ``imagefolder`` (ImageNet) random resized
+            crop + flip. Evaluation always uses the un-augmented images
+            (``imagefolder``: resize to ``image_size / 0.875`` + centre crop).
         split_seed: seed of the ``digits`` train/test split.
         image_size: ``imagefolder`` output size (default 224).
         input_shape, num_classes, train_size, test_size: ``synthetic`` only.
@@ -390,6 +486,10 @@ def load_dataset(
             train_size=train_size,
             test_size=test_size,
         )
+    if name == "stdlib-text":  # byte-level language modelling (kfac_hpc/train/text.py)
+        from kfac_hpc.train.text import load_stdlib_text
+
+        return load_stdlib_text()
     raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(_DATASETS)}")
 
 
@@ -519,7 +619,7 @@ def _load_imagefolder(
         if not samples:
             raise ValueError(f"imagefolder: no .png/.jpg/.jpeg files under {root / split}")
     common: dict[str, Any] = {"image_size": image_size, "flat": flat, "num_threads": num_threads}
-    aug = RandomCropFlip(seed=seed, padding=max(1, image_size // 8)) if augment else None
+    aug = RandomResizedCropFlip(seed=seed, size=image_size) if augment else None
     train = ImageFolderDataset(train_samples, augment=aug, **common)
     test = ImageFolderDataset(val_samples, **common)
     shape = (3 * image_size * image_size,) if flat else (3, image_size, image_size)
@@ -604,6 +704,15 @@ class ShardedLoader:
     names the batch after the one just received. A position is kept in global samples
     (see the module docstring for resuming on another world size). One iterator at a
     time; batches are CPU tensors (move them to the device in the training loop).
+
+    Input pipeline: with ``num_workers > 0`` the batches of the rest of the epoch
+    (:class:`ShardedBatchSampler`, the same order) are decoded by a
+    ``torch.utils.data.DataLoader`` with that many worker processes, each holding up
+    to ``prefetch_factor`` batches ahead, in pinned memory when ``pin_memory`` (set it
+    when the device is CUDA). Batches are yielded in order and are bitwise the same as
+    with ``num_workers=0`` (augmentation depends only on ``(seed, epoch, index)``); the
+    position counts yielded batches, not prefetched ones, so :meth:`state_dict` and
+    resume are unchanged. Workers start with each ``for`` loop over the loader.
     """
 
     def __init__(
@@ -616,7 +725,13 @@ class ShardedLoader:
         seed: int,
         shuffle: bool,
         drop_last: bool = True,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        prefetch_factor: int = 2,
     ) -> None:
+        if num_workers < 0 or prefetch_factor < 1:
+            raise ValueError(f"num_workers must be >= 0 and prefetch_factor >= 1, got "
+                             f"{num_workers} and {prefetch_factor}")
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if not 0 <= rank < world_size:
@@ -642,6 +757,9 @@ class ShardedLoader:
         self.seed = seed
         self.shuffle = shuffle
         self.drop_last = drop_last
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.prefetch_factor = prefetch_factor
         self._n = n
         self._epoch = 0
         self._batch_index = 0
@@ -690,27 +808,52 @@ class ShardedLoader:
 
     # -- iteration
     def _fetch(self, idx: Tensor, epoch: int) -> tuple[Tensor, Tensor]:
-        ds = self.dataset
-        if isinstance(ds, BatchDataset):
-            return ds.get_batch(idx, epoch)
-        items = [ds[int(i)] for i in idx]
-        if not items:
-            raise ValueError(
-                "an empty local batch (drop_last=False, short last batch) needs a "
-                "BatchDataset; use drop_last=True or wrap the data in TensorDataset"
-            )
-        xs, ys = zip(*items)
-        return torch.stack([torch.as_tensor(x) for x in xs]), torch.as_tensor(ys).long()
+        return fetch_batch(self.dataset, idx, epoch)
+
+    def sampler(self, epoch: int | None = None, start: int | None = None) -> ShardedBatchSampler:
+        """This rank's batches of ``epoch`` from batch ``start`` (default: the position)."""
+        return ShardedBatchSampler(self, self._epoch if epoch is None else epoch,
+                                   self._batch_index if start is None else start)
+
+    def data_loader(self, epoch: int | None = None, start: int | None = None
+                    ) -> torch.utils.data.DataLoader[tuple[Tensor, Tensor]]:
+        """The ``DataLoader`` (workers, pinning, prefetch) that :meth:`__iter__` reads."""
+        epoch = self._epoch if epoch is None else epoch
+        workers = self.num_workers
+        return torch.utils.data.DataLoader(
+            _EpochBatches(self.dataset, epoch), sampler=self.sampler(epoch, start),
+            batch_size=None, num_workers=workers, pin_memory=self.pin_memory,
+            prefetch_factor=self.prefetch_factor if workers else None,
+            persistent_workers=False)
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         epoch = self._epoch
-        while self._batch_index < len(self):
-            idx = self.indices(self._batch_index, epoch)
-            self._batch_index += 1
-            yield self._fetch(idx, epoch)
-            if self._epoch != epoch:  # repositioned while iterating
-                return
-        self._epoch, self._batch_index = epoch + 1, 0
+        pipeline: Iterator[tuple[Tensor, Tensor]] | None = None
+        if self._batch_index < len(self) and (self.num_workers > 0 or self.pin_memory):
+            pipeline = iter(self.data_loader(epoch, self._batch_index))
+        try:
+            while self._batch_index < len(self):
+                if pipeline is None:
+                    batch = self._fetch(self.indices(self._batch_index, epoch), epoch)
+                else:
+                    batch = next(pipeline)
+                self._batch_index += 1
+                yield batch
+                if self._epoch != epoch:  # repositioned while iterating
+                    return
+            self._epoch, self._batch_index = epoch + 1, 0
+        finally:
+            del pipeline  # stops the workers (an early break included)
+
+    def with_batch_size(self, batch_size: int) -> ShardedLoader:
+        """The same loader (data, rank, seed, position) with per-rank ``batch_size``."""
+        other = ShardedLoader(self.dataset, batch_size=batch_size, rank=self.rank,
+                              world_size=self.world_size, seed=self.seed,
+                              shuffle=self.shuffle, drop_last=self.drop_last,
+                              num_workers=self.num_workers, pin_memory=self.pin_memory,
+                              prefetch_factor=self.prefetch_factor)
+        other._epoch = self._epoch
+        return other
 
     def set_epoch(self, epoch: int) -> None:
         """Move to the start of ``epoch``; no-op if already in it (keeps a resumed position)."""
@@ -777,3 +920,66 @@ class ShardedLoader:
             )
         self.seed = int(state["seed"])
         self._epoch, self._batch_index = epoch, batch_index
+
+
+def fetch_batch(dataset: torch.utils.data.Dataset[Any], idx: Tensor,
+                epoch: int) -> tuple[Tensor, Tensor]:
+    """The batch of data set indices ``idx``: ``get_batch`` of a :class:`BatchDataset`,
+    else the stacked ``dataset[i]`` (any map-style data set of ``(input, target)``)."""
+    if isinstance(dataset, BatchDataset):
+        return dataset.get_batch(idx, epoch)
+    items = [dataset[int(i)] for i in idx]
+    if not items:  # a short last batch split over more ranks than it has samples
+        x0, _ = dataset[0]
+        return torch.empty((0, *torch.as_tensor(x0).shape)), torch.empty(0, dtype=torch.long)
+    xs, ys = zip(*items)
+    return torch.stack([torch.as_tensor(x) for x in xs]), torch.as_tensor(ys).long()
+
+
+class ShardedBatchSampler(torch.utils.data.Sampler[Tensor]):
+    """The sample order of a :class:`ShardedLoader` as a ``DataLoader`` sampler: yields
+    this rank's index tensor of each batch of ``epoch`` from batch ``start`` on (use
+    with ``batch_size=None``; the data set turns an index tensor into a batch)."""
+
+    def __init__(self, loader: ShardedLoader, epoch: int, start: int = 0) -> None:
+        self.loader, self.epoch, self.start = loader, epoch, start
+
+    def __len__(self) -> int:
+        return max(0, len(self.loader) - self.start)
+
+    def __iter__(self) -> Iterator[Tensor]:
+        for step in range(self.start, len(self.loader)):
+            yield self.loader.indices(step, self.epoch)
+
+
+class _EpochBatches(torch.utils.data.Dataset[tuple[Tensor, Tensor]]):
+    """``dataset`` seen by a ``DataLoader`` worker: an index tensor -> its batch."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset[Any], epoch: int) -> None:
+        self.dataset, self.epoch = dataset, epoch
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, idx: Tensor) -> tuple[Tensor, Tensor]:
+        return fetch_batch(self.dataset, idx, self.epoch)
+
+
+def rescaled_batch_size(global_batch: int, world_size: int, *, multiple_of: int = 1) -> int:
+    """Per-rank batch that keeps ``global_batch`` on ``world_size`` ranks (restart on a
+    different number of ranks); ``ValueError`` saying why when no such batch exists."""
+    if global_batch % world_size:
+        fits = [p for p in range(1, min(global_batch, 4096) + 1) if global_batch % p == 0]
+        raise ValueError(
+            f"cannot keep the checkpoint's global batch {global_batch} on {world_size} "
+            f"ranks: {global_batch} is not a multiple of {world_size}, and the sample order, "
+            "learning-rate schedule and step count all depend on the global batch. Run on "
+            f"a number of ranks dividing {global_batch} ({', '.join(map(str, fits[:12]))}"
+            f"{', ...' if len(fits) > 12 else ''}), or start a new run")
+    batch = global_batch // world_size
+    if batch % multiple_of:
+        raise ValueError(
+            f"keeping the checkpoint's global batch {global_batch} on {world_size} ranks "
+            f"needs {batch} samples per rank, which --accumulation-steps {multiple_of} does "
+            "not divide; change --accumulation-steps or the number of ranks")
+    return batch

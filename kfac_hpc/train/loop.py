@@ -29,10 +29,10 @@ reductions, evaluation and checkpoints use other counters or are subtracted.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as _dt
 import gc
 import hashlib
-import importlib
 import math
 import os
 import sys
@@ -40,36 +40,47 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kfac_hpc.models import build_model
 from kfac_hpc.train.config import ConfigError, TrainConfig
-from kfac_hpc.train.data import DatasetSplits, ShardedLoader, load_dataset
+from kfac_hpc.train.data import DatasetSplits, ShardedLoader, load_dataset, rescaled_batch_size
 from kfac_hpc.train.metrics import (
+    TRAFFIC_TAGS,
     MetricsWriter,
+    PhaseTimer,
+    ProgressReporter,
     WeightedMean,
     format_bytes,
     format_table,
     global_sums,
 )
 from kfac_hpc.train.optim import (
-    FeatureUnavailable,
     build_averager,
     build_optimizer,
     build_preconditioner,
     lr_schedule,
 )
 
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from kfac_hpc.checkpoint import BackgroundSaver
+    from kfac_hpc.comm import Communicator
+    from kfac_hpc.comm.gradients import GradientAverager
+    from kfac_hpc.kfac.preconditioner import KFACPreconditioner
+
+_T = TypeVar("_T")
+
 __all__ = ["DIVERGED_EXIT_CODE", "TrainResult", "Trainer", "TrainingDiverged", "param_checksum",
            "train"]
 
 #: Exceptions raised by setup that mean "bad input", reported without a traceback.
 USAGE_ERRORS: tuple[type[BaseException], ...] = (
-    ConfigError, FeatureUnavailable, ValueError, FileNotFoundError, ImportError,
+    ConfigError, ValueError, FileNotFoundError, ImportError,
 )
 
 #: Exit status of ``kfac-hpc train`` after :class:`TrainingDiverged` (0 done, 2 bad input,
@@ -97,15 +108,12 @@ class TrainingDiverged(FloatingPointError):
 
 
 def _numerical_errors() -> tuple[type[BaseException], ...]:
-    """K-FAC's and Shampoo's numerical errors: raised alike on every rank (agreed)."""
-    found: list[type[BaseException]] = []
-    for module, name in (("kfac_hpc.kfac.errors", "KFACNumericalError"),
-                         ("kfac_hpc.shampoo.errors", "ShampooNumericalError")):
-        try:
-            found.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):
-            continue
-    return tuple(found)
+    """K-FAC's and Shampoo's numerical errors: raised alike on every rank (agreed).
+    Imported here, not at the top: ``kfac_hpc.shampoo`` starts MPI on import."""
+    from kfac_hpc.kfac.errors import KFACNumericalError
+    from kfac_hpc.shampoo.errors import ShampooNumericalError
+
+    return (KFACNumericalError, ShampooNumericalError)
 
 
 @dataclass
@@ -150,6 +158,8 @@ class TrainResult:
             ("final train accuracy", f"{100 * self.train_acc:.2f} %"),
             ("test loss", f"{self.test_loss:.4f}"),
             ("test accuracy", f"{100 * self.test_acc:.2f} %"),
+            *([("test perplexity", f"{perplexity(self.test_loss):.3f}")]
+              if cfg.dataset in LANGUAGE_DATASETS else []),
             ("samples/s (training)", f"{self.samples_per_s:,.0f}"),
             ("communicated per step", format_bytes(self.bytes_per_step)),
             ("parameter checksum", self.checksum[:16]
@@ -166,6 +176,28 @@ class TrainResult:
         return rows
 
 
+LANGUAGE_DATASETS = ("stdlib-text",)
+"""Data sets of next-token prediction: their records add perplexity (``exp`` of the mean
+per-token cross-entropy); accuracy there is next-token accuracy."""
+
+
+def token_view(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence outputs ``(B, T, V)`` with targets ``(B, T)`` as ``(B·T, V)`` and
+    ``(B·T,)``: the loss is the mean over tokens, accuracy counts tokens. Anything else
+    (classifiers: ``(B, C)`` and ``(B,)``) is returned as is."""
+    if out.dim() == y.dim() + 1 and y.dim() >= 2 and out.shape[:-1] == y.shape:
+        return out.reshape(-1, out.shape[-1]), y.reshape(-1)
+    return out, y
+
+
+def perplexity(loss: float) -> float:
+    """``exp(loss)`` of a mean per-token cross-entropy (``inf`` on overflow, NaN stays)."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
 def param_checksum(model: nn.Module) -> str:
     """SHA-256 of the parameters' names and bytes (named order): equal iff bitwise equal."""
     h = hashlib.sha256()
@@ -177,7 +209,7 @@ def param_checksum(model: nn.Module) -> str:
 
 def train(
     cfg: TrainConfig,
-    comm: Any = None,
+    comm: Communicator | None = None,
     *,
     verbose: bool = True,
     should_stop: Callable[[], bool] | None = None,
@@ -208,7 +240,8 @@ def _local_cores() -> int:
 class Trainer:
     """State of one run; :func:`train` is the usual entry point."""
 
-    def __init__(self, cfg: TrainConfig, comm: Any = None, *, verbose: bool = True,
+    def __init__(self, cfg: TrainConfig, comm: Communicator | None = None, *,
+                 verbose: bool = True,
                  should_stop: Callable[[], bool] | None = None) -> None:
         from kfac_hpc.comm import Communicator, world
 
@@ -221,13 +254,15 @@ class Trainer:
         self.should_stop = should_stop
         self._pg_owned = False
         self.writer = MetricsWriter(None, enabled=False)
-        self.ddp: Any = None  # DistributedDataParallel
-        self.pre: Any = None
-        self.scaler: Any = None
-        self._ckpt: Any = None
+        self.ddp: DistributedDataParallel | None = None
+        self.pre: KFACPreconditioner | None = None
+        self.scaler: torch.amp.GradScaler | None = None
+        self._checkpoints = False  # kfac_hpc.checkpoint in use (--checkpoint-dir/--resume)
+        self._bg: BackgroundSaver | None = None  # made at the first background save
         self.last_checkpoint: str | None = None  # the last good one (written or resumed)
         self._epoch = 0  # the epoch in progress (0-based)
         self._step_loss: torch.Tensor | None = None  # this rank's loss sum of the step
+        self._reporter: ProgressReporter | None = None  # progress lines without a terminal
         self._numerical = _numerical_errors()
         self._threads_before = torch.get_num_threads()
         # Metrics, flags and setup agreement travel on a duplicate: never counted as
@@ -254,13 +289,24 @@ class Trainer:
         self._sync_initial_state()
         self.train_loader = ShardedLoader(splits.train, batch_size=cfg.batch_size,
                                           rank=self.rank, world_size=self.size, seed=cfg.seed,
-                                          shuffle=True, drop_last=True)
+                                          shuffle=True, drop_last=True,
+                                          **self._pipeline_options())
         if cfg.ddp:
             self._init_ddp()
         self.net: nn.Module = self.ddp if self.ddp is not None else self.model
         if cfg.amp and cfg.amp_dtype == "float16":
             self.scaler = torch.amp.GradScaler("cuda")
         self.averager, self.averaging = self._agreed(self._build_distributed)
+        self.timer = PhaseTimer(self.device)
+        if self.pre is not None:  # K-FAC's phases in the step records
+            self.timer.instrument(self.pre, {
+                "kfac_factors": ["_update_factors", "_synchronise_local_averages"],
+                "kfac_decompositions": ["_update_decompositions"],
+                "kfac_precondition": ["_precondition_my_layers"],
+                "kfac_gradients": ["_share_preconditioned"]})
+        if cfg.optimizer == "shampoo":  # Shampoo's owned blocks and applying the exchange
+            self.timer.instrument(self.opt, {"shampoo_blocks": ["_update_owned_blocks"],
+                                             "shampoo_apply": ["_apply"]})
         self.steps_per_epoch = len(self.train_loader)
         full = self.steps_per_epoch * cfg.epochs
         self.total_steps = min(full, cfg.max_steps) if cfg.max_steps else full
@@ -273,10 +319,17 @@ class Trainer:
         self.epoch_stats = WeightedMean()
         self.excluded_bytes = 0
         self._resumed = self._maybe_resume()
-        self.writer = MetricsWriter(self.out_dir, enabled=self.rank == 0, append=self._resumed)
+        self.writer = MetricsWriter(self.out_dir, enabled=self.rank == 0, append=self._resumed,
+                                    tensorboard_dir=cfg.tensorboard)
         self.setup_time = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ setup
+    def _pipeline_options(self) -> dict[str, Any]:
+        """Input pipeline of the loaders: workers, prefetch, pinned memory on CUDA."""
+        return {"num_workers": self.cfg.loader_workers,
+                "prefetch_factor": self.cfg.prefetch_factor,
+                "pin_memory": self.device.type == "cuda"}
+
     def _select_device(self) -> torch.device:
         from kfac_hpc.comm import mpi_vendor
         from kfac_hpc.runtime.device import selected_device
@@ -292,14 +345,16 @@ class Trainer:
                          cuda_aware=self.comm.cuda_aware), flush=True)
         return device
 
-    def _agreed(self, fn: Callable[[], Any]) -> Any:
+    def _agreed(self, fn: Callable[[], _T]) -> _T:
         """Run ``fn`` on every rank; if it fails anywhere, fail everywhere alike.
 
         A usage error (bad path, option...) becomes the same :class:`ConfigError` on
         all ranks (the lowest failing rank's message); any other exception is re-raised
         where it happened and reported as a ``RuntimeError`` on the other ranks.
         """
-        value, error, kind = None, None, ""
+        value: _T | None = None
+        error: BaseException | None = None
+        kind = ""
         try:
             value = fn()
         except USAGE_ERRORS as exc:
@@ -310,7 +365,7 @@ class Trainer:
             None if error is None else (kind, f"{type(error).__name__}: {error}", str(error)))
         failed = [(r, rep) for r, rep in enumerate(reports) if rep is not None]
         if not failed:
-            return value
+            return cast(_T, value)  # fn() returned (None is a value too)
         if kind == "crash" and error is not None:
             raise error
         crashes = [(r, rep) for r, rep in failed if rep[0] == "crash"]
@@ -321,26 +376,42 @@ class Trainer:
 
     def _build_core(self) -> tuple[DatasetSplits, nn.Module, torch.optim.Optimizer]:
         cfg = self.cfg
-        splits = load_dataset(
-            cfg.dataset, path=cfg.data_path, seed=cfg.seed, flat=cfg.model == "mlp",
-            augment=cfg.augment, split_seed=cfg.split_seed, image_size=cfg.image_size,
-            input_shape=cfg.synthetic_shape, num_classes=cfg.synthetic_classes,
-            train_size=cfg.synthetic_train_size, test_size=cfg.synthetic_test_size,
-            num_threads=cfg.loader_threads)
+        from kfac_hpc.train import plugins
+
+        if cfg.tensorboard is not None:  # on every rank: a missing package stops all alike
+            from kfac_hpc.train.metrics import require_tensorboard
+
+            require_tensorboard()
+        self.loss_fn = plugins.resolve_loss(cfg.loss)
+        if plugins.is_plugin(cfg.dataset):
+            splits = plugins.load_plugin_dataset(
+                cfg.dataset, seed=cfg.seed, path=cfg.data_path, augment=cfg.augment,
+                image_size=cfg.image_size, split_seed=cfg.split_seed)
+        else:
+            splits = load_dataset(
+                cfg.dataset, path=cfg.data_path, seed=cfg.seed, flat=cfg.model == "mlp",
+                augment=cfg.augment, split_seed=cfg.split_seed, image_size=cfg.image_size,
+                input_shape=cfg.synthetic_shape, num_classes=cfg.synthetic_classes,
+                train_size=cfg.synthetic_train_size, test_size=cfg.synthetic_test_size,
+                num_threads=cfg.loader_threads)
         torch.manual_seed(cfg.seed)
         kwargs: dict[str, Any] = dict(splits.model_kwargs())
-        model = build_model(cfg.model, **kwargs, **cfg.model_options).to(self.device)
-        n = len(splits.train)
+        if plugins.is_plugin(cfg.model):
+            model = plugins.build_plugin_model(cfg.model, **kwargs, **cfg.model_options)
+        else:
+            model = build_model(cfg.model, **kwargs, **cfg.model_options)
+        model = model.to(self.device)
+        n = len(splits.train)  # type: ignore[arg-type]
         if cfg.batch_size * self.size > n:
             raise ConfigError(
                 f"--batch-size {cfg.batch_size} x {self.size} ranks = global batch "
                 f"{cfg.batch_size * self.size} exceeds the {n} training samples of "
                 f"{cfg.dataset!r}; lower --batch-size")
         opt = build_optimizer(cfg, model, self.comm)
-        self._ckpt = self._checkpoint_module()
+        self._checkpoints = self._wants_checkpoints()
         return splits, model, opt
 
-    def _build_distributed(self) -> tuple[Any, str]:
+    def _build_distributed(self) -> tuple[GradientAverager | None, str]:
         cfg = self.cfg
         if cfg.uses_kfac:
             self.pre = build_preconditioner(cfg, self.model, self.comm, self.opt, self.scaler,
@@ -351,23 +422,13 @@ class Trainer:
             return None, "none (1 rank)"
         return build_averager(self.model, self.comm, cfg.grad_bucket_mb)
 
-    def _checkpoint_module(self) -> Any:
+    def _wants_checkpoints(self) -> bool:
+        """Whether this run writes or reads checkpoints (:mod:`kfac_hpc.checkpoint`)."""
         cfg = self.cfg
         wanted = cfg.checkpoint_dir is not None or cfg.resume not in ("auto", "never")
-        if not wanted:
-            return None
-        ckpt: Any
-        try:
-            ckpt = importlib.import_module("kfac_hpc.checkpoint")
-        except ImportError:
-            ckpt = None
-        if ckpt is None or not all(hasattr(ckpt, f) for f in ("save", "load", "latest")):
-            raise FeatureUnavailable(
-                "checkpoints are not available yet in this installation (kfac_hpc.checkpoint "
-                "lacks save/load/latest); drop --checkpoint-dir/--resume")
-        if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
+        if wanted and cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
             raise FileNotFoundError(f"--resume: no such checkpoint: {cfg.resume}")
-        return ckpt
+        return wanted
 
     def _sync_initial_state(self) -> None:
         """Start from rank 0's parameters and buffers (seeded init makes this a no-op
@@ -425,13 +486,15 @@ class Trainer:
 
     # ----------------------------------------------------------------- resume
     def _maybe_resume(self) -> bool:
-        cfg, ckpt = self.cfg, self._ckpt
-        if ckpt is None or cfg.resume == "never":
+        from kfac_hpc import checkpoint
+
+        cfg = self.cfg
+        if not self._checkpoints or cfg.resume == "never":
             return False
         path = None
         if self.rank == 0:
             if cfg.resume == "auto":
-                latest = ckpt.latest(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+                latest = checkpoint.latest(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
                 path = str(latest) if latest else None
             else:
                 path = cfg.resume
@@ -440,17 +503,18 @@ class Trainer:
             return False
         # load() raises the same error on every rank; the loader check is deterministic:
         # so all ranks report the problem together (exit 2 from the CLI).
-        errors = (ValueError, KeyError, getattr(ckpt, "CheckpointError", ValueError))
+        errors = (ValueError, KeyError, checkpoint.CheckpointError)
         try:
-            info = ckpt.load(path, model=self.model, optimizer=self.opt,
-                             preconditioner=self.pre, comm=self.comm)
-            extra = dict(_get(info, "extra") or {})
+            info = checkpoint.load(path, model=self.model, optimizer=self.opt,
+                                   preconditioner=self.pre, comm=self.comm)
+            extra = dict(info.extra or {})
             if "loader" in extra:
+                self._keep_global_batch(extra["loader"], int(info.world_size or 0))
                 self.train_loader.load_state_dict(extra["loader"])
         except errors as exc:
             raise ConfigError(f"cannot resume from {path}: {exc}") from None
-        self.step = int(_get(info, "step"))
-        self.last_checkpoint = str(_get(info, "path") or path)
+        self.step = int(info.step)
+        self.last_checkpoint = str(info.path or path)
         metrics = dict(extra.get("metrics") or {})
         self.history = list(metrics.get("history", []))
         self.train_time = float(metrics.get("train_time", 0.0))
@@ -462,10 +526,55 @@ class Trainer:
                     f"(epoch {self.train_loader.epoch}, batch {self.train_loader.batch_index})")
         return True
 
-    def save_checkpoint(self) -> None:
-        """Write a checkpoint of the current state (all ranks call this together)."""
-        if self._ckpt is None or self.cfg.checkpoint_dir is None:
+    def _background_enabled(self) -> bool:
+        """Periodic checkpoints in the background (default on; off with the config
+        option ``checkpoint_background = false`` or ``KFAC_HPC_CHECKPOINT_BACKGROUND=0``)."""
+        on = getattr(self.cfg, "checkpoint_background", None)
+        if on is None:
+            on = os.environ.get("KFAC_HPC_CHECKPOINT_BACKGROUND", "1").strip() not in (
+                "0", "false", "no", "off")
+        return bool(on) and self._checkpoints
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait for the background checkpoint in flight, if any (collective); its
+        failure is raised as the same CheckpointError on every rank."""
+        if self._bg is not None and self._bg.in_flight:
+            path = self._bg.wait()
+            if path is not None:
+                self.last_checkpoint = str(path)
+
+    def _keep_global_batch(self, loader_state: dict[str, Any], saved_ranks: int) -> None:
+        """A restart on a different number of ranks keeps the checkpoint's global batch
+        (hence the sample order, the steps per epoch and the learning-rate schedule): the
+        per-rank batch is rescaled, or a ValueError says why it cannot be. On the same
+        number of ranks ``--batch-size`` is the user's choice (the loader checks it)."""
+        saved = int(loader_state.get("global_batch_size", 0) or 0)
+        current = self.train_loader.global_batch_size
+        if not saved or saved == current or saved_ranks in (0, self.size):
             return
+        batch = rescaled_batch_size(saved, self.size, multiple_of=self.cfg.accumulation_steps)
+        self._print(f"restart on {self.size} ranks (checkpoint: {saved_ranks}): --batch-size "
+                    f"{self.cfg.batch_size} -> {batch} per rank keeps the global batch {saved}")
+        self.cfg = dataclasses.replace(self.cfg, batch_size=batch)
+        self.train_loader = self.train_loader.with_batch_size(batch)
+        self.steps_per_epoch = len(self.train_loader)
+        full = self.steps_per_epoch * self.cfg.epochs
+        self.total_steps = min(full, self.cfg.max_steps) if self.cfg.max_steps else full
+        self.lr_fn = lr_schedule(self.cfg, self.steps_per_epoch, self.total_steps)
+
+    def save_checkpoint(self, background: bool = False) -> None:
+        """Write a checkpoint of the current state (all ranks call this together).
+
+        The write in flight, if any, is waited for first (its failure raised here).
+        ``background``: snapshot the state and write it while training goes on (when
+        enabled); otherwise it is on disk when this returns.
+        """
+        from kfac_hpc import checkpoint
+
+        if not self._checkpoints or self.cfg.checkpoint_dir is None:
+            return
+        background = background and self._background_enabled()
+        self.wait_for_checkpoint()  # at most one write in flight; its errors first
         before = self.comm.traffic().total_bytes
         extra = {
             "loader": self.train_loader.state_dict(),
@@ -482,17 +591,23 @@ class Trainer:
         # them, or a resumed run would recompute them from newer factors (not exact). With
         # an inverse update every step they are recomputed anyway: not worth the bytes.
         kwargs = {} if self.pre is None else {"store_eigenbases": self.cfg.inv_update_steps > 1}
-        refused = getattr(self._ckpt, "NonFiniteStateError", None)
         try:
-            path = self._ckpt.save(self.cfg.checkpoint_dir, model=self.model, optimizer=self.opt,
-                                   preconditioner=self.pre, step=self.step, comm=self.comm,
-                                   extra=extra, keep_last=self.cfg.checkpoint_keep, **kwargs)
-        except Exception as exc:  # raised alike on every rank, before anything was written
-            if refused is not None and isinstance(exc, refused):
-                raise self._diverged(f"{getattr(exc, 'tensor', 'the state')} became NaN/Inf",
-                                     self.step) from exc
-            raise
-        self.last_checkpoint = str(path)
+            if background:
+                if self._bg is None:
+                    self._bg = checkpoint.BackgroundSaver(self.comm)
+                self._bg.save(self.cfg.checkpoint_dir, model=self.model, optimizer=self.opt,
+                              preconditioner=self.pre, step=self.step, extra=extra,
+                              keep_last=self.cfg.checkpoint_keep, **kwargs)
+                path = None  # known once written (wait_for_checkpoint)
+            else:
+                path = checkpoint.save(self.cfg.checkpoint_dir, model=self.model,
+                                       optimizer=self.opt, preconditioner=self.pre,
+                                       step=self.step, comm=self.comm, extra=extra,
+                                       keep_last=self.cfg.checkpoint_keep, **kwargs)
+        except checkpoint.NonFiniteStateError as exc:  # alike on every rank, nothing written
+            raise self._diverged(f"{exc.tensor} became NaN/Inf", self.step) from exc
+        if path is not None:
+            self.last_checkpoint = str(path)
         self.excluded_bytes += self.comm.traffic().total_bytes - before
 
     def _numerical_failure(self, exc: BaseException) -> TrainingDiverged:
@@ -509,6 +624,8 @@ class Trainer:
     def _diverged(self, what: str, step: int, cause: BaseException | None = None
                   ) -> TrainingDiverged:
         """The one message of a diverged run (every rank builds the same one)."""
+        with contextlib.suppress(Exception):  # agreed: a failed write is no good checkpoint
+            self.wait_for_checkpoint()  # an earlier, good state being written
         if self.last_checkpoint is not None:
             where = self.last_checkpoint
         elif self.cfg.checkpoint_dir is None:
@@ -549,28 +666,33 @@ class Trainer:
         acc = self.cfg.accumulation_steps
         loss_sum = torch.zeros((), device=self.device)
         correct = torch.zeros((), device=self.device, dtype=torch.long)
-        for i, (xm, ym) in enumerate(zip(x.tensor_split(acc), y.tensor_split(acc))):
-            last = i == acc - 1
-            with self._no_sync(last):
-                with self._autocast():
-                    out = self.net(xm)
-                    loss = F.cross_entropy(out, ym)
-                scaled = loss * (ym.numel() / n)
-                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            loss_sum += loss.detach().float() * ym.numel()
-            correct += (out.detach().argmax(1) == ym).sum()
+        timer = self.timer
+        with timer.phase("forward_backward"):
+            for i, (xm, ym) in enumerate(zip(x.tensor_split(acc), y.tensor_split(acc))):
+                last = i == acc - 1
+                with self._no_sync(last):
+                    with self._autocast():
+                        out, ym = token_view(self.net(xm), ym)  # language models: per token
+                        loss = self.loss_fn(out, ym)
+                    scaled = loss * (ym.numel() / n)
+                    (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+                loss_sum += loss.detach().float() * ym.numel()
+                correct += (out.detach().argmax(1) == ym).sum()
         self._step_loss = loss_sum  # read only if K-FAC or Shampoo fail below
         if self.averager is not None:
-            self.averager.synchronize()
+            with timer.phase("grad_sync"):
+                self.averager.synchronize()
         if self.scaler is not None:
             self.scaler.unscale_(self.opt)
         if self.pre is not None:
-            self.pre.step()
-        if self.scaler is not None:
-            self.scaler.step(self.opt)
-            self.scaler.update()
-        else:
-            self.opt.step()
+            with timer.phase("kfac"):
+                self.pre.step()
+        with timer.phase("optimizer"):
+            if self.scaler is not None:
+                self.scaler.step(self.opt)
+                self.scaler.update()
+            else:
+                self.opt.step()
         self.step += 1
         return float(loss_sum) / n, float(correct), n
 
@@ -580,20 +702,20 @@ class Trainer:
         self._sync_buffers()
         self.model.eval()
         test = self.data.test
-        n = len(test)
+        n = len(test)  # type: ignore[arg-type]
         bs = max(1, min(self.cfg.eval_batch_size, n // self.size))
         loader = ShardedLoader(test, batch_size=bs, rank=self.rank, world_size=self.size,
-                               seed=0, shuffle=False, drop_last=False)
+                               seed=0, shuffle=False, drop_last=False,
+                               **self._pipeline_options())
         stats = WeightedMean()
-        for b in range(len(loader)):
-            idx = loader.indices(b, 0)
-            if idx.numel() == 0:
+        for x, y in loader:  # epoch 0 of an un-augmented set; empty batches are skipped
+            if y.numel() == 0:
                 continue
-            x, y = test.get_batch(idx, 0)
-            x, y = x.to(self.device), y.to(self.device)
+            x = x.to(self.device, non_blocking=True)
+            y = y.to(self.device, non_blocking=True)
             with self._autocast():
-                out = self.model(x)
-            loss = F.cross_entropy(out.float(), y)
+                out, y = token_view(self.model(x), y)
+            loss = self.loss_fn(out.float(), y)
             stats.add(float(loss), float((out.argmax(1) == y).sum()), int(y.numel()))
         return stats.reduced(self.aux)
 
@@ -633,6 +755,10 @@ class Trainer:
         cfg = self.cfg
         self._write_config()
         bar = self._progress()
+        self._reporter = (ProgressReporter(
+            total_steps=self.total_steps, start_step=self.step, epochs=cfg.epochs,
+            every_steps=cfg.progress_every_steps, every_minutes=cfg.progress_every_minutes)
+            if self.verbose and cfg.progress and bar is None else None)
         stopped = "completed"
         time_to_target: float | None = None
         epochs_to_target: int | None = None
@@ -677,6 +803,9 @@ class Trainer:
                 "samples_per_s": self.train_samples / max(self.train_time, 1e-9),
                 "bytes_per_step": self._bytes_per_step(bytes_start, steps_start),
             }
+            if cfg.dataset in LANGUAGE_DATASETS:  # next-token loss: perplexity = exp(loss)
+                record["test_ppl"] = perplexity(record["test_loss"])
+                record["train_ppl"] = perplexity(record["train_loss"])
             self.epoch_stats = WeightedMean()
             self.history.append(record)
             self.writer.epoch(record)
@@ -697,6 +826,7 @@ class Trainer:
             epoch += 1
         if bar is not None:
             bar.close()
+        self.wait_for_checkpoint()
         if stopped != "stop_requested":
             if last_eval is None:
                 last_eval = self.evaluate()
@@ -710,7 +840,10 @@ class Trainer:
         cfg = self.cfg
         self._epoch = epoch
         t_step = time.perf_counter()
+        traffic0 = self._traffic_counts()
         for x, y in self.train_loader:
+            logged = (self.step + 1) % cfg.log_every_steps == 0 or self.step + 1 == self.total_steps
+            self.timer.start(logged)
             try:
                 loss, correct, n = self.train_step(x, y)
             except self._numerical as exc:  # agreed: the same error on every rank
@@ -725,6 +858,7 @@ class Trainer:
             self.train_time += dt
             self.train_samples += int(g_n)
             self.epoch_stats.add(g_loss / g_n, g_correct, int(g_n))
+            traffic1 = self._traffic_counts()
             if self.step % cfg.log_every_steps == 0 or self.step == self.total_steps:
                 self.writer.step({
                     "step": self.step,
@@ -733,7 +867,15 @@ class Trainer:
                     "loss": g_loss / g_n, "acc": g_correct / g_n, "samples": int(g_n),
                     "step_time": dt, "samples_per_s": g_n / dt,
                     "wall_time": time.perf_counter() - wall0,
+                    **self.timer.record(),
+                    **{f"bytes_{k}": v1 - traffic0[k] for k, v1 in traffic1.items()},
                 })
+            traffic0 = traffic1
+            line = (self._reporter.update(self.step, epoch + self.train_loader.batch_index
+                                          / self.steps_per_epoch, g_loss / g_n, int(g_n))
+                    if self._reporter is not None and bar is None else None)
+            if line is not None:
+                self._print(line)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix_str(
@@ -744,14 +886,25 @@ class Trainer:
                 raise self._diverged("loss became NaN/Inf", self.step)
             every = cfg.checkpoint_every_steps
             if g_stop > 0 or g_ckpt > 0 or (every and self.step % every == 0):
-                self.save_checkpoint()
+                # periodic: in the background; on a stop: in the foreground (after the
+                # write in flight), so that the process exits with it on disk
+                self.save_checkpoint(background=g_stop <= 0)
                 self._last_ckpt = time.monotonic()
+                traffic0 = self._traffic_counts()  # not the checkpoint's bytes
             if g_stop > 0:
                 return True
             if self.step >= self.total_steps:
                 return False
             t_step = time.perf_counter()
         return False
+
+    def _traffic_counts(self) -> dict[str, int]:
+        """Bytes so far of the training communicator: ``step`` (all, less what metrics
+        and checkpoints excluded) and one entry per K-FAC tag (:data:`TRAFFIC_TAGS`)."""
+        traffic = self.comm.traffic()
+        counts = {"step": traffic.total_bytes - self.excluded_bytes}
+        counts.update({tag: traffic.tag_bytes(tag) for tag in TRAFFIC_TAGS})
+        return counts
 
     def _bytes_per_step(self, bytes_start: int, steps_start: int) -> float:
         steps = self.step - steps_start
@@ -827,11 +980,13 @@ class Trainer:
     def close(self) -> None:
         """Release communicators, the DDP process group (if ours) and open files."""
         self.writer.close()
-        for obj, method in ((self.pre, "close"), (getattr(self, "averager", None),
-                                                          "remove")):
-            detach = getattr(obj, method, None)
-            if detach is not None:
-                detach()
+        if self._bg is not None:
+            self._bg.close()  # after wait_for_checkpoint(); on an error path: abandoned
+        if self.pre is not None:
+            self.pre.close()
+        averager = getattr(self, "averager", None)  # unset when setup failed before it
+        if averager is not None:
+            averager.remove()
         if self.ddp is not None:
             # Release DDP's reducer while its process group still exists, on every rank
             # at the same point (after the final collectives of the run).
@@ -851,13 +1006,6 @@ class Trainer:
 
 
 # --------------------------------------------------------------------- helpers
-
-
-def _get(info: Any, key: str) -> Any:
-    """``info.key`` or ``info[key]`` (the checkpoint API returns either)."""
-    if isinstance(info, dict):
-        return info.get(key)
-    return getattr(info, key, None)
 
 
 def _ddp_host(single_node: bool) -> str:

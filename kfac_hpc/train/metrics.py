@@ -9,16 +9,29 @@ Files written into the run directory by :class:`MetricsWriter` (rank 0 only):
 * ``metrics.jsonl``: one JSON object per line, ``"kind": "step"`` or ``"epoch"``
   (the input of ``kfac-hpc plot``);
 * ``steps.csv`` / ``epochs.csv``: the same records as tables (columns
-  :data:`STEP_FIELDS` / :data:`EPOCH_FIELDS`).
+  :data:`STEP_FIELDS` / :data:`EPOCH_FIELDS`);
+* optionally TensorBoard event files (``tensorboard_dir``; needs the
+  ``tensorboard`` package: ``pip install kfac_hpc[tensorboard]``) with the same
+  scalars, the JSONL/CSV staying the archive.
+
+Step records carry per-phase times (``time_*``, seconds, see :data:`PHASES`) and
+the bytes the training communicator sent in the step, per traffic tag
+(``bytes_factors``, ``bytes_decompositions``, ``bytes_gradients``,
+``bytes_agreement``: K-FAC's phases, see :data:`TRAFFIC_TAGS`) and in all
+(``bytes_step``).
 """
 
 from __future__ import annotations
 
 import csv
+import datetime as _dt
+import functools
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -27,17 +40,36 @@ import torch
 
 __all__ = [
     "EPOCH_FIELDS",
+    "PHASES",
     "STEP_FIELDS",
+    "TRAFFIC_TAGS",
     "MetricsWriter",
+    "PhaseTimer",
+    "ProgressReporter",
     "WeightedMean",
     "format_bytes",
     "format_table",
     "global_sums",
     "read_jsonl",
+    "require_tensorboard",
 ]
 
+#: Phases of a training step timed in the step records (``time_<phase>``, seconds of
+#: rank 0): forward and backward (with K-FAC's overlapped factor reductions), the
+#: gradient averaging, the K-FAC step as a whole and its parts (factor reductions,
+#: eigendecompositions/inverses, preconditioning of the owned layers, sharing of the
+#: preconditioned gradients), the base optimizer step (Shampoo's whole step) and
+#: Shampoo's parts (statistics, roots and directions of the blocks this rank owns;
+#: applying the exchanged directions; the allgather between them is the rest).
+PHASES = ("forward_backward", "grad_sync", "kfac", "kfac_factors", "kfac_decompositions",
+          "kfac_precondition", "kfac_gradients", "optimizer", "shampoo_blocks",
+          "shampoo_apply")
+#: ``comm.traffic()`` tags recorded per step as ``bytes_<tag>``.
+TRAFFIC_TAGS = ("factors", "decompositions", "gradients", "agreement")
+
 STEP_FIELDS = ("step", "epoch", "lr", "loss", "acc", "samples", "step_time", "samples_per_s",
-               "wall_time")
+               "wall_time", *(f"time_{p}" for p in PHASES), "bytes_step",
+               *(f"bytes_{t}" for t in TRAFFIC_TAGS))
 EPOCH_FIELDS = ("epoch", "step", "lr", "train_loss", "train_acc", "test_loss", "test_acc",
                 "epoch_time", "wall_time", "samples_per_s", "bytes_per_step")
 
@@ -103,14 +135,27 @@ class MetricsWriter:
     """
 
     def __init__(self, out_dir: str | Path | None, *, enabled: bool = True,
-                 append: bool = False) -> None:
+                 append: bool = False, tensorboard_dir: str | Path | None = None) -> None:
         self.enabled = enabled and out_dir is not None
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self._files: dict[str, IO[str]] = {}
         self._csv: dict[str, csv.DictWriter[str]] = {}
         self._mode = "a" if append else "w"
+        self._tb: Any = None
         if self.enabled and self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
+        if enabled and tensorboard_dir is not None:
+            self._tb = require_tensorboard()(log_dir=str(tensorboard_dir))
+
+    def _scalars(self, prefix: str, record: Mapping[str, Any]) -> None:
+        if self._tb is None or record.get("step") is None:
+            return
+        step = int(record["step"])
+        for key, value in record.items():
+            if (key != "step" and isinstance(value, (int, float))
+                    and not isinstance(value, bool) and math.isfinite(value)):
+                group = key.split("_")[0] if key.startswith(("time_", "bytes_")) else prefix
+                self._tb.add_scalar(f"{group}/{key}", value, step)
 
     def _open(self, name: str) -> IO[str]:
         assert self.out_dir is not None
@@ -142,10 +187,14 @@ class MetricsWriter:
     def step(self, record: Mapping[str, Any]) -> None:
         """One optimizer step's global metrics (see :data:`STEP_FIELDS`)."""
         self._write("step", record, "steps.csv", STEP_FIELDS)
+        self._scalars("train", record)
 
     def epoch(self, record: Mapping[str, Any]) -> None:
         """One epoch's global metrics (see :data:`EPOCH_FIELDS`)."""
         self._write("epoch", record, "epochs.csv", EPOCH_FIELDS)
+        self._scalars("epoch", record)
+        if self._tb is not None:
+            self._tb.flush()
 
     def write_json(self, name: str, obj: Any) -> None:
         """Write ``obj`` as strict JSON (NaN -> null) to ``out_dir/name``, atomically."""
@@ -158,6 +207,9 @@ class MetricsWriter:
             os.replace(tmp, final)
 
     def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
         for f in self._files.values():
             f.close()
         self._files.clear()
@@ -205,3 +257,114 @@ def format_table(rows: Sequence[tuple[str, str]], title: str | None = None) -> s
     lines += [f"{k:<{width}} | {v}" for k, v in rows]
     lines.append(rule)
     return "\n".join(lines)
+
+
+def require_tensorboard() -> Any:
+    """``torch.utils.tensorboard.SummaryWriter``; ImportError saying how to get it."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        raise ImportError(
+            "--tensorboard needs the tensorboard package (torch.utils.tensorboard writes "
+            "its event files): pip install 'kfac_hpc[tensorboard]' (or pip install "
+            f"tensorboard), or leave out --tensorboard ({exc})") from None
+    return SummaryWriter
+
+
+class PhaseTimer:
+    """Seconds per phase of the current step (:data:`PHASES`), when ``enabled``.
+
+    ``with timer.phase("optimizer"): ...`` adds the block's wall time; on CUDA the
+    device is synchronised at both ends so that the time is the work's, not the
+    launch's (only while ``enabled``: steps that are not recorded pay nothing).
+    :meth:`instrument` wraps methods of an object (K-FAC's private phases) the same way;
+    a method it does not find is skipped.
+    """
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.enabled = False
+        self.cuda = device is not None and device.type == "cuda"
+        self.times: dict[str, float] = {}
+
+    def start(self, enabled: bool) -> None:
+        """Begin a step: clear the times, time it only if ``enabled``."""
+        self.enabled = enabled
+        self.times = {}
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        self._sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+
+    def instrument(self, obj: Any, methods: Mapping[str, Sequence[str]]) -> None:
+        """Time ``obj``'s methods: ``{phase: [method names]}`` (missing ones skipped)."""
+        for phase_name, names in methods.items():
+            for name in names:
+                original = getattr(obj, name, None)
+                if callable(original):
+                    setattr(obj, name, self._wrapped(phase_name, original))
+
+    def _wrapped(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            with self.phase(name):
+                return fn(*args, **kwargs)
+
+        return timed
+
+    def record(self) -> dict[str, float]:
+        """``{"time_<phase>": seconds}`` of the phases that ran this step."""
+        return {f"time_{p}": self.times[p] for p in PHASES if p in self.times}
+
+
+def _clock(seconds: float) -> str:
+    return str(_dt.timedelta(seconds=round(max(0.0, seconds))))
+
+
+class ProgressReporter:
+    """Plain progress lines for batch output (``.out`` files, no terminal).
+
+    A line every ``every_steps`` steps, and also whenever ``every_minutes`` have
+    passed since the last one (0 disables the time trigger): step and share of the
+    run, epoch, loss, throughput since the previous line, elapsed time and ETA
+    (remaining steps at the mean step time of this run so far).
+    """
+
+    def __init__(self, *, total_steps: int, start_step: int, epochs: int,
+                 every_steps: int, every_minutes: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.total_steps, self.epochs = total_steps, epochs
+        self.every_steps, self.every_s = every_steps, 60.0 * every_minutes
+        self.clock = clock
+        self.t0 = self.t_last = clock()
+        self.start_step = self.last_step = start_step
+        self.samples = 0
+
+    def update(self, step: int, epoch: float, loss: float, samples: int) -> str | None:
+        """Account one step; the line to print, or None."""
+        self.samples += samples
+        now = self.clock()
+        due = (step % self.every_steps == 0 or step >= self.total_steps
+               or (self.every_s > 0 and now - self.t_last >= self.every_s))
+        if not due:
+            return None
+        rate = self.samples / max(now - self.t_last, 1e-9)
+        done = step - self.start_step
+        eta = (now - self.t0) / done * (self.total_steps - step) if done > 0 else math.nan
+        self.t_last, self.last_step, self.samples = now, step, 0
+        return (f"step {step}/{self.total_steps} ({100 * step / max(self.total_steps, 1):.1f}%)"
+                f"  epoch {epoch:.2f}/{self.epochs}  loss {loss:.4f}  {rate:,.0f} samples/s"
+                f"  elapsed {_clock(now - self.t0)}"
+                f"  ETA {_clock(eta) if math.isfinite(eta) else '?'}")

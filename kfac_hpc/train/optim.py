@@ -3,43 +3,47 @@
 * :func:`lr_at` is the learning rate as a pure function of the step (linear warm-up,
   then cosine / step / constant), so a resumed run continues the same curve.
 * :func:`build_optimizer`: SGD (momentum, Nesterov), Adam, AdamW, or
-  ``kfac_hpc.shampoo.DistributedShampoo`` (imported only when asked for).
-* :func:`build_preconditioner`: ``kfac_hpc.KFACPreconditioner`` whose ``lr`` follows
-  the optimizer's current learning rate (needed by KL clipping).
-* :func:`build_averager`: ``kfac_hpc.GradientAverager`` (bucketed, overlapping
-  backward); when the package does not provide it, :class:`AllreduceAverager`.
+  :class:`kfac_hpc.shampoo.DistributedShampoo`.
+* :func:`build_preconditioner`: :class:`kfac_hpc.KFACPreconditioner` whose ``lr``
+  follows the optimizer's current learning rate (needed by KL clipping).
+* :func:`build_averager`: :class:`kfac_hpc.GradientAverager` (bucketed, overlapping
+  backward).
 
-Components that are missing from the installed package raise
-:class:`FeatureUnavailable`, which the driver reports as a usage error.
+The library's parts are imported directly (typed; mypy checks the driver against
+them), inside the functions so that importing the driver does not start MPI.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from kfac_hpc.kfac.options import (
+    APPROXIMATIONS,
+    COMPUTE_METHODS,
+    FACTOR_SYNCS,
+    STRATEGIES,
+    one_of,
+)
 from kfac_hpc.train.config import TrainConfig
 
+if TYPE_CHECKING:
+    from kfac_hpc.comm import Communicator
+    from kfac_hpc.comm.gradients import GradientAverager
+    from kfac_hpc.kfac.preconditioner import KFACPreconditioner
+
 __all__ = [
-    "AllreduceAverager",
-    "FeatureUnavailable",
-    "GradAverager",
     "build_averager",
     "build_optimizer",
     "build_preconditioner",
     "lr_at",
     "lr_schedule",
 ]
-
-
-class FeatureUnavailable(RuntimeError):
-    """An optional part of kfac_hpc (K-FAC, Shampoo, checkpoints) is not installed yet."""
 
 
 # ------------------------------------------------------------------- schedule
@@ -96,21 +100,8 @@ def lr_schedule(cfg: TrainConfig, steps_per_epoch: int, total_steps: int) -> Cal
 # ----------------------------------------------------------------- optimizers
 
 
-def _optional(module: str, attr: str, what: str) -> Any:
-    """``module.attr`` or :class:`FeatureUnavailable` naming ``what``."""
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as exc:
-        raise FeatureUnavailable(f"{what} is not available in this installation "
-                                 f"({module}: {exc})") from None
-    obj = getattr(mod, attr, None)
-    if obj is None:
-        raise FeatureUnavailable(f"{what} is not available yet in this installation "
-                                 f"({module}.{attr} is missing)")
-    return obj
-
-
-def build_optimizer(cfg: TrainConfig, model: nn.Module, comm: Any = None) -> torch.optim.Optimizer:
+def build_optimizer(cfg: TrainConfig, model: nn.Module,
+                    comm: Communicator | None = None) -> torch.optim.Optimizer:
     """The base optimizer of ``cfg`` over ``model``'s trainable parameters (lr = ``cfg.lr``;
     the loop overwrites it every step from the schedule)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -124,13 +115,13 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module, comm: Any = None) -> tor
         return cls(params, lr=lr, betas=(b1, b2), eps=cfg.eps,
                    weight_decay=cfg.weight_decay)
     if cfg.optimizer == "shampoo":
-        shampoo = _optional("kfac_hpc.shampoo", "DistributedShampoo", "Shampoo "
-                            "(kfac_hpc.shampoo.DistributedShampoo)")
+        from kfac_hpc.shampoo import DistributedShampoo
+
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # --momentum/--eps are SGD's/Adam's; Shampoo's own (momentum, epsilon,
         # grafting, ...) go through --shampoo-options.
         kwargs: dict[str, Any] = {"lr": lr, "comm": comm}
-        accepted = _parameters(shampoo)
+        accepted = _parameters(DistributedShampoo)
         for key, value in (("weight_decay", cfg.weight_decay), ("betas", tuple(cfg.betas))):
             if key in accepted:
                 kwargs[key] = value
@@ -139,11 +130,11 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module, comm: Any = None) -> tor
             raise ValueError(f"--shampoo-options: DistributedShampoo takes no "
                              f"{', '.join(unknown)}; it takes {', '.join(sorted(accepted))}")
         kwargs.update(cfg.shampoo_options)
-        return shampoo(named, **kwargs)
+        return DistributedShampoo(named, **kwargs)
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
 
 
-def _parameters(fn: Any) -> set[str]:
+def _parameters(fn: Callable[..., object]) -> set[str]:
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
@@ -151,9 +142,11 @@ def _parameters(fn: Any) -> set[str]:
     return {("kwargs" if p.kind is p.VAR_KEYWORD else p.name) for p in params}
 
 
-def build_preconditioner(cfg: TrainConfig, model: nn.Module, comm: Any,
-                         optimizer: torch.optim.Optimizer, grad_scaler: Any = None,
-                         sample_shape: tuple[int, ...] | None = None) -> Any | None:
+def build_preconditioner(cfg: TrainConfig, model: nn.Module, comm: Communicator,
+                         optimizer: torch.optim.Optimizer,
+                         grad_scaler: torch.amp.GradScaler | None = None,
+                         sample_shape: tuple[int, ...] | None = None
+                         ) -> KFACPreconditioner | None:
     """``KFACPreconditioner`` for ``cfg`` (``None`` without K-FAC).
 
     Its ``lr`` is a callable returning the optimizer's current learning rate, so KL
@@ -162,18 +155,17 @@ def build_preconditioner(cfg: TrainConfig, model: nn.Module, comm: Any,
     """
     if not cfg.uses_kfac:
         return None
-    kfac = _optional("kfac_hpc", "KFACPreconditioner",
-                     "K-FAC (kfac_hpc.KFACPreconditioner); use --preconditioner none")
+    from kfac_hpc.kfac.preconditioner import KFACPreconditioner
 
     def current_lr(_step: int = 0) -> float:
         return float(optimizer.param_groups[0]["lr"])
 
-    return kfac(
+    return KFACPreconditioner(
         model,
         comm=comm,
-        strategy=cfg.kfac_strategy,
+        strategy=one_of("kfac_strategy", cfg.kfac_strategy, STRATEGIES),
         grad_worker_fraction=cfg.grad_worker_fraction,
-        compute_method=cfg.kfac_compute_method,
+        compute_method=one_of("kfac_compute_method", cfg.kfac_compute_method, COMPUTE_METHODS),
         damping=cfg.base_damping,
         factor_decay=cfg.factor_decay,
         kl_clip=cfg.kl_clip,
@@ -186,53 +178,21 @@ def build_preconditioner(cfg: TrainConfig, model: nn.Module, comm: Any,
         symmetric_packing=cfg.kfac_symmetric_packing,
         overlap=cfg.kfac_overlap,
         bucket_cap_mb=cfg.kfac_bucket_cap_mb,
-        factor_sync=cfg.kfac_factor_sync,
+        factor_sync=one_of("kfac_factor_sync", cfg.kfac_factor_sync, FACTOR_SYNCS),
         factor_dtype=None if cfg.kfac_factor_dtype == "auto" else getattr(
             torch, cfg.kfac_factor_dtype),
         inv_dtype=getattr(torch, cfg.kfac_inv_dtype),
         input_shape=None if sample_shape is None else (cfg.batch_size, *sample_shape),
+        kfac_approx=one_of("kfac_approx", cfg.kfac_approx, APPROXIMATIONS),
     )
 
 
 # ------------------------------------------------------------------ averaging
 
 
-class GradAverager(Protocol):
-    """What the loop needs of a gradient averager."""
+def build_averager(model: nn.Module, comm: Communicator,
+                   bucket_cap_mb: float = 25.0) -> tuple[GradientAverager, str]:
+    """``(averager, name)``: the library's bucketed :class:`~kfac_hpc.GradientAverager`."""
+    from kfac_hpc.comm.gradients import GradientAverager
 
-    def synchronize(self) -> None: ...
-
-
-class AllreduceAverager:
-    """Average ``.grad`` over ranks after backward: fused, bucketed allreduce (avg).
-
-    The stand-in used when ``kfac_hpc.GradientAverager`` is not installed: same
-    result, no overlap with backward. A parameter without a gradient on this rank
-    contributes zeros (and gets a gradient), so all ranks send the same message.
-    """
-
-    def __init__(self, model: nn.Module, comm: Any, *, cap_mb: float = 25.0) -> None:
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.comm = comm
-        self.cap_mb = cap_mb
-
-    def synchronize(self) -> None:
-        from kfac_hpc.comm import FusedAllreduce
-
-        if self.comm.size == 1:
-            return
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in self.params if p.grad is not None]
-        FusedAllreduce(self.comm, grads, op="avg", cap_mb=self.cap_mb).start().wait()
-
-
-def build_averager(model: nn.Module, comm: Any,
-                   bucket_cap_mb: float = 25.0) -> tuple[GradAverager, str]:
-    """``(averager, name)``: the package's ``GradientAverager`` or :class:`AllreduceAverager`."""
-    try:
-        cls = _optional("kfac_hpc", "GradientAverager", "GradientAverager")
-    except FeatureUnavailable:
-        return AllreduceAverager(model, comm, cap_mb=bucket_cap_mb), "MPI allreduce (fallback)"
-    return cls(model, comm, bucket_cap_mb=bucket_cap_mb), "MPI GradientAverager"
+    return GradientAverager(model, comm, bucket_cap_mb=bucket_cap_mb), "MPI GradientAverager"

@@ -1,0 +1,1 @@
+"""Examples of kfac_hpc (importable as ``examples.<name>`` from the repository root)."""

@@ -1,0 +1,149 @@
+"""Convolution statistics without ``F.unfold``: the expand A factor and averaged patches.
+
+Pure tensor functions for ``nn.Conv2d`` (groups=1, zero padding), used by
+:class:`kfac_hpc.kfac.layers.Conv2dCurvature`.
+
+**Expand A** (:func:`patch_covariance`): ``A = (1/n) Σ_rows ā āᵀ`` over the
+``n = b·Ho·Wo`` output positions, ``ā`` the input patch in the weight's column order
+``(c, i, j)`` (channel-major, like ``weight.reshape(out, -1)``), plus a trailing ``1``
+when the layer has a bias. The ``F.unfold`` path builds the ``(b, C·kh·kw, T)`` patch
+tensor and then either a transposed copy of it or ``b`` partial ``d×d`` products.
+Here instead:
+
+* the rows are written **channels-last and offset-major** (``(b, Ho, Wo, kh·kw, C)``):
+  every kernel offset ``(i, j)`` is one strided slice of the zero-padded NHWC input
+  copied into its ``C`` contiguous columns, so the rows need one write and no
+  transposed copy;
+* the Gram matrix is a **symmetric rank-k update**: only block rows of the upper
+  triangle are multiplied (``rowsᵀ[a:b] · rows[:, a:]``), ``(m+1)/(2m)`` of the flops of
+  a full product for ``m`` block rows, then mirrored;
+* rows are built and accumulated over **chunks of samples**, so the patch matrix never
+  exists for the whole batch (peak extra memory ≈ ``chunk_rows · d`` elements instead
+  of ``2·b·T·d``);
+* the offset-major result is permuted to the weight's ``(c, i, j)`` order at the end
+  (a ``d×d`` gather); the bias row and column (``Σ ā`` and ``n``) come from column
+  sums of the rows, so the rows keep an aligned width ``C·kh·kw``.
+
+The result equals the unfold path up to summation order (tested at 1e-12, float64, for
+stride, padding incl. ``"same"``, dilation, bias, non-square kernels).
+
+**Reduce** (:func:`averaged_patches`): the mean over output positions of each sample's
+patches, ``â_i = (1/T) Σ_t ā_{i,t}`` (without the bias entry), computed as ``kh·kw``
+strided-slice sums of the padded input: ``O(b·C·kh·kw·T)`` work and ``b·C·kh·kw``
+memory; the patch matrix is never built.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kfac_hpc.kfac.linalg import default_gram_blocks, mirror_upper, symmetric_gram_
+
+__all__ = [
+    "averaged_patches",
+    "conv_output_size",
+    "patch_covariance",
+]
+
+Pads = tuple[int, int, int, int]  # (top, bottom, left, right)
+Pair = tuple[int, int]
+
+
+def conv_output_size(h: int, w: int, kernel_size: Pair, stride: Pair, dilation: Pair,
+                     pads: Pads) -> Pair:
+    """``(Ho, Wo)`` of a convolution with explicit ``(top, bottom, left, right)`` padding."""
+    (kh, kw), (sh, sw), (dh, dw) = kernel_size, stride, dilation
+    top, bottom, left, right = pads
+    ho = (h + top + bottom - dh * (kh - 1) - 1) // sh + 1
+    wo = (w + left + right - dw * (kw - 1) - 1) // sw + 1
+    return ho, wo
+
+
+def _offset_slices(ho: int, wo: int, kernel_size: Pair, stride: Pair,
+                   dilation: Pair) -> list[tuple[slice, slice]]:
+    """Per kernel offset ``(i, j)`` (row-major), the rows and columns of the padded input
+    it reads at every output position."""
+    (kh, kw), (sh, sw), (dh, dw) = kernel_size, stride, dilation
+    return [
+        (slice(i * dh, i * dh + (ho - 1) * sh + 1, sh),
+         slice(j * dw, j * dw + (wo - 1) * sw + 1, sw))
+        for i in range(kh) for j in range(kw)
+    ]
+
+
+def patch_covariance(x: Tensor, kernel_size: Pair, stride: Pair, dilation: Pair, pads: Pads,
+                     *, append_one: bool = False, chunk_rows: int = 8192,
+                     blocks: int | None = None) -> Tensor:
+    """Expand ``A`` of a convolution: mean over output positions of ``ā āᵀ``.
+
+    ``x`` is ``(b, C, H, W)``; the result is ``(d, d)`` with ``d = C·kh·kw (+1 with
+    append_one)``, columns in the weight's ``(c, i, j)`` order and the bias last; exactly
+    symmetric, in ``x``'s dtype. ``chunk_rows`` bounds the rows built at once (whole
+    samples, at least one); ``blocks`` the block rows of the symmetric update (default
+    by size, see the module docstring).
+    """
+    if x.dim() != 4:
+        raise ValueError(f"patch_covariance expects (b, C, H, W) input, got {tuple(x.shape)}")
+    b, c, h, w = x.shape
+    top, bottom, left, right = pads
+    ho, wo = conv_output_size(h, w, kernel_size, stride, dilation, pads)
+    kk = kernel_size[0] * kernel_size[1]
+    d = c * kk
+    dt = d + int(append_one)
+    n = b * ho * wo
+    if n == 0 or ho <= 0 or wo <= 0:
+        raise ValueError("covariance of zero rows is undefined")
+    slices = _offset_slices(ho, wo, kernel_size, stride, dilation)
+    per_chunk = max(1, chunk_rows // (ho * wo))
+    nb = blocks if blocks is not None else default_gram_blocks(d)
+    acc = x.new_zeros(d, d)
+    sums = x.new_zeros(d) if append_one else None
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        for s in range(0, b, per_chunk):
+            xc = x[s:s + per_chunk]
+            bc = xc.shape[0]
+            xp = xc.new_zeros(bc, h + top + bottom, w + left + right, c)
+            xp[:, top:top + h, left:left + w] = xc.permute(0, 2, 3, 1)
+            rows = xc.new_empty(bc, ho, wo, kk, c)
+            for p, (rs, cs) in enumerate(slices):
+                rows[:, :, :, p] = xp[:, rs, cs]
+            flat = rows.reshape(bc * ho * wo, d)
+            symmetric_gram_(acc, flat, nb)
+            if sums is not None:
+                sums += flat.sum(dim=0)
+        full = mirror_upper(acc)
+        # offset-major (p, c) -> weight order (c, p)
+        perm = torch.arange(d, device=x.device).reshape(kk, c).t().reshape(-1)
+        full = full.index_select(0, perm).index_select(1, perm)
+        if sums is not None:  # the bias column: Σ ā and the row count, analytically
+            sums = sums.index_select(0, perm)
+            with_bias = full.new_empty(dt, dt)
+            with_bias[:d, :d] = full
+            with_bias[:d, d] = sums
+            with_bias[d, :d] = sums
+            with_bias[d, d] = n
+            full = with_bias
+    return full.div_(n)
+
+
+def averaged_patches(x: Tensor, kernel_size: Pair, stride: Pair, dilation: Pair,
+                     pads: Pads) -> Tensor:
+    """``(b, C·kh·kw)``: each sample's patch averaged over the output positions.
+
+    Columns in the weight's ``(c, i, j)`` order, no bias entry. Equals
+    ``F.unfold(...).mean(dim=2)`` without building the patches.
+    """
+    if x.dim() != 4:
+        raise ValueError(f"averaged_patches expects (b, C, H, W) input, got {tuple(x.shape)}")
+    b, _, h, w = x.shape
+    top, bottom, left, right = pads
+    ho, wo = conv_output_size(h, w, kernel_size, stride, dilation, pads)
+    xp = F.pad(x, (left, right, top, bottom))
+    sums = torch.stack(
+        [xp[:, :, rs, cs].sum(dim=(2, 3)) for rs, cs in
+         _offset_slices(ho, wo, kernel_size, stride, dilation)],
+        dim=2,
+    )  # (b, C, kh·kw): channel-major like the weight
+    return sums.reshape(b, -1).div_(ho * wo)

@@ -1,0 +1,124 @@
+"""Shampoo checkpoints stream the owners' blocks to the writer (bounded memory).
+
+``checkpoint.save`` of a DistributedShampoo never gathers the whole state: each owner
+sends its blocks' tensors to rank 0 one message at a time, so rank 0 holds its own
+blocks plus at most one other tensor (the same bound as K-FAC factors). The file is
+the one ``state_dict()`` describes: it loads on a different number of ranks.
+Run under MPI (``launch/local -n 2|4 ... --with-mpi --only-mpi``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_checkpoint_support import Net, train_steps, weights_equal
+
+from kfac_hpc import checkpoint
+from kfac_hpc.checkpoint import writer
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+def _shampoo(model: torch.nn.Module, comm: Any) -> Any:
+    from kfac_hpc.shampoo import DistributedShampoo
+
+    # small blocks: many blocks, spread over every rank
+    return DistributedShampoo(model.named_parameters(), lr=0.01, comm=comm,
+                              precondition_frequency=2, max_preconditioner_dim=8)
+
+
+def _state_bytes(opt: Any) -> tuple[int, int]:
+    """(bytes of this rank's block tensors, largest single tensor)."""
+    sizes = [v.numel() * v.element_size() for per in opt.state.values()
+             for block in per.values() for v in block.values() if isinstance(v, torch.Tensor)]
+    return sum(sizes), max(sizes, default=0)
+
+
+def test_shampoo_save_streams_blocks_and_loads_on_one_rank(comm: Any, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    import kfac_hpc.shampoo.optimizer as shampoo_optimizer
+
+    d = Path(comm.broadcast_object(str(tmp_path)))
+    torch.manual_seed(0)
+    model = Net()
+    opt = _shampoo(model, comm)
+    train_steps(model, opt, comm, 0, 3)
+    own, largest = _state_bytes(opt)
+    owns = comm.allgather_object(own)
+    largest = max(comm.allgather_object(largest))
+    assert sum(1 for b in owns if b) > 1  # really distributed
+
+    def no_gather(*_: Any, **__: Any) -> Any:
+        raise AssertionError("the save gathered the whole Shampoo state")
+
+    received: list[int] = []
+    held: list[int] = []
+    recv, plan = writer._Receiver._recv, writer._plan
+
+    def counting_recv(self: Any, e: Any) -> Any:
+        if e.path.startswith("/optimizer/"):
+            received.append(e.nbytes)
+        return recv(self, e)
+
+    def measuring_plan(c: Any, mine: Any, *args: Any, **kwargs: Any) -> Any:
+        out = plan(c, mine, *args, **kwargs)
+        held.append(sum(a.nbytes for p, a in out[1].local.items()
+                        if p.startswith("/optimizer/")))
+        return out
+
+    monkeypatch.setattr(shampoo_optimizer, "gather_block_states", no_gather)
+    monkeypatch.setattr(writer._Receiver, "_recv", counting_recv)
+    monkeypatch.setattr(writer, "_plan", measuring_plan)
+    path = checkpoint.save(d, model=model, optimizer=opt, step=3, comm=comm)
+    monkeypatch.undo()
+
+    # what the writer held of the Shampoo state at once: its own blocks (held anyway by
+    # the optimizer; no copy) plus one received tensor at a time
+    assert held == [own]
+    if comm.rank == 0:
+        assert len(received) > 0 and max(received) <= largest
+        assert sum(received) == sum(owns) - own  # every other block, streamed once
+        assert own + max(received) < sum(owns)  # well below the whole state
+        assert checkpoint.verify_file(path).ok
+    full = opt.state_dict()  # the gathered reference (collective)
+
+    # the file loads on a different number of ranks: rank 0 alone
+    if comm.rank == 0:
+        from mpi4py import MPI
+
+        from kfac_hpc.comm import Communicator
+
+        solo = Communicator(MPI.COMM_SELF, name="self")
+        torch.manual_seed(7)
+        fresh_model = Net()
+        fresh = _shampoo(fresh_model, solo)
+        checkpoint.load(path, model=fresh_model, optimizer=fresh, comm=solo)
+        assert weights_equal(fresh_model, model)
+        again = fresh.state_dict()
+        assert again["steps"] == full["steps"]
+        assert again["state"].keys() == full["state"].keys()
+        for name, blocks in full["state"].items():
+            for index, block in blocks.items():
+                for key, value in block.items():
+                    other = again["state"][name][index][key]
+                    if isinstance(value, torch.Tensor):
+                        assert torch.equal(value, other), (name, index, key)
+                    else:
+                        assert value == other, (name, index, key)
+    comm.barrier()
+
+    # and on the same ranks, training continues exactly (the reference: no save at all)
+    torch.manual_seed(0)
+    ref = Net()
+    ref_opt = _shampoo(ref, comm)
+    train_steps(ref, ref_opt, comm, 0, 6)
+    torch.manual_seed(3)
+    resumed = Net()
+    resumed_opt = _shampoo(resumed, comm)
+    checkpoint.load(d, model=resumed, optimizer=resumed_opt, comm=comm)
+    train_steps(resumed, resumed_opt, comm, 3, 6)
+    assert all(comm.allgather_object(weights_equal(ref, resumed)))
