@@ -172,3 +172,8 @@ def test_lr_schedule_from_config_uses_epochs() -> None:
     assert fn(0) == pytest.approx(0.04)  # warm-up over 5 steps
     assert fn(5) == pytest.approx(0.2)
     assert fn(19) == pytest.approx(0.2) and fn(20) == pytest.approx(0.1)
+
+
+def test_checkpoint_background_flag() -> None:
+    assert TrainConfig().checkpoint_background is True
+    assert TrainConfig.from_dict({"checkpoint_background": False}).checkpoint_background is False

@@ -203,6 +203,10 @@ class TrainConfig:
     checkpoint_every_minutes: float | None = _opt(None, "checkpoint every M minutes",
                                                   "checkpoint")
     checkpoint_keep: int = _opt(3, "keep the last N checkpoints", "checkpoint")
+    checkpoint_background: bool = _opt(
+        True, "write periodic checkpoints in the background (training stalls only for a "
+        "snapshot to host memory; KFAC_HPC_CHECKPOINT_BACKGROUND=0 also turns it off)",
+        "checkpoint")
     resume: str = _opt("auto", "auto (latest in --checkpoint-dir) | never | PATH", "checkpoint")
     preempt_signals: tuple[str, ...] = _opt(
         ("USR1", "TERM"), "signals that checkpoint and exit with the requeue status 75 "

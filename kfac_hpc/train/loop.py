@@ -527,13 +527,11 @@ class Trainer:
         return True
 
     def _background_enabled(self) -> bool:
-        """Periodic checkpoints in the background (default on; off with the config
-        option ``checkpoint_background = false`` or ``KFAC_HPC_CHECKPOINT_BACKGROUND=0``)."""
-        on = getattr(self.cfg, "checkpoint_background", None)
-        if on is None:
-            on = os.environ.get("KFAC_HPC_CHECKPOINT_BACKGROUND", "1").strip() not in (
-                "0", "false", "no", "off")
-        return bool(on) and self._checkpoints
+        """Periodic checkpoints in the background (default on; off with
+        ``--no-checkpoint-background`` or ``KFAC_HPC_CHECKPOINT_BACKGROUND=0``)."""
+        env = os.environ.get("KFAC_HPC_CHECKPOINT_BACKGROUND", "1").strip().lower()
+        on = self.cfg.checkpoint_background and env not in ("0", "false", "no", "off")
+        return on and self._checkpoints
 
     def wait_for_checkpoint(self) -> None:
         """Wait for the background checkpoint in flight, if any (collective); its
