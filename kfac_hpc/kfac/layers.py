@@ -261,7 +261,23 @@ def _write_grad(param: Tensor, value: Tensor) -> None:
         param.grad.copy_(value.reshape(param.grad.shape))
 
 
-class LinearCurvature(LayerCurvature):
+class _OutputsOverPositions(LayerCurvature):
+    """Output side of a layer whose output is ``(b, *positions, g_dim)`` (Linear,
+    Embedding): every position is a row (expand), or sums over positions (reduce)."""
+
+    def _output_rows(self, grad_output: Tensor) -> tuple[Tensor, int]:
+        b = grad_output.shape[0] if grad_output.dim() > 1 else 1  # unbatched input: b = 1
+        return grad_output.reshape(-1, self.g_dim), b
+
+    def _reduced_outputs(self, grad_output: Tensor) -> tuple[Tensor, int, int]:
+        if grad_output.dim() <= 2:
+            rows, b = self._output_rows(grad_output)
+            return rows, b, 1
+        g = grad_output.reshape(grad_output.shape[0], -1, self.g_dim)
+        return g.sum(dim=1), g.shape[0], g.shape[1]
+
+
+class LinearCurvature(_OutputsOverPositions):
     """``nn.Linear``: inputs ``(b, *, in)``; positions beyond the batch become rows."""
 
     module: nn.Linear
@@ -277,21 +293,11 @@ class LinearCurvature(LayerCurvature):
     def _input_rows(self, inputs: Tensor) -> Tensor:
         return inputs.reshape(-1, self.weight_cols)
 
-    def _output_rows(self, grad_output: Tensor) -> tuple[Tensor, int]:
-        b = grad_output.shape[0] if grad_output.dim() > 1 else 1  # unbatched input: b = 1
-        return grad_output.reshape(-1, self.g_dim), b
 
     def _reduced_inputs(self, inputs: Tensor) -> Tensor:
         if inputs.dim() <= 2:  # no positions: reduce = expand
             return inputs.reshape(-1, self.weight_cols)
         return inputs.reshape(inputs.shape[0], -1, self.weight_cols).mean(dim=1)
-
-    def _reduced_outputs(self, grad_output: Tensor) -> tuple[Tensor, int, int]:
-        if grad_output.dim() <= 2:
-            rows, b = self._output_rows(grad_output)
-            return rows, b, 1
-        g = grad_output.reshape(grad_output.shape[0], -1, self.g_dim)
-        return g.sum(dim=1), g.shape[0], g.shape[1]
 
 
 class Conv2dCurvature(LayerCurvature):
@@ -403,7 +409,7 @@ class Conv2dCurvature(LayerCurvature):
         return column_covariance(g.reshape(b, self.g_dim, positions)).mul_(scale * scale)
 
 
-class EmbeddingCurvature(LayerCurvature):
+class EmbeddingCurvature(_OutputsOverPositions):
     """``nn.Embedding``: a Linear layer on one-hot inputs, ``y = Wᵀ e_x``.
 
     Inputs are token indices ``(b, *)``; every index is a row (positions beyond the batch
@@ -445,22 +451,12 @@ class EmbeddingCurvature(LayerCurvature):
         dtype = inputs.dtype if inputs.is_floating_point() else self.module.weight.dtype
         return F.one_hot(self._indices(inputs), self.weight_cols).to(dtype)
 
-    def _output_rows(self, grad_output: Tensor) -> tuple[Tensor, int]:
-        b = grad_output.shape[0] if grad_output.dim() > 1 else 1
-        return grad_output.reshape(-1, self.g_dim), b
 
     def _reduced_inputs(self, inputs: Tensor) -> Tensor:
         x = inputs.detach().long()
         x = x.reshape(x.shape[0], -1) if x.dim() > 1 else x.reshape(-1, 1)
         dtype = inputs.dtype if inputs.is_floating_point() else self.module.weight.dtype
         return F.one_hot(x, self.weight_cols).to(dtype).mean(dim=1)
-
-    def _reduced_outputs(self, grad_output: Tensor) -> tuple[Tensor, int, int]:
-        if grad_output.dim() <= 2:
-            rows, b = self._output_rows(grad_output)
-            return rows, b, 1
-        g = grad_output.reshape(grad_output.shape[0], -1, self.g_dim)
-        return g.sum(dim=1), g.shape[0], g.shape[1]
 
     def a_factor(self, inputs: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         """``A = diag(counts / rows)`` (expand) as a dense matrix in ``dtype`` (default:

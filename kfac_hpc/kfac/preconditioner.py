@@ -296,22 +296,18 @@ class KFACPreconditioner:
             self._checked_hooks = True
             self._warn_unfired()
         decay = self.factor_decay(k)
+        local_sums = self._captured_sums()
         if self.factor_sync == "inverse":  # fold into local averages; reduced at inverse steps
-            sums = {key: self._local_sum(key) for key in self.local_averages}
-            if self._statistics_usable(k, {key: t for key, (t, c) in sums.items() if c}):
-                for key, (total, count) in sums.items():
-                    if count:
-                        local = self.local_averages[key]
-                        first = key not in self._has_history and local.updates == 0
-                        local.fold(total / count, decay, first)
+            if self._statistics_usable(k, local_sums):
+                for key, total in local_sums.items():
+                    local = self.local_averages[key]
+                    first = key not in self._has_history and local.updates == 0
+                    local.fold(total / self._captured_count(key), decay, first)
             self.capture.clear()
             return
         if not sends_factors(self.strategy):  # DP-KFAC: owners use their own batch
             received = {key: self._local_sum(key) for key in self._factors}
-            local_sums = {key: t for key, (t, c) in received.items() if c}
         else:
-            local_sums = {key: t for key in self._keys()
-                          for t, c in [self._local_sum(key)] if c}
             with self.comm.stats.tagged("factors"):
                 if self.pipeline is not None:
                     mine = self.pipeline.finish(self._wire_pieces)
@@ -415,6 +411,14 @@ class KFACPreconditioner:
             if local.updates:
                 self._has_history.add(key)
             local.reset()
+
+    def _captured_sums(self) -> dict[FactorKey, Tensor]:
+        """This rank's micro-batch factor sums of this step (layers its hooks saw)."""
+        return {FactorKey(name, f): total for name, stats in self.capture.stats.items()
+                for f in FACTORS if (total := stats.sums[f]) is not None}
+
+    def _captured_count(self, key: FactorKey) -> int:
+        return self.capture.stats[key.layer].counts[key.factor]
 
     def _local_sum(self, key: FactorKey) -> tuple[Tensor, int]:
         """This rank's sum of micro-batch factors of ``key`` and how many were added."""
