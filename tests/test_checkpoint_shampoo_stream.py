@@ -122,3 +122,99 @@ def test_shampoo_save_streams_blocks_and_loads_on_one_rank(comm: Any, tmp_path: 
     checkpoint.load(d, model=resumed, optimizer=resumed_opt, comm=comm)
     train_steps(resumed, resumed_opt, comm, 3, 6)
     assert all(comm.allgather_object(weights_equal(ref, resumed)))
+
+
+def _block_bytes(opt: Any) -> int:
+    return _state_bytes(opt)[0]
+
+
+def _same_blocks(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for name, blocks in a.items():
+        if blocks.keys() != b[name].keys():
+            return False
+        for index, block in blocks.items():
+            for key, value in block.items():
+                other = b[name][index][key]
+                same = (torch.equal(value.cpu(), other.cpu()) if isinstance(value, torch.Tensor)
+                        else value == other)
+                if not same:
+                    return False
+    return True
+
+
+def test_shampoo_load_reads_each_block_on_its_owner_only(comm: Any, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """Saved on all ranks, loaded on one rank fewer (or the same two): each rank stages
+    exactly the bytes of the blocks it owns now, once, and the state is the saved one."""
+    from kfac_hpc.checkpoint import apply
+
+    d = Path(comm.broadcast_object(str(tmp_path)))
+    torch.manual_seed(0)
+    model = Net()
+    opt = _shampoo(model, comm)
+    train_steps(model, opt, comm, 0, 3)
+    checkpoint.save(d, model=model, optimizer=opt, step=3, comm=comm)
+    full = opt.state_dict()
+    total = sum(comm.allgather_object(_block_bytes(opt)))
+
+    size = comm.size - 1 if comm.size > 2 else comm.size
+    sub = comm.split(0 if comm.rank < size else 1)
+    if comm.rank < size:
+        staged: list[int] = []
+        prepare = apply.prepare
+
+        def recording(c: Any, plan: Any, arrays: Any, *args: Any, **kwargs: Any) -> Any:
+            staged.append(sum(a.nbytes for p, a in arrays.items()
+                              if p.startswith("/optimizer/state/")))
+            return prepare(c, plan, arrays, *args, **kwargs)
+
+        monkeypatch.setattr(apply, "prepare", recording)
+        torch.manual_seed(9)
+        fresh_model = Net()
+        fresh = _shampoo(fresh_model, sub)
+        checkpoint.load(d, model=fresh_model, optimizer=fresh, comm=sub)
+        monkeypatch.undo()
+        own = _block_bytes(fresh)
+        assert staged == [own]  # its own blocks, nothing else
+        assert sum(sub.allgather_object(own)) == total
+        assert sum(1 for b in sub.allgather_object(own) if b) > 1
+        assert _same_blocks(full["state"], fresh.state_dict()["state"])
+    sub.free()
+    comm.barrier()
+
+
+class _RefusingNet(Net):
+    refuse = False
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        if self.refuse:
+            raise RuntimeError("this model refuses to load")
+        return super().load_state_dict(*args, **kwargs)
+
+
+def test_a_failing_model_load_puts_every_ranks_shampoo_blocks_back(comm: Any,
+                                                                   tmp_path: Path) -> None:
+    """The rollback snapshot of a sharded optimizer is each rank's own blocks."""
+    from kfac_hpc.checkpoint import CheckpointError
+
+    d = Path(comm.broadcast_object(str(tmp_path)))
+    torch.manual_seed(0)
+    model = Net()
+    opt = _shampoo(model, comm)
+    train_steps(model, opt, comm, 0, 3)
+    checkpoint.save(d, model=model, optimizer=opt, step=3, comm=comm)
+
+    torch.manual_seed(4)
+    live = _RefusingNet()
+    live_opt = _shampoo(live, comm)
+    train_steps(live, live_opt, comm, 0, 2)
+    kept = live_opt.state_dict()
+    live.refuse = comm.rank == comm.size - 1
+    with pytest.raises(CheckpointError, match="loading the model state failed") as err:
+        checkpoint.load(d, model=live, optimizer=live_opt, comm=comm)
+    assert "nothing was loaded" in str(err.value)
+    assert _same_blocks(kept["state"], live_opt.state_dict()["state"])
+    assert not _same_blocks(kept["state"], opt.state_dict()["state"])

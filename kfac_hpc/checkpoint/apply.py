@@ -31,7 +31,7 @@ from kfac_hpc.checkpoint.errors import CheckpointError
 from kfac_hpc.checkpoint.finite import checked, nonfinite_count
 from kfac_hpc.checkpoint.layout import KFAC, MODEL, OPTIMIZER, RNG, TRAIN, escape
 from kfac_hpc.checkpoint.routing import EVERY_RANK, Plan, fetcher
-from kfac_hpc.checkpoint.state import TORCH_LAYOUT, torch_state_from_names, unwrap
+from kfac_hpc.checkpoint.state import TORCH_LAYOUT, ShardedState, torch_state_from_names, unwrap
 from kfac_hpc.checkpoint.writer import factor_path, kfac_rank_group
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ def prepare(comm: Communicator, plan: Plan, staged: dict[str, np.ndarray], model
                                 "written by a run that had diverged; load an earlier checkpoint")
     builders: dict[str, Callable[[], Any]] = {
         "kfac": lambda: _kfac_state(comm, plan, staged, model),
-        "optimizer": lambda: _optimizer_state(plan, staged, model, optimizer),
+        "optimizer": lambda: _optimizer_state(comm, plan, staged, model, optimizer),
         "model": lambda: _model_state(plan, staged, model, problems),
         "rng": lambda: _rng_state(comm, plan, staged, problems),
     }
@@ -112,10 +112,16 @@ def _model_state(plan: Plan, staged: dict[str, np.ndarray], model: nn.Module,
     return sd
 
 
-def _optimizer_state(plan: Plan, staged: dict[str, np.ndarray], model: nn.Module,
-                     optimizer: Any) -> Any:
+def _optimizer_state(comm: Communicator, plan: Plan, staged: dict[str, np.ndarray],
+                     model: nn.Module, optimizer: Any) -> Any:
     attrs = plan.groups[f"/{OPTIMIZER}"]
-    saved = tree.decode(json.loads(attrs["structure"]), fetcher(plan, staged, f"/{OPTIMIZER}"))
+    skip = None
+    if isinstance(optimizer, ShardedState):  # other ranks' parts were routed to them
+        def skip(key_path: tree.KeyPath) -> bool:
+            rank = optimizer.checkpoint_load_rank(key_path)
+            return rank is not None and rank != comm.rank
+    saved = tree.decode(json.loads(attrs["structure"]), fetcher(plan, staged, f"/{OPTIMIZER}"),
+                        skip)
     if attrs["layout"] == TORCH_LAYOUT:
         sd, _ = torch_state_from_names(optimizer, model, saved, set(plan.skip_optimizer_state),
                                        strict=False)
@@ -179,7 +185,8 @@ def apply(comm: Communicator, plan: Plan, ready: Ready, model: nn.Module, optimi
             except TypeError:
                 return preconditioner.state_dict()
         if section == "optimizer":
-            sd = optimizer.state_dict()
+            sd = (optimizer.local_state_dict() if isinstance(optimizer, ShardedState)
+                  else optimizer.state_dict())
             if isinstance(sd, dict) and isinstance(sd.get("state"), dict):
                 sd = {**sd, "state": {k: dict(v) if isinstance(v, dict) else v
                                       for k, v in sd["state"].items()}}
@@ -203,7 +210,7 @@ def apply(comm: Communicator, plan: Plan, ready: Ready, model: nn.Module, optimi
 
     snapshots: dict[str, Any] = {}
     error = None
-    try:  # K-FAC's and Shampoo's state_dict() are collective: every rank takes all
+    try:  # K-FAC's state_dict() is collective: every rank takes every section
         for section in sections:
             snapshots[section] = take(section)
     except Exception as exc:

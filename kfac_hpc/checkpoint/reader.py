@@ -52,6 +52,7 @@ from kfac_hpc.checkpoint.layout import (
 from kfac_hpc.checkpoint.routing import EVERY_RANK, Plan, Route
 from kfac_hpc.checkpoint.state import (
     TORCH_LAYOUT,
+    ShardedState,
     optimizer_layout,
     torch_state_from_names,
     unwrap,
@@ -146,8 +147,11 @@ def _check(path: str, f: h5py.File, info: FileInfo, comm: Communicator, model: n
                 _, problems = torch_state_from_names(optimizer, model, saved, set(skip_state),
                                                      strict=False)
                 mismatches += problems
-            for rel in tree.leaf_paths(structure):
-                route(f"/{OPTIMIZER}/{rel}", EVERY_RANK)
+            # a sharded optimizer's parts go to their owners now (any saved rank count)
+            rank_of = optimizer.checkpoint_load_rank if isinstance(optimizer, ShardedState) \
+                else None
+            for rel, rank in tree.leaf_routes(structure, rank_of):
+                route(f"/{OPTIMIZER}/{rel}", EVERY_RANK if rank is None else rank)
             sections.append("optimizer")
 
     elif info.group(OPTIMIZER) is not None:

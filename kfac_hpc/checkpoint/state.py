@@ -7,18 +7,36 @@
   it survives a change of parameter order or of parameter groups' positions.
 * Any other optimizer (e.g. ``kfac_hpc.shampoo.DistributedShampoo``) is *generic*:
   its ``state_dict()`` is stored as it is and handed back to its ``load_state_dict()``.
+  A generic optimizer whose state is spread over the ranks implements
+  :class:`ShardedState`: a load then reads each part of the state on the rank that
+  owns it now (never the whole state on every rank) and keeps only this rank's part
+  for a rollback.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 TORCH_LAYOUT = "torch"
 GENERIC_LAYOUT = "generic"
+
+
+@runtime_checkable
+class ShardedState(Protocol):
+    """An optimizer whose ranks each hold part of its ``state_dict()``."""
+
+    def checkpoint_load_rank(self, key_path: tuple[Any, ...]) -> int | None:
+        """The rank that loads the saved entry at ``key_path`` (dict keys from the root of
+        ``state_dict()``, e.g. ``("state", name, block)``) and everything under it; None:
+        not decided at this entry (deeper entries are asked; every rank if none says)."""
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's part of ``state_dict()`` (no collective): ``load_state_dict`` of it
+        on the same ranks restores this rank."""
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -106,36 +106,67 @@ def encode(obj: Any, where: str = "") -> tuple[Any, list[tuple[str, Leaf]]]:
     return enc(obj, []), leaves
 
 
-def decode(structure: Any, fetch: Callable[[str], Any]) -> Any:
-    """Rebuild the object; ``fetch(path)`` returns the tensor (or array) under ``path``."""
-    (kind, value), = structure.items()
-    if kind == "tensor":
-        return fetch(value)
-    if kind == "ndarray":
-        leaf = fetch(value)
-        return leaf.numpy() if isinstance(leaf, torch.Tensor) else leaf
-    if kind == "value":
-        return value
-    if kind == "npscalar":
-        return np.dtype(value[0]).type(value[1])
-    if kind == "dtype":
-        return torch_dtype(value)
-    if kind == "dict":
-        return {_decode_key(k): decode(v, fetch) for k, v in value}
-    if kind == "list":
-        return [decode(v, fetch) for v in value]
-    if kind == "tuple":
-        return tuple(decode(v, fetch) for v in value)
-    raise ValueError(f"unknown structure node {kind!r}")
+KeyPath = tuple[Any, ...]  # dict keys from the root of a structure to one entry
+
+
+def decode(structure: Any, fetch: Callable[[str], Any],
+           skip: Callable[[KeyPath], bool] | None = None) -> Any:
+    """Rebuild the object; ``fetch(path)`` returns the tensor (or array) under ``path``.
+
+    ``skip(key_path)``: dict entries for which it is true are left out, and their leaves
+    never fetched (state another rank loads, see :func:`leaf_routes`)."""
+    def dec(node: Any, keys: KeyPath) -> Any:
+        (kind, value), = node.items()
+        if kind == "tensor":
+            return fetch(value)
+        if kind == "ndarray":
+            leaf = fetch(value)
+            return leaf.numpy() if isinstance(leaf, torch.Tensor) else leaf
+        if kind == "value":
+            return value
+        if kind == "npscalar":
+            return np.dtype(value[0]).type(value[1])
+        if kind == "dtype":
+            return torch_dtype(value)
+        if kind == "dict":
+            out = {}
+            for k, v in value:
+                key = _decode_key(k)
+                if skip is None or not skip((*keys, key)):
+                    out[key] = dec(v, (*keys, key))
+            return out
+        if kind == "list":
+            return [dec(v, keys) for v in value]
+        if kind == "tuple":
+            return tuple(dec(v, keys) for v in value)
+        raise ValueError(f"unknown structure node {kind!r}")
+
+    return dec(structure, ())
+
+
+def leaf_routes(structure: Any, rank_of: Callable[[KeyPath], int | None] | None = None
+                ) -> list[tuple[str, int | None]]:
+    """``(dataset path, rank)`` of every leaf, in order: the rank ``rank_of`` names for
+    the outermost dict entry above the leaf for which it names one, None (every rank)
+    where it names none (or without ``rank_of``)."""
+    routes: list[tuple[str, int | None]] = []
+
+    def walk(node: Any, keys: KeyPath, rank: int | None) -> None:
+        (kind, value), = node.items()
+        if kind in ("tensor", "ndarray"):
+            routes.append((value, rank))
+        elif kind == "dict":
+            for k, v in value:
+                path = (*keys, _decode_key(k))
+                walk(v, path, rank if rank is not None or rank_of is None else rank_of(path))
+        elif kind in ("list", "tuple"):
+            for v in value:
+                walk(v, keys, rank)
+
+    walk(structure, (), None)
+    return routes
 
 
 def leaf_paths(structure: Any) -> list[str]:
     """Relative dataset paths referenced by a structure, in order."""
-    (kind, value), = structure.items()
-    if kind in ("tensor", "ndarray"):
-        return [value]
-    if kind == "dict":
-        return [p for _, v in value for p in leaf_paths(v)]
-    if kind in ("list", "tuple"):
-        return [p for v in value for p in leaf_paths(v)]
-    return []
+    return [path for path, _ in leaf_routes(structure)]

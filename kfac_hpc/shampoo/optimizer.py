@@ -208,6 +208,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._block_param = block_param
         layout = self._layout = Layout.build(blocks, self.comm.size)
         self._owned = layout.owned(self.comm.rank)
+        self._owner_of = {b.key: r for b, r in zip(layout.blocks, layout.owners)}
         self._device = device if device is not None else torch.device("cpu")
         dtype = self.communication_dtype
         self._send = torch.zeros(layout.counts[self.comm.rank], dtype=dtype, device=self._device)
@@ -353,6 +354,27 @@ class DistributedShampoo(torch.optim.Optimizer):
             if state is not None:
                 out.append((spec.key, state))
         return out
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """:meth:`state_dict` holding only this rank's blocks (copies on their devices;
+        local, no collective). :meth:`load_state_dict` of it on the same number of
+        ranks restores this rank (checkpoint loads keep it for a rollback)."""
+        return self._assemble_state_dict(lambda: {
+            key: {k: v.detach().clone() if isinstance(v, Tensor) else v
+                  for k, v in state.items()}
+            for key, state in self._local_states()})
+
+    def checkpoint_load_rank(self, key_path: tuple[Any, ...]) -> int | None:
+        """The rank that owns, in this optimizer's layout, the block whose saved state
+        is at ``key_path = ("state", param_name, block_index)`` (None elsewhere): a
+        checkpoint load reads each block's state on its owner only, for any number of
+        ranks at save time."""
+        if len(key_path) != 3 or key_path[0] != "state":
+            return None
+        try:
+            return self._owner_of.get((str(key_path[1]), _block_index(key_path[2])))
+        except ValueError:
+            return None
 
     def _gather_states(self) -> dict[tuple[str, int], BlockState]:
         """Every block's state on every rank (collective)."""
