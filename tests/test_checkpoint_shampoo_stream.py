@@ -124,6 +124,17 @@ def test_shampoo_save_streams_blocks_and_loads_on_one_rank(comm: Any, tmp_path: 
     assert all(comm.allgather_object(weights_equal(ref, resumed)))
 
 
+def _saved_after_three_steps(comm: Any, tmp_path: Path) -> tuple[Path, Any]:
+    """The checkpoint directory and the Shampoo optimizer saved in it after 3 steps."""
+    d = Path(comm.broadcast_object(str(tmp_path)))
+    torch.manual_seed(0)
+    model = Net()
+    opt = _shampoo(model, comm)
+    train_steps(model, opt, comm, 0, 3)
+    checkpoint.save(d, model=model, optimizer=opt, step=3, comm=comm)
+    return d, opt
+
+
 def _block_bytes(opt: Any) -> int:
     return _state_bytes(opt)[0]
 
@@ -151,12 +162,7 @@ def test_shampoo_load_reads_each_block_on_its_owner_only(comm: Any, tmp_path: Pa
     exactly the bytes of the blocks it owns now, once, and the state is the saved one."""
     from kfac_hpc.checkpoint import apply
 
-    d = Path(comm.broadcast_object(str(tmp_path)))
-    torch.manual_seed(0)
-    model = Net()
-    opt = _shampoo(model, comm)
-    train_steps(model, opt, comm, 0, 3)
-    checkpoint.save(d, model=model, optimizer=opt, step=3, comm=comm)
+    d, opt = _saved_after_three_steps(comm, tmp_path)
     full = opt.state_dict()
     total = sum(comm.allgather_object(_block_bytes(opt)))
 
@@ -200,12 +206,7 @@ def test_a_failing_model_load_puts_every_ranks_shampoo_blocks_back(comm: Any,
     """The rollback snapshot of a sharded optimizer is each rank's own blocks."""
     from kfac_hpc.checkpoint import CheckpointError
 
-    d = Path(comm.broadcast_object(str(tmp_path)))
-    torch.manual_seed(0)
-    model = Net()
-    opt = _shampoo(model, comm)
-    train_steps(model, opt, comm, 0, 3)
-    checkpoint.save(d, model=model, optimizer=opt, step=3, comm=comm)
+    d, opt = _saved_after_three_steps(comm, tmp_path)
 
     torch.manual_seed(4)
     live = _RefusingNet()
