@@ -12,7 +12,8 @@
 #
 # Crashes and node failures: any other status than those `kfac-hpc train` gives on
 # purpose (0 done, 1 checkpoint write failed, 2 bad input, 3 diverged, 75 preempted),
-# e.g. 137 (killed), 139 (segfault) or srun's status after a node failure, is a crash.
+# e.g. 137 (killed), 139 (segfault), srun's status after a node failure or 4 (the hang
+# watchdog ended the job: --hang-timeout-minutes), is a crash.
 # A crashed step is requeued (under the same KFAC_MAX_RESTARTS cap) only when it made
 # progress: KFAC_CHECKPOINT_DIR holds a valid checkpoint (verified: format, checksums,
 # no NaN/Inf) of a later step than the newest valid one when the step started. A step

@@ -214,6 +214,9 @@ class TrainConfig:
     time_limit_margin_minutes: float | None = _opt(
         None, "checkpoint and exit 75 when SLURM's remaining wall time "
         "(SLURM_JOB_END_TIME) is below this", "checkpoint")
+    hang_timeout_minutes: float | None = _opt(
+        30.0, "end the job (exit 4, every rank) when a rank makes no progress for this "
+        "long: a hung collective (none: wait forever)", "checkpoint")
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -398,6 +401,8 @@ class TrainConfig:
                 need(False, "preempt_signals", str(exc))
         need(self.time_limit_margin_minutes is None or self.time_limit_margin_minutes > 0,
              "time_limit_margin_minutes", "must be > 0")
+        need(self.hang_timeout_minutes is None or self.hang_timeout_minutes > 0,
+             "hang_timeout_minutes", "must be > 0 (none: no watchdog)")
         return p
 
     def validate(self, *, cuda_available: bool | None = None) -> None:

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from kfac_hpc.models import build_model
+from kfac_hpc.runtime.watchdog import Watchdog
 from kfac_hpc.train.config import ConfigError, TrainConfig
 from kfac_hpc.train.data import DatasetSplits, ShardedLoader, load_dataset, rescaled_batch_size
 from kfac_hpc.train.metrics import (
@@ -259,6 +260,7 @@ class Trainer:
         self.scaler: torch.amp.GradScaler | None = None
         self._checkpoints = False  # kfac_hpc.checkpoint in use (--checkpoint-dir/--resume)
         self._bg: BackgroundSaver | None = None  # made at the first background save
+        self._watchdog: Watchdog | None = None  # during fit()
         self.last_checkpoint: str | None = None  # the last good one (written or resumed)
         self._epoch = 0  # the epoch in progress (0-based)
         self._step_loss: torch.Tensor | None = None  # this rank's loss sum of the step
@@ -537,6 +539,7 @@ class Trainer:
         """Wait for the background checkpoint in flight, if any (collective); its
         failure is raised as the same CheckpointError on every rank."""
         if self._bg is not None and self._bg.in_flight:
+            self._beat(f"waiting for the checkpoint write in flight (step {self.step})")
             path = self._bg.wait()
             if path is not None:
                 self.last_checkpoint = str(path)
@@ -573,6 +576,8 @@ class Trainer:
             return
         background = background and self._background_enabled()
         self.wait_for_checkpoint()  # at most one write in flight; its errors first
+        self._beat(f"{'snapshot for a background' if background else 'writing a'} "
+                   f"checkpoint at step {self.step}")
         before = self.comm.traffic().total_bytes
         extra = {
             "loader": self.train_loader.state_dict(),
@@ -706,7 +711,8 @@ class Trainer:
                                seed=0, shuffle=False, drop_last=False,
                                **self._pipeline_options())
         stats = WeightedMean()
-        for x, y in loader:  # epoch 0 of an un-augmented set; empty batches are skipped
+        for i, (x, y) in enumerate(loader):  # epoch 0, un-augmented; empty batches skipped
+            self._beat(f"evaluation batch {i + 1} after step {self.step}")
             if y.numel() == 0:
                 continue
             x = x.to(self.device, non_blocking=True)
@@ -749,7 +755,25 @@ class Trainer:
             print(text, flush=True)
 
     def fit(self) -> TrainResult:
-        """Run the configured epochs (or until ``max_steps``/target/stop) and summarise."""
+        """Run the configured epochs (or until ``max_steps``/target/stop) and summarise.
+
+        Under a :class:`~kfac_hpc.runtime.watchdog.Watchdog` (``hang_timeout_minutes``):
+        a rank that makes no progress for that long ends the job with exit status 4."""
+        minutes = self.cfg.hang_timeout_minutes
+        if minutes is None:
+            return self._fit()
+        with Watchdog(60 * minutes, rank=self.rank) as self._watchdog:
+            try:
+                return self._fit()
+            finally:
+                self._watchdog = None
+
+    def _beat(self, doing: str) -> None:
+        """Progress for the watchdog (no-op without one)."""
+        if self._watchdog is not None:
+            self._watchdog.beat(doing)
+
+    def _fit(self) -> TrainResult:
         cfg = self.cfg
         self._write_config()
         bar = self._progress()
@@ -840,6 +864,7 @@ class Trainer:
         t_step = time.perf_counter()
         traffic0 = self._traffic_counts()
         for x, y in self.train_loader:
+            self._beat(f"step {self.step + 1} (epoch {epoch + 1})")
             logged = (self.step + 1) % cfg.log_every_steps == 0 or self.step + 1 == self.total_steps
             self.timer.start(logged)
             try:
