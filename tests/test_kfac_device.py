@@ -13,27 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 from mpi4py import MPI
+from shared_cases import case_ids, fraction_for, kfac_cases
 from torch import nn
 
 from kfac_hpc import KFACPreconditioner
 from kfac_hpc.comm import Communicator
 
 STEPS = 5
-CASES = [
-    ("comm-opt", {}),
-    ("comm-opt", {"compute_method": "inverse"}),
-    ("comm-opt", {"overlap": True, "bucket_cap_mb": 1e-4}),
-    ("comm-opt", {"symmetric_packing": True}),
-    ("comm-opt", {"factor_sync": "inverse"}),
-    ("comm-opt", {"local_decomposition_threshold": 10}),
-    ("mem-opt", {}),
-    ("mem-opt", {"overlap": True, "symmetric_packing": True}),
-    ("mem-opt", {"factor_sync": "inverse", "compute_method": "inverse"}),
-    ("hybrid-opt", {}),
-    ("dp-kfac", {}),
-    ("dp-kfac", {"input_shape": (4, 2, 5, 5)}),
-]
-IDS = [f"{s}-" + "-".join(f"{k}={v}" for k, v in o.items()) for s, o in CASES]
+CASES = kfac_cases(input_shape=(4, 2, 5, 5))
+IDS = case_ids(CASES)
 
 
 def cnn() -> nn.Module:
@@ -55,9 +43,7 @@ def run(comm: Communicator, strategy: str, options: dict, stand_in=None, *,
     ``save_at``: after that many steps, take the state dicts (between inverse updates);
     ``resume``: then rebuild model, optimizer and preconditioner from them and go on.
     """
-    fraction = 0.5 if strategy == "hybrid-opt" and comm.size % 2 == 0 else None
-    if strategy == "hybrid-opt" and fraction is None:
-        strategy = "comm-opt"  # an odd world has no fraction 1/2
+    strategy, fraction = fraction_for(strategy, comm.size)
     batches = data()
 
     def build(model: nn.Module) -> tuple[torch.optim.Optimizer, KFACPreconditioner]:

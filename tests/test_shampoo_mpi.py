@@ -20,29 +20,12 @@ from typing import Any
 import pytest
 import torch
 from mpi4py import MPI
+from shared_cases import SHAMPOO_KWARGS as KWARGS
+from shared_cases import ShampooNet as Net
 from torch import nn
 
 from kfac_hpc.comm import Communicator
 from kfac_hpc.shampoo import DistributedShampoo, ShampooNumericalError
-
-KWARGS: dict[str, Any] = dict(lr=0.01, momentum=0.9, nesterov=True, weight_decay=1e-3,
-                              max_preconditioner_dim=4, precondition_frequency=2)
-
-
-class Net(nn.Module):
-    """Conv 4-D weight (merged to 3-D), matrices, vectors and a 0-d scale; max dim 4."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.conv = nn.Conv2d(2, 3, 3)
-        self.fc1 = nn.Linear(12, 6)
-        self.fc2 = nn.Linear(6, 3)
-        self.scale = nn.Parameter(torch.ones(()))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.conv(x)).flatten(1)
-        return self.fc2(torch.tanh(self.fc1(h))) * self.scale
 
 
 def batches(steps: int, seed: int = 1, n: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 from mpi4py import MPI
+from shared_cases import case_ids, fraction_for, kfac_cases
 from torch import nn
 
 from kfac_hpc import GradientAverager, KFACPreconditioner
@@ -20,21 +21,8 @@ pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-only check")
 
 STEPS = 5
-CASES = [
-    ("comm-opt", {}),
-    ("comm-opt", {"compute_method": "inverse"}),
-    ("comm-opt", {"overlap": True, "bucket_cap_mb": 1e-4}),
-    ("comm-opt", {"symmetric_packing": True}),
-    ("comm-opt", {"factor_sync": "inverse"}),
-    ("comm-opt", {"local_decomposition_threshold": 10}),
-    ("mem-opt", {}),
-    ("mem-opt", {"overlap": True, "symmetric_packing": True}),
-    ("mem-opt", {"compute_method": "inverse", "factor_sync": "inverse"}),
-    ("hybrid-opt", {}),
-    ("dp-kfac", {}),
-    ("dp-kfac", {"input_shape": (4, 2, 6, 6)}),
-]
-IDS = [f"{s}-" + "-".join(f"{k}={v}" for k, v in o.items()) for s, o in CASES]
+CASES = kfac_cases(input_shape=(4, 2, 6, 6))
+IDS = case_ids(CASES)
 
 
 def cnn(device: torch.device, dtype: torch.dtype = torch.float64) -> nn.Module:
@@ -48,12 +36,6 @@ def batches(device: torch.device, dtype: torch.dtype = torch.float64, n: int = S
     g = torch.Generator().manual_seed(3)
     return [(torch.randn(4, 2, 6, 6, generator=g, dtype=dtype).to(device),
              torch.randint(0, 3, (4,), generator=g).to(device)) for _ in range(n)]
-
-
-def fraction_for(strategy: str, size: int) -> tuple[str, float | None]:
-    if strategy == "hybrid-opt":
-        return (strategy, 0.5) if size % 2 == 0 else ("comm-opt", None)
-    return strategy, None
 
 
 def train(device: torch.device, comm: Communicator, strategy: str, options: dict

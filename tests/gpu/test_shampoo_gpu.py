@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 import torch
+from shared_cases import SHAMPOO_KWARGS
+from shared_cases import ShampooNet as Net
 from torch import Tensor, nn
 
 from kfac_hpc.comm import Communicator
@@ -32,31 +34,14 @@ from kfac_hpc.shampoo import DistributedShampoo
 KIND = os.environ.get("KFAC_HPC_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.gpu
 
-KWARGS: dict[str, Any] = dict(lr=0.01, momentum=0.9, nesterov=True, weight_decay=1e-3,
-                              max_preconditioner_dim=4, precondition_frequency=2,
-                              factor_dtype=torch.float64, communication_dtype=torch.float64)
+KWARGS: dict[str, Any] = dict(SHAMPOO_KWARGS, factor_dtype=torch.float64,
+                              communication_dtype=torch.float64)
 
 
 @pytest.fixture
 def device() -> torch.device:
     """This rank's device, chosen from the launcher's local rank (as a script would)."""
     return select_device(KIND)
-
-
-class Net(nn.Module):
-    """Conv 4-D weight (merged to 3-D), matrices, vectors and a 0-d scale; max dim 4."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.conv = nn.Conv2d(2, 3, 3)
-        self.fc1 = nn.Linear(12, 6)
-        self.fc2 = nn.Linear(6, 3)
-        self.scale = nn.Parameter(torch.ones(()))
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = torch.tanh(self.conv(x)).flatten(1)
-        return self.fc2(torch.tanh(self.fc1(h))) * self.scale
 
 
 def batches(steps: int, seed: int) -> list[tuple[Tensor, Tensor]]:

@@ -1,0 +1,62 @@
+"""What the device tests share with their CPU stand-ins (``tests/gpu/*`` and
+``tests/test_*_device.py``, ``tests/test_shampoo_mpi.py``): the K-FAC option matrix and
+the Shampoo test network. Importable from ``tests/gpu`` too (``tests/`` is on
+``sys.path`` there through ``tests/conftest.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def kfac_cases(input_shape: tuple[int, ...]) -> list[tuple[str, dict[str, Any]]]:
+    """Every strategy and the options that change what travels or when; ``input_shape``
+    (one rank's batch) for DP-KFAC's placement by measured work."""
+    return [
+        ("comm-opt", {}),
+        ("comm-opt", {"compute_method": "inverse"}),
+        ("comm-opt", {"overlap": True, "bucket_cap_mb": 1e-4}),
+        ("comm-opt", {"symmetric_packing": True}),
+        ("comm-opt", {"factor_sync": "inverse"}),
+        ("comm-opt", {"local_decomposition_threshold": 10}),
+        ("mem-opt", {}),
+        ("mem-opt", {"overlap": True, "symmetric_packing": True}),
+        ("mem-opt", {"compute_method": "inverse", "factor_sync": "inverse"}),
+        ("hybrid-opt", {}),
+        ("dp-kfac", {}),
+        ("dp-kfac", {"input_shape": input_shape}),
+    ]
+
+
+def case_ids(cases: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    return [f"{s}-" + "-".join(f"{k}={v}" for k, v in o.items()) for s, o in cases]
+
+
+def fraction_for(strategy: str, size: int) -> tuple[str, float | None]:
+    """``(strategy, grad_worker_fraction)`` for this world size: hybrid-opt at 1/2 (an
+    odd world has no such fraction: comm-opt instead)."""
+    if strategy == "hybrid-opt":
+        return (strategy, 0.5) if size % 2 == 0 else ("comm-opt", None)
+    return strategy, None
+
+
+SHAMPOO_KWARGS: dict[str, Any] = dict(lr=0.01, momentum=0.9, nesterov=True, weight_decay=1e-3,
+                                      max_preconditioner_dim=4, precondition_frequency=2)
+
+
+class ShampooNet(nn.Module):
+    """Conv 4-D weight (merged to 3-D), matrices, vectors and a 0-d scale; max dim 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(2, 3, 3)
+        self.fc1 = nn.Linear(12, 6)
+        self.fc2 = nn.Linear(6, 3)
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.conv(x)).flatten(1)
+        return self.fc2(torch.tanh(self.fc1(h))) * self.scale
