@@ -57,7 +57,9 @@ def test_phase_timer_times_only_enabled_steps_and_wraps_methods() -> None:
 
     timer = PhaseTimer()
     pre = Pre()
-    timer.instrument(pre, {"kfac_factors": ["_update_factors", "_absent"]})
+    with pytest.raises(AttributeError, match="no method '_absent' to time as phase 'kfac_f"):
+        timer.instrument(pre, {"kfac_factors": ["_absent"]})
+    timer.instrument(pre, {"kfac_factors": ["_update_factors"]})
     timer.start(False)
     assert pre._update_factors(1) == 2 and timer.record() == {}
     timer.start(True)

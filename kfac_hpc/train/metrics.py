@@ -278,7 +278,8 @@ class PhaseTimer:
     device is synchronised at both ends so that the time is the work's, not the
     launch's (only while ``enabled``: steps that are not recorded pay nothing).
     :meth:`instrument` wraps methods of an object (K-FAC's private phases) the same way;
-    a method it does not find is skipped.
+    a method it does not find is an error (a renamed phase must not vanish silently
+    from the step records).
     """
 
     def __init__(self, device: torch.device | None = None) -> None:
@@ -309,12 +310,14 @@ class PhaseTimer:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
     def instrument(self, obj: Any, methods: Mapping[str, Sequence[str]]) -> None:
-        """Time ``obj``'s methods: ``{phase: [method names]}`` (missing ones skipped)."""
+        """Time ``obj``'s methods: ``{phase: [method names]}``."""
         for phase_name, names in methods.items():
             for name in names:
                 original = getattr(obj, name, None)
-                if callable(original):
-                    setattr(obj, name, self._wrapped(phase_name, original))
+                if not callable(original):
+                    raise AttributeError(f"{type(obj).__name__} has no method {name!r} to "
+                                         f"time as phase {phase_name!r}")
+                setattr(obj, name, self._wrapped(phase_name, original))
 
     def _wrapped(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
