@@ -22,6 +22,7 @@ from test_checkpoint_support import (
     FakeKFAC,
     Net,
     expected_factor,
+    flip_byte,
     make_optimizer,
     optimizer_states_equal,
     params_equal,
@@ -288,31 +289,19 @@ def test_failed_save_raises_and_keeps_previous(tmp_path: Path, comm1: Any) -> No
 
 
 # ---------------------------------------------------------------- bad files
-def _flip_byte(path: Path, dataset: str, offset_in_data: int = 0) -> None:
-    with h5py.File(path, "r") as f:
-        d = f[dataset]
-        where = d.id.get_chunk_info(0).byte_offset if d.chunks else d.id.get_offset()
-        assert where is not None
-    with open(path, "r+b") as fh:
-        fh.seek(where + offset_in_data)
-        b = fh.read(1)
-        fh.seek(where + offset_in_data)
-        fh.write(bytes([b[0] ^ 0x10]))
-
-
 def _damage(kind: str, path: Path) -> str:
     """Damage ``path`` one way; returns a regex the error must match."""
     if kind == "truncated":
         os.truncate(path, path.stat().st_size * 2 // 3)
         return "truncated checkpoint"
     if kind == "bitflip-chunked":
-        _flip_byte(path, "/model/fc1.weight", 100)
+        flip_byte(path, "/model/fc1.weight", 100)
         return r"dataset /model/fc1\.weight: (cannot read|checksum mismatch)"
     if kind == "bitflip-contiguous":
-        _flip_byte(path, "/model/fc2.bias")
+        flip_byte(path, "/model/fc2.bias")
         return r"dataset /model/fc2\.bias: checksum mismatch"
     if kind == "bitflip-scalar":
-        _flip_byte(path, "/model/bn.num_batches_tracked")
+        flip_byte(path, "/model/bn.num_batches_tracked")
         return r"dataset /model/bn\.num_batches_tracked: checksum mismatch"
     if kind == "missing-dataset":
         with h5py.File(path, "r+") as f:
@@ -472,7 +461,7 @@ def test_cli_inspect_and_verify(tmp_path: Path, comm1: Any,
     assert data["extra"] == {"epoch": 1} and data["problems"] == []
     copy = tmp_path / "copy.h5"
     shutil.copy(path, copy)
-    _flip_byte(copy, "/kfac/fc1/A", 8)
+    flip_byte(copy, "/kfac/fc1/A", 8)
     assert cli_main(["ckpt", "verify", str(copy)]) == 1
     assert "BAD" in capsys.readouterr().out
     assert cli_main(["ckpt", "verify", "--no-data", "-q", str(copy)]) == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -260,3 +261,18 @@ def test_fake_kfac_running_average_matches_expected() -> None:
     for _ in range(3):
         pre.update()
     pre.check(3)
+
+
+def flip_byte(path: Path, dataset: str, offset_in_data: int = 0) -> None:
+    """Damage a checkpoint on disk: flip one bit in ``dataset``'s stored bytes."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        d = f[dataset]
+        where = d.id.get_chunk_info(0).byte_offset if d.chunks else d.id.get_offset()
+        assert where is not None
+    with open(path, "r+b") as fh:
+        fh.seek(where + offset_in_data)
+        b = fh.read(1)
+        fh.seek(where + offset_in_data)
+        fh.write(bytes([b[0] ^ 0x10]))

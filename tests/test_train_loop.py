@@ -264,6 +264,46 @@ def test_resume_errors_are_usage_errors(tmp_path: Path) -> None:
         train(config(tmp_path, resume=str(bad)), self_comm(), verbose=False)
 
 
+
+def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--resume auto skips a damaged file (saying so) and resumes exactly from the one
+    before it; with every file damaged it is one clear usage error."""
+    from test_checkpoint_support import flip_byte
+
+    from kfac_hpc.checkpoint.atomic import candidates
+    from kfac_hpc.train.config import ConfigError
+
+    if real_checkpoint_module() is None:
+        pytest.skip("kfac_hpc.checkpoint (save/load/latest) missing")
+    comm = self_comm()
+    ref = train(config(tmp_path, epochs=3, preconditioner="kfac"), comm, verbose=False)
+    ck = tmp_path / "ck"
+    cfg = config(tmp_path, epochs=3, preconditioner="kfac", checkpoint_dir=str(ck),
+                 checkpoint_every_steps=10, checkpoint_keep=5)
+    calls = {"n": 0}
+
+    def stop_at() -> bool:
+        calls["n"] += 1
+        return calls["n"] == 23
+
+    assert train(cfg, comm, verbose=False, should_stop=stop_at).steps == 23
+    files = candidates(ck)
+    assert [f.name for f in files] == ["ckpt_00000023.h5", "ckpt_00000020.h5",
+                                       "ckpt_00000010.h5"]
+    flip_byte(files[0], "/model/1.weight", 4)
+    capsys.readouterr()
+    second = train(cfg, comm, verbose=True)
+    out = capsys.readouterr().out
+    assert f"checkpoint {files[0]} is damaged (dataset /model/1.weight" in out
+    assert f"resumed from {files[1]} at step 20" in out
+    assert second.checksum == ref.checksum  # exact, from the older checkpoint
+
+    for f in candidates(ck):
+        flip_byte(f, "/model/1.weight", 4)
+    with pytest.raises(ConfigError, match=r"no usable checkpoint in .*every one is damaged"):
+        train(cfg, comm, verbose=False)
+
 # ------------------------------------------------------------------ divergence
 DIVERGED = (r"^(?P<what>.+) at step (?P<step>\d+) \(epoch (?P<epoch>\d+)\)(?P<detail>.*); "
             r"last good checkpoint: (?P<ckpt>.+)$")

@@ -110,6 +110,17 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> list[Path]:
     return [directory / n for _, n in sorted(found)]
 
 
+def candidates(directory: str | os.PathLike[str]) -> list[Path]:
+    """The checkpoints of ``directory`` in the order a resume tries them: the one
+    ``latest`` names, then the others newest step first."""
+    directory = Path(directory)
+    pointed = read_pointer(directory)
+    order = list(reversed(list_checkpoints(directory)))
+    if pointed is not None and (directory / pointed).is_file():
+        order = [directory / pointed] + [p for p in order if p.name != pointed]
+    return order
+
+
 def latest(directory: str | os.PathLike[str], *, valid: bool = False) -> Path | None:
     """The checkpoint ``directory/latest`` names, or None when there is none.
 
@@ -118,12 +129,7 @@ def latest(directory: str | os.PathLike[str], *, valid: bool = False) -> Path | 
     docstring). ``valid=True`` returns the newest checkpoint that passes
     :func:`kfac_hpc.checkpoint.verify_file` instead (reads every checkpoint it tries).
     """
-    directory = Path(directory)
-    found = list_checkpoints(directory)
-    pointed = read_pointer(directory)
-    order = list(reversed(found))
-    if pointed is not None and (directory / pointed).is_file():
-        order = [directory / pointed] + [p for p in order if p.name != pointed]
+    order = candidates(directory)
     if not valid:
         return order[0] if order else None
     from kfac_hpc.checkpoint.verify import verify_file

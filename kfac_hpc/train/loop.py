@@ -488,33 +488,53 @@ class Trainer:
 
     # ----------------------------------------------------------------- resume
     def _maybe_resume(self) -> bool:
+        """Load the checkpoint to resume from, if any (collective). ``--resume auto``
+        tries the newest first and, when a file turns out damaged (checksums, truncated,
+        NaN/Inf), says so and goes on to the one before it: a damaged newest file never
+        ends a run that has a good older one."""
         from kfac_hpc import checkpoint
+        from kfac_hpc.checkpoint.atomic import candidates
 
         cfg = self.cfg
         if not self._checkpoints or cfg.resume == "never":
             return False
-        path = None
+        auto = cfg.resume == "auto"
+        paths: list[str] = []
         if self.rank == 0:
-            if cfg.resume == "auto":
-                latest = checkpoint.latest(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
-                path = str(latest) if latest else None
-            else:
-                path = cfg.resume
-        path = self.aux.broadcast_object(path, 0)
-        if path is None:
+            paths = ([str(p) for p in candidates(cfg.checkpoint_dir)] if cfg.checkpoint_dir
+                     else []) if auto else [cfg.resume]
+        paths = self.aux.broadcast_object(paths, 0)
+        if not paths:
             return False
         # load() raises the same error on every rank; the loader check is deterministic:
         # so all ranks report the problem together (exit 2 from the CLI).
         errors = (ValueError, KeyError, checkpoint.CheckpointError)
-        try:
-            info = checkpoint.load(path, model=self.model, optimizer=self.opt,
-                                   preconditioner=self.pre, comm=self.comm)
-            extra = dict(info.extra or {})
-            if "loader" in extra:
-                self._keep_global_batch(extra["loader"], int(info.world_size or 0))
-                self.train_loader.load_state_dict(extra["loader"])
-        except errors as exc:
-            raise ConfigError(f"cannot resume from {path}: {exc}") from None
+        damaged: list[str] = []
+        for path in paths:
+            try:
+                info = checkpoint.load(path, model=self.model, optimizer=self.opt,
+                                       preconditioner=self.pre, comm=self.comm)
+                extra = dict(info.extra or {})
+                if "loader" in extra:
+                    self._keep_global_batch(extra["loader"], int(info.world_size or 0))
+                    self.train_loader.load_state_dict(extra["loader"])
+                break
+            except errors as exc:
+                # all-or-nothing: nothing was applied. A damaged file is skipped (auto);
+                # anything else (another model, other options) is the user's to fix.
+                problems = (checkpoint.verify_file(path).problems
+                            if auto and self.rank == 0 else [])
+                problems = self.aux.broadcast_object(problems, 0)
+                if not problems:
+                    raise ConfigError(f"cannot resume from {path}: {exc}") from None
+                damaged.append(path)
+                more = f"; {len(problems) - 1} more problem(s)" if len(problems) > 1 else ""
+                self._print(f"warning: checkpoint {path} is damaged ({problems[0]}{more}); "
+                            "trying the one before it")
+        else:
+            raise ConfigError(f"no usable checkpoint in {cfg.checkpoint_dir}: every one is "
+                              f"damaged ({', '.join(damaged)}); move them away to start "
+                              "afresh, or --resume PATH")
         self.step = int(info.step)
         self.last_checkpoint = str(info.path or path)
         metrics = dict(extra.get("metrics") or {})
