@@ -2,7 +2,8 @@
 
     launch/local -n P python benchmarks/vs_kaisa.py [--models mlp cnn resnet20]
         [--rounds 20] [--warmup 2] [--batch 32] [--factor-steps 1] [--inv-steps 10]
-        [--damping 0.003] [--lr 0.1] [--kaisa-src /tmp/kaisa_src] [--json FILE]
+        [--damping 0.003] [--lr 0.1] [--threads T] [--clock wall|cpu]
+        [--kaisa-src /tmp/kaisa_src] [--json FILE]
 
 KAISA is not a dependency of kfac_hpc. Its package (``kfac``) needs only torch, so this
 script imports it from an installed copy or, failing that, from a source checkout put on
@@ -30,7 +31,9 @@ DDP) one ``torch.distributed.all_reduce`` of the flattened gradients over a gloo
 group made from the MPI ranks (``MASTER_ADDR=127.0.0.1``, a free port chosen by rank 0
 and broadcast with mpi4py). KAISA's own collectives also run over that gloo group.
 The two libraries alternate round-robin, one iteration each per round, after an MPI
-barrier; an iteration's time is the slowest rank's (MPI max); reported are the median
+barrier; an iteration's time is the slowest rank's (MPI max; wall time, or with
+``--clock cpu`` the process's CPU time, which other users' load on a shared machine
+barely moves: meaningful at 1 rank, since MPI waits spin); reported are the median
 and the mean over ``--rounds`` rounds after ``--warmup`` rounds. With
 ``inv_update_steps`` > 1 the median is an iteration without a decomposition; the mean
 over a whole number of periods (choose ``--rounds`` a multiple of ``--inv-steps``) is
@@ -157,6 +160,8 @@ def import_kaisa(src: str) -> Any:
 
 # ---------------------------------------------------------------- byte counting
 
+CLOCK = [time.perf_counter]  # --clock cpu: time.process_time
+
 COUNT: dict[str, int] = defaultdict(int)
 _PHASE = ["kfac"]
 _WRAPPED = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
@@ -274,7 +279,7 @@ class Lib:
         else:
             k0, g0 = self.comm.traffic().total_bytes, self.grad_comm.traffic().total_bytes
         WORLD.Barrier()
-        t0 = time.perf_counter()
+        t0 = CLOCK[0]()
         self.opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(self.model(x), y)
         loss.backward()
@@ -284,7 +289,7 @@ class Lib:
             self.averager.synchronize()
         self.pre.step()
         self.opt.step()
-        dt = WORLD.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+        dt = WORLD.allreduce(CLOCK[0]() - t0, op=MPI.MAX)
         if not record:
             return
         self.times.append(dt)
@@ -335,6 +340,10 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads per rank (0: cores // ranks, at least 1)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="wall: elapsed time; cpu: this process's CPU time (all its threads; "
+                         "MPI waits spin, so use it at 1 rank, where other users' load "
+                         "makes wall time swing)")
     ap.add_argument("--kaisa-src", default=os.environ.get("KAISA_SRC", "/tmp/kaisa_src"))
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -345,6 +354,7 @@ def main() -> int:
         if RANK == 0:
             print(INSTRUCTIONS, file=sys.stderr)
         return 2
+    CLOCK[0] = time.process_time if args.clock == "cpu" else time.perf_counter
     threads = args.threads or max(1, (os.cpu_count() or 1) // SIZE)
     torch.set_num_threads(threads)
     wrap_torch_distributed()
@@ -356,7 +366,7 @@ def main() -> int:
               f"KAISA from {os.path.dirname(os.path.dirname(kaisa.__file__))}, "
               f"batch {args.batch}/rank, (factor, inv) = ({args.factor_steps}, "
               f"{args.inv_steps}), damping {args.damping}, rounds {args.rounds} "
-              f"after {args.warmup} warm-up", flush=True)
+              f"after {args.warmup} warm-up, {args.clock} clock", flush=True)
     results: dict[str, Any] = {"ranks": SIZE, "args": vars(args), "models": {}}
     for name in args.models:
         model, x, y = workload(name, args.batch)

@@ -36,8 +36,10 @@ class Part(Enum):
     FACTOR = "factor"  # a factor's statistics sum or running average (packed on the wire)
     COUNT = "count"  # how many micro-batch factors were summed (or ranks that folded)
     UPDATES = "updates"  # factor updates so far (local-factor replicas at load)
-    Q = "Q"  # eigenbasis of a factor (compute_method="eigen")
-    LAMBDA = "lambda"  # eigenvalues (clamped at 0)
+    Q = "Q"  # eigenbasis of a factor (compute_method="eigen"); low rank: k_cap columns
+    LAMBDA = "lambda"  # eigenvalues (clamped at 0); low rank: the k_cap largest, 0-padded
+    RHO = "rho"  # low rank: the one eigenvalue of the orthogonal complement
+    RANK = "rank"  # low rank: how many of the k_cap columns are used (the energy rule)
     INV = "inv"  # damped inverse (compute_method="inverse")
     VALID = "valid"  # 1.0 when the decomposition or gradient next to it is usable
     GRADIENT = "gradient"  # a layer's preconditioned gradient (g x a)
@@ -119,8 +121,16 @@ def broadcast_parts(comm: Communicator, layout: MessageLayout,
     Broadcasts are posted in slot order (the same on every rank); the receives for
     slots before this rank's are posted *before* ``produce()`` runs, so they progress
     while this rank computes its own pieces (e.g. decompositions).
-    Returns the pieces of every slot, including this rank's own.
+    Returns the pieces of every slot, including this rank's own. On one rank nothing
+    travels: the produced pieces come back flat, without a packed copy.
     """
+    if comm.size == 1:
+        own = produce()
+        out = {key: _flat(own[key], dtype, device) for key, _ in layout.parts[0]}
+        wrong = [key for key, n in layout.parts[0] if out[key].numel() != n]
+        if wrong:
+            raise RuntimeError(f"message pieces {wrong} do not have their layout's sizes")
+        return out
     counts = layout.counts()
     handles: list[tuple[int, Handle[Tensor] | None]] = []
 

@@ -76,7 +76,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kfac_hpc.kfac.linalg import column_covariance, covariance
+from kfac_hpc.kfac.linalg import column_covariance, covariance, inner64
 from kfac_hpc.kfac.patches import averaged_patches, patch_covariance
 
 __all__ = [
@@ -195,9 +195,14 @@ class LayerCurvature(ABC):
 
         Reduce: ``(1/(bT)) Σ_i ĝ_i ĝ_iᵀ`` with ``ĝ_i = Σ_t δ_{i,t}``.
         """
+        g = _cast(grad_output, dtype)
         if self.approx == "reduce":
-            return self._reduce_g(_cast(grad_output, dtype), grad_scale)
-        return covariance(self.g_rows(_cast(grad_output, dtype), grad_scale))
+            return self._reduce_g(g, grad_scale)
+        if isinstance(grad_scale, Tensor) or g.dtype not in _WIDE:
+            return covariance(self.g_rows(g, grad_scale))  # half precision: scale the rows
+        rows, b = self._output_rows(g)
+        scale = b / grad_scale  # δ = b·∂L/∂y / grad_scale, applied inside the Gram product
+        return covariance(rows, scale * scale)
 
     def _reduce_a(self, inputs: Tensor) -> Tensor:
         return covariance(self._with_bias_column(self._reduced_inputs(inputs)))
@@ -205,7 +210,9 @@ class LayerCurvature(ABC):
     def _reduce_g(self, grad_output: Tensor, grad_scale: float | Tensor) -> Tensor:
         sums, b, positions = self._reduced_outputs(grad_output)
         scale = b / grad_scale  # δ = b·∂L/∂y / grad_scale, applied to the small result
-        return covariance(sums).mul_(scale * scale / positions)
+        if isinstance(scale, Tensor):
+            return covariance(sums).mul_(scale * scale / positions)
+        return covariance(sums, scale * scale / positions)
 
     def grad_matrix(self, dtype: torch.dtype | None = None) -> Tensor:
         """``∇W̄ = [∇W reshaped to (g_dim, weight_cols), ∇b]`` from the ``.grad`` fields.
@@ -219,7 +226,7 @@ class LayerCurvature(ABC):
         parts.append(
             weight.new_zeros(self.g_dim, self.weight_cols, dtype=out_dtype)
             if wg is None
-            else wg.detach().reshape(self.g_dim, self.weight_cols).to(out_dtype)
+            else _as(wg.detach().reshape(self.g_dim, self.weight_cols), out_dtype)
         )
         if self.has_bias:
             bias: Tensor = self.module.bias  # type: ignore[assignment]
@@ -227,9 +234,28 @@ class LayerCurvature(ABC):
             parts.append(
                 weight.new_zeros(self.g_dim, 1, dtype=out_dtype)
                 if bg is None
-                else bg.detach().reshape(self.g_dim, 1).to(out_dtype)
+                else _as(bg.detach().reshape(self.g_dim, 1), out_dtype)
             )
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+    def grad_dot(self, matrix: Tensor) -> Tensor | None:
+        """``⟨matrix, ∇W̄⟩`` in float64 (0-dim; ``None`` without any ``.grad``), read from
+        the ``.grad`` fields without building ``∇W̄``. Equals
+        ``inner64(matrix, grad_matrix(matrix.dtype))`` up to the summation order."""
+        weight: Tensor = self.module.weight  # type: ignore[assignment]
+        total: Tensor | None = None
+        wg = weight.grad
+        if wg is not None:
+            total = inner64(matrix[:, : self.weight_cols],
+                            _as(wg.detach().reshape(self.g_dim, self.weight_cols), matrix.dtype))
+        if self.has_bias:
+            bias: Tensor = self.module.bias  # type: ignore[assignment]
+            bg = bias.grad
+            if bg is not None:
+                term = inner64(matrix[:, self.weight_cols],
+                               _as(bg.detach().reshape(self.g_dim), matrix.dtype))
+                total = term if total is None else total + term
+        return total
 
     def set_grad(self, matrix: Tensor) -> None:
         """Write ``matrix`` (``(g_dim, a_dim)``) into ``weight.grad`` and ``bias.grad``.
@@ -251,6 +277,11 @@ class LayerCurvature(ABC):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(a_dim={self.a_dim}, g_dim={self.g_dim}, "
                 f"approx={self.approx!r})")
+
+
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype`` (itself when it already is: no dispatch)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _write_grad(param: Tensor, value: Tensor) -> None:
@@ -478,7 +509,16 @@ class EmbeddingCurvature(_OutputsOverPositions):
             return weight.new_zeros(self.g_dim, self.a_dim, dtype=out_dtype)
         if wg.is_sparse:
             raise ValueError("K-FAC needs dense Embedding gradients (sparse=False)")
-        return wg.detach().t().to(out_dtype)
+        return _as(wg.detach().t(), out_dtype)
+
+    def grad_dot(self, matrix: Tensor) -> Tensor | None:
+        """``⟨matrix, (∇W)ᵀ⟩`` in float64 (``None`` without ``.grad``)."""
+        wg = self.module.weight.grad
+        if wg is None:
+            return None
+        if wg.is_sparse:
+            raise ValueError("K-FAC needs dense Embedding gradients (sparse=False)")
+        return inner64(matrix, _as(wg.detach().t(), matrix.dtype))
 
     def set_grad(self, matrix: Tensor) -> None:
         """Write ``matrixᵀ`` to ``weight.grad`` (``matrix``: ``(g_dim, a_dim)``)."""

@@ -28,6 +28,8 @@ __all__ = [
     "damped_inverse",
     "default_gram_blocks",
     "eigh_clamped",
+    "inner64",
+    "kl_clip_from_inner",
     "kl_clip_scale",
     "mirror_upper",
     "precondition_eigen",
@@ -40,8 +42,16 @@ _LINALG_DTYPES = (torch.float32, torch.float64)
 
 
 def _no_autocast(t: Tensor) -> contextlib.AbstractContextManager[None]:
-    """A context that disables autocast for ``t``'s device type."""
-    return torch.autocast(device_type=t.device.type, enabled=False)
+    """A context that disables autocast for ``t``'s device type (a no-op context when
+    autocast is off there: entering ``torch.autocast`` costs more than a small op)."""
+    device = t.device.type
+    try:
+        enabled = torch.is_autocast_enabled(device)
+    except RuntimeError:  # a device type without autocast support: disable it anyway
+        enabled = True
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device, enabled=False)
 
 
 def _linalg_dtype(t: Tensor) -> torch.dtype:
@@ -49,15 +59,18 @@ def _linalg_dtype(t: Tensor) -> torch.dtype:
     return t.dtype if t.dtype in _LINALG_DTYPES else torch.float32
 
 
-def covariance(rows: Tensor) -> Tensor:
-    """``rowsᵀ rows / n_rows`` for ``rows`` of shape ``(n_rows, d)``, in ``rows``' dtype.
+def covariance(rows: Tensor, scale: float = 1.0) -> Tensor:
+    """``scale · rowsᵀ rows / n_rows`` for ``rows`` of shape ``(n_rows, d)``, in ``rows``' dtype.
 
     The result is exactly symmetric (exact symmetry makes upper-triangle packing
     lossless and keeps ranks' copies identical): from ``d ≥ 64`` columns and
     ``n ≥ 2d`` rows in float32/float64 only the upper triangle is computed
-    (:func:`symmetric_gram_`) and mirrored; otherwise a full product is symmetrised
-    with ``(M + Mᵀ)/2`` (a blocked GEMM does not guarantee bitwise symmetry). Raises
-    ``ValueError`` for zero rows.
+    (:func:`symmetric_gram_`) and mirrored; otherwise a full product, scaled by
+    ``scale/(2n)`` inside the GEMM, is symmetrised as ``M + Mᵀ`` (a blocked GEMM does
+    not guarantee bitwise symmetry): two passes over ``d×d``. ``scale`` (e.g. ``b²``
+    for ``δ = b·∂L/∂y``) is applied to the small result, never to the rows; with
+    power-of-two ``scale`` and ``n_rows`` the result is bitwise that of scaling the
+    rows. Raises ``ValueError`` for zero rows.
     """
     if rows.dim() != 2:
         raise ValueError(f"covariance expects a 2-D (rows, dim) tensor, got {tuple(rows.shape)}")
@@ -71,9 +84,11 @@ def covariance(rows: Tensor) -> Tensor:
             # is compute-bound (n ≥ 2d); with fewer rows the extra passes over d×d lose
             acc = rows.new_zeros(d, d)
             symmetric_gram_(acc, rows, default_gram_blocks(d))
-            return mirror_upper(acc).div_(n)
-        m = (rows.t() @ rows).div_(n)  # divide the small result, not the rows (no big copy)
-    return _symmetrised(m)
+            full = mirror_upper(acc).div_(n)
+            return full if scale == 1.0 else full.mul_(scale)
+        # beta=0: the (broadcast) zero input is not read
+        m = torch.addmm(rows.new_zeros(()), rows.t(), rows, beta=0, alpha=0.5 * scale / n)
+        return torch.add(m, m.t())
 
 
 _SYMMETRIC_MIN_DIM = 64
@@ -138,8 +153,9 @@ def column_covariance(blocks: Tensor, *, append_one: bool = False) -> Tensor:
 
 
 def _symmetrised(m: Tensor) -> Tensor:
-    """``(M + Mᵀ)/2`` in place: exactly symmetric (lossless upper-triangle packing)."""
-    return m.add_(m.t().clone()).mul_(0.5)
+    """``(M + Mᵀ)/2`` (a new tensor): exactly symmetric (lossless upper-triangle packing).
+    One pass reading ``Mᵀ`` strided, not a transposed copy first (same values)."""
+    return torch.add(m, m.t()).mul_(0.5)
 
 
 def update_running_average(current: Tensor | None, batch: Tensor, decay: float) -> Tensor:
@@ -185,10 +201,11 @@ def precondition_eigen(
     returned in ``grad``'s dtype.
     """
     with _no_autocast(grad):
-        g = grad.to(qa.dtype)
+        g = grad if grad.dtype == qa.dtype else grad.to(qa.dtype)
         v = qg.t() @ g @ qa
-        v = v / (torch.outer(lg, la) + damping)
-        return (qg @ v @ qa.t()).to(grad.dtype)
+        v.div_(torch.outer(lg, la).add_(damping))
+        out = qg @ v @ qa.t()
+        return out if out.dtype == grad.dtype else out.to(grad.dtype)
 
 
 def damped_inverse(F: Tensor, damping: float, dtype: torch.dtype | None = None) -> Tensor:
@@ -252,8 +269,24 @@ def kl_clip_scale(
             raise ValueError(
                 f"shape mismatch in kl_clip_scale: {tuple(v.shape)} vs {tuple(g.shape)}"
             )
-        term = (v.to(torch.float64) * g.to(torch.float64)).sum()
+        term = inner64(v, g)
         total = term if total is None else total + term.to(total.device)
+    return kl_clip_from_inner(total, lr, kl_clip)
+
+
+def inner64(a: Tensor, b: Tensor) -> Tensor:
+    """``Σ a∘b`` in float64 (0-dim, on ``a``'s device): products of float32 values are
+    exact in float64, so only the summation rounds."""
+    return (a.to(torch.float64) * b.to(torch.float64)).sum()
+
+
+def kl_clip_from_inner(total: Tensor | None, lr: float, kl_clip: float | None) -> float:
+    """:func:`kl_clip_scale` from ``Σ ⟨V, ∇W̄⟩`` already summed (``None``: no pairs); one
+    host sync."""
+    if kl_clip is None:
+        return 1.0
+    if kl_clip < 0:
+        raise ValueError(f"kl_clip must be >= 0 or None, got {kl_clip}")
     if total is None:
         return 1.0
     denom = abs(lr * lr * float(total.item()))

@@ -39,6 +39,7 @@ is ``precondition_eigen`` up to rounding.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -49,9 +50,33 @@ __all__ = [
     "LowRankFactor",
     "precondition_lowrank",
     "randomized_eigh",
+    "sketch_generator",
+    "sketches",
 ]
 
 REMAINDERS = ("mean", "zero")
+OVERSAMPLE = 10  # randomized_eigh's defaults (the planner prices the same sketch)
+EXACT_FRACTION = 0.5
+
+
+def sketches(d: int, rank: int, oversample: int = OVERSAMPLE,
+             exact_fraction: float = EXACT_FRACTION) -> bool:
+    """Whether :func:`randomized_eigh` with ``rank`` alone sketches a ``d x d`` factor
+    (``False``: its exact ``eigh`` fallback)."""
+    return min(d, rank + oversample) < exact_fraction * d
+
+
+def sketch_generator(name: str, step: int, device: torch.device) -> torch.Generator:
+    """A generator on ``device`` seeded from a factor's name and the K-FAC step alone.
+
+    A stable hash (BLAKE2b, not Python's salted ``hash``): the sketch of a factor is the
+    same whichever rank decomposes it, in every process, so results do not depend on the
+    world size or the placement, and a rerun reproduces them.
+    """
+    digest = hashlib.blake2b(f"{name}@{step}".encode(), digest_size=8).digest()
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+    return generator
 
 
 @dataclass(frozen=True)
@@ -117,9 +142,9 @@ def randomized_eigh(
     rank: int | None = None,
     energy: float | None = None,
     *,
-    oversample: int = 10,
+    oversample: int = OVERSAMPLE,
     power_iters: int = 2,
-    exact_fraction: float = 0.5,
+    exact_fraction: float = EXACT_FRACTION,
     remainder: str = "mean",
     generator: torch.Generator | None = None,
 ) -> LowRankFactor:
@@ -127,17 +152,18 @@ def randomized_eigh(
 
     Exactly one of ``rank`` (keep ``k`` pairs) and ``energy`` (keep the fewest pairs whose
     eigenvalues sum to at least ``energy·tr F``, ``0 < energy ≤ 1``) is required; with
-    ``energy``, ``rank`` may be given too as the cap (default ``d // 4``).
+    ``energy``, ``rank`` may be given too as the cap (default ``d // 4``): never more
+    than ``rank`` pairs are kept, even when they hold less than the energy.
 
     The sketch has ``k + oversample`` columns and ``power_iters`` power iterations
     (each re-orthonormalised by QR); with ``energy``, ``k`` starts at 32 and doubles
-    until the energy is held (about twice the cost of one sketch of the final size).
-    When the sketch would have at least ``exact_fraction·d`` columns, or when the
-    sketched spectrum does not reach ``energy`` at the cap, the exact
-    ``torch.linalg.eigh`` is used instead (``exact`` is then ``True``) and truncated
-    the same way. Computed in ``F``'s dtype (float32
+    until the energy is held or the cap is reached (about twice the cost of one sketch
+    of the final size). When the sketch would have at least ``exact_fraction·d``
+    columns, the exact ``torch.linalg.eigh`` is used instead (``exact`` is then
+    ``True``) and truncated the same way. Computed in ``F``'s dtype (float32
     for half inputs); ``generator`` makes the sketch reproducible (identical on every
-    rank with the same seed).
+    rank with the same seed: :func:`sketch_generator`). With ``rank`` alone nothing is
+    read back to the host; the energy rule reads the trace and the kept sums.
     """
     if F.dim() != 2 or F.shape[0] != F.shape[1]:
         raise ValueError(f"randomized_eigh expects a square matrix, got {tuple(F.shape)}")
@@ -152,7 +178,8 @@ def randomized_eigh(
         raise ValueError(f"rank must be in [1, {d}], got {rank}")
     dtype = F.dtype if F.dtype in (torch.float32, torch.float64) else torch.float32
     F = F.to(dtype)
-    trace = float(F.diagonal().sum())  # one host read: the energy rule and ρ need it
+    trace_t = F.diagonal().sum()  # stays on the device: rank alone reads nothing back
+    trace = float(trace_t) if energy is not None else 0.0  # the energy rule needs it here
     cap = rank if rank is not None else max(1, d // 4)
     # with energy: sketches of 32, 64, ... pairs (doubling, at most the cap) until the
     # kept eigenvalues hold the energy; with a rank alone: one sketch of that rank
@@ -174,18 +201,18 @@ def randomized_eigh(
             if k <= target and float(evals[-k:].sum()) >= energy * trace * (1 - 1e-6):
                 break
             if target >= cap:
-                exact = True  # the cap does not hold the energy: decide exactly
+                k = cap  # the cap binds: the energy is not held by `cap` pairs
                 break
             target = min(cap, 2 * target)
         if exact:
             evals, evecs = torch.linalg.eigh(F)
-            k = cap if energy is None else min(d, _energy_rank(evals.flip(0), trace, energy))
+            k = cap if energy is None else min(cap, _energy_rank(evals.flip(0), trace, energy))
         lam, q = _top(evals, evecs, k)
         lam = lam.clamp(min=0.0)
         if remainder == "zero" or k == d:
             rho = lam.new_zeros(())
         else:
-            rho = ((trace - lam.sum()) / (d - k)).clamp(min=0.0)
+            rho = ((trace_t - lam.sum()) / (d - k)).clamp(min=0.0)
     return LowRankFactor(q=q.contiguous(), lam=lam.contiguous(), rho=rho, exact=exact)
 
 

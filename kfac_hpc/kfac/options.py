@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 __all__ = ["APPROXIMATIONS", "AUTO", "COMPUTE_METHODS", "DEFAULT_BUCKET_CAP_MB",
-           "DEFAULT_LOCAL_THRESHOLD", "DTYPES", "FACTOR_SYNCS", "STRATEGIES", "ComputeMethod",
-           "Conflict", "FactorSync", "KFACApprox", "Strategy", "conflicts",
-           "default_factor_dtype", "one_of", "reduces_factors", "sends_factors"]
+           "DEFAULT_LOCAL_THRESHOLD", "DEFAULT_LOW_RANK_MIN_DIM", "DTYPES", "FACTOR_SYNCS",
+           "LOW_RANK_REMAINDERS", "STRATEGIES", "ComputeMethod", "Conflict", "FactorSync",
+           "KFACApprox", "LowRankRemainder", "Strategy", "conflicts", "default_factor_dtype",
+           "low_rank_cap", "one_of", "reduces_factors", "sends_factors"]
 
 Strategy = Literal["comm-opt", "mem-opt", "hybrid-opt", "dp-kfac"]
 STRATEGIES: tuple[Strategy, ...] = ("comm-opt", "mem-opt", "hybrid-opt", "dp-kfac")
@@ -33,8 +34,15 @@ DTYPES = ("float32", "float64")  # factor and decomposition dtypes the driver of
 KFACApprox = Literal["expand", "reduce"]
 APPROXIMATIONS: tuple[KFACApprox, ...] = ("expand", "reduce")  # layers with positions
 
+LowRankRemainder = Literal["mean", "zero"]
+LOW_RANK_REMAINDERS: tuple[LowRankRemainder, ...] = ("mean", "zero")  # kfac.lowrank's rules
+
 DEFAULT_BUCKET_CAP_MB = 25.0  # overlap: size of one fused factor reduction
 DEFAULT_LOCAL_THRESHOLD = 16  # factors below this dimension are "local" (SPD-KFAC)
+# low_rank: factors at least this large get the randomized decomposition. Below ~1000 a
+# full eigh takes milliseconds (benchmarks/RESULTS.md, section 3: 0.25 s at 1569 on
+# 2 cores), so the approximation buys little there.
+DEFAULT_LOW_RANK_MIN_DIM = 1024
 
 
 _Name = TypeVar("_Name", bound=str)
@@ -87,11 +95,53 @@ class Conflict:
         return re.sub(r"<(\w+)=([\w-]+)>", lambda m: name(m.group(1), m.group(2)), self.reason)
 
 
+def low_rank_cap(dim: int, low_rank: int | None, min_dim: int) -> int | None:
+    """The most eigenpairs kept of a ``dim x dim`` factor (the width of its message
+    pieces), or ``None`` when it gets the full eigendecomposition: low rank applies to
+    factors with ``dim >= min_dim`` and ``dim > low_rank``."""
+    if low_rank is None or dim < min_dim or dim <= low_rank:
+        return None
+    return low_rank
+
+
+def _whole(value: object, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
 def conflicts(*, strategy: str, grad_worker_fraction: float | None = None,
               overlap: bool = False, symmetric_packing: bool = False,
-              factor_sync: str = "step") -> list[Conflict]:
+              factor_sync: str = "step", compute_method: str = "eigen",
+              low_rank: int | None = None, low_rank_energy: float | None = None,
+              low_rank_min_dim: int = DEFAULT_LOW_RANK_MIN_DIM,
+              low_rank_remainder: str = "mean") -> list[Conflict]:
     """Every rule the options break, in a fixed order (empty: compatible)."""
     out: list[Conflict] = []
+    if low_rank is not None and not _whole(low_rank, 1):
+        out.append(Conflict("low_rank", f"must be a whole number >= 1 (the most eigenpairs "
+                                        f"kept of a large factor), or None; got {low_rank!r}"))
+    if low_rank_energy is not None and not (
+            isinstance(low_rank_energy, (int, float)) and not isinstance(low_rank_energy, bool)
+            and 0.0 < low_rank_energy <= 1.0):
+        out.append(Conflict("low_rank_energy", "must be in (0, 1] (the fraction of a factor's "
+                                               f"trace the kept eigenvalues hold); got "
+                                               f"{low_rank_energy!r}"))
+    if not _whole(low_rank_min_dim, 1):
+        out.append(Conflict("low_rank_min_dim", f"must be a whole number >= 1; got "
+                                                f"{low_rank_min_dim!r}"))
+    if low_rank_remainder not in LOW_RANK_REMAINDERS:
+        out.append(Conflict("low_rank_remainder", f"must be one of {LOW_RANK_REMAINDERS}; got "
+                                                  f"{low_rank_remainder!r}"))
+    if low_rank is None:
+        for option, on in (("low_rank_energy", low_rank_energy is not None),
+                           ("low_rank_min_dim", low_rank_min_dim != DEFAULT_LOW_RANK_MIN_DIM),
+                           ("low_rank_remainder", low_rank_remainder != "mean")):
+            if on:
+                out.append(Conflict(option, "needs <low_rank=K>, the most eigenpairs kept "
+                                            "(energy: the cap; it fixes the message layout)"))
+    elif compute_method != "eigen":
+        out.append(Conflict("low_rank", f"needs <compute_method=eigen>: "
+                                        f"<compute_method={compute_method}> has no low-rank "
+                                        "form"))
     if grad_worker_fraction is not None and strategy != "hybrid-opt":
         out.append(Conflict("grad_worker_fraction",
                             "only applies to <strategy=hybrid-opt> (comm-opt is fraction 1, "

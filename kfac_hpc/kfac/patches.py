@@ -28,15 +28,22 @@ The result equals the unfold path up to summation order (tested at 1e-12, float6
 stride, padding incl. ``"same"``, dilation, bias, non-square kernels).
 
 **Reduce** (:func:`averaged_patches`): the mean over output positions of each sample's
-patches, ``â_i = (1/T) Σ_t ā_{i,t}`` (without the bias entry), computed as ``kh·kw``
-strided-slice sums of the padded input: ``O(b·C·kh·kw·T)`` work and ``b·C·kh·kw``
-memory; the patch matrix is never built.
+patches, ``â_i = (1/T) Σ_t ā_{i,t}`` (without the bias entry). Kernel offset ``(i, j)``
+reads input row ``r`` and column ``c`` at some output position or not, independently
+per axis, so the sums are ``Σ_{r,c} M_H[r,i] M_W[c,j] x[r,c]`` with 0/1 window
+indicators ``M_H`` (``H×kh``) and ``M_W`` (``W×kw``) that encode stride, dilation and
+the zero padding (padded positions are simply not read). That is **one GEMM** of the
+unpadded input ``(b·C, H·W)`` with ``M_H ⊗ M_W`` (``H·W × kh·kw``, cached per geometry),
+or two thin GEMMs (``M_W`` then ``M_H``) when that matrix would be large: one pass over
+the input, no padded copy (3.6-10.6x faster than ``kh·kw`` strided-slice sums of the padded
+input on ResNet-20's layers, one thread). The patch matrix is never built.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from kfac_hpc.kfac.linalg import default_gram_blocks, mirror_upper, symmetric_gram_
@@ -128,22 +135,53 @@ def patch_covariance(x: Tensor, kernel_size: Pair, stride: Pair, dilation: Pair,
     return full.div_(n)
 
 
+_KRON_MAX = 1 << 18  # entries of M_H ⊗ M_W above which averaged_patches uses two GEMMs
+
+
 def averaged_patches(x: Tensor, kernel_size: Pair, stride: Pair, dilation: Pair,
-                     pads: Pads) -> Tensor:
+                     pads: Pads, *, kron_max: int = _KRON_MAX) -> Tensor:
     """``(b, C·kh·kw)``: each sample's patch averaged over the output positions.
 
     Columns in the weight's ``(c, i, j)`` order, no bias entry. Equals
-    ``F.unfold(...).mean(dim=2)`` without building the patches.
+    ``F.unfold(...).mean(dim=2)`` (up to summation order) without building the patches
+    or padding the input: one GEMM with the window indicator ``M_H ⊗ M_W``, or two thin
+    GEMMs when that matrix has more than ``kron_max`` entries (module docstring).
     """
     if x.dim() != 4:
         raise ValueError(f"averaged_patches expects (b, C, H, W) input, got {tuple(x.shape)}")
-    b, _, h, w = x.shape
-    top, bottom, left, right = pads
+    b, c, h, w = x.shape
+    (kh, kw), (sh, sw), (dh, dw) = kernel_size, stride, dilation
+    top, _, left, _ = pads
     ho, wo = conv_output_size(h, w, kernel_size, stride, dilation, pads)
-    xp = F.pad(x, (left, right, top, bottom))
-    sums = torch.stack(
-        [xp[:, :, rs, cs].sum(dim=(2, 3)) for rs, cs in
-         _offset_slices(ho, wo, kernel_size, stride, dilation)],
-        dim=2,
-    )  # (b, C, kh·kw): channel-major like the weight
-    return sums.reshape(b, -1).div_(ho * wo)
+    mh = _window_indicator(h, kh, ho, sh, dh, top, x.dtype, x.device)
+    mw = _window_indicator(w, kw, wo, sw, dw, left, x.dtype, x.device)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        if h * w * kh * kw <= kron_max:
+            sums = x.reshape(b * c, h * w) @ _kron(mh, mw)  # (b·C, kh·kw), offsets (i, j)
+        else:
+            u = x.reshape(b * c * h, w) @ mw  # (b·C·H, kw): window sums along W
+            u = u.reshape(b * c, h, kw).transpose(1, 2).reshape(b * c * kw, h) @ mh
+            sums = u.reshape(b * c, kw, kh).transpose(1, 2)  # (b·C, kh, kw)
+    return sums.reshape(b, c * kh * kw).div_(ho * wo)
+
+
+@functools.lru_cache(maxsize=256)
+def _window_indicator(n: int, k: int, out: int, stride: int, dilation: int, pad: int,
+                      dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``(n, k)`` 0/1 matrix: entry ``[r, i]`` is 1 when kernel offset ``i`` reads input
+    index ``r`` at some output position (zero padding of ``pad`` before index 0).
+    Cached: callers must not modify it."""
+    m = torch.zeros(n, k, dtype=dtype, device="cpu")  # filled on the host, then moved
+    for i in range(k):
+        first = i * dilation - pad
+        for p in range(out):
+            r = first + p * stride
+            if 0 <= r < n:
+                m[r, i] = 1
+    return m.to(device)
+
+
+@functools.lru_cache(maxsize=32)
+def _kron(mh: Tensor, mw: Tensor) -> Tensor:
+    """``M_H ⊗ M_W`` (``(H·W, kh·kw)``), cached per pair of cached indicators."""
+    return torch.kron(mh, mw)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -52,19 +52,28 @@ from kfac_hpc.kfac.hyperparams import (
     whole_positive,
 )
 from kfac_hpc.kfac.layers import ApproxOption, LayerCurvature, register_layers
+from kfac_hpc.kfac.lowrank import (
+    LowRankFactor,
+    precondition_lowrank,
+    randomized_eigh,
+    sketch_generator,
+)
 from kfac_hpc.kfac.options import (
     AUTO,
     COMPUTE_METHODS,
     DEFAULT_BUCKET_CAP_MB,
     DEFAULT_LOCAL_THRESHOLD,
+    DEFAULT_LOW_RANK_MIN_DIM,
     FACTOR_SYNCS,
     STRATEGIES,
     ComputeMethod,
     FactorSync,
     KFACApprox,
+    LowRankRemainder,
     Strategy,
     conflicts,
     default_factor_dtype,
+    low_rank_cap,
     sends_factors,
 )
 from kfac_hpc.kfac.pipeline import FactorPipeline
@@ -106,6 +115,15 @@ class KFACPreconditioner:
     ``optimizer.step()``: ``step()`` replaces the ``.grad`` of every registered layer
     by its preconditioned gradient. Hyper-parameters accept a constant or a callable
     of the K-FAC step. See the README for the strategies.
+
+    ``low_rank=K`` (``compute_method="eigen"``): factors with dimension ``d >=
+    low_rank_min_dim`` and ``d > K`` keep their ``K`` leading eigenpairs from a
+    randomized decomposition plus one remainder eigenvalue for the rest
+    (:mod:`kfac_hpc.kfac.lowrank`; ``low_rank_remainder="mean"`` keeps the trace,
+    ``"zero"`` leaves the rest to the damping); ``low_rank_energy=E`` keeps the fewest
+    pairs holding ``E`` of the trace, at most ``K``. Smaller factors keep the full
+    eigendecomposition; a layer with a low-rank factor is preconditioned exactly for
+    the approximated factors (:func:`~kfac_hpc.kfac.lowrank.precondition_lowrank`).
     """
 
     def __init__(
@@ -136,6 +154,10 @@ class KFACPreconditioner:
         plan_profile: Profile | str | os.PathLike[str] | None = None,
         input_shape: Iterable[int] | None = None,
         kfac_approx: KFACApprox | Mapping[str, KFACApprox] = "expand",
+        low_rank: int | None = None,
+        low_rank_energy: float | None = None,
+        low_rank_min_dim: int = DEFAULT_LOW_RANK_MIN_DIM,
+        low_rank_remainder: LowRankRemainder = "mean",
     ) -> None:
         batch_shape = _batch_shape(input_shape)
         if strategy == AUTO:
@@ -150,7 +172,9 @@ class KFACPreconditioner:
                 local_decomposition_threshold=local_decomposition_threshold,
                 factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps,
                 factor_dtype=factor_dtype, inv_dtype=inv_dtype, input_shape=batch_shape,
-                kfac_approx=kfac_approx if isinstance(kfac_approx, str) else "expand")
+                kfac_approx=kfac_approx if isinstance(kfac_approx, str) else "expand",
+                low_rank=low_rank, low_rank_energy=low_rank_energy,
+                low_rank_min_dim=low_rank_min_dim, low_rank_remainder=low_rank_remainder)
         elif plan_profile is not None:
             raise ValueError("plan_profile applies to strategy='auto' only")
         if strategy not in STRATEGIES:
@@ -165,9 +189,13 @@ class KFACPreconditioner:
             raise ValueError(f"factor_sync must be one of {FACTOR_SYNCS}, got {factor_sync!r}")
         problems = conflicts(strategy=strategy, grad_worker_fraction=grad_worker_fraction,
                              overlap=overlap, symmetric_packing=symmetric_packing,
-                             factor_sync=factor_sync)
+                             factor_sync=factor_sync, compute_method=compute_method,
+                             low_rank=low_rank, low_rank_energy=low_rank_energy,
+                             low_rank_min_dim=low_rank_min_dim,
+                             low_rank_remainder=low_rank_remainder)
         if problems:
             raise ValueError(f"{problems[0].option} {problems[0].text()}")
+        _check_rank_fits(low_rank, low_rank_energy, inv_dtype)
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
         if isinstance(skip_layers, str):
@@ -188,6 +216,10 @@ class KFACPreconditioner:
         self.overlap = overlap
         self.bucket_cap_mb = bucket_cap_mb
         self.factor_sync = factor_sync
+        self.low_rank = low_rank
+        self.low_rank_energy = low_rank_energy
+        self.low_rank_min_dim = low_rank_min_dim
+        self.low_rank_remainder: LowRankRemainder = low_rank_remainder
         self.steps = 0
         self._closed = False
         self._checked_hooks = False  # the never-fired warning is given once
@@ -277,9 +309,14 @@ class KFACPreconditioner:
             self._restored = None
         updates = self._precondition_my_layers(k)
         updates = self._share_preconditioned(updates)
-        nu = linalg.kl_clip_scale(
-            ((v, self.layers[n].grad_matrix(v.dtype)) for n, v in updates.items()),
-            self.lr(k), None if self.kl_clip is None else self.kl_clip(k))
+        lr, kl_clip = self.lr(k), None if self.kl_clip is None else self.kl_clip(k)
+        inner: Tensor | None = None  # Σ ⟨V, ∇W̄⟩ in float64, read from .grad directly
+        if kl_clip is not None:
+            for name, v in updates.items():
+                term = self.layers[name].grad_dot(v)
+                if term is not None:
+                    inner = term if inner is None else inner + term
+        nu = linalg.kl_clip_from_inner(inner, lr, kl_clip)
         for name, v in updates.items():
             self.layers[name].set_grad(v.mul_(nu) if nu != 1.0 else v)
         self.steps += 1
@@ -302,31 +339,39 @@ class KFACPreconditioner:
                 for key, total in local_sums.items():
                     local = self.local_averages[key]
                     first = key not in self._has_history and local.updates == 0
-                    local.fold(total / self._captured_count(key), decay, first)
+                    local.fold(_mean(total, self._captured_count(key)), decay, first)
             self.capture.clear()
             return
-        if not sends_factors(self.strategy):  # DP-KFAC: owners use their own batch
+        agreed: int | None = None  # ranks with non-finite statistics, if already agreed
+        if not sends_factors(self.strategy) or (self.comm.size == 1 and self.pipeline is None):
+            # DP-KFAC: owners use their own batch. One rank: the reduction would only copy
+            # the sums into a message and back (counted bytes are 0 at one rank either way)
             received = {key: self._local_sum(key) for key in self._factors}
         else:
+            # The agreement on finiteness and the local factors' allreduce are posted
+            # before the factors' reduce-scatter and complete while it runs: one wait for
+            # three collectives (the same calls and bytes as one after the other)
+            agreement = self._post_ranks_reporting(bool(_nonfinite(local_sums)))
             with self.comm.stats.tagged("factors"):
+                local_factors = self._post_local_factor_sums()
                 if self.pipeline is not None:
                     mine = self.pipeline.finish(self._wire_pieces)
                 else:
                     mine = reduce_scatter_parts(self.comm, self._factor_layout(),
                                                 _merge(map(self._wire_pieces, self._keys())),
                                                 self.factor_dtype, self.device)
-                mine.update(self._allreduce_local_factors(
-                    _merge(map(self._wire_pieces, self._local_keys()))))
+                mine.update(local_factors())
+            agreed = agreement()
             counts = read_scalars(mine, [PieceKey(key, Part.COUNT) for key in self._factors])
             received = {key: (self._from_wire(key, mine[PieceKey(key, Part.FACTOR)]), round(count))
                         for key, count in zip(self._factors, counts)}
-        if self._statistics_usable(k, local_sums):
+        if self._statistics_usable(k, local_sums, agreed):
             for key, (total, count) in received.items():
                 if count == 0:
                     continue  # the layer was not used on any rank this step
                 state = self._factors[key]
-                state.average = linalg.update_running_average(state.average, total / count,
-                                                              decay)
+                state.average = linalg.update_running_average(state.average,
+                                                              _mean(total, count), decay)
                 state.updates += 1
         self.capture.clear()
 
@@ -349,14 +394,18 @@ class KFACPreconditioner:
                 "they are not preconditioned; list them in skip_layers to silence this",
                 len(unfired), ", ".join(unfired))
 
-    def _statistics_usable(self, k: int, sums: Mapping[FactorKey, Tensor]) -> bool:
+    def _statistics_usable(self, k: int, sums: Mapping[FactorKey, Tensor],
+                           ranks: int | None = None) -> bool:
         """Whether every rank's statistics of this step are finite (agreed on all ranks).
 
-        Non-finite statistics with a GradScaler are an AMP overflow: every rank skips this
-        factor update. Without one, every rank raises :class:`KFACNumericalError`.
+        ``ranks``: how many ranks reported non-finite statistics, when already agreed
+        (:meth:`_post_ranks_reporting`); else agreed here. Non-finite statistics with a
+        GradScaler are an AMP overflow: every rank skips this factor update. Without
+        one, every rank raises :class:`KFACNumericalError`.
         """
-        bad = [key.name for key in _nonfinite(sums)]
-        ranks = self._ranks_reporting(bool(bad))
+        bad = [key.name for key in _nonfinite(sums)] if ranks is None or ranks else []
+        if ranks is None:
+            ranks = self._ranks_reporting(bool(bad))
         if ranks == 0:
             return True
         if self.grad_scaler is not None:
@@ -371,6 +420,27 @@ class KFACPreconditioner:
             "The inputs or gradients of these layers overflowed or hold NaN; factors were not "
             "updated. Lower the learning rate, check the data, or use a GradScaler under "
             "AMP; restore the last checkpoint to continue.", step=k, ranks=ranks, local=bad)
+
+    def _post_ranks_reporting(self, flag: bool) -> Callable[[], int]:
+        """:meth:`_ranks_reporting` posted now (non-blocking); call the result for it."""
+        if self.comm.size == 1:
+            return lambda: int(flag)
+        count = torch.tensor([int(flag)], dtype=torch.int32, device="cpu")
+        with self.comm.stats.tagged("agreement"):
+            handle = self.comm.iallreduce(count, "sum")
+        return lambda: int(handle.wait()[0])
+
+    def _post_local_factor_sums(self) -> Callable[[], dict[PieceKey, Tensor]]:
+        """:meth:`_allreduce_local_factors` of this step's sums, posted now (non-blocking);
+        call the result for the summed pieces."""
+        keys = self._local_keys()
+        if not keys:
+            return dict
+        layout = MessageLayout.of([[p for k in keys for p in self._factor_pieces(k)]])
+        flat = layout.pack(_merge(map(self._wire_pieces, keys)), dtype=self.factor_dtype,
+                           device=self.device)
+        handle = self.comm.iallreduce(flat, "sum")
+        return lambda: layout.unpack(handle.wait(), 0)
 
     def _ranks_reporting(self, flag: bool) -> int:
         """How many ranks pass a true ``flag`` (a host-side allreduce of one integer)."""
@@ -518,7 +588,7 @@ class KFACPreconditioner:
         def restored() -> dict[PieceKey, Piece]:
             out: dict[PieceKey, Piece] = {}
             for key, state in self._owned_states().items():
-                names = [PieceKey(key, part) for part in self._decomposition_parts()]
+                names = [PieceKey(key, part) for part in self._decomposition_parts(key)]
                 loaded = self._restored or {}
                 if all(p in loaded for p in names):
                     out.update({p: loaded[p] for p in names})
@@ -534,19 +604,39 @@ class KFACPreconditioner:
         all_pieces: dict[PieceKey, Piece] = {
             **pieces, **(decompose(local=True) if not restore else {})}
         self._agree_on_decompositions(failures)
-        valid = read_scalars(all_pieces, [PieceKey(key, Part.VALID) for key in keys])
+        low = [key for key in keys if self._is_low_rank(key)]
+        # valid flags and the ranks the energy rule chose: one device-to-host transfer
+        # (without it every low-rank factor keeps its cap, known in advance)
+        chosen = low if self.low_rank_energy is not None else []
+        scalars = read_scalars(all_pieces, [PieceKey(key, Part.VALID) for key in keys]
+                               + [PieceKey(key, Part.RANK) for key in chosen])
+        ranks = {key: cast(int, self._cap(key)) for key in low}
+        ranks.update({key: round(k) for key, k in zip(chosen, scalars[len(keys):])})
         self._decompositions = {}
-        for key, ok in zip(keys, valid):
+        received = cast(dict[PieceKey, Tensor], all_pieces)
+        for key, ok in zip(keys, scalars[:len(keys)]):
             if not ok:
                 continue
             n = self._dim(key)
-            received = cast(dict[PieceKey, Tensor], all_pieces)
+            if key in ranks:
+                self._decompositions[key] = self._low_rank_parts(key, received, ranks[key])
+                continue
             # matrices (Q, inv) as n x n, eigenvalues flat; named by Part.value in state_dict()
             self._decompositions[key] = {
                 part.value: received[PieceKey(key, part)].view(
                     (n,) if part is Part.LAMBDA else (n, n))
-                for part in self._decomposition_parts()}
+                for part in self._decomposition_parts(key)}
         self._decomposed_at = self.steps
+
+    def _low_rank_parts(self, key: FactorKey, received: Mapping[PieceKey, Tensor],
+                        k: int) -> dict[str, Tensor]:
+        """A received low-rank decomposition cut to its rank ``k``: ``Q`` (``d x k``, a
+        view of the message's column-major ``Q``), ``lambda`` (``k``), ``rho`` (``1``)."""
+        n, cap = self._dim(key), self._cap(key)
+        assert cap is not None
+        return {Part.Q.value: received[PieceKey(key, Part.Q)].view(cap, n)[:k].t(),
+                Part.LAMBDA.value: received[PieceKey(key, Part.LAMBDA)][:k],
+                Part.RHO.value: received[PieceKey(key, Part.RHO)]}
 
     def _agree_on_decompositions(self, failures: Mapping[FactorKey, BaseException]) -> None:
         """Every rank raises when a decomposition failed on any rank (the old ones stay)."""
@@ -566,21 +656,65 @@ class KFACPreconditioner:
             step=k, ranks=ranks, local=[key.name for key in failures])
         raise error from (next(iter(failures.values())) if failures else None)
 
-    def _decomposition_parts(self) -> tuple[Part, ...]:
-        """What a decomposition is made of: eigen ``(Q, λ)``, inverse ``(inv,)``."""
-        return (Part.Q, Part.LAMBDA) if self.compute_method == "eigen" else (Part.INV,)
+    def _cap(self, key: FactorKey) -> int | None:
+        """The most eigenpairs a low-rank factor keeps (``None``: full decomposition)."""
+        return low_rank_cap(self._dim(key), self.low_rank, self.low_rank_min_dim)
+
+    def _is_low_rank(self, key: FactorKey) -> bool:
+        return self.compute_method == "eigen" and self._cap(key) is not None
+
+    def _decomposition_parts(self, key: FactorKey) -> tuple[Part, ...]:
+        """What a decomposition is made of: eigen ``(Q, λ)``, low rank ``(Q, λ, ρ,
+        rank)``, inverse ``(inv,)``."""
+        if self.compute_method != "eigen":
+            return (Part.INV,)
+        if self._is_low_rank(key):
+            return (Part.Q, Part.LAMBDA, Part.RHO, Part.RANK)
+        return (Part.Q, Part.LAMBDA)
 
     def _decomposition_pieces(self, key: FactorKey) -> list[tuple[PieceKey, int]]:
-        """A factor's decomposition in a message: its parts, then its valid flag."""
-        n = self._dim(key)
-        return [*((PieceKey(key, part), n if part is Part.LAMBDA else n * n)
-                  for part in self._decomposition_parts()), (PieceKey(key, Part.VALID), 1)]
+        """A factor's decomposition in a message: its parts, then its valid flag.
+
+        Low rank (cap ``c``): ``Q`` as ``c x d`` (its columns one after another, so the
+        first ``k`` are a prefix), ``λ`` (``c``, zero-padded), ``ρ``, the rank ``k``."""
+        n, cap = self._dim(key), self._cap(key)
+        size = {Part.Q: n * n, Part.LAMBDA: n, Part.INV: n * n, Part.RHO: 1, Part.RANK: 1}
+        if cap is not None:
+            size.update({Part.Q: cap * n, Part.LAMBDA: cap})
+        return [*((PieceKey(key, part), size[part]) for part in self._decomposition_parts(key)),
+                (PieceKey(key, Part.VALID), 1)]
+
+    def _decompose_low_rank(self, key: FactorKey, average: Tensor) -> dict[PieceKey, Piece]:
+        """Randomized decomposition (sketch seeded by factor and step, so the same on any
+        rank), laid out as :meth:`_decomposition_pieces` says; float64 retry on failure."""
+        cap = self._cap(key)
+        assert cap is not None
+
+        def attempt(factor: Tensor) -> LowRankFactor:
+            return randomized_eigh(factor, rank=cap, energy=self.low_rank_energy,
+                                   remainder=self.low_rank_remainder,
+                                   generator=sketch_generator(key.name, self.steps, self.device))
+
+        try:
+            low = attempt(average)
+        except torch.linalg.LinAlgError:
+            low = attempt(average.to(torch.float64))
+        k, n = low.rank, low.dim
+        q = torch.zeros(cap, n, dtype=self.inv_dtype, device=self.device)
+        q[:k] = low.q.t()
+        lam = torch.zeros(cap, dtype=self.inv_dtype, device=self.device)
+        lam[:k] = low.lam
+        return {PieceKey(key, Part.Q): q, PieceKey(key, Part.LAMBDA): lam,
+                PieceKey(key, Part.RHO): low.rho.to(self.inv_dtype).reshape(1),
+                PieceKey(key, Part.RANK): float(k), PieceKey(key, Part.VALID): 1.0}
 
     def _decompose(self, key: FactorKey, state: FactorState) -> dict[PieceKey, Piece]:
         if state.average is None:  # never saw statistics: marked invalid, not preconditioned
             return {p: torch.zeros(m, dtype=self.inv_dtype, device=self.device)
                     for p, m in self._decomposition_pieces(key)}
         valid: dict[PieceKey, Piece] = {PieceKey(key, Part.VALID): 1.0}
+        if self._is_low_rank(key):
+            return self._decompose_low_rank(key, state.average)
         if self.compute_method == "eigen":
             q, lam = linalg.eigh_clamped(state.average, dtype=self.inv_dtype)
             return {PieceKey(key, Part.Q): q, PieceKey(key, Part.LAMBDA): lam, **valid}
@@ -600,7 +734,10 @@ class KFACPreconditioner:
             if a is None or g is None or curv.module.weight.grad is None:
                 continue
             grad = curv.grad_matrix(self.inv_dtype)
-            if self.compute_method == "eigen":
+            if "rho" in a or "rho" in g:  # a low-rank factor: exact for the approximation
+                v = precondition_lowrank(grad, _low_rank_factor(a), _low_rank_factor(g),
+                                         damping)
+            elif self.compute_method == "eigen":
                 v = linalg.precondition_eigen(grad, a["Q"], a["lambda"], g["Q"], g["lambda"],
                                               damping)
             else:
@@ -731,9 +868,55 @@ class KFACPreconditioner:
         if self.factor_sync == "inverse":  # every rank's: which factors were updated before
             state["history"] = sorted(k.name for k in self._has_history)
         if eigenbases:
-            state["eigenbases"] = {k.name: dict(self._decompositions[k])
+            state["eigenbases"] = {k.name: self._stored_decomposition(k)
                                    for k in self._owned_states() if k in self._decompositions}
         return state
+
+    def _stored_decomposition(self, key: FactorKey) -> dict[str, Tensor]:
+        """A decomposition as ``state_dict()`` stores it: ``{"Q", "lambda"}``,
+        ``{"inv"}``, or low rank ``{"Q" (d x k), "lambda" (k), "rho" (1), "rank" (1)}``."""
+        parts = dict(self._decompositions[key])
+        if Part.RHO.value in parts:
+            q = parts[Part.Q.value]
+            parts[Part.Q.value] = q.contiguous()
+            parts[Part.RANK.value] = torch.tensor([q.shape[1]], dtype=torch.int64,
+                                                  device=self.device)
+        return parts
+
+    def _restorable(self, key: FactorKey, parts: Mapping[str, Tensor]
+                    ) -> dict[PieceKey, Tensor] | None:
+        """Stored decomposition ``parts`` as this preconditioner's message pieces, or
+        ``None`` when they do not fit its settings (e.g. saved with another ``low_rank``;
+        the decomposition is then recomputed at the next step)."""
+        n, cap = self._dim(key), self._cap(key) if self._is_low_rank(key) else None
+        wanted = [part.value for part in self._decomposition_parts(key)]
+        if any(name not in parts for name in wanted if name != Part.RANK.value):
+            return None
+
+        def piece(name: str) -> Tensor:
+            return parts[name].detach().to(device=self.device, dtype=self.inv_dtype, copy=True)
+
+        if cap is None:
+            if tuple(parts[Part.LAMBDA.value].shape if Part.LAMBDA.value in parts
+                     else (n,)) != (n,) or parts[wanted[0]].shape != (n, n):
+                return None
+            return {PieceKey(key, Part(name)): piece(name).reshape(-1) for name in wanted}
+        q = parts[Part.Q.value]
+        k = int(q.shape[1]) if q.dim() == 2 else -1
+        stored_rank = parts.get(Part.RANK.value)
+        if (q.dim() != 2 or q.shape[0] != n or not 1 <= k <= cap
+                or tuple(parts[Part.LAMBDA.value].shape) != (k,)
+                or parts[Part.RHO.value].numel() != 1
+                or (stored_rank is not None and int(stored_rank.reshape(-1)[0]) != k)):
+            return None
+        wire_q = torch.zeros(cap, n, dtype=self.inv_dtype, device=self.device)
+        wire_q[:k] = piece(Part.Q.value).t()
+        lam = torch.zeros(cap, dtype=self.inv_dtype, device=self.device)
+        lam[:k] = piece(Part.LAMBDA.value)
+        return {PieceKey(key, Part.Q): wire_q.reshape(-1), PieceKey(key, Part.LAMBDA): lam,
+                PieceKey(key, Part.RHO): piece(Part.RHO.value).reshape(1),
+                PieceKey(key, Part.RANK): torch.full((1,), float(k), dtype=self.inv_dtype,
+                                                     device=self.device)}
 
     def _owned_states(self) -> dict[FactorKey, FactorState]:
         return {k: s for k, s in self._factors.items() if self._owner(k) == self.comm.rank}
@@ -773,10 +956,19 @@ class KFACPreconditioner:
         self.steps = int(state["step"])
         self._decomposed_at = None  # restored or recomputed at the next step
         eig = state.get("eigenbases") or {}
-        restored = {PieceKey(FactorKey.parse(name), _DECOMPOSITION_PARTS[part]): value.detach().to(
-                        device=self.device, dtype=self.inv_dtype, copy=True).reshape(-1)
-                    for name in owned for part, value in (eig.get(name) or {}).items()
-                    if part in _DECOMPOSITION_PARTS}
+        restored: dict[PieceKey, Tensor] = {}
+        unfit = []
+        for name in owned:
+            if eig.get(name):
+                pieces = self._restorable(FactorKey.parse(name), eig[name])
+                if pieces is None:
+                    unfit.append(name)
+                else:
+                    restored.update(pieces)
+        if unfit:
+            log.info("K-FAC: the stored decompositions of %s do not fit this preconditioner's "
+                     "settings (compute_method / low_rank); recomputed at the next step",
+                     ", ".join(unfit))
         # restoring is a collective path: decided together (a rank that owns nothing
         # has no decompositions of its own to restore)
         self._restored = restored if self.comm.any(bool(restored)) else None
@@ -833,7 +1025,10 @@ class KFACPreconditioner:
                 "symmetric_packing": self.symmetric_packing, "overlap": self.overlap,
                 "bucket_cap_mb": self.bucket_cap_mb, "factor_sync": self.factor_sync,
                 "local_decomposition_threshold": self.local_decomposition_threshold,
-                "kfac_approx": self.kfac_approx,
+                "kfac_approx": self.kfac_approx, "low_rank": self.low_rank,
+                "low_rank_energy": self.low_rank_energy,
+                "low_rank_min_dim": self.low_rank_min_dim,
+                "low_rank_remainder": self.low_rank_remainder,
                 "accumulation_steps": self.accumulation_steps, "world_size": self.comm.size,
                 **sched}
 
@@ -848,11 +1043,16 @@ class KFACPreconditioner:
     def describe(self) -> str:
         """Registered layers, factor sizes, owners and this rank's memory."""
         p = self.placement
+        low = "" if self.low_rank is None else (
+            f", low_rank={self.low_rank} for factors >= {self.low_rank_min_dim}"
+            + ("" if self.low_rank_energy is None else f", energy {self.low_rank_energy}"))
         head = (f"KFACPreconditioner(strategy={self.strategy}, ranks={self.comm.size}, "
-                f"grad_workers={p.grad_workers}, method={self.compute_method})")
+                f"grad_workers={p.grad_workers}, method={self.compute_method}{low})")
         rows = [f"  {'layer':<28} {'A':>6} {'G':>6}  owners(A,G)  group"]
         for name, c in self.layers.items():
-            rows.append(f"  {name:<28} {c.a_dim:>6} {c.g_dim:>6}  "
+            a, g = (f"{d}{'~' if self._is_low_rank(FactorKey(name, f)) else ''}"
+                    for d, f in ((c.a_dim, "A"), (c.g_dim, "G")))
+            rows.append(f"  {name:<28} {a:>6} {g:>6}  "
                         f"{p.factor_owner[FactorKey(name, 'A')]:>4},"
                         f"{p.factor_owner[FactorKey(name, 'G')]:<6}  "
                         f"{p.layer_group[name]:>5}")
@@ -906,8 +1106,25 @@ def _as_key(key: str | FactorKey) -> FactorKey:
     return key if isinstance(key, FactorKey) else FactorKey.parse(key)
 
 
-# state_dict()["eigenbases"][name] keys -> message parts
-_DECOMPOSITION_PARTS = {part.value: part for part in (Part.Q, Part.LAMBDA, Part.INV)}
+def _low_rank_factor(parts: Mapping[str, Tensor]) -> LowRankFactor:
+    """A layer's decomposition for :func:`precondition_lowrank`: a full one is the
+    low-rank form with ``k = d`` and ``ρ = 0``."""
+    q, lam = parts[Part.Q.value], parts[Part.LAMBDA.value]
+    rho = parts.get(Part.RHO.value)
+    return LowRankFactor(q=q, lam=lam, rho=(rho if rho is not None else lam.new_zeros(1)
+                                            ).reshape(()), exact=rho is None)
+
+
+def _check_rank_fits(low_rank: int | None, energy: float | None, inv_dtype: torch.dtype) -> None:
+    """With the energy rule the rank travels as a number in ``inv_dtype``: it must be
+    exact there (16-bit floats hold whole numbers up to 256 or 2048 only)."""
+    if low_rank is None or energy is None or not inv_dtype.is_floating_point:
+        return
+    exact_up_to = round(2 / torch.finfo(inv_dtype).eps)
+    if low_rank > exact_up_to:
+        raise ValueError(f"low_rank={low_rank} with low_rank_energy: the rank travels in "
+                         f"inv_dtype={inv_dtype}, exact only up to {exact_up_to}; use a "
+                         "smaller low_rank or inv_dtype=torch.float32")
 
 
 def _merge(dicts: Iterable[Mapping[PieceKey, Piece]]) -> dict[PieceKey, Piece]:
@@ -944,13 +1161,31 @@ def _layers_device(layers: Mapping[str, LayerCurvature]) -> torch.device:
     return devices.pop()
 
 
+def _mean(total: Tensor, count: int) -> Tensor:
+    """``total / count`` without the pass when ``count`` is 1 (``x / 1 == x`` exactly);
+    read-only: the running-average updates copy or combine it, never modify it."""
+    return total if count == 1 else total / count
+
+
 def _nonfinite(tensors: Mapping[FactorKey, Tensor]) -> list[FactorKey]:
-    """Keys of the tensors holding NaN or Inf (one multi-tensor kernel, one host sync)."""
+    """Keys of the tensors holding NaN or Inf (one host sync when all are finite).
+
+    Screened by a statistic that is non-finite whenever an entry is (the sum on the CPU,
+    one multi-tensor 2-norm on other devices; the CPU's inf-norm kernel is 20-50x slower
+    than a sum); only a tensor whose statistic is not finite (a NaN/Inf entry, or an
+    overflow of the statistic itself) is checked entry by entry.
+    """
     if not tensors:
         return []
-    peaks = torch._foreach_norm(list(tensors.values()), float("inf"))
-    finite = torch.stack([p.to(peaks[0].device) for p in peaks]).isfinite().tolist()
-    return [key for key, ok in zip(tensors, finite) if not ok]
+    values = list(tensors.values())
+    device = values[0].device
+    if device.type == "cpu":
+        screens = [t.sum() for t in values]
+    else:
+        screens = list(torch._foreach_norm(values, 2))
+    finite = torch.stack([p.to(device) for p in screens]).isfinite().tolist()
+    return [key for key, ok, t in zip(tensors, finite, values)
+            if not ok and not bool(torch.isfinite(t).all())]
 
 
 def _default_factor_dtype(layers: Mapping[str, LayerCurvature]) -> torch.dtype:

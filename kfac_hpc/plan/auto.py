@@ -26,6 +26,7 @@ from torch import nn
 from kfac_hpc.kfac.options import (
     DEFAULT_BUCKET_CAP_MB,
     DEFAULT_LOCAL_THRESHOLD,
+    DEFAULT_LOW_RANK_MIN_DIM,
     default_factor_dtype,
 )
 from kfac_hpc.plan.choose import choose, hybrid_fractions
@@ -65,6 +66,10 @@ def resolve_auto(
     memory_budget: int | None = None,
     input_shape: Sequence[int] | None = None,
     kfac_approx: str = "expand",
+    low_rank: int | None = None,
+    low_rank_energy: float | None = None,
+    low_rank_min_dim: int = DEFAULT_LOW_RANK_MIN_DIM,
+    low_rank_remainder: str = "mean",
 ) -> tuple[str, float | None, Estimate | None, list[Estimate]]:
     """``(strategy, grad_worker_fraction, chosen estimate, all estimates)`` for ``model``.
 
@@ -88,6 +93,8 @@ def resolve_auto(
         compute_method=compute_method, symmetric_packing=symmetric_packing, overlap=overlap,
         bucket_cap_mb=bucket_cap_mb, factor_sync=factor_sync,
         local_decomposition_threshold=local_decomposition_threshold, kfac_approx=kfac_approx,
+        low_rank=low_rank, low_rank_energy=low_rank_energy, low_rank_min_dim=low_rank_min_dim,
+        low_rank_remainder=low_rank_remainder,
         factor_update_steps=_steps(factor_update_steps),
         inv_update_steps=_steps(inv_update_steps),
         factor_dtype=_dtype_name(factor_dtype), inv_dtype=_dtype_name(inv_dtype))

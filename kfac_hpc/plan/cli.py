@@ -23,6 +23,7 @@ from typing import Any
 
 from torch import nn
 
+from kfac_hpc.kfac.options import DEFAULT_LOW_RANK_MIN_DIM
 from kfac_hpc.plan.choose import baselines, plan
 from kfac_hpc.plan.cost import PHASES, STRATEGIES, Estimate, KFACOptions, estimate, estimate_sgd
 from kfac_hpc.plan.model_shapes import model_spec
@@ -86,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local_decomposition_threshold values to try (default 16)")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
     parser.add_argument("--factor-dtype", default="float32")
+    parser.add_argument("--low-rank", type=int, default=None, metavar="K",
+                        help="price low-rank decompositions of rank K for factors with at "
+                             "least --low-rank-min-dim rows (default: full eigh)")
+    parser.add_argument("--low-rank-min-dim", type=int, default=DEFAULT_LOW_RANK_MIN_DIM)
     parser.add_argument("--no-options", action="store_true",
                         help="strategies only: no packing/overlap/factor_sync variants")
     parser.add_argument("--memory-budget", type=parse_bytes, default=None,
@@ -136,7 +141,12 @@ def run(args: argparse.Namespace) -> int:
                        factor_update_steps=args.factor_update_steps,
                        inv_update_steps=args.inv_update_steps,
                        local_decomposition_threshold=args.local_thresholds[0],
-                       bucket_cap_mb=args.bucket_cap_mb, factor_dtype=args.factor_dtype)
+                       bucket_cap_mb=args.bucket_cap_mb, factor_dtype=args.factor_dtype,
+                       low_rank=args.low_rank, low_rank_min_dim=args.low_rank_min_dim)
+    problem = base.problem()
+    if problem is not None:
+        print(f"kfac-hpc plan: {problem}", file=sys.stderr)
+        return 2
     budget = None if args.no_budget else (args.memory_budget or profile.memory_per_rank_bytes)
     print(f"# kfac-hpc plan: {args.model} ({len(spec.layers)} K-FAC layers, "
           f"{spec.param_numel / 1e6:.1f} M parameters), batch {args.batch}/rank; profile "

@@ -15,7 +15,8 @@ in the datatype that travels, on every rank, nothing at world size 1):
   factors if there are any. DP-KFAC sends none.
 * decompositions (at inverse steps, when a layer has more than one gradient worker):
   per non-empty slot of the rank's worker group one broadcast of
-  ``Σ (n² + n + 1)`` (eigen: Q, λ, ``#valid``) or ``Σ (n² + 1)`` (inverse).
+  ``Σ (n² + n + 1)`` (eigen: Q, λ, ``#valid``) or ``Σ (n² + 1)`` (inverse); a low-rank
+  factor (``low_rank`` cap ``c``) sends ``c·n + c + 3`` (Q, λ, ρ, rank, ``#valid``).
 * gradients (every step, when there is more than one worker group): per non-empty
   group one broadcast of ``Σ (g·a + 1)`` inside the receiver group.
 * agreement: a 4-byte allreduce at every factor step (every rank's statistics are
@@ -40,12 +41,15 @@ import torch
 from kfac_hpc.comm.buffers import WIDENED_DTYPES
 from kfac_hpc.comm.fusion import buckets_by_size, triu_count
 from kfac_hpc.comm.replicas import replica_check_bytes
+from kfac_hpc.kfac.lowrank import sketches
 from kfac_hpc.kfac.options import (
     APPROXIMATIONS,
     DEFAULT_BUCKET_CAP_MB,
     DEFAULT_LOCAL_THRESHOLD,
+    DEFAULT_LOW_RANK_MIN_DIM,
     STRATEGIES,
     conflicts,
+    low_rank_cap,
     reduces_factors,
     sends_factors,
 )
@@ -58,6 +62,7 @@ from kfac_hpc.kfac.placement import (
     place,
     work_per_step,
 )
+from kfac_hpc.kfac.shapes import lowrank_precondition_flops, randomized_eigh_flops
 from kfac_hpc.plan.model_shapes import LayerSpec, ModelSpec
 from kfac_hpc.plan.profile import ComputeRates, Profile
 
@@ -124,6 +129,10 @@ class KFACOptions:
     factor_sync: str = "step"
     local_decomposition_threshold: int = DEFAULT_LOCAL_THRESHOLD
     kfac_approx: str = "expand"
+    low_rank: int | None = None
+    low_rank_energy: float | None = None
+    low_rank_min_dim: int = DEFAULT_LOW_RANK_MIN_DIM
+    low_rank_remainder: str = "mean"
     factor_update_steps: int = 1
     inv_update_steps: int = 1
     factor_dtype: str = "float32"
@@ -143,7 +152,10 @@ class KFACOptions:
         problems = conflicts(strategy=self.strategy,
                              grad_worker_fraction=self.grad_worker_fraction,
                              overlap=self.overlap, symmetric_packing=self.symmetric_packing,
-                             factor_sync=self.factor_sync)
+                             factor_sync=self.factor_sync, compute_method=self.compute_method,
+                             low_rank=self.low_rank, low_rank_energy=self.low_rank_energy,
+                             low_rank_min_dim=self.low_rank_min_dim,
+                             low_rank_remainder=self.low_rank_remainder)
         return f"{problems[0].option} {problems[0].text()}" if problems else None
 
     def label(self) -> str:
@@ -156,7 +168,10 @@ class KFACOptions:
                   ("overlap" if self.overlap else ""),
                   ("sync@inv" if self.factor_sync == "inverse" else ""),
                   ("inverse" if self.compute_method == "inverse" else ""),
-                  ("reduce" if self.kfac_approx == "reduce" else "")]
+                  ("reduce" if self.kfac_approx == "reduce" else ""),
+                  (f"rank{self.low_rank}" if self.low_rank is not None else ""),
+                  (f"energy{self.low_rank_energy:g}" if self.low_rank_energy is not None
+                   else "")]
         return "+".join([name, *[e for e in extras if e]])
 
     def preconditioner_kwargs(self) -> dict[str, Any]:
@@ -169,7 +184,9 @@ class KFACOptions:
             "symmetric_packing": self.symmetric_packing, "overlap": self.overlap,
             "bucket_cap_mb": self.bucket_cap_mb, "factor_sync": self.factor_sync,
             "local_decomposition_threshold": self.local_decomposition_threshold,
-            "kfac_approx": self.kfac_approx,
+            "kfac_approx": self.kfac_approx, "low_rank": self.low_rank,
+            "low_rank_energy": self.low_rank_energy, "low_rank_min_dim": self.low_rank_min_dim,
+            "low_rank_remainder": self.low_rank_remainder,
             "factor_update_steps": self.factor_update_steps,
             "inv_update_steps": self.inv_update_steps,
             "factor_dtype": getattr(torch, self.factor_dtype),
@@ -277,8 +294,25 @@ class Distribution:
                                  int(self.options.bucket_cap_mb * 2**20))
         return [sum(numel[i] for i in g) for g in groups]
 
+    def low_rank_cap(self, n: int) -> int | None:
+        """The eigenpairs an ``n x n`` factor keeps at most (``None``: full decomposition)."""
+        o = self.options
+        return low_rank_cap(n, o.low_rank, o.low_rank_min_dim) if o.compute_method == "eigen" \
+            else None
+
     def decomposition_numel(self, n: int) -> int:
+        """Elements of one factor's decomposition message piece, ``#valid`` included."""
+        cap = self.low_rank_cap(n)
+        if cap is not None:
+            return cap * n + cap + 3  # Q (column-major, cap columns), λ, ρ, rank, #valid
         return n * n + n + 1 if self.options.compute_method == "eigen" else n * n + 1
+
+    def decomposition_state_numel(self, n: int) -> int:
+        """Elements of one held decomposition (``memory_bytes()``; low rank: at the cap)."""
+        cap = self.low_rank_cap(n)
+        if cap is not None:
+            return cap * n + cap + 1  # Q (n x k), λ, ρ
+        return n * n + n if self.options.compute_method == "eigen" else n * n
 
     @cached_property
     def slot_numel(self) -> list[list[int]]:
@@ -395,7 +429,7 @@ class Distribution:
                     or o.factor_reduction == "allreduce"):
                 factors += n * n * fb
             if in_group:
-                decomps += (n * n + n if o.compute_method == "eigen" else n * n) * ib
+                decomps += self.decomposition_state_numel(n) * ib
             captured = captured_all or pl.factor_owner[FactorKey(layer.name, "A")] == rank
             if captured:
                 sums += n * n * fb
@@ -707,10 +741,21 @@ def _decompositions_s(ctx: _Context) -> list[float]:
             mine = pl.factor_owner[FactorKey(layer.name, f)] == rank
             local = d.is_local(layer, f) and pl.layer_group[layer.name] == group
             if (mine and not d.is_local(layer, f)) or local:
-                t += c.decomposition_s(n, o.compute_method) + _OPS["decompose"] * c.op_overhead_s
+                t += _decomposition_s(c, n, o.compute_method, d.low_rank_cap(n))
+                t += _OPS["decompose"] * c.op_overhead_s
         return t
 
     return [decompose_s(r) for r in range(ctx.world)]
+
+
+def _decomposition_s(c: ComputeRates, n: int, method: str, cap: int | None) -> float:
+    """One decomposition: the profile's eigh/inverse table; a low-rank factor's sketch
+    (:func:`~kfac_hpc.kfac.shapes.randomized_eigh_flops` at the GEMM rate, an optimistic
+    bound: its QRs run slower; the energy rule priced at its cap) unless ``randomized_eigh``
+    falls back to the exact ``eigh`` there."""
+    if cap is not None and sketches(n, cap):
+        return randomized_eigh_flops(n, cap) / c.gemm_flops
+    return c.decomposition_s(n, method)
 
 
 def _decomposition_broadcasts_s(ctx: _Context, compute: Sequence[float]) -> float:
@@ -742,7 +787,8 @@ def _decomposition_broadcasts_s(ctx: _Context, compute: Sequence[float]) -> floa
 
 def _precondition_s(ctx: _Context) -> float:
     """Gradient workers precondition their group's layers: eigen ``4(g²a + ga²)``,
-    inverse ``2(g²a + ga²)`` GEMM flops per layer; the slowest group."""
+    inverse ``2(g²a + ga²)`` GEMM flops per layer, a layer with a low-rank factor
+    :func:`~kfac_hpc.kfac.shapes.lowrank_precondition_flops`; the slowest group."""
     o, c, ib = ctx.options, ctx.c, ctx.ib
     pl = ctx.dist.placement
 
@@ -752,8 +798,13 @@ def _precondition_s(ctx: _Context) -> float:
             if pl.layer_group[s.name] != group:
                 continue
             ga = s.g_dim * s.a_dim
-            mult = PRECONDITION_GEMMS[o.compute_method]
-            t += mult * (s.g_dim * ga + ga * s.a_dim) / c.gemm_flops
+            a_cap, g_cap = ctx.dist.low_rank_cap(s.a_dim), ctx.dist.low_rank_cap(s.g_dim)
+            if a_cap is not None or g_cap is not None:  # kfac.lowrank.precondition_lowrank
+                t += lowrank_precondition_flops(s.g_dim, s.a_dim, g_cap or s.g_dim,
+                                                a_cap or s.a_dim) / c.gemm_flops
+            else:
+                mult = PRECONDITION_GEMMS[o.compute_method]
+                t += mult * (s.g_dim * ga + ga * s.a_dim) / c.gemm_flops
             t += PRECONDITION_PASSES * ga * ib / c.mem_bandwidth + _OPS["precondition"] * (
                 c.op_overhead_s)
         return t

@@ -27,6 +27,7 @@ from kfac_hpc.kfac.options import (
     APPROXIMATIONS,
     COMPUTE_METHODS,
     DEFAULT_BUCKET_CAP_MB,
+    DEFAULT_LOW_RANK_MIN_DIM,
     DTYPES,
     FACTOR_SYNCS,
     STRATEGIES,
@@ -57,7 +58,8 @@ AMP_DTYPES = ("float16", "bfloat16")
 
 # preconditioner keyword -> TrainConfig field, where they differ
 _KFAC_FIELDS = {"strategy": "kfac_strategy", "overlap": "kfac_overlap",
-                "symmetric_packing": "kfac_symmetric_packing", "factor_sync": "kfac_factor_sync"}
+                "symmetric_packing": "kfac_symmetric_packing", "factor_sync": "kfac_factor_sync",
+                "compute_method": "kfac_compute_method"}
 
 
 def _kfac_flag(option: str, value: str) -> str:
@@ -157,6 +159,18 @@ class TrainConfig:
     kfac_compute_method: str = _opt("eigen", "eigen | inverse", "kfac")
     kfac_approx: str = _opt("expand", "expand | reduce: K-FAC for layers with positions "
                             "(convolutions, sequences)", "kfac")
+    low_rank: int | None = _opt(None, "keep the N leading eigenpairs (randomized, plus one "
+                                "remainder eigenvalue) of factors with >= --low-rank-min-dim "
+                                "rows; none: full eigendecompositions", "kfac")
+    low_rank_energy: float | None = _opt(
+        None, "with --low-rank N: keep the fewest pairs holding this fraction of a factor's "
+        "trace (0-1], at most N", "kfac")
+    low_rank_min_dim: int = _opt(DEFAULT_LOW_RANK_MIN_DIM,
+                                 "with --low-rank: smallest factor dimension made low rank",
+                                 "kfac")
+    low_rank_remainder: str = _opt("mean", "with --low-rank: mean (the rest of the spectrum "
+                                   "keeps its mean eigenvalue) | zero (left to the damping)",
+                                   "kfac")
     damping: float | None = _opt(None, "K-FAC damping (default: 0.1 for mlp, 0.003 for the "
                                  "resnets)", "kfac")
     factor_decay: float = _opt(0.95, "running-average decay of the factors", "kfac")
@@ -372,7 +386,10 @@ class TrainConfig:
             for conflict in conflicts(  # the preconditioner's own rules
                     strategy=self.kfac_strategy, grad_worker_fraction=self.grad_worker_fraction,
                     overlap=self.kfac_overlap, symmetric_packing=self.kfac_symmetric_packing,
-                    factor_sync=self.kfac_factor_sync):
+                    factor_sync=self.kfac_factor_sync, compute_method=self.kfac_compute_method,
+                    low_rank=self.low_rank, low_rank_energy=self.low_rank_energy,
+                    low_rank_min_dim=self.low_rank_min_dim,
+                    low_rank_remainder=self.low_rank_remainder):
                 need(False, _KFAC_FIELDS.get(conflict.option, conflict.option),
                      conflict.text(_kfac_flag))
         # distributed / device

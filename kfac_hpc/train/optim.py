@@ -27,6 +27,7 @@ from kfac_hpc.kfac.options import (
     APPROXIMATIONS,
     COMPUTE_METHODS,
     FACTOR_SYNCS,
+    LOW_RANK_REMAINDERS,
     STRATEGIES,
     one_of,
 )
@@ -184,6 +185,11 @@ def build_preconditioner(cfg: TrainConfig, model: nn.Module, comm: Communicator,
         inv_dtype=getattr(torch, cfg.kfac_inv_dtype),
         input_shape=None if sample_shape is None else (cfg.batch_size, *sample_shape),
         kfac_approx=one_of("kfac_approx", cfg.kfac_approx, APPROXIMATIONS),
+        low_rank=cfg.low_rank,
+        low_rank_energy=cfg.low_rank_energy,
+        low_rank_min_dim=cfg.low_rank_min_dim,
+        low_rank_remainder=one_of("low_rank_remainder", cfg.low_rank_remainder,
+                                  LOW_RANK_REMAINDERS),
     )
 
 
