@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import platform
 import sys
@@ -263,3 +264,14 @@ def matmul_throughput(dim: int = 2048, runs: int = 3, device: torch.device | Non
             "threads": torch.get_num_threads(), "flops": flops, "median_s": median,
             "samples_s": times, "flops_per_s": flops / median,
             "best_flops_per_s": flops / min(times)}
+
+
+def mean_std(values: Sequence[float | None]) -> tuple[float, float]:
+    """Mean and sample standard deviation of the finite values (NaN where undefined)."""
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    if not vals:
+        return math.nan, math.nan
+    m = sum(vals) / len(vals)
+    if len(vals) < 2:
+        return m, math.nan
+    return m, math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1))

@@ -1,4 +1,4 @@
-"""Time to accuracy: SGD, Adam, K-FAC (comm-opt, mem-opt, dp-kfac) and Shampoo.
+"""Time to accuracy: SGD, Adam, K-FAC (comm-opt, mem-opt, dp-kfac; expand/reduce) and Shampoo.
 
 For each task (the embedded digits data with the MLP; CIFAR-style ResNet-20 on the
 ``synthetic`` image set) every optimizer trains for the same epoch budget at ``-n``
@@ -13,6 +13,14 @@ test accuracy and wall time, then reports, per optimizer, mean +- std over seeds
 
 and plots test accuracy against epochs and against wall time (one line per optimizer,
 mean over seeds, +- std shaded) into ``--fig-dir``.
+
+K-FAC runs the driver's default ``--kfac-approx expand``; ``kfac-comm-opt-reduce`` (not
+in the default list) is comm-opt with ``--kfac-approx reduce`` (K-FAC-reduce, Eschenhagen
+et al. 2023), with its own learning rate (``--lr TASK:kfac-reduce=LR``). ``--target-reference
+kfac-comm-opt`` measures the target from K-FAC-expand's final accuracy instead of SGD's
+(ratios in the tables are then against expand); with ``--reuse`` it re-analyses finished
+runs without running anything. ``--fig-tag`` names the figures (and results JSON) apart
+from earlier runs, ``--curves`` adds a table of mean test accuracy per epoch.
 
 ``--tasks gpt`` (not in the default) adds the byte-level language model: ``gpt``
 (``--gpt-options``, default dim 64, depth 2, 4 heads) on ``stdlib-text`` (the standard
@@ -66,7 +74,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import OUT_DIR, describe, format_table, pyplot, save_figure, write_json
+from common import OUT_DIR, describe, format_table, mean_std, pyplot, save_figure, write_json
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -78,6 +86,10 @@ OPTIMIZERS: dict[str, list[str]] = {
     "adam": ["--optimizer", "adam", "--preconditioner", "none"],
     "kfac-comm-opt": ["--optimizer", "sgd", "--preconditioner", "kfac",
                       "--kfac-strategy", "comm-opt"],
+    # K-FAC-reduce (issue 14): the same strategy, convolution factors from per-example
+    # averaged inputs and summed output gradients
+    "kfac-comm-opt-reduce": ["--optimizer", "sgd", "--preconditioner", "kfac",
+                             "--kfac-strategy", "comm-opt", "--kfac-approx", "reduce"],
     "kfac-mem-opt": ["--optimizer", "sgd", "--preconditioner", "kfac",
                      "--kfac-strategy", "mem-opt"],
     "kfac-dp-kfac": ["--optimizer", "sgd", "--preconditioner", "kfac",
@@ -90,9 +102,11 @@ DEFAULT_OPTIMIZERS = ("sgd", "adam", "kfac-comm-opt", "kfac-mem-opt", "kfac-dp-k
 # the language model: K-FAC and Shampoo against AdamW
 GPT_OPTIMIZERS = ("adamw", "kfac-comm-opt", "shampoo")
 LABELS = {"sgd": "SGD", "adam": "Adam", "kfac-comm-opt": "K-FAC comm-opt",
+          "kfac-comm-opt-reduce": "K-FAC comm-opt reduce",
           "kfac-mem-opt": "K-FAC mem-opt", "kfac-dp-kfac": "K-FAC dp-kfac",
           "shampoo": "Shampoo", "adamw": "AdamW"}
 COLORS = {"sgd": "black", "adam": "tab:orange", "kfac-comm-opt": "tab:blue",
+          "kfac-comm-opt-reduce": "tab:brown",
           "kfac-mem-opt": "tab:cyan", "kfac-dp-kfac": "tab:purple", "shampoo": "tab:green",
           "adamw": "tab:red"}
 TASKS = ("digits", "resnet20", "gpt")
@@ -100,15 +114,18 @@ DEFAULT_TASKS = ("digits", "resnet20")
 # Peak learning rates (after 1 warm-up epoch, cosine decay): the best final test accuracy
 # of a 1-seed sweep (seed 0, so the benchmark's default seeds are 1, 2, 3) over
 # {0.3, 1, 3, 10} x a starting value per optimizer; "kfac" = every K-FAC strategy, on
-# SGD. Sweep table: benchmarks/RESULTS.md, "Time to accuracy".
+# SGD (K-FAC-expand); "kfac-reduce" = K-FAC-reduce (tasks without it use "kfac"). Sweep
+# tables: benchmarks/RESULTS.md, "Time to accuracy".
 LEARNING_RATES: dict[str, dict[str, float]] = {
     "digits": {"sgd": 0.3, "adam": 0.03, "kfac": 1.0, "shampoo": 0.03},
-    "resnet20": {"sgd": 0.4, "adam": 0.1, "kfac": 4.0, "shampoo": 0.3},
+    # kfac-reduce (K-FAC-reduce, issue 14): its own seed-0 sweep over {1.2, 4, 12}
+    "resnet20": {"sgd": 0.4, "adam": 0.1, "kfac": 4.0, "kfac-reduce": 4.0, "shampoo": 0.3},
     # gpt: not swept (a common AdamW value for small transformers, used by all three)
     "gpt": {"sgd": 0.3, "adam": 3e-3, "adamw": 3e-3, "kfac": 3e-3, "shampoo": 3e-3},
 }
 for _lrs in LEARNING_RATES.values():
     _lrs.setdefault("adamw", _lrs["adam"])
+LR_KEYS = ("sgd", "adam", "adamw", "kfac", "kfac-reduce", "shampoo")
 
 
 # ------------------------------------------------------------------ configuration
@@ -131,11 +148,23 @@ def task_flags(task: str, args: argparse.Namespace) -> list[str]:
 
 
 def lr_key(name: str) -> str:
-    return "kfac" if name.startswith("kfac") else name
+    """The ``LEARNING_RATES`` key of an optimizer entry (every K-FAC strategy shares
+    ``kfac``; K-FAC-reduce has its own, ``kfac-reduce``)."""
+    if name.startswith("kfac"):
+        return "kfac-reduce" if name.endswith("-reduce") else "kfac"
+    return name
+
+
+def peak_lr(name: str, task: str, args: argparse.Namespace) -> float:
+    """The peak learning rate of an optimizer entry; K-FAC-reduce falls back to K-FAC's
+    (overridden or not) on tasks without its own value."""
+    lrs = args.lrs[task]
+    key = lr_key(name)
+    return float(lrs[key] if key in lrs else lrs["kfac"])
 
 
 def optimizer_flags(name: str, task: str, args: argparse.Namespace) -> list[str]:
-    flags = [*OPTIMIZERS[name], "--lr", str(args.lrs[task][lr_key(name)])]
+    flags = [*OPTIMIZERS[name], "--lr", str(peak_lr(name, task, args))]
     if task == "gpt" and name.startswith("kfac"):
         flags += ["--optimizer", "adamw"]  # K-FAC on AdamW there (the last flag wins)
     if name == "shampoo":
@@ -277,16 +306,6 @@ def read_run(out: str) -> dict[str, Any] | None:
             "bench": bench}
 
 
-def mean_std(values: list[float]) -> tuple[float, float]:
-    vals = [v for v in values if v is not None and not math.isnan(v)]
-    if not vals:
-        return math.nan, math.nan
-    m = sum(vals) / len(vals)
-    if len(vals) < 2:
-        return m, math.nan
-    return m, math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1))
-
-
 def to_target(epochs: list[dict[str, Any]], target: float) -> tuple[int | None, float | None]:
     for rec in epochs:
         acc = rec.get("test_acc")
@@ -296,7 +315,11 @@ def to_target(epochs: list[dict[str, Any]], target: float) -> tuple[int | None, 
 
 
 def analyse(task: str, runs: list[dict[str, Any]], margin: float,
-            optimizers: list[str]) -> dict[str, Any]:
+            optimizers: list[str], reference: str | None = None,
+            ratio_reference: str | None = None) -> dict[str, Any]:
+    """Per-optimizer rows against ``target = reference's mean final test accuracy -
+    margin``; ``reference`` defaults to SGD (else the first optimizer with results), the
+    "x" ratios are against ``ratio_reference`` (default: the target's reference)."""
     data: dict[str, list[dict[str, Any]]] = {name: [] for name in optimizers}
     full = max(run["epochs"] for run in runs)
     shorter: dict[str, dict[int, list[dict[str, Any]]]] = {}
@@ -308,16 +331,19 @@ def analyse(task: str, runs: list[dict[str, Any]], margin: float,
                 data[run["optimizer"]].append(r)
             else:
                 shorter.setdefault(run["optimizer"], {}).setdefault(run["epochs"], []).append(r)
-    ref = "sgd" if data.get("sgd") else next(n for n in optimizers if data[n])
+    if reference is not None and data.get(reference):
+        ref = reference
+    else:
+        ref = "sgd" if data.get("sgd") else next(n for n in optimizers if data[n])
     sgd_final = mean_std([r["summary"]["test_acc"] for r in data[ref]])[0]
     target = sgd_final - margin / 100
-    rows = {}
+    rows: dict[str, dict[str, Any]] = {}
     for name in optimizers:
         rs = data[name]
         if not rs:
             continue
         hits = [to_target(r["epochs"], target) for r in rs]
-        reached = [(e, t) for e, t in hits if e is not None]
+        reached = [(e, t) for e, t in hits if e is not None and t is not None]
         ep = mean_std([float(e) for e, _ in reached])
         tt = mean_std([t for _, t in reached])
         per_epoch = mean_std([r["summary"]["wall_time"] / r["summary"]["epochs"] for r in rs])
@@ -340,7 +366,8 @@ def analyse(task: str, runs: list[dict[str, Any]], margin: float,
             "curves": [[(e["epoch"], e["wall_time"], e["test_acc"]) for e in r["epochs"]]
                        for r in rs],
         }
-    sgd = rows.get(ref)  # the reference: SGD, or AdamW for the language model
+    ratio_ref = ratio_reference if ratio_reference in rows else ref
+    sgd = rows.get(ratio_ref)  # the reference: SGD, or AdamW for the language model
     for row in rows.values():
         for key, base in (("epochs_ratio", "epochs_to_target"), ("time_ratio", "time_to_target")):
             row[key] = (row[base][0] / sgd[base][0]
@@ -353,7 +380,8 @@ def analyse(task: str, runs: list[dict[str, Any]], margin: float,
                      "train_seconds": mean_std([r["summary"]["wall_time"] for r in rs]),
                      "runs": len(rs)}
             for e, rs in sorted(schedules.items()) if rs}
-    return {"task": task, "reference": ref, "reference_final_acc": sgd_final,
+    return {"task": task, "reference": ref, "ratio_reference": ratio_ref,
+            "reference_final_acc": sgd_final,
             "margin_pp": margin, "target": target, "epochs": full, "rows": rows,
             "budgets": budgets}
 
@@ -368,7 +396,7 @@ def pm(ms: tuple[float, float], fmt: str, scale: float = 1.0) -> str:
 
 
 def table(result: dict[str, Any], markdown: bool) -> str:
-    ref = "SGD" if result["reference"] == "sgd" else LABELS[result["reference"]]
+    ref = LABELS[result.get("ratio_reference", result["reference"])]
     headers = ["optimizer", "reached", "epochs to target", f"x {ref}", "time to target s",
                f"x {ref}", "final test acc %", "s / epoch", "KiB / step"]
     lm = result["task"] == "gpt"
@@ -393,10 +421,11 @@ def budget_table(result: dict[str, Any], markdown: bool) -> str:
     """Final test accuracy and training time per schedule length, and the shortest
     schedule whose mean final accuracy reaches the target."""
     budgets = result["budgets"]
-    sgd_time = result["rows"].get("sgd", {}).get("train_seconds", (math.nan, math.nan))[0]
+    ratio_ref = result.get("ratio_reference", "sgd")
+    sgd_time = result["rows"].get(ratio_ref, {}).get("train_seconds", (math.nan, math.nan))[0]
     headers = ["optimizer", *[f"{e} epochs: acc % / s" for e in
                               sorted({int(e) for b in budgets.values() for e in b})],
-               "shortest reaching target", "its time x SGD full"]
+               "shortest reaching target", f"its time x {LABELS[ratio_ref]} full"]
     rows = []
     for name, by_epochs in budgets.items():
         cells = {int(e): f"{pm(v['final_acc'], '.1f', 100)} / {v['train_seconds'][0]:.1f}"
@@ -409,6 +438,25 @@ def budget_table(result: dict[str, Any], markdown: bool) -> str:
                                      sorted({int(e) for b in budgets.values() for e in b})],
                      "none" if hit is None else f"{hit} epochs",
                      "-" if math.isnan(ratio) else f"{ratio:.2f}"])
+    return format_table(headers, rows, markdown=markdown)
+
+
+def curve_table(result: dict[str, Any], markdown: bool) -> str:
+    """Mean +- std test accuracy (%) and mean wall time (s) after each epoch of the full
+    schedule, one column per optimizer."""
+    curves = {name: r["curves"] for name, r in result["rows"].items()}
+    n = max(min(len(c) for c in cs) for cs in curves.values())
+    headers = ["epoch", *[f"{LABELS[name]}: acc % / s" for name in curves]]
+    rows = []
+    for i in range(n):
+        row = [str(i + 1)]
+        for cs in curves.values():
+            if i >= min(len(c) for c in cs):
+                row.append("-")
+                continue
+            acc = mean_std([c[i][2] for c in cs])
+            row.append(f"{pm(acc, '.1f', 100)} / {mean_std([c[i][1] for c in cs])[0]:.1f}")
+        rows.append(row)
     return format_table(headers, rows, markdown=markdown)
 
 
@@ -513,13 +561,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument("--extra-" + name, default="", metavar="FLAGS",
                        help=f"extra driver flags for {name}, e.g. \"--lr 0.05\"")
     p.add_argument("--lr", action="append", default=[], metavar="[TASK:]OPT=LR",
-                   help="override a peak learning rate (OPT: sgd, adam, kfac, shampoo), "
+                   help=f"override a peak learning rate (OPT: {', '.join(LR_KEYS)}), "
                         "e.g. resnet20:sgd=0.2; repeatable; defaults: "
                         + "; ".join(f"{t} " + ", ".join(f"{o} {v:g}" for o, v in d.items())
                                     for t, d in LEARNING_RATES.items()))
     p.add_argument("--margin-digits", type=float, default=1.0,
                    help="target = SGD's mean final test accuracy - this (percentage points)")
     p.add_argument("--margin-resnet", type=float, default=2.0, help="same, for resnet20")
+    p.add_argument("--target-reference", default=None, metavar="OPT",
+                   help="optimizer whose mean final test accuracy - margin is the target "
+                        "(default: SGD, AdamW for gpt; e.g. kfac-comm-opt: K-FAC-expand's)")
+    p.add_argument("--ratio-reference", default=None, metavar="OPT",
+                   help="optimizer the 'x' columns divide by (default: the target's "
+                        "reference; e.g. kfac-comm-opt for reduce / expand)")
+    p.add_argument("--curves", action="store_true",
+                   help="also print mean test accuracy and wall time after each epoch")
+    p.add_argument("--fig-tag", default="",
+                   help="suffix of figure and results names, e.g. _reduce: "
+                        "time_to_accuracy_resnet20_reduce.png, results_reduce.json")
     p.add_argument("--budgets", default="",
                    help="fractions of the epoch budget for shorter schedules, e.g. 0.5,0.75")
     p.add_argument("--budget-optimizers", default="sgd,kfac-comm-opt",
@@ -549,7 +608,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                   if s.strip() in args.optimizer_list]
     if any(not 0 < f < 1 for f in args.budget_list):
         p.error(f"--budgets {args.budgets}: fractions must lie in (0, 1)")
-    bad = ([o for o in args.optimizer_list + args.gpt_optimizer_list if o not in OPTIMIZERS]
+    refs = [o for o in (args.target_reference, args.ratio_reference) if o is not None]
+    bad = ([o for o in args.optimizer_list + args.gpt_optimizer_list + refs
+            if o not in OPTIMIZERS]
            + [t for t in args.task_list if t not in TASKS])
     if bad:
         p.error(f"unknown optimizer/task: {', '.join(bad)}")
@@ -558,9 +619,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         where, _, value = spec.rpartition("=")
         task, _, opt = where.rpartition(":")
         tasks = [task] if task else list(TASKS)
-        if opt not in ("sgd", "adam", "adamw", "kfac", "shampoo") or any(
-                t not in TASKS for t in tasks):
-            p.error(f"--lr {spec}: expected [TASK:]OPT=LR with OPT sgd|adam|adamw|kfac|shampoo")
+        if opt not in LR_KEYS or any(t not in TASKS for t in tasks):
+            p.error(f"--lr {spec}: expected [TASK:]OPT=LR with OPT {'|'.join(LR_KEYS)}")
         for t in tasks:
             args.lrs[t][opt] = float(value)
     if args.out is None:
@@ -591,7 +651,8 @@ def main(argv: list[str] | None = None) -> int:
                 run_per_config(todo, args)
         margin = {"digits": args.margin_digits, "gpt": args.margin_gpt}.get(
             task, args.margin_resnet)
-        results[task] = analyse(task, runs, margin, task_optimizers(task, args))
+        results[task] = analyse(task, runs, margin, task_optimizers(task, args),
+                                args.target_reference, args.ratio_reference)
     elapsed = time.perf_counter() - t_start
     info = host_info(args.ranks)
     info["load_average_1m"] = f"{load_start[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end"
@@ -608,7 +669,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * res['target']:.2f} %; {len(args.seed_list)} seeds "
               f"({args.seeds}); load average during runs "
               + (f"{min(loads):.1f}-{max(loads):.1f}" if loads else "n/a"))
-        print("peak lr: " + ", ".join(f"{o} {v:g}" for o, v in args.lrs[task].items())
+        shown = {**args.lrs[task], **{lr_key(n): peak_lr(n, task, args)
+                                      for n in task_optimizers(task, args)}}
+        print("peak lr: " + ", ".join(f"{o} {v:g}" for o, v in shown.items())
               + f"; K-FAC factor/inv-update-steps {args.factor_update_steps}/"
               f"{args.inv_update_steps}, Shampoo "
               f"precondition_frequency {args.shampoo_frequency}\n")
@@ -617,15 +680,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nshorter schedules (each its own warm-up + cosine decay), target "
                   f"{100 * res['target']:.2f} %:\n")
             print(budget_table(res, args.markdown))
-        png = plot(res, args.fig_dir / f"time_to_accuracy_{task}.png",
+        if args.curves:
+            print("\nmean test accuracy after each epoch of the full schedule / mean wall "
+                  "time:\n")
+            print(curve_table(res, args.markdown))
+        png = plot(res, args.fig_dir / f"time_to_accuracy_{task}{args.fig_tag}.png",
                    f"{task}: {cfg.replace('--log-every-steps 1000000', '').strip()}; "
                    f"{args.ranks} ranks, mean ± std over seeds {args.seeds}")
         print(f"\nfigure: {png}")
-    write_json(root / "results.json", {
+    write_json(root / f"results{args.fig_tag}.json", {
         "machine": info, "args": {k: (str(v) if isinstance(v, Path) else v)
                                   for k, v in vars(args).items()},
         "elapsed_s": elapsed, "results": results})
-    print(f"results: {root / 'results.json'}")
+    print(f"results: {root / f'results{args.fig_tag}.json'}")
     return 0
 
 

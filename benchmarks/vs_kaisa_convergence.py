@@ -87,6 +87,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from common import mean_std
 
 HERE = Path(__file__).resolve().parent
 FIG_DIR = HERE / "figures"
@@ -466,16 +467,6 @@ def run_one(config: str, spec: TaskSpec, seed: int, splits: Any, model0: nn.Modu
 
 
 # ------------------------------------------------------------------ analysis
-
-
-def mean_std(values: Sequence[float]) -> tuple[float, float]:
-    vals = [v for v in values if v is not None and math.isfinite(v)]
-    if not vals:
-        return math.nan, math.nan
-    m = sum(vals) / len(vals)
-    if len(vals) < 2:
-        return m, math.nan
-    return m, math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1))
 
 
 def pm(values: Sequence[float], scale: float = 1.0, digits: int = 2) -> str:
