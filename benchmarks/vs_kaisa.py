@@ -253,7 +253,9 @@ class Lib:
             self.averager = GradientAverager(self.model, self.grad_comm)
             self.comm = Communicator(WORLD.Dup(), name="kfac")
             self.pre = KFACPreconditioner(self.model, comm=self.comm, strategy="comm-opt",
-                                          compute_method="eigen", **common)
+                                          compute_method="eigen", low_rank=hp["low_rank"],
+                                          factor_sync=hp["factor_sync"],
+                                          symmetric_packing=hp["symmetric_packing"], **common)
         else:
             self.pre = kaisa.preconditioner.KFACPreconditioner(
                 self.model, grad_worker_fraction=1.0, compute_method="eigen", **common)
@@ -345,6 +347,14 @@ def main() -> int:
                          "MPI waits spin, so use it at 1 rank, where other users' load "
                          "makes wall time swing)")
     ap.add_argument("--kaisa-src", default=os.environ.get("KAISA_SRC", "/tmp/kaisa_src"))
+    ap.add_argument("--low-rank", type=int, default=None, metavar="K",
+                    help="kfac_hpc only: low-rank decompositions of factors >= 1024 "
+                         "(KAISA has none; the comparison then includes that feature)")
+    ap.add_argument("--factor-sync", choices=["step", "inverse"], default="step",
+                    help="kfac_hpc only: 'inverse' reduces factors at inverse steps only "
+                         "(the same preconditioned gradients, fewer bytes)")
+    ap.add_argument("--symmetric-packing", action="store_true",
+                    help="kfac_hpc only: factors travel as upper triangles")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
 
@@ -359,7 +369,9 @@ def main() -> int:
     torch.set_num_threads(threads)
     wrap_torch_distributed()
     init_gloo()
-    hp = {"lr": args.lr, "damping": args.damping, "factor_steps": args.factor_steps,
+    hp = {"lr": args.lr, "damping": args.damping, "low_rank": args.low_rank,
+          "factor_sync": args.factor_sync, "symmetric_packing": args.symmetric_packing,
+          "factor_steps": args.factor_steps,
           "inv_steps": args.inv_steps}
     if RANK == 0:
         print(f"ranks {SIZE}, torch {torch.__version__} ({threads} threads/rank), "
