@@ -174,7 +174,7 @@ COLORS = ("#4e79a7", "#a0cbe8", "#f28e2b", "#e15759", "#59a14f", "#8cd17d", "#b0
           "#ff9da7", "#bab0ac")
 BYTE_TAGS = ("factors", "decompositions", "gradients", "other")
 KINDS = ("fi", "f", "p")
-SCHEDULES = ((1, 1), (1, 10), (10, 100))
+SCHEDULES = ((1, 1), (1, 10), (5, 10), (10, 100))  # (5, 10): the driver's default
 DEFAULT_STEPS = {"mlp": (30, 20), "resnet20": (4, 3),  # timed rounds: ratio, matrix
                  "resnet50": (10, 5)}
 NEVER = 10**9  # an update interval that no step number below it is a multiple of
@@ -384,7 +384,8 @@ def count_model_flops(work: Workload) -> None:
     work.backward_flops = int(bwd.get_total_flops())
 
 
-def make_workload(name: str, batch: int, device: torch.device) -> Workload:
+def make_workload(name: str, batch: int, device: torch.device,
+                  image_size: int = 32) -> Workload:
     """The model (same weights on every rank) and this rank's fixed synthetic batch, on
     ``device`` (drawn on the CPU, so the same on every device)."""
     torch.manual_seed(0)
@@ -397,8 +398,9 @@ def make_workload(name: str, batch: int, device: torch.device) -> Workload:
         model = build_model(name, num_classes=classes, in_channels=3, image_size=224)
         shape = (batch, 3, 224, 224)
     else:
-        model = build_model(name, num_classes=classes, in_channels=3, image_size=32)
-        shape = (batch, 3, 32, 32)
+        # 32: CIFAR; 8: the driver's synthetic 3x8x8 images (time_to_accuracy.py)
+        model = build_model(name, num_classes=classes, in_channels=3, image_size=image_size)
+        shape = (batch, 3, image_size, image_size)
     g = torch.Generator().manual_seed(1000 + WORLD.Get_rank())
     x = torch.randn(shape, generator=g)
     y = torch.randint(0, classes, (batch,), generator=g)
@@ -1194,6 +1196,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1,
                    help="untimed rounds first (default 1; bytes are counted in the last)")
     p.add_argument("--batch", type=int, default=32, help="per-rank batch size (default 32)")
+    p.add_argument("--image-size", type=int, default=32,
+                   help="resnet20's input height and width (default 32, CIFAR; 8 = the "
+                        "synthetic 3x8x8 task of time_to_accuracy.py and the driver)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per rank (default: cores / ranks on the node, >= 1)")
     p.add_argument("--sections", nargs="+", choices=("ratio", "matrix", "eigh"),
@@ -1232,7 +1237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.unsynced = (args.whole_iteration == "yes"
                      or (args.whole_iteration == "auto" and device.type == "cuda"))
     suffix = ("_cuda" if device.type == "cuda" else "") + (
-        "_reduce" if args.kfac_approx == "reduce" else "")
+        "_reduce" if args.kfac_approx == "reduce" else "") + (
+        f"_img{args.image_size}" if args.image_size != 32 else "")
     if "kfac_approx" in ACCEPTED:
         EXTRA_OPTIONS["kfac_approx"] = args.kfac_approx
     elif args.kfac_approx != "expand":
@@ -1267,7 +1273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_args = argparse.Namespace(**{**vars(args), "ratio_steps": ratio_steps,
                                          "matrix_steps": matrix_steps,
                                          "warmup": max(1, args.warmup)})
-        work = make_workload(name, args.batch, device)
+        work = make_workload(name, args.batch, device, args.image_size)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         say(f"\n## {name} at {size} rank(s), per-rank batch {args.batch}, "
