@@ -85,3 +85,28 @@ def test_rows_per_sample_probe() -> None:
     assert all(p.device.type == "cpu" and torch.equal(p, b)
                for p, b in zip(model.parameters(), before))
     assert model.scale.device.type == "cpu"
+
+
+def test_low_rank_factors_are_placed_by_their_real_cost() -> None:
+    """A factor that gets a randomized rank-64 decomposition weighs its flops, not d³:
+    the 2049-wide factor no longer fills a rank on its own."""
+    from kfac_hpc.assignment import cubic_cost
+    from kfac_hpc.kfac.placement import FactorKey, decomposition_cost, place
+    from kfac_hpc.kfac.shapes import randomized_eigh_flops
+
+    layers = [LayerShape("big", 2049, 10), *(LayerShape(f"m{i}", 600, 10) for i in range(4))]
+    cost = decomposition_cost(64, 1024)
+    assert cost(600) == cubic_cost(600)  # below low_rank_min_dim: full eigh
+    assert cost(2049) == randomized_eigh_flops(2049, 64) / 13.0 < cubic_cost(2049) / 20
+    assert decomposition_cost(None, 1024) is cubic_cost
+
+    def a_factors_with_big(p: object) -> int:
+        owners = p.factor_owner  # type: ignore[attr-defined]
+        big = owners[FactorKey("big", "A")]
+        return sum(1 for layer in layers if owners[FactorKey(layer.name, "A")] == big)
+
+    assert a_factors_with_big(place(layers, 2, 2)) == 1  # 2049³ outweighs 4 x 600³
+    assert a_factors_with_big(place(layers, 2, 2, cost=cost)) >= 2
+    dense = work_per_step(LayerShape("big", 2049, 10, rows=32), inv_update_steps=10)
+    low = work_per_step(LayerShape("big", 2049, 10, rows=32), inv_update_steps=10, cost=cost)
+    assert low < dense / 10

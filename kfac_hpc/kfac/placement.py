@@ -134,14 +134,37 @@ def grad_workers_for(strategy: str, world_size: int, fraction: float | None) -> 
     return g
 
 
+def decomposition_cost(low_rank: int | None = None, low_rank_min_dim: int = 0
+                       ) -> Callable[[int], float]:
+    """Cost of decomposing a ``dim x dim`` factor in units of ``dim³`` (:func:`cubic_cost`
+    without ``low_rank``): a factor that gets a randomized low-rank decomposition costs
+    its flops (:func:`~kfac_hpc.kfac.shapes.randomized_eigh_flops`) over the ``eigh``
+    constant of :data:`DECOMPOSITION_FLOPS_PER_N3`, so LPT balances what ranks really do."""
+    if low_rank is None:
+        return cubic_cost
+    from kfac_hpc.kfac.lowrank import sketches
+    from kfac_hpc.kfac.options import low_rank_cap
+    from kfac_hpc.kfac.shapes import randomized_eigh_flops
+
+    def cost(dim: int) -> float:
+        cap = low_rank_cap(dim, low_rank, low_rank_min_dim)
+        if cap is None or not sketches(dim, cap):
+            return cubic_cost(dim)
+        return randomized_eigh_flops(dim, cap) / DECOMPOSITION_FLOPS_PER_N3["eigen"]
+
+    return cost
+
+
 def work_per_step(layer: LayerShape, *, compute_method: str = "eigen",
-                  factor_update_steps: int = 1, inv_update_steps: int = 1) -> float:
+                  factor_update_steps: int = 1, inv_update_steps: int = 1,
+                  cost: Callable[[int], float] = cubic_cost) -> float:
     """GEMM flops per step of all of a layer's K-FAC work on one rank (DP-KFAC's owner):
     statistics ``2·rows·(a² + g²)`` every ``factor_update_steps``, decompositions
-    ``c·(a³ + g³)`` every ``inv_update_steps`` (``c``: :data:`DECOMPOSITION_FLOPS_PER_N3`)."""
+    ``c·(cost(a) + cost(g))`` every ``inv_update_steps`` (``c``:
+    :data:`DECOMPOSITION_FLOPS_PER_N3`; ``cost``: :func:`decomposition_cost`)."""
     statistics = 2.0 * layer.rows * (layer.a_dim ** 2 + layer.g_dim ** 2)
     decompositions = DECOMPOSITION_FLOPS_PER_N3[compute_method] * (
-        float(layer.a_dim) ** 3 + float(layer.g_dim) ** 3)
+        cost(layer.a_dim) + cost(layer.g_dim))
     return statistics / factor_update_steps + decompositions / inv_update_steps
 
 

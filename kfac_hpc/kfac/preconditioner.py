@@ -82,6 +82,7 @@ from kfac_hpc.kfac.placement import (
     FactorKey,
     LayerShape,
     Placement,
+    decomposition_cost,
     grad_workers_for,
     place,
     work_per_step,
@@ -239,9 +240,10 @@ class KFACPreconditioner:
                                     settings={"input_shape": batch_shape})
 
         grad_workers = grad_workers_for(strategy, self.comm.size, grad_worker_fraction)
+        self._decomposition_cost = decomposition_cost(low_rank, low_rank_min_dim)
         self.placement: Placement = place(
             self._layer_shapes(model), self.comm.size, grad_workers,
-            local_threshold=local_decomposition_threshold,
+            cost=self._decomposition_cost, local_threshold=local_decomposition_threshold,
             layer_cost=self._owner_work if strategy == "dp-kfac" and batch_shape else None)
         self.local_decomposition_threshold = local_decomposition_threshold
         self.worker_comm, self.receiver_comm = self._group_communicators()
@@ -287,7 +289,8 @@ class KFACPreconditioner:
     def _owner_work(self, layer: LayerShape) -> float:
         return work_per_step(layer, compute_method=self.compute_method,
                              factor_update_steps=max(1, int(self.factor_update_steps(0))),
-                             inv_update_steps=max(1, int(self.inv_update_steps(0))))
+                             inv_update_steps=max(1, int(self.inv_update_steps(0))),
+                             cost=self._decomposition_cost)
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()

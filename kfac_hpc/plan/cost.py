@@ -58,6 +58,7 @@ from kfac_hpc.kfac.placement import (
     FactorKey,
     LayerShape,
     Placement,
+    decomposition_cost,
     grad_workers_for,
     place,
     work_per_step,
@@ -246,12 +247,14 @@ class Distribution:
                              batch * s.rows_per_sample if balance and batch else 0)
                   for s in model.layers]
 
+        cost = decomposition_cost(options.low_rank, options.low_rank_min_dim)
+
         def owner_work(layer: LayerShape) -> float:
             return work_per_step(layer, compute_method=options.compute_method,
                                  factor_update_steps=options.factor_update_steps,
-                                 inv_update_steps=options.inv_update_steps)
+                                 inv_update_steps=options.inv_update_steps, cost=cost)
 
-        self.placement: Placement = place(shapes, world, self.grad_workers,
+        self.placement: Placement = place(shapes, world, self.grad_workers, cost=cost,
                                           local_threshold=options.local_decomposition_threshold,
                                           layer_cost=owner_work if balance else None)
         self.layers: dict[str, LayerSpec] = {s.name: s for s in model.layers}
