@@ -79,7 +79,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -284,28 +284,16 @@ def per_layer_damping_kfac(scales: dict[str, float], exact: bool = True) -> type
     ``damping · s`` on each layer (its damping argument is in KAISA units); ``exact``:
     also multiplies the preconditioned gradient by ``s`` (KAISA's ``V``)."""
     from kfac_hpc import KFACPreconditioner
-    from kfac_hpc.kfac import linalg
-    from kfac_hpc.kfac.placement import FactorKey
 
     class PerLayerDampingKFAC(KFACPreconditioner):
-        def _precondition_my_layers(self, k: int) -> dict[str, torch.Tensor]:
-            damping = self.damping(k)
-            out: dict[str, torch.Tensor] = {}
-            for name, curv in self.layers.items():
-                if not self.placement.is_grad_worker(name, self.comm.rank):
-                    continue
-                a = self._decompositions.get(FactorKey(name, "A"))
-                g = self._decompositions.get(FactorKey(name, "G"))
-                if a is None or g is None or curv.module.weight.grad is None:
-                    continue
-                if "Q" not in a or "Q" not in g:
-                    raise NotImplementedError("the damping port supports full eigen "
-                                              "decompositions only")
-                grad = curv.grad_matrix(self.inv_dtype)
-                v = linalg.precondition_eigen(grad, a["Q"], a["lambda"], g["Q"],
-                                              g["lambda"], damping * scales[name])
-                out[name] = v * scales[name] if exact else v
-            return out
+        def _precondition_layer(self, name: str, grad: torch.Tensor,
+                                a: Mapping[str, torch.Tensor], g: Mapping[str, torch.Tensor],
+                                damping: float) -> torch.Tensor:
+            if "Q" not in a or "Q" not in g or "rho" in a or "rho" in g:
+                raise NotImplementedError("the damping port supports full eigen "
+                                          "decompositions only")
+            v = super()._precondition_layer(name, grad, a, g, damping * scales[name])
+            return v * scales[name] if exact else v
 
     return PerLayerDampingKFAC
 

@@ -736,17 +736,19 @@ class KFACPreconditioner:
             g = self._decompositions.get(FactorKey(name, "G"))
             if a is None or g is None or curv.module.weight.grad is None:
                 continue
-            grad = curv.grad_matrix(self.inv_dtype)
-            if "rho" in a or "rho" in g:  # a low-rank factor: exact for the approximation
-                v = precondition_lowrank(grad, _low_rank_factor(a), _low_rank_factor(g),
-                                         damping)
-            elif self.compute_method == "eigen":
-                v = linalg.precondition_eigen(grad, a["Q"], a["lambda"], g["Q"], g["lambda"],
-                                              damping)
-            else:
-                v = linalg.precondition_inverse(grad, a["inv"], g["inv"])
-            out[name] = v
+            out[name] = self._precondition_layer(name, curv.grad_matrix(self.inv_dtype), a, g,
+                                                 damping)
         return out
+
+    def _precondition_layer(self, name: str, grad: Tensor, a: Mapping[str, Tensor],
+                            g: Mapping[str, Tensor], damping: float) -> Tensor:
+        """One layer's preconditioned gradient from its factors' decompositions."""
+        if "rho" in a or "rho" in g:  # a low-rank factor: exact for the approximation
+            return precondition_lowrank(grad, _low_rank_factor(a), _low_rank_factor(g), damping)
+        if self.compute_method == "eigen":
+            return linalg.precondition_eigen(grad, a["Q"], a["lambda"], g["Q"], g["lambda"],
+                                             damping)
+        return linalg.precondition_inverse(grad, a["inv"], g["inv"])
 
     def _share_preconditioned(self, mine: dict[str, Tensor]) -> dict[str, Tensor]:
         """Gradient workers send preconditioned gradients to their receiver groups."""
