@@ -60,3 +60,59 @@ class ShampooNet(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         h = torch.tanh(self.conv(x)).flatten(1)
         return self.fc2(torch.tanh(self.fc1(h))) * self.scale
+
+
+def small_cnn() -> nn.Module:
+    """Two convolutions (padding, stride) and a Linear layer, float64, seeded."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, stride=2),
+                         nn.ReLU(), nn.Flatten(), nn.Linear(16, 3)).double()
+
+
+def small_cnn_batches(n: int) -> list[tuple[Tensor, Tensor]]:
+    """``n`` fixed float64 batches of 4 for :func:`small_cnn` (the same on every rank)."""
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(4, 2, 5, 5, generator=g, dtype=torch.float64),
+             torch.randint(0, 3, (4,), generator=g)) for _ in range(n)]
+
+
+def train_kfac(model: nn.Module, opt: torch.optim.Optimizer, pre: Any,
+               data: list[tuple[Tensor, Tensor]]) -> None:
+    """Every rank takes the same batch: no gradient averaging needed."""
+    for x, y in data:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        pre.step()
+        opt.step()
+
+
+def held_tensors(opt: Any) -> dict[str, Tensor]:
+    """Every tensor a DistributedShampoo keeps: gather buffers, status offsets, block state."""
+    out = {"send buffer": opt._send, "receive buffer": opt._recv,
+           "status offsets": opt._status_at}
+    for p, blocks in opt.state.items():
+        for index, block in blocks.items():
+            for key, value in block.items():
+                if isinstance(value, Tensor):
+                    out[f"{opt._name_of[p]} block {index} {key}"] = value
+    return out
+
+
+def direct_or_staged(path: str, device: torch.device) -> Any:
+    """A Communicator that stages every CUDA tensor (``"staged"``), or one that hands device
+    memory to the calls the MPI library takes it for (skips where it is not CUDA-aware)."""
+    import os
+
+    import pytest
+
+    from kfac_hpc.comm import Communicator
+    from kfac_hpc.comm.cuda import CUDA_AWARE_ENV, detect
+
+    if path == "staged":
+        return Communicator(cuda_aware=False)
+    if device.type == "cuda":
+        found = detect(env={k: v for k, v in os.environ.items() if k != CUDA_AWARE_ENV})
+        if not found.aware:
+            pytest.skip(f"device-direct path: the MPI library is not CUDA-aware here "
+                        f"({found.summary()}; {'; '.join(found.evidence)})")
+    return Communicator(cuda_aware=True)

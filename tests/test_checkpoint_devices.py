@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from mpi4py import MPI
+from shared_cases import small_cnn, small_cnn_batches, train_kfac
 from test_checkpoint_support import FakeKFAC, Net, make_optimizer, train_steps
 from torch import nn
 
@@ -90,18 +91,6 @@ KFAC_CASES = [("comm-opt", {}), ("mem-opt", {}), ("dp-kfac", {}),
 KFAC_IDS = [s + "".join(f"-{k}={v}" for k, v in o.items()) for s, o in KFAC_CASES]
 
 
-def cnn() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, stride=2),
-                         nn.ReLU(), nn.Flatten(), nn.Linear(16, 3)).double()
-
-
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(7)
-    return [(torch.randn(4, 2, 5, 5, generator=g, dtype=torch.float64),
-             torch.randint(0, 3, (4,), generator=g)) for _ in range(STEPS)]
-
-
 def build(model: nn.Module, comm: Communicator, strategy: str,
           options: dict[str, Any]) -> tuple[torch.optim.Optimizer, Any]:
     from kfac_hpc import KFACPreconditioner
@@ -111,36 +100,26 @@ def build(model: nn.Module, comm: Communicator, strategy: str,
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), pre
 
 
-def run(model: nn.Module, opt: torch.optim.Optimizer, pre: Any,
-        data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Every rank takes the same batch: no gradient averaging needed."""
-    for x, y in data:
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        pre.step()
-        opt.step()
-
-
 def resume_under_stand_in(comm: Communicator, directory: Path, strategy: str,
                           options: dict[str, Any], stand_in: Any) -> None:
-    data = batches()
-    ref = cnn()
+    data = small_cnn_batches(STEPS)
+    ref = small_cnn()
     stand_in()  # from here on, a tensor made without device= lands on meta
     ref_opt, ref_pre = build(ref, comm, strategy, options)
-    run(ref, ref_opt, ref_pre, data[:SAVE_AT])
+    train_kfac(ref, ref_opt, ref_pre, data[:SAVE_AT])
     checkpoint.save(directory, model=ref, optimizer=ref_opt, preconditioner=ref_pre,
                     step=SAVE_AT, comm=comm)
-    run(ref, ref_opt, ref_pre, data[SAVE_AT:])  # the uninterrupted run
+    train_kfac(ref, ref_opt, ref_pre, data[SAVE_AT:])  # the uninterrupted run
 
     with torch.device("cpu"):  # the user's model, on the CPU as before
-        model = cnn()
+        model = small_cnn()
     opt, pre = build(model, comm, strategy, options)
-    run(model, opt, pre, data[:1])  # some state of its own, replaced by the load
+    train_kfac(model, opt, pre, data[:1])  # some state of its own, replaced by the load
     info = checkpoint.load(directory, model=model, optimizer=opt, preconditioner=pre, comm=comm)
     assert "kfac" in info.loaded and info.step == SAVE_AT
     loaded = _tensors(opt.state_dict()["state"]) + _tensors(pre.state_dict())
     assert loaded and {t.device.type for t in loaded} == {"cpu"}
-    run(model, opt, pre, data[SAVE_AT:])
+    train_kfac(model, opt, pre, data[SAVE_AT:])
     same = all(torch.equal(p, q) for p, q in zip(ref.parameters(), model.parameters()))
     assert all(comm.allgather_object(same)), "the resumed run differs from the uninterrupted one"
     mine = _tensors(pre.state_dict())  # a rank may own no factor at all

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from mpi4py import MPI
-from shared_cases import case_ids, fraction_for, kfac_cases
+from shared_cases import case_ids, fraction_for, kfac_cases, small_cnn, small_cnn_batches
 from torch import nn
 
 from kfac_hpc import KFACPreconditioner
@@ -24,18 +24,6 @@ CASES = kfac_cases(input_shape=(4, 2, 5, 5))
 IDS = case_ids(CASES)
 
 
-def cnn() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, stride=2),
-                         nn.ReLU(), nn.Flatten(), nn.Linear(16, 3)).double()
-
-
-def data() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(7)
-    return [(torch.randn(4, 2, 5, 5, generator=g, dtype=torch.float64),
-             torch.randint(0, 3, (4,), generator=g)) for _ in range(STEPS * 2)]
-
-
 def run(comm: Communicator, strategy: str, options: dict, stand_in=None, *,
         save_at: int | None = None, resume: bool = False) -> tuple[nn.Module, KFACPreconditioner]:
     """``STEPS`` steps of K-FAC on SGD (every rank the same batch: no averaging needed).
@@ -44,7 +32,7 @@ def run(comm: Communicator, strategy: str, options: dict, stand_in=None, *,
     ``resume``: then rebuild model, optimizer and preconditioner from them and go on.
     """
     strategy, fraction = fraction_for(strategy, comm.size)
-    batches = data()
+    batches = small_cnn_batches(STEPS * 2)
 
     def build(model: nn.Module) -> tuple[torch.optim.Optimizer, KFACPreconditioner]:
         pre = KFACPreconditioner(model, comm=comm, strategy=strategy, grad_worker_fraction=fraction,
@@ -52,7 +40,7 @@ def run(comm: Communicator, strategy: str, options: dict, stand_in=None, *,
                                  **options)
         return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), pre
 
-    model = cnn()
+    model = small_cnn()
     if stand_in is not None:
         stand_in()
     opt, pre = build(model)
@@ -62,7 +50,7 @@ def run(comm: Communicator, strategy: str, options: dict, stand_in=None, *,
         if step == save_at and resume:
             pre.close()
             with torch.device("cpu"):  # the user's model, on the CPU as before
-                model = cnn()
+                model = small_cnn()
             opt, pre = build(model)
             model.load_state_dict(saved[0])
             opt.load_state_dict(saved[1])

@@ -25,6 +25,7 @@ import pytest
 import torch
 from shared_cases import SHAMPOO_KWARGS as KWARGS
 from shared_cases import ShampooNet as Net
+from shared_cases import held_tensors
 from torch import Tensor, nn
 
 from kfac_hpc.comm import Communicator
@@ -46,18 +47,6 @@ def train(model: Net, opt: DistributedShampoo, data: list[tuple[Tensor, Tensor]]
         if step == 1:
             model.fc1.weight.grad = None  # a step without gradient for some blocks
         opt.step()
-
-
-def held_tensors(opt: DistributedShampoo) -> dict[str, Tensor]:
-    """Every tensor the optimizer keeps: gather buffers, status offsets, block state."""
-    out = {"send buffer": opt._send, "receive buffer": opt._recv,
-           "status offsets": opt._status_at}
-    for p, blocks in opt.state.items():
-        for index, block in blocks.items():
-            for key, value in block.items():
-                if isinstance(value, Tensor):
-                    out[f"{opt._name_of[p]} block {index} {key}"] = value
-    return out
 
 
 def assert_on(opt: DistributedShampoo, device: torch.device) -> None:

@@ -14,11 +14,11 @@ import threading
 
 import pytest
 import torch
+from shared_cases import direct_or_staged
 from torch import nn
 
 from kfac_hpc import GradientAverager
 from kfac_hpc.comm import Communicator
-from kfac_hpc.comm.cuda import CUDA_AWARE_ENV, detect
 
 pytestmark = pytest.mark.gpu
 ON_CUDA = os.environ.get("KFAC_HPC_TEST_DEVICE", "cuda") == "cuda"
@@ -36,23 +36,12 @@ def loss_of(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return net[:5](x).square().sum()
 
 
-def communicator(path: str, device: torch.device) -> Communicator:
-    if path == "staged":
-        return Communicator(cuda_aware=False)
-    if device.type == "cuda":
-        found = detect(env={k: v for k, v in os.environ.items() if k != CUDA_AWARE_ENV})
-        if not found.aware:
-            pytest.skip(f"device-direct path: the MPI library is not CUDA-aware here "
-                        f"({found.summary()})")
-    return Communicator(cuda_aware=True)
-
-
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("path", ["staged", "device"])
 @pytest.mark.parametrize("cap_mb", [25.0, 1e-4])
 def test_averager_on_the_device_equals_the_cpu(device: torch.device, path: str,
                                                cap_mb: float) -> None:
-    comm = communicator(path, device)
+    comm = direct_or_staged(path, device)
     reference_comm = Communicator(cuda_aware=False)
     gpu_net, cpu_net = model(device), model(torch.device("cpu"))
     gpu_avg = GradientAverager(gpu_net, comm, bucket_cap_mb=cap_mb)

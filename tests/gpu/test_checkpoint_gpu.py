@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from mpi4py import MPI
+from shared_cases import train_kfac
 from torch import nn
 
 from kfac_hpc import KFACPreconditioner, checkpoint
@@ -52,16 +53,6 @@ def build(model: nn.Module, comm: Communicator, strategy: str, options: dict[str
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), pre
 
 
-def run(model: nn.Module, opt: torch.optim.Optimizer, pre: KFACPreconditioner,
-        data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Every rank takes the same batch: no gradient averaging needed."""
-    for x, y in data:
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        pre.step()
-        opt.step()
-
-
 def tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         return [obj]
@@ -87,15 +78,15 @@ def resume_on(device: torch.device, comm: Communicator, directory: Path, strateg
     data = batches(device)
     ref = cnn(device, seed=0)
     ref_opt, ref_pre = build(ref, comm, strategy, options, optimizer)
-    run(ref, ref_opt, ref_pre, data[:SAVE_AT])
+    train_kfac(ref, ref_opt, ref_pre, data[:SAVE_AT])
     checkpoint.save(directory, model=ref, optimizer=ref_opt, preconditioner=ref_pre,
                     step=SAVE_AT, comm=comm)
     saved_devices = devices_of_state(ref_opt)
-    run(ref, ref_opt, ref_pre, data[SAVE_AT:])  # the uninterrupted run
+    train_kfac(ref, ref_opt, ref_pre, data[SAVE_AT:])  # the uninterrupted run
 
     model = cnn(device, seed=1)  # everything must come from the file
     opt, pre = build(model, comm, strategy, options, optimizer)
-    run(model, opt, pre, data[:1])
+    train_kfac(model, opt, pre, data[:1])
     info = checkpoint.load(directory, model=model, optimizer=opt, preconditioner=pre, comm=comm)
     assert "kfac" in info.loaded and info.step == SAVE_AT
     # on the device, as the run that saved had it (torch keeps Adam's step on the host)
@@ -106,7 +97,7 @@ def resume_on(device: torch.device, comm: Communicator, directory: Path, strateg
     assert {t.device for t in mine} <= {device} and sum(comm.allgather_object(len(mine)))
     assert all(p.device == device for p in model.parameters())
 
-    run(model, opt, pre, data[SAVE_AT:])
+    train_kfac(model, opt, pre, data[SAVE_AT:])
     same = all(torch.equal(p, q) for p, q in zip(ref.parameters(), model.parameters()))
     assert all(comm.allgather_object(same)), "the resumed run differs from the uninterrupted one"
     assert {t.device for t in kfac_tensors(pre)} <= {device}

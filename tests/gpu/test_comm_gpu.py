@@ -19,9 +19,10 @@ import os
 import numpy as np
 import pytest
 import torch
+from shared_cases import direct_or_staged
 
 from kfac_hpc.comm import Communicator, staging
-from kfac_hpc.comm.cuda import CUDA_AWARE_ENV, detect
+from kfac_hpc.comm.cuda import detect
 
 pytestmark = pytest.mark.gpu
 ON_CUDA = os.environ.get("KFAC_HPC_TEST_DEVICE", "cuda") == "cuda"
@@ -32,19 +33,6 @@ LAYOUTS = ["contiguous", "strided"]
 PATHS = ["staged", "device"]
 CASES = ["allreduce", "allreduce_avg", "reduce_scatter", "reduce", "broadcast", "allgather",
          "allgatherv"]
-
-
-def communicator(path: str, device: torch.device) -> Communicator:
-    """A Communicator that stages every CUDA tensor, or one that hands device memory to
-    the calls the MPI library takes it for (forced with the override)."""
-    if path == "staged":
-        return Communicator(cuda_aware=False)
-    if device.type == "cuda":
-        found = detect(env={k: v for k, v in os.environ.items() if k != CUDA_AWARE_ENV})
-        if not found.aware:
-            pytest.skip(f"device-direct path: the MPI library is not CUDA-aware here "
-                        f"({found.summary()}; {'; '.join(found.evidence)})")
-    return Communicator(cuda_aware=True)
 
 
 def values(rank: int, n: int, salt: int) -> np.ndarray:
@@ -154,7 +142,7 @@ def run_case(comm: Communicator, case: str, dtype: torch.dtype, layout: str,
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_collective_matrix(device: torch.device, dtype: torch.dtype, layout: str, path: str,
                            blocking: bool) -> None:
-    comm = communicator(path, device)
+    comm = direct_or_staged(path, device)
     for case in CASES:
         if case == "allreduce_avg" and not dtype.is_floating_point:
             continue
@@ -173,7 +161,7 @@ def test_collective_matrix(device: torch.device, dtype: torch.dtype, layout: str
 def test_no_pending_work_reaches_mpi(device: torch.device, path: str, case: str) -> None:
     """The input is written by a kernel queued behind a long sleep: MPI must see the
     written values, blocking or not (conversions first, then the event, then MPI)."""
-    comm = communicator(path, device)
+    comm = direct_or_staged(path, device)
     dtype = torch.bfloat16 if case == "bfloat16" else torch.float32
     for blocking in (True, False):
         base = torch.zeros(64, 48, dtype=dtype, device=device)
@@ -218,7 +206,7 @@ def test_staging_buffers_are_pinned_and_reused(device: torch.device) -> None:
 @pytest.mark.mpi(min_size=1)
 def test_cupy_arrays_zero_copy(device: torch.device) -> None:
     cupy = pytest.importorskip("cupy")
-    comm = communicator("device", device) if detect().aware else Communicator()
+    comm = direct_or_staged("device", device) if detect().aware else Communicator()
     with cupy.cuda.Device(device.index):
         a = cupy.arange(1000, dtype=cupy.float32) + comm.rank
         pointer = a.data.ptr

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from shared_cases import SHAMPOO_KWARGS
+from shared_cases import SHAMPOO_KWARGS, held_tensors
 from shared_cases import ShampooNet as Net
 from torch import Tensor, nn
 
@@ -56,17 +56,6 @@ def train(model: nn.Module, opt: DistributedShampoo, data: list[tuple[Tensor, Te
         opt.zero_grad()
         nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
         opt.step()
-
-
-def held_tensors(opt: DistributedShampoo) -> dict[str, Tensor]:
-    out = {"send buffer": opt._send, "receive buffer": opt._recv,
-           "status offsets": opt._status_at}
-    for p, blocks in opt.state.items():
-        for index, block in blocks.items():
-            for key, value in block.items():
-                if isinstance(value, Tensor):
-                    out[f"{opt._name_of[p]} block {index} {key}"] = value
-    return out
 
 
 def assert_on(opt: DistributedShampoo, device: torch.device, *, with_state: bool = True) -> None:
