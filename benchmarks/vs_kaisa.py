@@ -105,6 +105,7 @@ from mpi4py import MPI
 from kfac_hpc import GradientAverager, KFACPreconditioner
 from kfac_hpc.comm import Communicator
 from kfac_hpc.models import build_model
+from kfac_hpc.units import format_bytes
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -321,14 +322,6 @@ class Lib:
         }
 
 
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["mlp", "cnn", "resnet20"],
@@ -403,11 +396,12 @@ def main() -> int:
             print(f"| {name} | {SIZE} | {o['median_ms']:.1f} / {o['mean_ms']:.1f} "
                   f"| {k['median_ms']:.1f} / {k['mean_ms']:.1f} "
                   f"| {o['median_ms'] / k['median_ms']:.2f} | {o['mean_ms'] / k['mean_ms']:.2f} "
-                  f"| {fmt_bytes(o['kfac_bytes_per_step'])} / "
-                  f"{fmt_bytes(k['kfac_bytes_per_step'])} "
-                  f"| {fmt_bytes(o['grad_bytes_per_step'])} / "
-                  f"{fmt_bytes(k['grad_bytes_per_step'])} "
-                  f"| {fmt_bytes(o['kfac_state_bytes'])} / {fmt_bytes(k['kfac_state_bytes'])} |")
+                  f"| {format_bytes(o['kfac_bytes_per_step'], digits=2)} / "
+                  f"{format_bytes(k['kfac_bytes_per_step'], digits=2)} "
+                  f"| {format_bytes(o['grad_bytes_per_step'], digits=2)} / "
+                  f"{format_bytes(k['grad_bytes_per_step'], digits=2)} "
+                  f"| {format_bytes(o['kfac_state_bytes'], digits=2)} / "
+                  f"{format_bytes(k['kfac_state_bytes'], digits=2)} |")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=2)

@@ -22,6 +22,7 @@ from kfac_hpc.checkpoint.atomic import latest, list_checkpoints
 from kfac_hpc.checkpoint.errors import CheckpointError
 from kfac_hpc.checkpoint.layout import KFAC, MODEL, OPTIMIZER, RNG, TRAIN
 from kfac_hpc.checkpoint.verify import FileInfo, open_checkpoint, read_header, verify_file
+from kfac_hpc.units import format_bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,14 +49,6 @@ def _files(path: str, every: bool) -> list[Path]:
         found = latest(p)
         return [found] if found is not None else []
     return [p]
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def summarize(info: FileInfo, file_bytes: int) -> dict[str, Any]:
@@ -114,7 +107,7 @@ def summarize(info: FileInfo, file_bytes: int) -> dict[str, Any]:
 
 
 def _print_summary(s: dict[str, Any], problems: Sequence[str]) -> None:
-    print(f"{s['path']}  ({_human(s['file_bytes'])}, format version {s['format_version']})")
+    print(f"{s['path']}  ({format_bytes(s['file_bytes'])}, format version {s['format_version']})")
     print(f"  step {s['step']}  world size {s['world_size']}  strategy {s['strategy']}  "
           f"created {s['created_utc']}")
     v = s["versions"]
@@ -123,7 +116,7 @@ def _print_summary(s: dict[str, Any], problems: Sequence[str]) -> None:
     if v.get("mpi_library"):
         print(f"  MPI: {v['mpi_library']}")
     for name, sec in s["sections"].items():
-        print(f"  /{name:<10} {sec['datasets']:>6} datasets  {_human(sec['bytes']):>10}")
+        print(f"  /{name:<10} {sec['datasets']:>6} datasets  {format_bytes(sec['bytes']):>10}")
     if "model" in s:
         print(f"  model: {s['model']['class']}, {s['model']['tensors']} tensors")
     if "optimizer" in s:
@@ -189,7 +182,7 @@ def _verify(args: argparse.Namespace) -> int:
             continue
         if report.ok:
             what = "structure" if args.no_data else f"{report.datasets} datasets, " \
-                f"{_human(report.nbytes)} checked"
+                f"{format_bytes(report.nbytes)} checked"
             print(f"OK    {path}  ({what})")
         else:
             print(f"BAD   {path}")

@@ -22,7 +22,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FLUSH_BYTES", "GuardedFile", "free_bytes", "human", "space_problem"]
+from kfac_hpc.units import format_bytes
+
+__all__ = ["FLUSH_BYTES", "GuardedFile", "free_bytes", "space_problem"]
 
 FLUSH_BYTES = 64 << 20  # start writing back to disk every this many bytes
 
@@ -149,15 +151,6 @@ def free_bytes(directory: str | os.PathLike[str]) -> int | None:
     return int(st.f_bavail) * int(st.f_frsize)
 
 
-def human(n: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} PiB"
-
-
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
@@ -168,14 +161,14 @@ def space_problem(directory: Path, needed: int, exc: OSError | None = None,
     ``exc`` None: the pre-check found less free space than the data needs.
     """
     free = free_bytes(directory)
-    have = "unknown free space" if free is None else f"{human(free)} free"
-    need = f"the checkpoint needs at least {human(needed)}"
+    have = "unknown free space" if free is None else f"{format_bytes(free)} free"
+    need = f"the checkpoint needs at least {format_bytes(needed)}"
     if exc is None:
         return (f"not enough space in {directory}: {have}, {need}; free space there "
                 "(or keep fewer checkpoints: keep_last / --checkpoint-keep)")
     what = exc.strerror or str(exc)
     where = f" writing {name}" if name else ""
-    after = f" after {human(written)}" if written is not None else ""
+    after = f" after {format_bytes(written)}" if written is not None else ""
     if exc.errno in _SPACE_ERRNOS:
         return (f"{what}{where}{after} in {directory} ({have}; {need}); free space there "
                 "(or keep fewer checkpoints: keep_last / --checkpoint-keep)")

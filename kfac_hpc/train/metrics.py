@@ -38,6 +38,8 @@ from typing import IO, Any
 
 import torch
 
+from kfac_hpc.units import format_bytes
+
 __all__ = [
     "EPOCH_FIELDS",
     "PHASES",
@@ -235,15 +237,6 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 continue  # a line cut short by a killed job
     return out
-
-
-def format_bytes(n: float) -> str:
-    """``1536`` -> ``1.5 KiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def format_table(rows: Sequence[tuple[str, str]], title: str | None = None) -> str:
