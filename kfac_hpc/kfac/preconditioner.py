@@ -356,7 +356,8 @@ class KFACPreconditioner:
             # three collectives (the same calls and bytes as one after the other)
             agreement = self._post_ranks_reporting(bool(_nonfinite(local_sums)))
             with self.comm.stats.tagged("factors"):
-                local_factors = self._post_local_factor_sums()
+                local_factors = self._post_local_factors(
+                    _merge(map(self._wire_pieces, self._local_keys())))
                 if self.pipeline is not None:
                     mine = self.pipeline.finish(self._wire_pieces)
                 else:
@@ -433,25 +434,21 @@ class KFACPreconditioner:
             handle = self.comm.iallreduce(count, "sum")
         return lambda: int(handle.wait()[0])
 
-    def _post_local_factor_sums(self) -> Callable[[], dict[PieceKey, Tensor]]:
-        """:meth:`_allreduce_local_factors` of this step's sums, posted now (non-blocking);
-        call the result for the summed pieces."""
+    def _post_local_factors(self, values: Mapping[PieceKey, Piece]
+                            ) -> Callable[[], dict[PieceKey, Tensor]]:
+        """Local (small) factors: one fused allreduce, posted now (non-blocking); every
+        gradient worker keeps the sum. Call the result for the summed pieces."""
         keys = self._local_keys()
         if not keys:
             return dict
         layout = MessageLayout.of([[p for k in keys for p in self._factor_pieces(k)]])
-        flat = layout.pack(_merge(map(self._wire_pieces, keys)), dtype=self.factor_dtype,
-                           device=self.device)
+        flat = layout.pack(values, dtype=self.factor_dtype, device=self.device)
         handle = self.comm.iallreduce(flat, "sum")
         return lambda: layout.unpack(handle.wait(), 0)
 
     def _ranks_reporting(self, flag: bool) -> int:
         """How many ranks pass a true ``flag`` (a host-side allreduce of one integer)."""
-        if self.comm.size == 1:
-            return int(flag)
-        count = torch.tensor([int(flag)], dtype=torch.int32, device="cpu")
-        with self.comm.stats.tagged("agreement"):
-            return int(self.comm.allreduce(count, "sum")[0])
+        return self._post_ranks_reporting(flag)()
 
     def _synchronise_local_averages(self) -> None:
         """factor_sync='inverse': owners get ``c·F + mean_r D_r`` (one fused reduce-scatter)."""
@@ -467,7 +464,7 @@ class KFACPreconditioner:
         with self.comm.stats.tagged("factors"):
             mine = reduce_scatter_parts(self.comm, self._factor_layout(), values,
                                         self.factor_dtype, self.device)
-            mine.update(self._allreduce_local_factors(values))
+            mine.update(self._post_local_factors(values)())
         counts = read_scalars(mine, [PieceKey(key, Part.COUNT) for key in self._factors])
         for (key, state), count in zip(self._factors.items(), counts):
             local = self.local_averages[key]
@@ -533,17 +530,6 @@ class KFACPreconditioner:
 
     def _local_keys(self) -> list[FactorKey]:
         return [k for k in self._keys() if self._is_local(k)]
-
-    def _allreduce_local_factors(self, values: Mapping[PieceKey, Piece]
-                                 ) -> dict[PieceKey, Tensor]:
-        """Local (small) factors: one fused allreduce, every gradient worker keeps the sum."""
-        keys = self._local_keys()
-        if not keys:
-            return {}
-        layout = MessageLayout.of([[p for k in keys for p in self._factor_pieces(k)]])
-        flat = self.comm.allreduce(layout.pack(values, dtype=self.factor_dtype,
-                                               device=self.device), "sum")
-        return layout.unpack(flat, 0)
 
     def _readiness_order(self) -> list[FactorKey]:
         """Factor keys in the order the hooks complete them: A forward, then G backward."""
