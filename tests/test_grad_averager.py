@@ -24,14 +24,7 @@ def forward(net, x):
 def test_average_equals_mean_of_rank_gradients(comm, cap_mb):
     net = model_with_unused()
     averager = GradientAverager(net, comm, bucket_cap_mb=cap_mb)
-    per_rank = []
-    for r in range(comm.size):  # every rank's gradient, computed locally as the reference
-        net.zero_grad()
-        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(r))
-        forward(net, x).square().sum().backward()
-        per_rank.append({n: p.grad.clone() for n, p in net.named_parameters()
-                         if p.grad is not None})
-    net.zero_grad()
+    per_rank = rank_gradients(net, comm.size)
     averager.synchronize()  # the first step: ranks agree on the bucket posting order
     net.zero_grad()
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(comm.rank))
