@@ -28,6 +28,7 @@ from mpi4py import MPI
 
 from kfac_hpc.comm import cuda as _cuda
 from kfac_hpc.comm import staging
+from kfac_hpc.comm.cupy_compat import external_stream
 
 
 def _half_type() -> Any | None:
@@ -134,8 +135,7 @@ def _from_cupy(obj: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
         # torch's current stream waits for the array's (CuPy's current) stream: work
         # queued on the array is ordered before everything the collective queues.
         torch_stream = torch.cuda.current_stream(device)
-        cupy.cuda.ExternalStream(torch_stream.cuda_stream).wait_event(
-            cupy.cuda.get_current_stream().record())
+        external_stream(cupy, torch_stream).wait_event(cupy.cuda.get_current_stream().record())
         tensor = torch.from_dlpack(obj)
     if tensor.device != device:
         raise TypeError(f"CuPy array on device {obj.device.id} came through as {tensor.device}")
@@ -143,7 +143,7 @@ def _from_cupy(obj: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
     def back(t: torch.Tensor) -> Any:
         with cupy.cuda.Device(t.device.index):
             # CuPy's current stream waits for torch's, where the result was landed
-            landed = cupy.cuda.ExternalStream(torch.cuda.current_stream(t.device).cuda_stream)
+            landed = external_stream(cupy, torch.cuda.current_stream(t.device))
             cupy.cuda.get_current_stream().wait_event(landed.record())
             return obj if t is tensor else cupy.from_dlpack(t.detach())
 

@@ -23,6 +23,7 @@ from shared_cases import direct_or_staged
 
 from kfac_hpc.comm import Communicator, staging
 from kfac_hpc.comm.cuda import detect
+from kfac_hpc.comm.cupy_compat import external_stream
 
 pytestmark = pytest.mark.gpu
 ON_CUDA = os.environ.get("KFAC_HPC_TEST_DEVICE", "cuda") == "cuda"
@@ -216,7 +217,7 @@ def test_cupy_arrays_zero_copy(device: torch.device) -> None:
         np.testing.assert_array_equal(cupy.asnumpy(a), expected)
         # work queued on a CuPy stream (behind a sleep on that stream) is seen by MPI
         torch_stream = torch.cuda.Stream(device)
-        with cupy.cuda.ExternalStream(torch_stream.cuda_stream):
+        with external_stream(cupy, torch_stream):
             b = cupy.zeros(512, dtype=cupy.float64)
             with torch.cuda.stream(torch_stream):
                 torch.cuda._sleep(int(1e8))
