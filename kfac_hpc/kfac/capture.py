@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from kfac_hpc.kfac.layers import LayerCurvature
+from kfac_hpc.kfac.precision import MatmulPrecision
 
 FactorCallback = Callable[["LayerStatistics", str], None]
 
@@ -46,17 +47,21 @@ class LayerStatistics:
 class StatisticsCapture:
     """Hooks on a set of layers; ``active()`` decides whether a pass is captured.
 
-    ``grad_scale()`` gives the factor the loss was multiplied by (AMP loss scale times
-    ``1/accumulation_steps``) so that G is computed from unscaled gradients.
+    ``precision``: the operand precision of the statistics' GEMMs
+    (:mod:`kfac_hpc.kfac.precision`). ``grad_scale()`` gives the factor the loss was
+    multiplied by (AMP loss scale times ``1/accumulation_steps``) so that G is computed
+    from unscaled gradients.
     ``on_ready(stats, factor)`` is called when a micro-batch's A or G has been added
     (SPD-KFAC's pipelining starts communication from there).
     """
 
     def __init__(self, layers: dict[str, LayerCurvature], *, dtype_of: Callable[[str], torch.dtype],
                  active: Callable[[], bool], grad_scale: Callable[[], float | Tensor],
-                 on_ready: FactorCallback | None = None) -> None:
+                 on_ready: FactorCallback | None = None,
+                 precision: MatmulPrecision = "full") -> None:
         self.stats = {name: LayerStatistics(name, curv) for name, curv in layers.items()}
         self._dtype_of = dtype_of
+        self._precision = precision
         self._active = active
         self._grad_scale = grad_scale
         self._on_ready = on_ready
@@ -73,12 +78,14 @@ class StatisticsCapture:
             if not isinstance(output, Tensor) or not output.requires_grad:
                 return
             dtype = self._dtype_of(name)
-            stats.add("A", stats.curvature.a_factor(inputs[0], dtype=dtype))
+            stats.add("A", stats.curvature.a_factor(inputs[0], dtype=dtype,
+                                                    precision=self._precision))
             self._ready(stats, "A")
 
             def grad_hook(grad: Tensor) -> None:
                 stats.add("G", stats.curvature.g_factor(grad, dtype=dtype,
-                                                        grad_scale=self._grad_scale()))
+                                                        grad_scale=self._grad_scale(),
+                                                        precision=self._precision))
                 self._ready(stats, "G")
 
             output.register_hook(grad_hook)

@@ -76,8 +76,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kfac_hpc.kfac.linalg import column_covariance, covariance, inner64
+from kfac_hpc.kfac.linalg import column_covariance, covariance, inner64, uses_gpu_path
 from kfac_hpc.kfac.patches import averaged_patches, patch_covariance
+from kfac_hpc.kfac.precision import MatmulPrecision
 
 __all__ = [
     "APPROXIMATIONS",
@@ -178,41 +179,47 @@ class LayerCurvature(ABC):
         rows, b = self._output_rows(grad_output.detach())
         return rows * (b / grad_scale)
 
-    def a_factor(self, inputs: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-        """``A`` = mean over rows of ``ā āᵀ``, computed in ``dtype`` (default: inputs' dtype).
+    def a_factor(self, inputs: Tensor, dtype: torch.dtype | None = None,
+                 precision: MatmulPrecision = "full") -> Tensor:
+        """``A`` = mean over rows of ``ā āᵀ``, computed in ``dtype`` (default: inputs' dtype),
+        its GEMM in ``precision`` (:mod:`kfac_hpc.kfac.precision`).
 
         Reduce: mean over examples of ``â âᵀ`` (``â`` = the example's mean row).
         """
         if self.approx == "reduce":
-            return self._reduce_a(_cast(inputs, dtype))
-        return covariance(self.a_rows(_cast(inputs, dtype)))
+            return self._reduce_a(_cast(inputs, dtype), precision)
+        return covariance(self.a_rows(_cast(inputs, dtype)), precision=precision)
 
     def g_factor(
         self, grad_output: Tensor, dtype: torch.dtype | None = None,
-        grad_scale: float | Tensor = 1.0,
+        grad_scale: float | Tensor = 1.0, precision: MatmulPrecision = "full",
     ) -> Tensor:
-        """``G`` = mean over rows of ``δ δᵀ`` with the loss scale removed, in ``dtype``.
+        """``G`` = mean over rows of ``δ δᵀ`` with the loss scale removed, in ``dtype``,
+        its GEMM in ``precision``.
 
         Reduce: ``(1/(bT)) Σ_i ĝ_i ĝ_iᵀ`` with ``ĝ_i = Σ_t δ_{i,t}``.
         """
         g = _cast(grad_output, dtype)
         if self.approx == "reduce":
-            return self._reduce_g(g, grad_scale)
+            return self._reduce_g(g, grad_scale, precision)
         if isinstance(grad_scale, Tensor) or g.dtype not in _WIDE:
-            return covariance(self.g_rows(g, grad_scale))  # half precision: scale the rows
+            # half precision, or a device-side loss scale: scale the rows
+            return covariance(self.g_rows(g, grad_scale), precision=precision)
         rows, b = self._output_rows(g)
         scale = b / grad_scale  # δ = b·∂L/∂y / grad_scale, applied inside the Gram product
-        return covariance(rows, scale * scale)
+        return covariance(rows, scale * scale, precision=precision)
 
-    def _reduce_a(self, inputs: Tensor) -> Tensor:
-        return covariance(self._with_bias_column(self._reduced_inputs(inputs)))
+    def _reduce_a(self, inputs: Tensor, precision: MatmulPrecision) -> Tensor:
+        return covariance(self._with_bias_column(self._reduced_inputs(inputs)),
+                          precision=precision)
 
-    def _reduce_g(self, grad_output: Tensor, grad_scale: float | Tensor) -> Tensor:
+    def _reduce_g(self, grad_output: Tensor, grad_scale: float | Tensor,
+                  precision: MatmulPrecision) -> Tensor:
         sums, b, positions = self._reduced_outputs(grad_output)
         scale = b / grad_scale  # δ = b·∂L/∂y / grad_scale, applied to the small result
         if isinstance(scale, Tensor):
-            return covariance(sums).mul_(scale * scale / positions)
-        return covariance(sums, scale * scale / positions)
+            return covariance(sums, precision=precision).mul_(scale * scale / positions)
+        return covariance(sums, scale * scale / positions, precision=precision)
 
     def grad_matrix(self, dtype: torch.dtype | None = None) -> Tensor:
         """``∇W̄ = [∇W reshaped to (g_dim, weight_cols), ∇b]`` from the ``.grad`` fields.
@@ -401,41 +408,53 @@ class Conv2dCurvature(LayerCurvature):
         g = grad_output if grad_output.dim() == 4 else grad_output.unsqueeze(0)
         return g.sum(dim=(2, 3)), g.shape[0], g.shape[2] * g.shape[3]
 
-    def a_factor(self, inputs: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-        """``A``: expand via :func:`~kfac_hpc.kfac.patches.patch_covariance` (float32/64
-        with at least 8 input channels; otherwise :meth:`a_factor_unfold`), or reduce."""
+    def a_factor(self, inputs: Tensor, dtype: torch.dtype | None = None,
+                 precision: MatmulPrecision = "full") -> Tensor:
+        """``A``: expand via :func:`~kfac_hpc.kfac.patches.patch_covariance` on the CPU
+        (float32/64, full precision, at least 8 input channels), otherwise
+        :meth:`a_factor_unfold` (the GPU path: one unfold, one GEMM); or reduce."""
         x = _cast(inputs, dtype)
         if self.approx == "reduce":
-            return self._reduce_a(x)
-        if x.dtype not in _WIDE or self.module.in_channels < _FAST_MIN_CHANNELS:
-            return self.a_factor_unfold(x)
+            return self._reduce_a(x, precision)
+        if (x.dtype not in _WIDE or self.module.in_channels < _FAST_MIN_CHANNELS
+                or precision != "full" or uses_gpu_path(x.device)):
+            return self.a_factor_unfold(x, precision=precision)
         x = x if x.dim() == 4 else x.unsqueeze(0)
         return patch_covariance(x, *self._conv_geometry(), self.pads(),
                                 append_one=self.has_bias)
 
-    # With more output positions than features, the factors are summed per sample from
-    # the (b, features, positions) layout F.unfold and the gradient already have:
-    # no transposed copy of the rows (2.3x faster for ResNet-20's first stage). Half
-    # precision keeps the row path (its scaling happens before the products).
-    def a_factor_unfold(self, inputs: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-        """Expand ``A`` from ``F.unfold`` patches (the previous path; the reference)."""
+    # On the CPU, with more output positions than features, the factors are summed per
+    # sample from the (b, features, positions) layout F.unfold and the gradient already
+    # have: no transposed copy of the rows (2.3x faster for ResNet-20's first stage).
+    # The GPU path, half precision and rounded products take the row path: one copy,
+    # one GEMM (per-sample partial sums cost b·d² memory and b small products).
+    def a_factor_unfold(self, inputs: Tensor, dtype: torch.dtype | None = None,
+                        precision: MatmulPrecision = "full") -> Tensor:
+        """Expand ``A`` from ``F.unfold`` patches (the GPU path, and the reference)."""
         patches = self._patches(_cast(inputs, dtype))
-        if patches.shape[1] >= patches.shape[2] or patches.dtype not in _WIDE:
+        if self._row_path(patches, precision):
             rows = patches.transpose(1, 2).reshape(-1, self.weight_cols)
-            return covariance(self._with_bias_column(rows))
+            return covariance(self._with_bias_column(rows), precision=precision)
         return column_covariance(patches, append_one=self.has_bias)
+
+    @staticmethod
+    def _row_path(blocks: Tensor, precision: MatmulPrecision) -> bool:
+        """Whether ``(b, features, positions)`` statistics take the row path (one
+        transposed copy, one GEMM) rather than per-sample partial sums."""
+        return (blocks.shape[1] >= blocks.shape[2] or blocks.dtype not in _WIDE
+                or precision != "full" or uses_gpu_path(blocks.device))
 
     def g_factor(
         self, grad_output: Tensor, dtype: torch.dtype | None = None,
-        grad_scale: float | Tensor = 1.0,
+        grad_scale: float | Tensor = 1.0, precision: MatmulPrecision = "full",
     ) -> Tensor:
         if self.approx == "reduce":
-            return super().g_factor(grad_output, dtype, grad_scale)
+            return super().g_factor(grad_output, dtype, grad_scale, precision)
         g = _cast(grad_output, dtype)
         g = g if g.dim() == 4 else g.unsqueeze(0)
         b, positions = g.shape[0], g.shape[2] * g.shape[3]
-        if self.g_dim >= positions or g.dtype not in _WIDE:
-            return super().g_factor(grad_output, dtype, grad_scale)
+        if self._row_path(g.reshape(b, self.g_dim, positions), precision):
+            return super().g_factor(grad_output, dtype, grad_scale, precision)
         scale = b / grad_scale  # δ = b·∂L/∂y / grad_scale, applied to the small result
         return column_covariance(g.reshape(b, self.g_dim, positions)).mul_(scale * scale)
 
@@ -489,14 +508,16 @@ class EmbeddingCurvature(_OutputsOverPositions):
         dtype = inputs.dtype if inputs.is_floating_point() else self.module.weight.dtype
         return F.one_hot(x, self.weight_cols).to(dtype).mean(dim=1)
 
-    def a_factor(self, inputs: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    def a_factor(self, inputs: Tensor, dtype: torch.dtype | None = None,
+                 precision: MatmulPrecision = "full") -> Tensor:
         """``A = diag(counts / rows)`` (expand) as a dense matrix in ``dtype`` (default:
-        the weight's dtype); the indices are never cast to floating point."""
+        the weight's dtype); the indices are never cast to floating point. Reduce: the
+        histograms' covariance, its GEMM in ``precision``."""
         dtype = self.module.weight.dtype if dtype is None else dtype
         idx = self._indices(inputs)
         if self.approx == "reduce":
             rows = self._reduced_inputs(inputs).to(dtype)
-            return covariance(rows)
+            return covariance(rows, precision=precision)
         counts = torch.bincount(idx, minlength=self.weight_cols).to(dtype)
         return torch.diag(counts / max(1, idx.numel()))
 

@@ -22,12 +22,15 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
+from kfac_hpc.kfac.precision import MatmulPrecision, matmul
+
 __all__ = [
     "column_covariance",
     "covariance",
     "damped_inverse",
     "default_gram_blocks",
     "eigh_clamped",
+    "eigh_clamped_many",
     "inner64",
     "kl_clip_from_inner",
     "kl_clip_scale",
@@ -36,6 +39,8 @@ __all__ = [
     "precondition_inverse",
     "symmetric_gram_",
     "update_running_average",
+    "update_running_averages",
+    "uses_gpu_path",
 ]
 
 _LINALG_DTYPES = (torch.float32, torch.float64)
@@ -59,15 +64,27 @@ def _linalg_dtype(t: Tensor) -> torch.dtype:
     return t.dtype if t.dtype in _LINALG_DTYPES else torch.float32
 
 
-def covariance(rows: Tensor, scale: float = 1.0) -> Tensor:
+def uses_gpu_path(device: torch.device) -> bool:
+    """Whether statistics on ``device`` take the GPU path: each factor one large GEMM
+    (few kernels; a GPU pays every launch) instead of the CPU-tuned paths (symmetric
+    block updates, per-sample partial sums, chunked patch rows) that save flops and
+    memory traffic on a few CPU cores. Every device but the CPU takes it
+    (docs/design.md, "GPU paths")."""
+    return device.type != "cpu"
+
+
+def covariance(rows: Tensor, scale: float = 1.0, *,
+               precision: MatmulPrecision = "full") -> Tensor:
     """``scale · rowsᵀ rows / n_rows`` for ``rows`` of shape ``(n_rows, d)``, in ``rows``' dtype.
 
     The result is exactly symmetric (exact symmetry makes upper-triangle packing
-    lossless and keeps ranks' copies identical): from ``d ≥ 64`` columns and
-    ``n ≥ 2d`` rows in float32/float64 only the upper triangle is computed
-    (:func:`symmetric_gram_`) and mirrored; otherwise a full product, scaled by
-    ``scale/(2n)`` inside the GEMM, is symmetrised as ``M + Mᵀ`` (a blocked GEMM does
-    not guarantee bitwise symmetry): two passes over ``d×d``. ``scale`` (e.g. ``b²``
+    lossless and keeps ranks' copies identical). On the CPU, from ``d ≥ 64`` columns and
+    ``n ≥ 2d`` rows in float32/float64 at full precision only the upper triangle is
+    computed (:func:`symmetric_gram_`) and mirrored; otherwise (and on the GPU path,
+    :func:`uses_gpu_path`) one full product, scaled by ``scale/(2n)`` inside the GEMM
+    (full precision) or after it, is symmetrised as ``M + Mᵀ`` (a blocked GEMM does not
+    guarantee bitwise symmetry): two passes over ``d×d``. ``precision`` rounds float32
+    operands to TF32 or bf16 (:mod:`kfac_hpc.kfac.precision`). ``scale`` (e.g. ``b²``
     for ``δ = b·∂L/∂y``) is applied to the small result, never to the rows; with
     power-of-two ``scale`` and ``n_rows`` the result is bitwise that of scaling the
     rows. Raises ``ValueError`` for zero rows.
@@ -79,15 +96,20 @@ def covariance(rows: Tensor, scale: float = 1.0) -> Tensor:
         raise ValueError("covariance of zero rows is undefined")
     d = rows.shape[1]
     with _no_autocast(rows):
-        if d >= _SYMMETRIC_MIN_DIM and n >= 2 * d and rows.dtype in _LINALG_DTYPES:
+        if (precision == "full" and not uses_gpu_path(rows.device) and d >= _SYMMETRIC_MIN_DIM
+                and n >= 2 * d and rows.dtype in _LINALG_DTYPES):
             # upper triangle only: ≈ 2/3 of the flops, 1.2-1.5x faster once the product
             # is compute-bound (n ≥ 2d); with fewer rows the extra passes over d×d lose
             acc = rows.new_zeros(d, d)
             symmetric_gram_(acc, rows, default_gram_blocks(d))
             full = mirror_upper(acc).div_(n)
             return full if scale == 1.0 else full.mul_(scale)
-        # beta=0: the (broadcast) zero input is not read
-        m = torch.addmm(rows.new_zeros(()), rows.t(), rows, beta=0, alpha=0.5 * scale / n)
+        alpha = 0.5 * scale / n
+        if precision == "full" or rows.dtype != torch.float32:
+            # beta=0: the (broadcast) zero input is not read
+            m = torch.addmm(rows.new_zeros(()), rows.t(), rows, beta=0, alpha=alpha)
+        else:
+            m = matmul(rows.t(), rows, precision).mul_(alpha)
         return torch.add(m, m.t())
 
 
@@ -177,6 +199,22 @@ def update_running_average(current: Tensor | None, batch: Tensor, decay: float) 
     return current.mul_(decay).add_(batch, alpha=1.0 - decay)
 
 
+def update_running_averages(currents: list[Tensor], batches: list[Tensor],
+                            decay: float) -> None:
+    """:func:`update_running_average` of many factors at once, in place: two multi-tensor
+    kernels for all of them (``torch._foreach_*``), the same numbers as one call each.
+    Every ``currents[i]`` must exist and have ``batches[i]``'s shape."""
+    if not 0.0 <= decay <= 1.0:
+        raise ValueError(f"factor decay must be in [0, 1], got {decay}")
+    for current, batch in zip(currents, batches, strict=True):
+        if current.shape != batch.shape:
+            raise ValueError(f"running average shape {tuple(current.shape)} != batch shape "
+                             f"{tuple(batch.shape)}")
+    if currents:
+        torch._foreach_mul_(currents, decay)
+        torch._foreach_add_(currents, batches, alpha=1.0 - decay)
+
+
 def eigh_clamped(F: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
     """Eigendecomposition ``F = Q diag(λ) Qᵀ`` of a symmetric factor, λ clamped at 0.
 
@@ -192,19 +230,58 @@ def eigh_clamped(F: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor,
     return evecs.to(dtype), evals.clamp(min=0.0).to(dtype)
 
 
+def eigh_clamped_many(factors: list[Tensor], dtype: torch.dtype = torch.float32
+                      ) -> list[tuple[Tensor, Tensor] | Exception]:
+    """:func:`eigh_clamped` of every factor, one batched ``eigh`` per size.
+
+    A solver call reads its error flags back to the host (a device sync on a GPU), so
+    factors of the same size and dtype go to ``torch.linalg.eigh`` together: the syncs
+    (and launches) grow with the number of distinct sizes, not of factors. Per matrix
+    the result is the unbatched one (LAPACK solves each matrix of a batch alone; on
+    CUDA, cuSOLVER may pick its batched Jacobi solver for batches of matrices up to
+    32x32, equal to rounding). If a batch fails, its factors are decomposed one by one
+    (each with :func:`eigh_clamped`'s float64 retry); a factor that still fails gets its
+    exception in its place of the result, so one bad factor never hides the others.
+    """
+    out: list[tuple[Tensor, Tensor] | Exception] = [ValueError("not decomposed")] * len(factors)
+    groups: dict[tuple[tuple[int, ...], torch.dtype], list[int]] = {}
+    for i, f in enumerate(factors):
+        groups.setdefault((tuple(f.shape), f.dtype), []).append(i)
+    for members in groups.values():
+        if len(members) > 1:
+            stacked = torch.stack([factors[i] for i in members])
+            try:
+                evals, evecs = torch.linalg.eigh(stacked.to(_linalg_dtype(stacked)))
+            except torch.linalg.LinAlgError:
+                pass  # one by one below, with the float64 retry
+            else:
+                q, lam = evecs.to(dtype), evals.clamp(min=0.0).to(dtype)
+                for j, i in enumerate(members):
+                    out[i] = (q[j], lam[j])
+                continue
+        for i in members:
+            try:
+                out[i] = eigh_clamped(factors[i], dtype)
+            except Exception as exc:  # reported per factor by the caller
+                out[i] = exc
+    return out
+
+
 def precondition_eigen(
-    grad: Tensor, qa: Tensor, la: Tensor, qg: Tensor, lg: Tensor, damping: float
+    grad: Tensor, qa: Tensor, la: Tensor, qg: Tensor, lg: Tensor, damping: float,
+    precision: MatmulPrecision = "full",
 ) -> Tensor:
     """``V = Q_G [(Q_Gᵀ ∇W̄ Q_A) / (λ_G λ_Aᵀ + damping)] Q_Aᵀ = (A⊗G + damping·I)⁻¹ vec(∇W̄)``.
 
-    ``grad`` is ``(g_dim, a_dim)``; the product is computed in the eigenbases' dtype and
-    returned in ``grad``'s dtype.
+    ``grad`` is ``(g_dim, a_dim)``; the product is computed in the eigenbases' dtype (its
+    four GEMMs in ``precision``, :mod:`kfac_hpc.kfac.precision`) and returned in
+    ``grad``'s dtype.
     """
     with _no_autocast(grad):
         g = grad if grad.dtype == qa.dtype else grad.to(qa.dtype)
-        v = qg.t() @ g @ qa
+        v = matmul(matmul(qg.t(), g, precision), qa, precision)
         v.div_(torch.outer(lg, la).add_(damping))
-        out = qg @ v @ qa.t()
+        out = matmul(matmul(qg, v, precision), qa.t(), precision)
         return out if out.dtype == grad.dtype else out.to(grad.dtype)
 
 
@@ -243,10 +320,13 @@ def damped_inverse(F: Tensor, damping: float, dtype: torch.dtype | None = None) 
     return ((inv + inv.t()) / 2).to(out_dtype)
 
 
-def precondition_inverse(grad: Tensor, a_inv: Tensor, g_inv: Tensor) -> Tensor:
-    """``V = G⁻¹ ∇W̄ A⁻¹`` with precomputed (damped) inverses; result in ``grad``'s dtype."""
+def precondition_inverse(grad: Tensor, a_inv: Tensor, g_inv: Tensor,
+                         precision: MatmulPrecision = "full") -> Tensor:
+    """``V = G⁻¹ ∇W̄ A⁻¹`` with precomputed (damped) inverses; result in ``grad``'s dtype
+    (the two GEMMs in ``precision``)."""
     with _no_autocast(grad):
-        return (g_inv @ grad.to(a_inv.dtype) @ a_inv).to(grad.dtype)
+        g = grad.to(a_inv.dtype)
+        return matmul(matmul(g_inv, g, precision), a_inv, precision).to(grad.dtype)
 
 
 def kl_clip_scale(

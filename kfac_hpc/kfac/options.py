@@ -19,9 +19,10 @@ from typing import Literal, TypeVar
 
 __all__ = ["APPROXIMATIONS", "AUTO", "COMPUTE_METHODS", "DEFAULT_BUCKET_CAP_MB",
            "DEFAULT_LOCAL_THRESHOLD", "DEFAULT_LOW_RANK_MIN_DIM", "DTYPES", "FACTOR_SYNCS",
-           "LOW_RANK_REMAINDERS", "STRATEGIES", "ComputeMethod", "Conflict", "FactorSync",
-           "KFACApprox", "LowRankRemainder", "Strategy", "conflicts", "default_factor_dtype",
-           "low_rank_cap", "one_of", "reduces_factors", "sends_factors"]
+           "LOW_RANK_REMAINDERS", "PRECISIONS", "STRATEGIES", "ComputeMethod", "Conflict",
+           "FactorSync", "KFACApprox", "LowRankRemainder", "MatmulPrecision", "Strategy",
+           "conflicts", "default_factor_dtype", "low_rank_cap", "one_of", "reduces_factors",
+           "resolve_precision", "sends_factors"]
 
 Strategy = Literal["comm-opt", "mem-opt", "hybrid-opt", "dp-kfac"]
 STRATEGIES: tuple[Strategy, ...] = ("comm-opt", "mem-opt", "hybrid-opt", "dp-kfac")
@@ -33,6 +34,10 @@ FACTOR_SYNCS: tuple[FactorSync, ...] = ("step", "inverse")
 DTYPES = ("float32", "float64")  # factor and decomposition dtypes the driver offers
 KFACApprox = Literal["expand", "reduce"]
 APPROXIMATIONS: tuple[KFACApprox, ...] = ("expand", "reduce")  # layers with positions
+
+MatmulPrecision = Literal["full", "tf32", "bf16"]
+# the operand precision of K-FAC's GEMMs (kfac_hpc.kfac.precision)
+PRECISIONS: tuple[MatmulPrecision, ...] = ("full", "tf32", "bf16")
 
 LowRankRemainder = Literal["mean", "zero"]
 LOW_RANK_REMAINDERS: tuple[LowRankRemainder, ...] = ("mean", "zero")  # kfac.lowrank's rules
@@ -95,6 +100,15 @@ class Conflict:
         return re.sub(r"<(\w+)=([\w-]+)>", lambda m: name(m.group(1), m.group(2)), self.reason)
 
 
+def resolve_precision(value: str, *, device_type: str, dtype: str) -> MatmulPrecision:
+    """The operand precision an option value means on a device for a dtype (names
+    without ``torch.``): ``"auto"`` is ``"tf32"`` for float32 on CUDA (measured:
+    docs/design.md, "GPU paths") and ``"full"`` everywhere else."""
+    if value == AUTO:
+        return "tf32" if device_type == "cuda" and dtype == "float32" else "full"
+    return one_of("precision", value, PRECISIONS)
+
+
 def low_rank_cap(dim: int, low_rank: int | None, min_dim: int) -> int | None:
     """The most eigenpairs kept of a ``dim x dim`` factor (the width of its message
     pieces), or ``None`` when it gets the full eigendecomposition: low rank applies to
@@ -113,9 +127,22 @@ def conflicts(*, strategy: str, grad_worker_fraction: float | None = None,
               factor_sync: str = "step", compute_method: str = "eigen",
               low_rank: int | None = None, low_rank_energy: float | None = None,
               low_rank_min_dim: int = DEFAULT_LOW_RANK_MIN_DIM,
-              low_rank_remainder: str = "mean") -> list[Conflict]:
-    """Every rule the options break, in a fixed order (empty: compatible)."""
+              low_rank_remainder: str = "mean", stats_precision: str = AUTO,
+              precondition_precision: str = AUTO,
+              factor_dtype: str | None = None, inv_dtype: str = "float32") -> list[Conflict]:
+    """Every rule the options break, in a fixed order (empty: compatible).
+
+    Dtypes are named without ``torch.`` (``factor_dtype=None``: chosen from the model).
+    """
     out: list[Conflict] = []
+    for option, value, dtype in (("stats_precision", stats_precision, factor_dtype),
+                                 ("precondition_precision", precondition_precision, inv_dtype)):
+        if value != AUTO and value not in PRECISIONS:
+            out.append(Conflict(option, f"must be one of {(AUTO, *PRECISIONS)}; got {value!r}"))
+        elif value not in (AUTO, "full") and dtype not in (None, "float32"):
+            kind = "factor" if option == "stats_precision" else "inv"
+            out.append(Conflict(option, f"rounds float32 operands only: with <{kind}_dtype="
+                                        f"{dtype}> use 'full' or 'auto'"))
     if low_rank is not None and not _whole(low_rank, 1):
         out.append(Conflict("low_rank", f"must be a whole number >= 1 (the most eigenpairs "
                                         f"kept of a large factor), or None; got {low_rank!r}"))

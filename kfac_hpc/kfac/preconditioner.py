@@ -40,6 +40,7 @@ from kfac_hpc.kfac.exchange import (
     Piece,
     PieceKey,
     broadcast_parts,
+    own_copy,
     read_scalars,
     reduce_scatter_parts,
 )
@@ -70,10 +71,12 @@ from kfac_hpc.kfac.options import (
     FactorSync,
     KFACApprox,
     LowRankRemainder,
+    MatmulPrecision,
     Strategy,
     conflicts,
     default_factor_dtype,
     low_rank_cap,
+    resolve_precision,
     sends_factors,
 )
 from kfac_hpc.kfac.pipeline import FactorPipeline
@@ -159,6 +162,8 @@ class KFACPreconditioner:
         low_rank_energy: float | None = None,
         low_rank_min_dim: int = DEFAULT_LOW_RANK_MIN_DIM,
         low_rank_remainder: LowRankRemainder = "mean",
+        stats_precision: MatmulPrecision | Literal["auto"] = "auto",
+        precondition_precision: MatmulPrecision | Literal["auto"] = "auto",
     ) -> None:
         batch_shape = _batch_shape(input_shape)
         if strategy == AUTO:
@@ -193,7 +198,11 @@ class KFACPreconditioner:
                              factor_sync=factor_sync, compute_method=compute_method,
                              low_rank=low_rank, low_rank_energy=low_rank_energy,
                              low_rank_min_dim=low_rank_min_dim,
-                             low_rank_remainder=low_rank_remainder)
+                             low_rank_remainder=low_rank_remainder,
+                             stats_precision=stats_precision,
+                             precondition_precision=precondition_precision,
+                             factor_dtype=_dtype_name(factor_dtype),
+                             inv_dtype=_dtype_name(inv_dtype) or "float32")
         if problems:
             raise ValueError(f"{problems[0].option} {problems[0].text()}")
         _check_rank_fits(low_rank, low_rank_energy, inv_dtype)
@@ -234,6 +243,12 @@ class KFACPreconditioner:
                              "(nn.Linear / nn.Conv2d / nn.Embedding with trainable weights)")
         self.device = _layers_device(self.layers)
         self.factor_dtype = factor_dtype or _default_factor_dtype(self.layers)
+        self.stats_precision = resolve_precision(
+            stats_precision, device_type=self.device.type,
+            dtype=_dtype_name(self.factor_dtype) or "")
+        self.precondition_precision = resolve_precision(
+            precondition_precision, device_type=self.device.type,
+            dtype=_dtype_name(inv_dtype) or "")
         self.input_shape = batch_shape
         if check_replicas:  # the placement depends on input_shape: it must agree too
             replicas.check_replicas(model.named_parameters(), self.comm,
@@ -272,7 +287,8 @@ class KFACPreconditioner:
             cap_bytes=int(bucket_cap_mb * 2**20), dtype=self.factor_dtype,
             device=self.device) if overlap else None
         self.capture = StatisticsCapture(
-            captured, dtype_of=lambda _: self.factor_dtype, active=self._capturing,
+            captured, dtype_of=lambda _: self.factor_dtype, precision=self.stats_precision,
+            active=self._capturing,
             grad_scale=self._grad_scale, on_ready=self._on_factor_ready if overlap else None)
 
     def _layer_shapes(self, model: nn.Module) -> list[LayerShape]:
@@ -370,14 +386,26 @@ class KFACPreconditioner:
             received = {key: (self._from_wire(key, mine[PieceKey(key, Part.FACTOR)]), round(count))
                         for key, count in zip(self._factors, counts)}
         if self._statistics_usable(k, local_sums, agreed):
-            for key, (total, count) in received.items():
-                if count == 0:
-                    continue  # the layer was not used on any rank this step
-                state = self._factors[key]
-                state.average = linalg.update_running_average(state.average,
-                                                              _mean(total, count), decay)
-                state.updates += 1
+            self._fold_into_averages(received, decay)
         self.capture.clear()
+
+    def _fold_into_averages(self, received: Mapping[FactorKey, tuple[Tensor, int]],
+                            decay: float) -> None:
+        """Running averages ``F ← decay·F + (1-decay)·mean`` of every factor with
+        statistics this step (two multi-tensor kernels for all); a first update copies."""
+        currents: list[Tensor] = []
+        batches: list[Tensor] = []
+        for key, (total, count) in received.items():
+            if count == 0:
+                continue  # the layer was not used on any rank this step
+            state = self._factors[key]
+            if state.average is None:
+                state.average = linalg.update_running_average(None, _mean(total, count), decay)
+            else:
+                currents.append(state.average)
+                batches.append(_mean(total, count))
+            state.updates += 1
+        linalg.update_running_averages(currents, batches, decay)
 
     def _warn_unfired(self) -> None:
         """Warn (once, at the first factor step) naming registered layers whose hooks have
@@ -558,20 +586,26 @@ class KFACPreconditioner:
 
         failures: dict[FactorKey, BaseException] = {}
 
-        def decompose_safely(key: FactorKey, state: FactorState) -> dict[PieceKey, Piece]:
+        def decompose_safely(key: FactorKey, state: FactorState,
+                             eigen: tuple[Tensor, Tensor] | Exception | None = None,
+                             ) -> dict[PieceKey, Piece]:
             # a failure must not leave the other ranks waiting in the broadcast: this rank
             # sends the factor as invalid, and every rank raises after the agreement below
             try:
-                return self._decompose(key, state)
+                if isinstance(eigen, Exception):
+                    raise eigen
+                return self._decompose(key, state, eigen)
             except Exception as exc:
                 failures[key] = exc
                 return self._decompose(key, FactorState(state.dim))
 
         def decompose(local: bool) -> dict[PieceKey, Piece]:
+            states = {key: state for key, state in self._factors.items()
+                      if self._is_local(key) == local}
+            eigen = self._eigendecompositions(states)
             out: dict[PieceKey, Piece] = {}
-            for key, state in self._factors.items():
-                if self._is_local(key) == local:
-                    out.update(decompose_safely(key, state))
+            for key, state in states.items():
+                out.update(decompose_safely(key, state, eigen.get(key)))
             return out
 
         def restored() -> dict[PieceKey, Piece]:
@@ -610,22 +644,24 @@ class KFACPreconditioner:
             if key in ranks:
                 self._decompositions[key] = self._low_rank_parts(key, received, ranks[key])
                 continue
-            # matrices (Q, inv) as n x n, eigenvalues flat; named by Part.value in state_dict()
+            # matrices (Q, inv) as n x n, eigenvalues flat; named by Part.value in state_dict();
+            # each in its own row-major copy: laid out alike computed, received or restored
             self._decompositions[key] = {
-                part.value: received[PieceKey(key, part)].view(
-                    (n,) if part is Part.LAMBDA else (n, n))
+                part.value: own_copy(received[PieceKey(key, part)].view(
+                    (n,) if part is Part.LAMBDA else (n, n)))
                 for part in self._decomposition_parts(key)}
         self._decomposed_at = self.steps
 
     def _low_rank_parts(self, key: FactorKey, received: Mapping[PieceKey, Tensor],
                         k: int) -> dict[str, Tensor]:
-        """A received low-rank decomposition cut to its rank ``k``: ``Q`` (``d x k``, a
-        view of the message's column-major ``Q``), ``lambda`` (``k``), ``rho`` (``1``)."""
+        """A received low-rank decomposition cut to its rank ``k``: ``Q`` (``d x k``,
+        column-major: the transpose of a copy of the message's first ``k`` rows),
+        ``lambda`` (``k``), ``rho`` (``1``), each in its own allocation (own_copy)."""
         n, cap = self._dim(key), self._cap(key)
         assert cap is not None
-        return {Part.Q.value: received[PieceKey(key, Part.Q)].view(cap, n)[:k].t(),
-                Part.LAMBDA.value: received[PieceKey(key, Part.LAMBDA)][:k],
-                Part.RHO.value: received[PieceKey(key, Part.RHO)]}
+        return {Part.Q.value: own_copy(received[PieceKey(key, Part.Q)].view(cap, n)[:k]).t(),
+                Part.LAMBDA.value: own_copy(received[PieceKey(key, Part.LAMBDA)][:k]),
+                Part.RHO.value: own_copy(received[PieceKey(key, Part.RHO)])}
 
     def _agree_on_decompositions(self, failures: Mapping[FactorKey, BaseException]) -> None:
         """Every rank raises when a decomposition failed on any rank (the old ones stay)."""
@@ -697,7 +733,23 @@ class KFACPreconditioner:
                 PieceKey(key, Part.RHO): low.rho.to(self.inv_dtype).reshape(1),
                 PieceKey(key, Part.RANK): float(k), PieceKey(key, Part.VALID): 1.0}
 
-    def _decompose(self, key: FactorKey, state: FactorState) -> dict[PieceKey, Piece]:
+    def _eigendecompositions(self, states: Mapping[FactorKey, FactorState]
+                             ) -> dict[FactorKey, tuple[Tensor, Tensor] | Exception]:
+        """Full eigendecompositions of the factors among ``states`` that get one, batched
+        by size (:func:`~kfac_hpc.kfac.linalg.eigh_clamped_many`: one solver call, and
+        one host sync, per distinct size)."""
+        if self.compute_method != "eigen":
+            return {}
+        keys = [key for key, state in states.items()
+                if state.average is not None and not self._is_low_rank(key)]
+        results = linalg.eigh_clamped_many(
+            [cast(Tensor, states[key].average) for key in keys], dtype=self.inv_dtype)
+        return dict(zip(keys, results))
+
+    def _decompose(self, key: FactorKey, state: FactorState,
+                   eigen: tuple[Tensor, Tensor] | None = None) -> dict[PieceKey, Piece]:
+        """One factor's decomposition as message pieces (``eigen``: its ``(Q, λ)`` when
+        already computed)."""
         if state.average is None:  # never saw statistics: marked invalid, not preconditioned
             return {p: torch.zeros(m, dtype=self.inv_dtype, device=self.device)
                     for p, m in self._decomposition_pieces(key)}
@@ -705,7 +757,8 @@ class KFACPreconditioner:
         if self._is_low_rank(key):
             return self._decompose_low_rank(key, state.average)
         if self.compute_method == "eigen":
-            q, lam = linalg.eigh_clamped(state.average, dtype=self.inv_dtype)
+            q, lam = eigen if eigen is not None else linalg.eigh_clamped(
+                state.average, dtype=self.inv_dtype)
             return {PieceKey(key, Part.Q): q, PieceKey(key, Part.LAMBDA): lam, **valid}
         damping = self.damping(self.steps)
         inv = linalg.damped_inverse(state.average, damping, dtype=self.inv_dtype)
@@ -733,8 +786,8 @@ class KFACPreconditioner:
             return precondition_lowrank(grad, _low_rank_factor(a), _low_rank_factor(g), damping)
         if self.compute_method == "eigen":
             return linalg.precondition_eigen(grad, a["Q"], a["lambda"], g["Q"], g["lambda"],
-                                             damping)
-        return linalg.precondition_inverse(grad, a["inv"], g["inv"])
+                                             damping, self.precondition_precision)
+        return linalg.precondition_inverse(grad, a["inv"], g["inv"], self.precondition_precision)
 
     def _share_preconditioned(self, mine: dict[str, Tensor]) -> dict[str, Tensor]:
         """Gradient workers send preconditioned gradients to their receiver groups."""
@@ -1020,6 +1073,8 @@ class KFACPreconditioner:
                 "low_rank_energy": self.low_rank_energy,
                 "low_rank_min_dim": self.low_rank_min_dim,
                 "low_rank_remainder": self.low_rank_remainder,
+                "stats_precision": self.stats_precision,
+                "precondition_precision": self.precondition_precision,
                 "accumulation_steps": self.accumulation_steps, "world_size": self.comm.size,
                 **sched}
 
@@ -1177,6 +1232,11 @@ def _nonfinite(tensors: Mapping[FactorKey, Tensor]) -> list[FactorKey]:
     finite = torch.stack([p.to(device) for p in screens]).isfinite().tolist()
     return [key for key, ok, t in zip(tensors, finite, values)
             if not ok and not bool(torch.isfinite(t).all())]
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    """``torch.float32`` as ``"float32"`` (``None`` stays ``None``)."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _default_factor_dtype(layers: Mapping[str, LayerCurvature]) -> torch.dtype:

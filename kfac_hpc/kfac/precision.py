@@ -1,0 +1,100 @@
+"""Matrix products in a chosen precision: full, TF32 or bf16 inputs, fp32 accumulation.
+
+K-FAC's statistics (``A = rowsᵀ rows / n``) and its preconditioning (``Q_Gᵀ ∇W̄ Q_A``,
+…) are GEMMs. On a GPU with tensor cores they run several times faster when their
+inputs are rounded to TF32 (10 mantissa bits) or bf16 (7 bits) and the products are
+accumulated in fp32; the factors then carry a relative error of about ``2⁻¹¹`` (TF32)
+or ``2⁻⁸`` (bf16) of their largest entries (``benchmarks/precision_accuracy.py`` and
+docs/design.md, "GPU paths", give the measured errors).
+
+:data:`PRECISIONS`:
+
+* ``"full"``: the operands' own dtype (fp32 or fp64), no rounding (the reference).
+* ``"tf32"``: float32 operands rounded to TF32 by the tensor cores. On CUDA cuBLAS's
+  TF32 mode is switched on **for these products only** (:func:`tf32_products`: the
+  user's global setting is restored afterwards). Elsewhere the operands are rounded to
+  TF32 explicitly (round to nearest even), then multiplied in fp32: the same numbers
+  up to summation order, no speed-up.
+* ``"bf16"``: float32 operands cast to bf16, products accumulated and returned in fp32
+  (``torch.mm(..., out_dtype=torch.float32)`` on CUDA; elsewhere bf16-rounded operands
+  multiplied in fp32).
+
+float64 operands are always multiplied in full (the options exist for float32 only;
+the preconditioner refuses them with float64 factors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from kfac_hpc.kfac.options import PRECISIONS, MatmulPrecision
+
+__all__ = ["PRECISIONS", "MatmulPrecision", "matmul", "round_operand", "tf32_products"]
+
+_TF32_DROPPED_BITS = 13  # float32 has 23 mantissa bits, TF32 keeps 10
+
+
+@contextlib.contextmanager
+def tf32_products() -> Iterator[None]:
+    """cuBLAS float32 products in TF32 inside the block; the previous setting after it.
+
+    Uses ``torch.backends.cuda.matmul.fp32_precision`` where torch has it (2.9+), else
+    the legacy ``allow_tf32`` flag: whichever the user's own code may have set is read
+    back and restored, so the user's choice is never changed outside the block.
+    """
+    matmul_flags = torch.backends.cuda.matmul
+    if hasattr(matmul_flags, "fp32_precision"):
+        try:
+            before = matmul_flags.fp32_precision
+            matmul_flags.fp32_precision = "tf32"
+        except RuntimeError:  # the legacy API was used in this process: keep to it
+            pass
+        else:
+            try:
+                yield
+            finally:
+                matmul_flags.fp32_precision = before
+            return
+    legacy = matmul_flags.allow_tf32
+    matmul_flags.allow_tf32 = True
+    try:
+        yield
+    finally:
+        matmul_flags.allow_tf32 = legacy
+
+
+def round_operand(t: Tensor, precision: MatmulPrecision) -> Tensor:
+    """``t`` (float32) rounded to the precision's operand format, kept in float32.
+
+    TF32: round to nearest even on the 13 dropped mantissa bits (Inf/NaN kept); bf16:
+    through a bf16 cast. ``"full"`` and non-float32 tensors are returned as they are.
+    """
+    if precision == "full" or t.dtype != torch.float32:
+        return t
+    if precision == "bf16":
+        return t.to(torch.bfloat16).to(torch.float32)
+    bits = t.contiguous().view(torch.int32)
+    lsb = (bits >> _TF32_DROPPED_BITS) & 1
+    half = 1 << (_TF32_DROPPED_BITS - 1)
+    rounded = (bits + (half - 1) + lsb) & ~((1 << _TF32_DROPPED_BITS) - 1)
+    finite = torch.isfinite(t)
+    return torch.where(finite, rounded.view(torch.float32), t)
+
+
+def matmul(a: Tensor, b: Tensor, precision: MatmulPrecision = "full") -> Tensor:
+    """``a @ b`` (2-D or batched 3-D) in ``precision``; the result in ``a``'s dtype."""
+    if precision == "full" or a.dtype != torch.float32:
+        return a @ b
+    if a.device.type == "cuda":
+        if precision == "tf32":
+            with tf32_products():
+                return a @ b
+        a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+        if a.dim() == 2 and b.dim() == 2:
+            return torch.mm(a16, b16, out_dtype=torch.float32)
+        return torch.bmm(a16, b16, out_dtype=torch.float32)
+    return round_operand(a, precision) @ round_operand(b, precision)

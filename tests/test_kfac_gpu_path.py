@@ -1,0 +1,191 @@
+"""The GPU path of K-FAC's statistics, run on the CPU: same numbers, few kernels.
+
+On a GPU each factor is one unfold/copy and one GEMM, and decompositions are batched by
+size (``kfac_hpc.kfac.linalg.uses_gpu_path``). Here that choice is forced on CPU
+tensors (fixture ``gpu_path``) so that the path is checked without a GPU:
+
+* it equals the CPU-tuned path in float64 (factors of every layer kind; whole training
+  runs for every strategy at 1, 2 and 4 ranks);
+* the operators it dispatches (about one kernel each on a GPU) are bounded per layer,
+  with exactly one GEMM per factor update and one ``eigh`` per distinct factor size, so
+  a per-sample, per-block or per-offset loop cannot come back unnoticed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from mpi4py import MPI
+from op_count import count_host_reads, count_ops
+from shared_cases import (
+    case_ids,
+    fraction_for,
+    kfac_cases,
+    small_cnn,
+    small_cnn_batches,
+    train_kfac,
+)
+from torch import nn
+
+from kfac_hpc import KFACPreconditioner
+from kfac_hpc.comm import Communicator
+from kfac_hpc.kfac import layers, linalg
+from kfac_hpc.kfac.layers import Conv2dCurvature, LinearCurvature
+from kfac_hpc.models import build_model
+
+CASES = kfac_cases(input_shape=(4, 2, 5, 5))
+GEMMS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.")
+
+
+@pytest.fixture
+def gpu_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every device takes the GPU path (CPU tensors included) while the test runs."""
+    for module in (linalg, layers):
+        monkeypatch.setattr(module, "uses_gpu_path", lambda device: True)
+    yield
+
+
+def _both_paths(monkeypatch: pytest.MonkeyPatch, fn):  # type: ignore[no-untyped-def]
+    cpu = fn()
+    for module in (linalg, layers):
+        monkeypatch.setattr(module, "uses_gpu_path", lambda device: True)
+    gpu = fn()
+    monkeypatch.undo()
+    return cpu, gpu
+
+
+@pytest.mark.parametrize("conv", [
+    nn.Conv2d(16, 8, 3, padding=1),
+    nn.Conv2d(16, 8, 3, stride=2, bias=False),
+    nn.Conv2d(9, 12, (3, 2), padding="same", dilation=(1, 2)),
+    nn.Conv2d(3, 70, 1),  # more output channels than positions: CPU's row path for G
+], ids=["pad-bias", "stride", "same-dilation", "1x1-wide"])
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+def test_conv_factors_equal_the_cpu_path(monkeypatch, conv, approx):
+    curv = Conv2dCurvature(conv.double(), approx)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, conv.in_channels, 9, 8, generator=g, dtype=torch.float64)
+    out_shape = conv(x).shape
+    dy = torch.randn(out_shape, generator=g, dtype=torch.float64)
+    (a_cpu, g_cpu), (a_gpu, g_gpu) = _both_paths(
+        monkeypatch, lambda: (curv.a_factor(x), curv.g_factor(dy, grad_scale=0.5)))
+    torch.testing.assert_close(a_gpu, a_cpu, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(g_gpu, g_cpu, rtol=1e-12, atol=1e-14)
+    for m in (a_gpu, g_gpu):
+        assert torch.equal(m, m.t()), "factors must be exactly symmetric"
+
+
+def test_linear_factors_equal_the_cpu_path(monkeypatch):
+    curv = LinearCurvature(nn.Linear(80, 70).double())
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 40, 80, generator=g, dtype=torch.float64)  # 240 rows >= 2·d
+    dy = torch.randn(6, 40, 70, generator=g, dtype=torch.float64)
+    (a_cpu, g_cpu), (a_gpu, g_gpu) = _both_paths(
+        monkeypatch, lambda: (curv.a_factor(x), curv.g_factor(dy)))
+    torch.testing.assert_close(a_gpu, a_cpu, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(g_gpu, g_cpu, rtol=1e-12, atol=1e-14)
+
+
+def _train(comm: Communicator, strategy: str, options: dict) -> nn.Module:
+    strategy, fraction = fraction_for(strategy, comm.size)
+    model = small_cnn()
+    pre = KFACPreconditioner(model, comm=comm, strategy=strategy, grad_worker_fraction=fraction,
+                             damping=0.01, inv_update_steps=2, inv_dtype=torch.float64,
+                             **options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train_kfac(model, opt, pre, small_cnn_batches(5))
+    pre.close()
+    return model
+
+
+def _compare_training(monkeypatch, comm: Communicator, strategy: str, options: dict) -> None:
+    cpu, gpu = _both_paths(monkeypatch, lambda: _train(comm, strategy, options))
+    for (name, p), q in zip(gpu.named_parameters(), cpu.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=f"{name} differs")
+
+
+@pytest.mark.parametrize("strategy, options", CASES, ids=case_ids(CASES))
+def test_training_on_the_gpu_path_equals_the_cpu_path(monkeypatch, strategy, options):
+    _compare_training(monkeypatch, Communicator(MPI.COMM_SELF), strategy, options)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("strategy, options", CASES, ids=case_ids(CASES))
+def test_training_on_the_gpu_path_equals_the_cpu_path_ranks(monkeypatch, comm, strategy,
+                                                            options):
+    _compare_training(monkeypatch, comm, strategy, options)
+
+
+def _resnet50() -> nn.Module:
+    torch.manual_seed(0)
+    return build_model("resnet50", num_classes=10, image_size=32)
+
+
+def _kfac_ops(pre: KFACPreconditioner | None, model: nn.Module):  # type: ignore[no-untyped-def]
+    """Operators of one forward, backward and ``pre.step()`` (factor and inverse update)."""
+    x = torch.randn(2, 3, 32, 32)
+    y = torch.tensor([1, 2])
+
+    def iteration() -> None:
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        if pre is not None:
+            pre.step()
+
+    iteration()  # warm: the second step folds into existing running averages
+    return count_ops(iteration)
+
+
+def test_resnet50_kernels_per_layer_are_bounded(gpu_path):
+    """ResNet-50 (54 K-FAC layers): K-FAC's kernels beyond plain training are at most 40
+    per layer for a step that updates factors and decompositions (measured: about 27),
+    with one GEMM per factor and four per preconditioned layer, and one ``eigh`` per
+    distinct factor size."""
+    plain = _kfac_ops(None, _resnet50())
+    model = _resnet50()
+    pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), damping=0.01)
+    ops = _kfac_ops(pre, model)
+    n_layers = len(pre.layers)
+    assert n_layers == 54
+    extra = ops.kernels - plain.kernels
+    assert extra <= 40 * n_layers, f"{extra} K-FAC kernels for {n_layers} layers"
+
+    def calls(counter, prefixes: tuple[str, ...]) -> int:  # type: ignore[no-untyped-def]
+        return sum(n for name, n in counter.counts.items() if name.startswith(prefixes))
+
+    statistics = 2 * n_layers  # one GEMM for each factor
+    preconditioning = 4 * n_layers  # Q_Gᵀ ∇W̄ Q_A and back
+    assert calls(ops, GEMMS) - calls(plain, GEMMS) == statistics + preconditioning
+    sizes = {(c.a_dim) for c in pre.layers.values()} | {c.g_dim for c in pre.layers.values()}
+    assert calls(ops, ("aten._linalg_eigh.", "aten.linalg_eigh.")) == len(sizes)
+    pre.close()
+
+
+def test_host_reads_per_step_do_not_grow_with_layers(gpu_path):
+    """Device-to-host reads (``.item()``, ``.tolist()``: a sync each on a GPU) in a step
+    that updates factors and decompositions: the same for 3 and 10 layers of one width
+    (eigh's own error check is one read per distinct factor size, counted as
+    ``_linalg_eigh`` calls above)."""
+    def reads(hidden: int) -> int:
+        torch.manual_seed(0)
+        mods: list[nn.Module] = [nn.Linear(8, 16)]
+        for _ in range(hidden):
+            mods += [nn.Tanh(), nn.Linear(16, 16)]
+        model = nn.Sequential(*mods, nn.Tanh(), nn.Linear(16, 3))
+        pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF))
+        x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        pre.step()
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        ops = count_ops(lambda: host.append(count_host_reads(pre.step)))
+        pre.close()
+        return host[-1].total + sum(n for name, n in ops.counts.items() if "eigh" in name)
+
+    host: list = []
+    shallow, deep = reads(1), reads(8)
+    assert shallow == deep, f"{shallow} host reads with 3 layers, {deep} with 10"
+    assert shallow <= 8
