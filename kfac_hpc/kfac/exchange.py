@@ -61,6 +61,21 @@ def _flat(value: Piece, dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.full((1,), float(value), dtype=dtype, device=device)
 
 
+def own_copy(piece: Tensor) -> Tensor:
+    """``piece`` copied into an allocation of its own, contiguous (row-major).
+
+    What a preconditioner keeps between steps (its decompositions) is kept this way,
+    whatever it came from: a view into a message buffer (at an offset that depends on
+    the pieces before it), a solver's column-major eigenvectors, one matrix of a batched
+    solve, or a tensor restored from a checkpoint. Every tensor then starts where the
+    allocator starts one (64-byte aligned on the CPU) with the same strides in the run
+    that saved and in a run resumed from its checkpoint, so a BLAS that picks its
+    kernel by alignment or strides (MKL does, unless ``MKL_CBWR`` pins one) computes
+    the same bits in both. One copy per piece, made when the decomposition is taken.
+    """
+    return piece.clone(memory_format=torch.contiguous_format)
+
+
 def read_scalars(pieces: Mapping[PieceKey, Piece], keys: Iterable[PieceKey]) -> list[float]:
     """The one-element pieces ``keys`` as numbers, in one device-to-host transfer."""
     chosen = [pieces[k] for k in keys]
