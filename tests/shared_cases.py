@@ -87,9 +87,12 @@ def train_kfac(model: nn.Module, opt: torch.optim.Optimizer, pre: Any,
 
 
 def held_tensors(opt: Any) -> dict[str, Tensor]:
-    """Every tensor a DistributedShampoo keeps: gather buffers, status offsets, block state."""
-    out = {"send buffer": opt._send, "receive buffer": opt._recv,
-           "status offsets": opt._status_at}
+    """Every tensor a DistributedShampoo keeps: gather buffers and status offsets (none on
+    one rank), stacked and per-block state."""
+    out = dict(opt._exchange.tensors())
+    for k, stack in enumerate(opt._stacks):
+        for key, value in stack.tensors().items():
+            out[f"stack {k} {key}"] = value
     for p, blocks in opt.state.items():
         for index, block in blocks.items():
             for key, value in block.items():

@@ -212,15 +212,15 @@ def test_exception_on_one_owner_does_not_hang(comm: Communicator,
     collective, the others raise ShampooNumericalError naming it; nobody hangs."""
     import kfac_hpc.shampoo.optimizer as optimizer_module
 
-    real = optimizer_module.update_block
+    real = optimizer_module.update_statistics
     failing_rank = comm.size - 1
 
-    def update_block(*args: Any, **kwargs: Any) -> Any:
+    def update_statistics(*args: Any, **kwargs: Any) -> Any:
         if comm.rank == failing_rank:
             raise MemoryError("injected")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(optimizer_module, "update_block", update_block)
+    monkeypatch.setattr(optimizer_module, "update_statistics", update_statistics)
     model = Net()
     opt = DistributedShampoo(model.named_parameters(), comm=comm, **KWARGS)
     for p in model.parameters():

@@ -10,7 +10,7 @@ import torch
 
 from kfac_hpc.shampoo import Layout, RootComputationError, block_param, inverse_root, merge_dims
 from kfac_hpc.shampoo.blocking import split_dim
-from kfac_hpc.shampoo.kronecker import factor_statistics, precondition
+from kfac_hpc.shampoo.kronecker import accumulate_factors, precondition
 
 
 @pytest.mark.parametrize("shape,max_dim,merged", [
@@ -134,17 +134,33 @@ def test_inverse_root_raises_when_both_fail(monkeypatch: pytest.MonkeyPatch) -> 
 # --------------------------------------------------------------- kronecker
 @pytest.mark.parametrize("shape", [(5,), (3, 4), (2, 3, 4)])
 def test_factors_and_preconditioning_against_kron(shape: tuple[int, ...]) -> None:
+    """Batched: every block of a batch of 3 against its own explicit sums and kron."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(shape, generator=g, dtype=torch.float64)
-    for i, f in enumerate(factor_statistics(x)):
-        expected = torch.zeros(shape[i], shape[i], dtype=torch.float64)
-        for a, b in itertools.product(range(shape[i]), repeat=2):
-            expected[a, b] = (x.select(i, a) * x.select(i, b)).sum()
-        torch.testing.assert_close(f, expected, rtol=1e-12, atol=1e-12)
-    # Non-symmetric roots make the multiplication side visible.
-    roots = [torch.randn(d, d, generator=g, dtype=torch.float64) for d in shape]
-    kron = roots[0]
-    for r in roots[1:]:
-        kron = torch.kron(kron, r)
-    torch.testing.assert_close(precondition(x, roots), (kron @ x.reshape(-1)).reshape(shape),
-                               rtol=1e-12, atol=1e-12)
+    x = torch.randn((3, *shape), generator=g, dtype=torch.float64)
+    factors = [torch.zeros(3, d, d, dtype=torch.float64) for d in shape]
+    accumulate_factors(factors, x, 1.0)
+    roots = [torch.randn(3, d, d, generator=g, dtype=torch.float64) for d in shape]
+    out = precondition(x, roots)
+    for n in range(3):
+        for i, f in enumerate(factors):
+            expected = torch.zeros(shape[i], shape[i], dtype=torch.float64)
+            for a, b in itertools.product(range(shape[i]), repeat=2):
+                expected[a, b] = (x[n].select(i, a) * x[n].select(i, b)).sum()
+            torch.testing.assert_close(f[n], expected, rtol=1e-12, atol=1e-12)
+        # Non-symmetric roots make the multiplication side visible.
+        kron = roots[0][n]
+        for r in roots[1:]:
+            kron = torch.kron(kron, r[n])
+        torch.testing.assert_close(out[n], (kron @ x[n].reshape(-1)).reshape(shape),
+                                   rtol=1e-12, atol=1e-12)
+
+
+def test_running_average_of_factors() -> None:
+    """``F ← β·F + (1-β)·X Xᵀ`` for β < 1, in place."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 4, generator=g, dtype=torch.float64)
+    start = [torch.randn(2, d, d, generator=g, dtype=torch.float64) for d in (3, 4)]
+    factors = [f.clone() for f in start]
+    accumulate_factors(factors, x, 0.9)
+    torch.testing.assert_close(factors[0], 0.9 * start[0] + 0.1 * x @ x.mT, rtol=1e-14, atol=0)
+    torch.testing.assert_close(factors[1], 0.9 * start[1] + 0.1 * x.mT @ x, rtol=1e-14, atol=0)

@@ -12,7 +12,8 @@ Distribution (:mod:`.ownership`): blocks are assigned to ranks by LPT on the cos
 computes the block's final direction; one ``allgatherv`` per step (in
 ``communication_dtype``) gives every rank every direction, and every rank applies
 them. Every rank joins that collective every step, with or without gradients and
-with or without blocks.
+with or without blocks. On one rank there is no collective: the directions are
+applied where they were computed.
 
 Where state lives (decided, measured): only on the block's owner. The alternative,
 every rank keeping every block's factors, costs the full state on each rank and
@@ -43,8 +44,13 @@ state, gather buffers, failure flags) lives on its parameters' device (one devic
 per optimizer, e.g. this rank's GPU); ``state_dict()`` returns CPU tensors and
 ``load_state_dict()`` moves them to the parameters' device. Per-block failure flags
 stay on the device and are combined into the status word, so a step reads device
-memory on the host once (the gathered status words); root recomputations add one
-read per root (the eigensolver synchronises anyway).
+memory on the host once (the status words); a root recomputation adds one read for
+all roots, and its eigensolver synchronises once per distinct factor size.
+
+Kernels (GPU launches): blocks of one parameter group, shape and dtype are stacked
+(:mod:`.stacks`), so a step is one batched GEMM per kind of block and factor plus a
+few ``torch._foreach_*`` calls per parameter group, whatever the number of blocks
+(:mod:`.block_update`). On one rank nothing is gathered (:mod:`.exchange`).
 """
 
 from kfac_hpc.shampoo.blocking import BlockSpec, block_param, merge_dims

@@ -10,6 +10,10 @@ moment is accumulated from the raw gradient; the direction is computed from the
 * ``rmsprop``: ``v = β·v + (1-β)·g²``; direction ``m / (sqrt(v) + eps)``.
 * ``adam``: as rmsprop with ``sqrt(v / (1 - β^t))`` when bias correction is on.
 * ``sgd`` (and no grafting): direction ``m``.
+
+Every function works on lists of batches (one tensor per run of same-shape blocks,
+see :mod:`.stacks`) with ``torch._foreach_*`` calls: one kernel (a few on a GPU, by
+multi-tensor apply) per operation, whatever the number of blocks.
 """
 
 from __future__ import annotations
@@ -21,9 +25,9 @@ from torch import Tensor
 
 __all__ = [
     "GRAFTING_KINDS",
-    "direction",
-    "norm_ratio",
-    "update_second_moment",
+    "directions",
+    "rescale_to",
+    "update_second_moments",
     "uses_second_moment",
 ]
 
@@ -35,30 +39,54 @@ def uses_second_moment(kind: str | None) -> bool:
     return kind in ("adagrad", "rmsprop", "adam")
 
 
-def update_second_moment(kind: str | None, second_moment: Tensor, grad: Tensor,
-                         beta2: float) -> None:
-    """Accumulate ``grad²`` into ``second_moment`` in place."""
+def update_second_moments(kind: str | None, moments: list[Tensor], grads: list[Tensor],
+                          beta2: float) -> None:
+    """Accumulate ``grad²`` into each of ``moments`` in place (one ``_foreach`` call each)."""
     if kind == "adagrad":
-        second_moment.addcmul_(grad, grad)
+        torch._foreach_addcmul_(moments, grads, grads)
     elif kind in ("rmsprop", "adam"):
-        second_moment.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        torch._foreach_mul_(moments, beta2)
+        torch._foreach_addcmul_(moments, grads, grads, value=1.0 - beta2)
 
 
-def direction(kind: str | None, filtered_grad: Tensor, second_moment: Tensor | None,
-              epsilon: float, beta2: float, step: int, bias_correction: bool) -> Tensor:
-    """The grafting method's direction for ``filtered_grad`` (a new tensor for adaptive kinds)."""
+def directions(kind: str | None, filtered: list[Tensor], moments: list[Tensor],
+               epsilon: float, beta2: float, steps: list[int],
+               bias_correction: bool) -> list[Tensor]:
+    """The grafting method's directions (new tensors for adaptive kinds).
+
+    Args:
+        kind: the grafting method.
+        filtered: the β1-filtered gradients.
+        moments: their second moments (ignored unless the kind uses them).
+        epsilon: the method's ε.
+        beta2: its second-moment β.
+        steps: per tensor, its step count (for Adam's bias correction).
+        bias_correction: whether Adam's bias correction applies.
+    """
     if not uses_second_moment(kind):
-        return filtered_grad
-    assert second_moment is not None
-    denom = second_moment.sqrt()
+        return list(filtered)
+    denom = torch._foreach_sqrt(moments)
     if kind == "adam" and bias_correction:
-        denom.div_(math.sqrt(1.0 - beta2**step))
-    return filtered_grad / denom.add_(epsilon)
+        torch._foreach_div_(denom, [math.sqrt(1.0 - beta2**t) for t in steps])
+    torch._foreach_add_(denom, epsilon)
+    return list(torch._foreach_div(filtered, denom))
 
 
-def norm_ratio(target: Tensor, source: Tensor) -> Tensor:
-    """``‖target‖ / ‖source‖`` as a 0-d tensor (0 where ``source`` is zero); no host sync."""
-    target_norm = torch.linalg.vector_norm(target)
-    source_norm = torch.linalg.vector_norm(source)
-    safe = torch.where(source_norm > 0, source_norm, torch.ones_like(source_norm))
-    return torch.where(source_norm > 0, target_norm / safe, torch.zeros_like(source_norm))
+def _row_norms(batches: list[Tensor]) -> Tensor:
+    """The norm of every row (block) of every batch, concatenated: one ``_foreach_norm``."""
+    rows = [row for batch in batches for row in batch.unbind(0)]
+    return torch.stack(list(torch._foreach_norm(rows)))
+
+
+def rescale_to(directions: list[Tensor], targets: list[Tensor]) -> None:
+    """Scale each block (row) of each batch of ``directions`` in place to the norm of the
+    same row of ``targets``: ``d ← d·‖t‖/‖d‖`` (0 where ``d`` is zero); no host sync.
+
+    Args:
+        directions: batches ``(n, …)``, scaled in place.
+        targets: batches of the same shapes.
+    """
+    target, source = _row_norms(targets), _row_norms(directions)
+    ratio = torch.where(source > 0, target / source, 0.0)
+    for d, r in zip(directions, ratio.split([d.shape[0] for d in directions])):
+        d.mul_(r.view((-1,) + (1,) * (d.dim() - 1)))

@@ -1,11 +1,13 @@
-"""Kronecker-factor statistics of a block and the application of its roots.
+"""Kronecker-factor statistics of batches of blocks and the application of their roots.
 
-For a block ``X`` of order k, factor i is the mode-i contraction ``X_(i) X_(i)ᵀ``
-(``X_(i)``: ``X`` with dimension i moved first and the rest flattened), e.g.
-``G Gᵀ`` and ``Gᵀ G`` for a matrix. Preconditioning multiplies every mode by its
-root: ``X ×_1 R_1 ×_2 R_2 … ×_k R_k``, which is ``R_1 G R_2ᵀ`` for a matrix and
-``(R_1 ⊗ … ⊗ R_k) vec(X)`` for row-major ``vec``. Autocast is disabled, so the
-arithmetic runs in the dtype of the tensors passed in.
+Every function takes a *batch*: ``n`` blocks of the same shape stacked along a new
+leading dimension, so one batched matrix product serves them all (one kernel on a
+GPU, whatever ``n``). For a block ``X`` of order k, factor i is the mode-i
+contraction ``X_(i) X_(i)ᵀ`` (``X_(i)``: ``X`` with dimension i moved first and the
+rest flattened), e.g. ``G Gᵀ`` and ``Gᵀ G`` for a matrix. Preconditioning multiplies
+every mode by its root: ``X ×_1 R_1 ×_2 R_2 … ×_k R_k``, which is ``R_1 G R_2ᵀ`` for
+a matrix and ``(R_1 ⊗ … ⊗ R_k) vec(X)`` for row-major ``vec``. Autocast is disabled,
+so the arithmetic runs in the dtype of the tensors passed in.
 """
 
 from __future__ import annotations
@@ -15,31 +17,67 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["factor_statistics", "precondition"]
+from kfac_hpc.shampoo.errors import finite_rows
+
+__all__ = ["accumulate_factors", "finite_diagonals", "mode_matrices", "precondition"]
 
 
-def factor_statistics(block: Tensor) -> list[Tensor]:
-    """The k mode contractions ``X_(i) X_(i)ᵀ`` of an order-k block."""
-    with torch.autocast(device_type=block.device.type, enabled=False):
-        out = []
-        for i, d in enumerate(block.shape):
-            x = block.movedim(i, 0).reshape(d, -1)
-            out.append(x @ x.mT)
-        return out
+def mode_matrices(blocks: Tensor, i: int) -> Tensor:
+    """``X_(i)`` of every block of a batch ``(n, d_1, …, d_k)``: shape ``(n, d_i, -1)``."""
+    n, d = blocks.shape[0], blocks.shape[i + 1]
+    return blocks.movedim(i + 1, 1).reshape(n, d, -1)
 
 
-def precondition(block: Tensor, roots: Sequence[Tensor]) -> Tensor:
-    """``block ×_1 roots[0] ×_2 roots[1] …`` (one root per dimension, in order)."""
-    if len(roots) != block.dim():
-        raise ValueError(f"{len(roots)} roots for a block of order {block.dim()}")
-    with torch.autocast(device_type=block.device.type, enabled=False):
-        if block.dim() == 1:
-            return roots[0] @ block
-        if block.dim() == 2:
-            return roots[0] @ block @ roots[1].mT
-        out = block
+def accumulate_factors(factors: Sequence[Tensor], blocks: Tensor, beta2: float) -> None:
+    """``F_i ← β2·F_i + (1-β2)·X_(i) X_(i)ᵀ`` in place, one batched GEMM per factor.
+
+    ``β2 = 1`` is the plain sum ``F_i ← F_i + X_(i) X_(i)ᵀ``. The scaling is fused into
+    the GEMM (``baddbmm``), so ``F_i`` is read and written once; compared with a
+    product followed by ``mul_``/``add_`` only the rounding of the last bit differs.
+
+    Args:
+        factors: per dimension i, the stacked factors ``(n, d_i, d_i)``.
+        blocks: the batch ``(n, d_1, …, d_k)`` in the factors' dtype.
+        beta2: the running-average coefficient.
+    """
+    alpha = 1.0 - beta2 if beta2 < 1.0 else 1.0
+    with torch.autocast(device_type=blocks.device.type, enabled=False):
+        for i, factor in enumerate(factors):
+            x = mode_matrices(blocks, i)
+            factor.baddbmm_(x, x.mT, beta=beta2, alpha=alpha)
+
+
+def finite_diagonals(factors: Sequence[Tensor]) -> Tensor:
+    """``(n,)`` bool: whether every diagonal entry of a block's factors is finite.
+
+    A NaN/Inf anywhere in a gradient reaches the diagonals (sums of squares), so
+    checking them is exact and costs O(d) instead of O(d²); the result stays on the
+    device (no host synchronisation).
+    """
+    diagonals = [f.diagonal(dim1=1, dim2=2) for f in factors]
+    return finite_rows(diagonals[0] if len(diagonals) == 1 else torch.cat(diagonals, dim=1))
+
+
+def precondition(blocks: Tensor, roots: Sequence[Tensor]) -> Tensor:
+    """``X ×_1 R_1 ×_2 R_2 …`` for every block ``X`` of a batch ``(n, d_1, …, d_k)``.
+
+    Args:
+        blocks: the batch.
+        roots: per dimension i, the stacked roots ``(n, d_i, d_i)``.
+
+    Returns:
+        A new tensor shaped like ``blocks``.
+    """
+    if len(roots) != blocks.dim() - 1:
+        raise ValueError(f"{len(roots)} roots for blocks of order {blocks.dim() - 1}")
+    with torch.autocast(device_type=blocks.device.type, enabled=False):
+        if len(roots) == 2:
+            return roots[0] @ blocks @ roots[1].mT
+        out = blocks
+        n = blocks.shape[0]
         for root in roots:
-            # Contract the leading dimension with the root's columns; the new
+            # Contract the leading block dimension with the root's columns; the new
             # dimension goes last, so after k steps the order is restored.
-            out = torch.tensordot(out, root, dims=([0], [1]))
+            moved = out.movedim(1, -1)
+            out = (moved.reshape(n, -1, moved.shape[-1]) @ root.mT).reshape(moved.shape)
         return out

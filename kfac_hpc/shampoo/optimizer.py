@@ -1,10 +1,13 @@
 """``DistributedShampoo``: the optimizer, its block distribution and its state dict.
 
 Where state lives: each block's state (factors, roots, grafting moment, filtered
-gradient, momentum) exists only on the block's owner. Per step the owner computes
-its blocks' final directions and one ``allgatherv`` hands every rank every
-direction; parameters are replicated and every rank applies ``p ← p − lr·d`` with
-the same (gathered) values, so they stay bitwise identical across ranks.
+gradient, momentum) exists only on the block's owner, stacked by kind of block
+(:mod:`.stacks`). Per step the owner computes its blocks' final directions, batched
+(:mod:`.block_update`), and the exchange (:mod:`.exchange`) hands every rank every
+direction: one ``allgatherv`` on several ranks, nothing at all on one rank (the
+directions are applied where they are). Parameters are replicated and every rank
+applies ``p ← p − lr·d`` with the same values, so they stay bitwise identical across
+ranks.
 ``state_dict()`` is collective: it gathers all blocks' state onto every rank (CPU
 tensors), keyed by ``(parameter name, block index)``; ``load_state_dict()`` is
 local: each rank keeps the blocks it owns under the current world size.
@@ -12,7 +15,6 @@ local: each rank keeps the blocks it owns under the current world size.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -23,16 +25,30 @@ from torch import Tensor
 from kfac_hpc.comm import Communicator, replicas, world
 from kfac_hpc.shampoo import blocking
 from kfac_hpc.shampoo import hyperparameters as hyper
-from kfac_hpc.shampoo.block_update import BlockHyper, BlockState, new_block_state, update_block
+from kfac_hpc.shampoo.block_update import (
+    BlockHyper,
+    BlockState,
+    RunStep,
+    directions,
+    install_roots,
+    root_requests,
+    start_runs,
+    update_statistics,
+)
 from kfac_hpc.shampoo.blocking import BlockSpec
 from kfac_hpc.shampoo.errors import (
     STATUS_EXCEPTION,
     STATUS_NONFINITE_STATISTICS,
     STATUS_NONFINITE_UPDATE,
+    STATUS_ROOT_FAILURES,
     ShampooNumericalError,
     describe_status,
+    finite_rows,
 )
+from kfac_hpc.shampoo.exchange import make_exchange
 from kfac_hpc.shampoo.ownership import Layout
+from kfac_hpc.shampoo.roots import inverse_roots
+from kfac_hpc.shampoo.stacks import BlockStack, Run, runs_of
 from kfac_hpc.shampoo.state_io import describe_block_states, gather_block_states
 
 __all__ = ["STATE_DICT_FORMAT", "STATE_DICT_VERSION", "DistributedShampoo"]
@@ -206,14 +222,14 @@ class DistributedShampoo(torch.optim.Optimizer):
                     block_param.append(p)
                     self._group_of_block.append(gi)
         self._block_param = block_param
-        layout = self._layout = Layout.build(blocks, self.comm.size)
+        kinds = [(gi, spec.shape, p.dtype)
+                 for gi, spec, p in zip(self._group_of_block, blocks, block_param)]
+        layout = self._layout = Layout.build(blocks, self.comm.size, kinds)
         self._owned = layout.owned(self.comm.rank)
         self._owner_of = {b.key: r for b, r in zip(layout.blocks, layout.owners)}
         self._device = device if device is not None else torch.device("cpu")
-        dtype = self.communication_dtype
-        self._send = torch.zeros(layout.counts[self.comm.rank], dtype=dtype, device=self._device)
-        self._recv = torch.zeros(layout.total, dtype=dtype, device=self._device)
-        self._status_at = torch.tensor(layout.status_offsets, device=self._device)
+        self._stacks = _stacks(layout, self._owned, kinds)
+        self._exchange = make_exchange(layout, self.communication_dtype, self.comm, self._device)
         self.state = defaultdict(dict)
 
     @property
@@ -235,7 +251,6 @@ class DistributedShampoo(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._steps += 1
-        layout = self.layout
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None and p.grad.is_sparse:
@@ -243,76 +258,140 @@ class DistributedShampoo(torch.optim.Optimizer):
                                      "sparse gradient; Shampoo needs dense gradients")
         hypers = [BlockHyper.from_group(g, self.max_consecutive_root_failures)
                   for g in self.param_groups]
+        self._exchange.begin()
         error: BaseException | None = None
         status: Tensor | int
         try:
             status = self._update_owned_blocks(hypers)
         except Exception as exc:  # report, join the collective, then re-raise
             error, status = exc, STATUS_EXCEPTION
-        self._send[0] = status  # a device-to-device copy for a tensor: no host sync
-        recv = self.comm.allgatherv(self._send, layout.counts, out=self._recv)
+        statuses = self._exchange.exchange(status)
         if error is not None:
             raise error
-        statuses = recv[self._status_at]
-        if bool((statuses != 0).any()):  # the step's one host read of the status words
-            self._raise_failure(recv, statuses)
-        self._apply(recv)
+        # The step's one host read: the status words. It cannot go: a failed step must
+        # raise in that step on every rank with nothing applied, and whether to apply is
+        # decided on the host. With several ranks the gather has synchronised already;
+        # on one rank it comes after every kernel of the step has been queued.
+        if statuses is not None and bool((statuses != 0).any()):
+            self._raise_failure(statuses)
+        self._apply()
         return loss
 
     def _update_owned_blocks(self, hypers: list[BlockHyper]) -> Tensor | int:
-        """Write this rank's block directions into the send buffer; return its status.
+        """Compute this rank's block directions, hand them to the exchange; return its status.
 
-        The status is a 0-d tensor on the parameters' device (or 0 with no block to
-        update): every block's failure flags are combined on the device and read once,
-        after the gather, by every rank alike — no host synchronisation per block.
+        The status is a 0-d tensor on the parameters' device (or a host int with no block
+        to update): every block's failure flags are combined on the device and read once,
+        after the exchange, by every rank alike — no host synchronisation per block.
         """
-        layout, send = self.layout, self._send
-        host_status = 0
-        statistics: list[Tensor] = []  # per updated block: non-finite factor statistics
-        updates: list[Tensor] = []  # per updated block: non-finite direction (otherwise)
-        for i in self._owned:
-            spec, p = layout.blocks[i], self._block_param[i]
-            slot = send[layout.local_span(i)]
-            if p.grad is None:
-                slot.zero_()
-                continue
-            state = self.state[p].get(spec.index)
-            if state is None:
-                state = self.state[p][spec.index] = new_block_state(
-                    spec.shape, self.factor_dtype, p.device)
-            grad = p.grad.reshape(spec.merged_shape)[spec.slices]
-            param = p.detach().reshape(spec.merged_shape)[spec.slices]
-            direction, nonfinite, code = update_block(state, grad, param,
-                                                      hypers[self._group_of_block[i]])
-            if code:  # known on the host (root failures): the block fails as a whole
-                host_status |= code
-                slot.fill_(math.nan)
-                continue
-            slot.copy_(direction.reshape(-1))
-            slot.masked_fill_(nonfinite, math.nan)  # every rank sees the failed block
-            statistics.append(nonfinite)
-            updates.append(slot.isfinite().all().logical_not() & nonfinite.logical_not())
-        if not statistics:
+        steps = self._start_runs(hypers)
+        for gi, group_steps in steps.items():
+            update_statistics(group_steps, hypers[gi])
+        host_status = self._update_roots(steps, hypers)
+        finite_stats: list[Tensor] = []
+        finite_updates: list[Tensor] = []
+        for gi, group_steps in steps.items():
+            for st, direction in zip(group_steps, directions(group_steps, hypers[gi])):
+                stats, update = self._hand_over(st, direction)
+                finite_stats.append(stats)
+                finite_updates.append(update)
+        if not finite_stats:
             return host_status
-        return (torch.stack(statistics).any().to(torch.int64) * STATUS_NONFINITE_STATISTICS
-                + torch.stack(updates).any().to(torch.int64) * STATUS_NONFINITE_UPDATE
+        stats, updates = _cat(finite_stats), _cat(finite_updates)
+        return (stats.logical_not().any().to(torch.int64) * STATUS_NONFINITE_STATISTICS
+                + (updates.logical_not() & stats).any().to(torch.int64) * STATUS_NONFINITE_UPDATE
                 + host_status)
 
-    def _raise_failure(self, recv: Tensor, statuses: Tensor) -> None:
-        layout = self.layout
-        mask = 0
-        affected: list[tuple[str, int]] = []
-        for rank, value in enumerate(statuses.tolist()):
-            if value == 0:
+    def _start_runs(self, hypers: list[BlockHyper]) -> dict[int, list[RunStep]]:
+        """This step's runs (blocks with gradients, by stack), started, by parameter group."""
+        runs: dict[int, list[Run]] = {}
+        for stack in self._stacks:
+            runs.setdefault(stack.group, []).extend(self._runs(stack, hypers[stack.group]))
+        steps: dict[int, list[RunStep]] = {}
+        for gi, group_runs in runs.items():
+            if not group_runs:
                 continue
-            mask |= int(value)
-            for i in layout.owned(rank):
-                if not torch.isfinite(recv[layout.span(i)]).all():
-                    affected.append(layout.blocks[i].key)
+            hp = hypers[gi]
+            grads = [[self._view(self._grad(i), i) for i in run.members] for run in group_runs]
+            params = [[self._view(self._block_param[i].detach(), i) for i in run.members]
+                      if hp.weight_decay != 0.0 else [] for run in group_runs]
+            steps[gi] = start_runs(group_runs, grads, params, hp, self.factor_dtype)
+        return steps
+
+    def _grad(self, i: int) -> Tensor:
+        grad = self._block_param[i].grad
+        assert grad is not None
+        return grad
+
+    def _runs(self, stack: BlockStack, hp: BlockHyper) -> list[Run]:
+        """The stack's runs this step; creates the state of blocks stepping for the first time."""
+        states: list[BlockState | None] = []
+        keys: list[tuple[int, bool] | None] = []
+        for i in stack.members:
+            p, index = self._block_param[i], self.layout.blocks[i].index
+            if p.grad is None:
+                states.append(None)
+                keys.append(None)
+                continue
+            state = self.state[p].get(index)
+            if state is None:
+                state = self.state[p][index] = {"step": 0, "root_failures": 0}
+            t = state["step"] + 1
+            states.append(state)
+            keys.append((t, hp.recomputes_roots(t, "root_0" in state)))
+        return runs_of(stack, states, keys)
+
+    def _view(self, tensor: Tensor, i: int) -> Tensor:
+        """Block ``i``'s view of ``tensor`` (its parameter's shape)."""
+        spec = self.layout.blocks[i]
+        merged = tensor.reshape(spec.merged_shape)
+        return merged if len(self._blocks_of[self._block_param[i]]) == 1 else merged[spec.slices]
+
+    def _update_roots(self, steps: dict[int, list[RunStep]], hypers: list[BlockHyper]) -> int:
+        """Recompute the roots of the runs due, all at once; the host-known status bits."""
+        due = [(st, hypers[gi]) for gi, group_steps in steps.items() for st in group_steps
+               if st.run.roots]
+        if not due:
+            return 0
+        requests = [root_requests(st, hp) for st, hp in due]
+        results = inverse_roots([r for per_run in requests for r in per_run])
+        status, at = 0, 0
+        for (st, hp), per_run in zip(due, requests):
+            install_roots(st, results[at:at + len(per_run)], hp)
+            at += len(per_run)
+            if st.root_failures:
+                status |= STATUS_ROOT_FAILURES
+        return status
+
+    def _hand_over(self, st: RunStep, direction: Tensor) -> tuple[Tensor, Tensor]:
+        """Give a run's directions to the exchange; per block, whether its statistics and
+        its direction (as it travels) are finite."""
+        exchange = self._exchange
+        sent = exchange.put(st.run, direction)
+        finite_update = finite_rows(sent)
+        assert st.finite is not None
+        finite_stats = st.finite
+        for j in st.root_failures:  # the block fails as a whole; its flags do not count
+            finite_stats[j] = True
+            finite_update[j] = True
+            exchange.fail_block(st.run.members[j])
+        exchange.fail_rows(st.run, finite_stats, finite_update)
+        return finite_stats, finite_update
+
+    def _raise_failure(self, statuses: Tensor) -> None:
+        values = [int(v) for v in statuses.tolist()]
+        mask = 0
+        for value in values:
+            mask |= value
+        stepped = {i for group in self.param_groups for p in group["params"]
+                   if p.grad is not None for i in self._blocks_of[p]}
+        failed_ranks = [r for r, v in enumerate(values) if v != 0]
+        affected = [self.layout.blocks[i].key
+                    for i in self._exchange.failed_blocks(failed_ranks, stepped)]
         where = ", ".join(f"parameter {n!r} block {b}" for n, b in affected[:10])
         if len(affected) > 10:
             where += f" and {len(affected) - 10} more blocks"
-        failed = [r for r, v in enumerate(statuses.tolist()) if int(v) & STATUS_EXCEPTION]
+        failed = [r for r, v in enumerate(values) if v & STATUS_EXCEPTION]
         if failed:
             where += ("; " if where else "") + f"rank(s) {failed} raised an exception"
         raise ShampooNumericalError(
@@ -320,30 +399,37 @@ class DistributedShampoo(torch.optim.Optimizer):
             "Parameters were not updated; check the loss and gradients (lower lr, clip "
             "gradients, raise epsilon) and restore a checkpoint.", affected, mask)
 
-    def _apply(self, recv: Tensor) -> None:
-        layout = self.layout
+    def _apply(self) -> None:
+        """``p ← p − lr·d`` for every parameter with a gradient: one ``_foreach_add_`` per
+        parameter group over every block's update."""
         for group in self.param_groups:
-            lr = group["lr"]
+            targets: list[Tensor] = []
+            updates: list[Tensor] = []
             for p in group["params"]:
-                indices = self._blocks_of[p]
-                if p.grad is None or not indices:
-                    continue
-                if len(indices) == 1:
-                    update = recv[layout.span(indices[0])].view(p.shape)
-                    p.add_(update.to(p.dtype), alpha=-lr)
-                    continue
-                spec0 = layout.blocks[indices[0]]
-                target = p.view(spec0.merged_shape) if p.is_contiguous() else torch.empty(
-                    spec0.merged_shape, dtype=p.dtype, device=p.device)
-                for i in indices:
-                    spec = layout.blocks[i]
-                    update = recv[layout.span(i)].view(spec.shape).to(p.dtype)
-                    if p.is_contiguous():
-                        target[spec.slices].add_(update, alpha=-lr)
-                    else:
-                        target[spec.slices].copy_(update)
-                if not p.is_contiguous():
-                    p.add_(target.view(p.shape), alpha=-lr)
+                if p.grad is not None and self._blocks_of[p]:
+                    self._collect_update(p, targets, updates)
+            _foreach_add_(targets, updates, -group["lr"])
+
+    def _collect_update(self, p: Tensor, targets: list[Tensor], updates: list[Tensor]) -> None:
+        """Append ``p``'s parts and their updates (per block, or assembled whole where ``p``
+        is not contiguous and has several blocks)."""
+        indices = self._blocks_of[p]
+        parts = [self._exchange.update(i, p.dtype) for i in indices]
+        if len(indices) == 1:
+            targets.append(p)
+            updates.append(parts[0].reshape(p.shape))
+            return
+        specs = [self.layout.blocks[i] for i in indices]
+        if p.is_contiguous():
+            merged = p.view(specs[0].merged_shape)
+            targets.extend(merged[spec.slices] for spec in specs)
+            updates.extend(parts)
+            return
+        whole = torch.empty(specs[0].merged_shape, dtype=p.dtype, device=p.device)
+        for spec, part in zip(specs, parts):
+            whole[spec.slices].copy_(part)
+        targets.append(p)
+        updates.append(whole.view(p.shape))
 
     # ------------------------------------------------------------ state dict
     def _local_states(self) -> list[tuple[tuple[str, int], BlockState]]:
@@ -538,8 +624,32 @@ class DistributedShampoo(torch.optim.Optimizer):
                     if isinstance(value, Tensor):
                         kind = next(v for k, v in names.items() if key.startswith(k))
                         kinds[kind] += value.numel() * value.element_size()
-        kinds["buffers"] = (self._send.numel() + self._recv.numel()) * self._send.element_size()
+        kinds["buffers"] = sum(self._exchange.tensors().get(name, torch.empty(0)).nbytes
+                               for name in ("send buffer", "receive buffer"))
         return kinds
+
+
+def _stacks(layout: Layout, owned: list[int], kinds: list[Any]) -> list[BlockStack]:
+    """The owned blocks grouped by kind, each stack in send-buffer order."""
+    members: dict[Any, list[int]] = {}
+    for i in sorted(owned, key=lambda i: layout.offsets[i]):
+        members.setdefault(kinds[i], []).append(i)
+    return [BlockStack(kind[0], kind[1], kind[2], indices) for kind, indices in members.items()]
+
+
+def _foreach_add_(targets: list[Tensor], updates: list[Tensor], alpha: float) -> None:
+    """``t ← t + alpha·u`` for every pair: one fused call for the contiguous pairs (a GPU
+    falls back to a kernel per tensor for a whole list holding one strided tensor), one
+    for the rest (blocks that are column slices of their parameter)."""
+    dense = [t.is_contiguous() and u.is_contiguous() for t, u in zip(targets, updates)]
+    for keep in (True, False):
+        pairs = [(t, u) for t, u, d in zip(targets, updates, dense) if d == keep]
+        if pairs:
+            torch._foreach_add_([t for t, _ in pairs], [u for _, u in pairs], alpha=alpha)
+
+
+def _cat(tensors: list[Tensor]) -> Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def _block_index(key: Any) -> int:

@@ -5,16 +5,19 @@ global order (parameter order, then block index) with cost ``sum(d_i**3)``: a pu
 function of parameter names, shapes, ``max_preconditioner_dim`` and the world size,
 computed identically on every rank, so no communication is needed to agree on it.
 
-Wire layout of the one ``allgatherv`` per step: rank r sends ``1 + sum(numel of its
-blocks)`` elements: a status word (0 = fine, else a bit mask, see
-:mod:`kfac_hpc.shampoo.errors`) followed by the updates of its blocks in global order.
-The layout never changes after construction, so the counts are known on every rank
-and a rank owning no block still sends its status word.
+Wire layout of the one ``allgatherv`` per step (world size > 1): rank r sends
+``1 + sum(numel of its blocks)`` elements: a status word (0 = fine, else a bit mask,
+see :mod:`kfac_hpc.shampoo.errors`) followed by the updates of its blocks, grouped by
+*kind* (blocks of one kind are batched together: same parameter group, shape and
+dtype, see :mod:`.stacks`; kinds in order of first appearance, blocks of a kind in
+global order), so that a batch's updates are one contiguous slice of the send
+buffer. The layout never changes after construction, so the counts are known on
+every rank and a rank owning no block still sends its status word.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from kfac_hpc.assignment import lpt_assign
@@ -40,7 +43,16 @@ class Layout:
     world_size: int
 
     @staticmethod
-    def build(blocks: Sequence[BlockSpec], world_size: int) -> Layout:
+    def build(blocks: Sequence[BlockSpec], world_size: int,
+              kinds: Sequence[Hashable] | None = None) -> Layout:
+        """The layout of ``blocks`` (global order) over ``world_size`` ranks.
+
+        Args:
+            blocks: every block, in global order.
+            world_size: number of ranks.
+            kinds: per block, its kind (equal kinds are contiguous in their owner's
+                send buffer); None: every block its own kind (global order).
+        """
         owner_of = assign_owners(blocks, world_size)
         owners = tuple(owner_of[b.key] for b in blocks)
         counts = [1] * world_size
@@ -49,11 +61,14 @@ class Layout:
         starts = [0] * world_size
         for r in range(1, world_size):
             starts[r] = starts[r - 1] + counts[r - 1]
+        first: dict[Hashable, int] = {}
+        rank_of_kind = [first.setdefault(k, len(first))
+                        for k in (kinds if kinds is not None else range(len(blocks)))]
         cursor = [s + 1 for s in starts]  # after each rank's status word
-        offsets = []
-        for b, r in zip(blocks, owners):
-            offsets.append(cursor[r])
-            cursor[r] += b.numel
+        offsets = [0] * len(blocks)
+        for i in sorted(range(len(blocks)), key=lambda i: (rank_of_kind[i], i)):
+            offsets[i] = cursor[owners[i]]
+            cursor[owners[i]] += blocks[i].numel
         return Layout(tuple(blocks), owners, tuple(offsets), tuple(counts), tuple(starts),
                       world_size)
 

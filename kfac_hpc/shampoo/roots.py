@@ -5,18 +5,43 @@ i.e. ``(F + eps·I)^(-1/p)`` for a PSD ``F`` (the clamp removes the tiny negativ
 eigenvalues rounding produces). A failed decomposition (LAPACK/cuSOLVER error or a
 non-finite result) is retried in float64; if that fails too
 :class:`RootComputationError` is raised and the caller keeps its previous root.
+
+:func:`inverse_roots` does the same for many batches of matrices at once: all the
+matrices of one size and dtype go through one batched ``torch.linalg.eigh`` (on a
+GPU the eigensolver synchronises with the host once per call, so the number of
+synchronisations follows the number of distinct sizes, not of blocks), and the
+finiteness of every result is read on the host once. Matrices that fail there take
+the one-matrix path (:func:`inverse_root`, float64 retry included), so results are
+those of :func:`inverse_root` matrix by matrix.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-__all__ = ["RootComputationError", "inverse_root"]
+from kfac_hpc.shampoo.errors import finite_rows
+
+__all__ = ["RootComputationError", "RootRequest", "RootResult", "inverse_root", "inverse_roots"]
 
 
 class RootComputationError(RuntimeError):
     """The eigendecomposition failed in the factor's dtype and in float64."""
+
+
+def _root_from(eigenvalues: Tensor, eigenvectors: Tensor, p: float, epsilon: float) -> Tensor:
+    """``Q diag((max(λ, 0) + ε)^(-1/p)) Qᵀ`` (batched over leading dimensions)."""
+    scale = (eigenvalues.clamp(min=0) + epsilon).pow(-1.0 / p)
+    return (eigenvectors * scale.unsqueeze(-2)) @ eigenvectors.mT
+
+
+def _finite(eigenvalues: Tensor, root: Tensor) -> Tensor:
+    """Per matrix: non-finite eigenvectors make the root non-finite (the scale is finite
+    and positive), a +Inf eigenvalue would not (its scale is 0), so check both."""
+    return eigenvalues.isfinite().all(dim=-1) & root.isfinite().flatten(-2).all(dim=-1)
 
 
 def _eigh_root(matrix: Tensor, p: float, epsilon: float) -> Tensor | None:
@@ -24,11 +49,8 @@ def _eigh_root(matrix: Tensor, p: float, epsilon: float) -> Tensor | None:
         eigenvalues, eigenvectors = torch.linalg.eigh(matrix)
     except RuntimeError:  # torch.linalg.LinAlgError and backend errors
         return None
-    scale = (eigenvalues.clamp(min=0) + epsilon).pow(-1.0 / p)
-    root = (eigenvectors * scale.unsqueeze(0)) @ eigenvectors.mT
-    # One host read: non-finite eigenvectors make the root non-finite (scale is finite
-    # and positive), a +Inf eigenvalue would not (its scale is 0), so check both.
-    if not bool(torch.isfinite(eigenvalues).all() & torch.isfinite(root).all()):
+    root = _root_from(eigenvalues, eigenvectors, p, epsilon)
+    if not bool(_finite(eigenvalues, root)):  # one host read (a failure path or one matrix)
         return None
     return root
 
@@ -50,3 +72,137 @@ def inverse_root(matrix: Tensor, p: float, epsilon: float) -> Tensor:
                 f"eigendecomposition of a {tuple(matrix.shape)} {matrix.dtype} factor failed "
                 "(also in float64)")
         return root.to(matrix.dtype)
+
+
+@dataclass(frozen=True)
+class RootRequest:
+    """Stacked factors ``(n, d, d)`` whose roots ``(F / correction + εI)^(-1/p)`` are
+    wanted; non-finite entries count as 0 (their statistics are reported failed)."""
+
+    factors: Tensor
+    correction: float
+    p: float
+    epsilon: float
+
+
+@dataclass(frozen=True)
+class RootResult:
+    """The roots ``(n, d, d)`` of a request and, per matrix, whether it failed (then its
+    root is meaningless)."""
+
+    roots: Tensor
+    failed: list[bool]
+
+
+def _cat(tensors: list[Tensor]) -> Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def _segments(requests: Sequence[RootRequest], key: Callable[[RootRequest], Hashable]
+              ) -> list[tuple[slice, list[RootRequest]]]:
+    """Consecutive requests with equal ``key``, with the rows they fill once stacked."""
+    out: list[tuple[slice, list[RootRequest]]] = []
+    row = 0
+    for request in requests:
+        n = request.factors.shape[0]
+        if out and key(out[-1][1][0]) == key(request):
+            rows, members = out[-1]
+            out[-1] = (slice(rows.start, row + n), [*members, request])
+        else:
+            out.append((slice(row, row + n), [request]))
+        row += n
+    return out
+
+
+def _prepared(requests: Sequence[RootRequest]) -> Tensor:
+    """The requests' factors stacked, divided by their corrections, non-finite entries
+    zeroed (the eigensolver must not see them): a new tensor."""
+    pieces = []
+    for _, members in _segments(requests, lambda r: r.correction):
+        joined = _cat([r.factors for r in members])
+        correction = members[0].correction
+        pieces.append(joined / correction if correction != 1.0 else joined)
+    return torch.nan_to_num(_cat(pieces), nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _batched_roots(matrices: Tensor, requests: Sequence[RootRequest]
+                   ) -> tuple[Tensor, Tensor] | None:
+    """The roots of the stacked ``matrices`` by one ``eigh`` and, per matrix, whether it
+    is finite (on the device); None if the eigensolver raised."""
+    try:
+        eigenvalues, eigenvectors = torch.linalg.eigh(matrices)
+    except RuntimeError:  # any matrix failing fails the batch: redone one by one
+        return None
+    scales = [(eigenvalues[rows].clamp(min=0) + members[0].epsilon).pow(-1.0 / members[0].p)
+              for rows, members in _segments(requests, lambda r: (r.p, r.epsilon))]
+    roots = (eigenvectors * _cat(scales).unsqueeze(-2)) @ eigenvectors.mT
+    return roots, finite_rows(eigenvalues) & finite_rows(roots.flatten(1))
+
+
+class _SizeGroup:
+    """The requests of one size, dtype and device: decomposed by one ``eigh``."""
+
+    def __init__(self, requests: list[RootRequest]) -> None:
+        self.requests = requests
+        self.matrices = _prepared(requests)
+        self.roots: Tensor | None = None
+        self.finite: Tensor | None = None
+
+    def decompose(self) -> None:
+        """The roots of every matrix and their finiteness flags (on the device)."""
+        computed = _batched_roots(self.matrices, self.requests)
+        if computed is not None:
+            self.roots, self.finite = computed
+
+    def results(self, finite: list[bool]) -> list[RootResult]:
+        """Per request, its roots; matrices not ``finite`` (all where the eigensolver
+        raised) are redone one by one."""
+        roots = self.roots if self.roots is not None else torch.empty_like(self.matrices)
+        failed: set[int] = set()
+        out = []
+        for rows, (request,) in _segments(self.requests, id):
+            for j in range(rows.start, rows.stop):
+                if self.roots is not None and finite[j]:
+                    continue
+                try:
+                    roots[j].copy_(inverse_root(self.matrices[j], request.p, request.epsilon))
+                except RootComputationError:
+                    failed.add(j)
+            out.append(RootResult(roots[rows], [j in failed for j in range(rows.start, rows.stop)]))
+        return out
+
+
+def inverse_roots(requests: Sequence[RootRequest]) -> list[RootResult]:
+    """:func:`inverse_root` of every matrix of every request, batched by size and dtype.
+
+    One ``torch.linalg.eigh`` per distinct (size, dtype, device) over all requests, one
+    host read for the finiteness of all results; matrices that failed (and all those of
+    an eigensolver call that raised) are redone one by one.
+
+    Args:
+        requests: the batches of factors.
+
+    Returns:
+        One result per request, in order.
+    """
+    by_kind: dict[tuple[int, torch.dtype, torch.device], list[int]] = {}
+    for k, request in enumerate(requests):
+        f = request.factors
+        by_kind.setdefault((f.shape[-1], f.dtype, f.device), []).append(k)
+    if not by_kind:
+        return []
+    with torch.autocast(device_type=requests[0].factors.device.type, enabled=False):
+        groups = [_SizeGroup([requests[k] for k in ks]) for ks in by_kind.values()]
+        for group in groups:
+            group.decompose()
+        flags = [g.finite for g in groups if g.finite is not None]
+        # The one host read of the finiteness of every root (the eigensolver syncs anyway).
+        finite = _cat(flags).tolist() if flags else []
+        results: list[RootResult | None] = [None] * len(requests)
+        at = 0
+        for ks, group in zip(by_kind.values(), groups):
+            n = group.matrices.shape[0] if group.finite is not None else 0
+            for k, result in zip(ks, group.results(finite[at:at + n])):
+                results[k] = result
+            at += n
+    return [r for r in results if r is not None]

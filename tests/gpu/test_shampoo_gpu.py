@@ -102,35 +102,60 @@ def test_two_ranks_on_the_device_equal_the_cpu(comm: Communicator,
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 
+def _syncs(step: Any) -> int:
+    """GPU synchronisations (CUDA's sync debug mode) during ``step()``."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def _syncs_per_step(params: list[nn.Parameter], steps: int, **options: Any) -> list[int]:
+    from mpi4py import MPI
+
+    opt = DistributedShampoo(params, comm=Communicator(MPI.COMM_SELF, name="self"), lr=0.01,
+                             momentum=0.9, max_preconditioner_dim=4, **options)
+    g = torch.Generator().manual_seed(0)
+    counts = []
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(p.device)
+        counts.append(_syncs(opt.step))
+    return counts
+
+
 def test_host_syncs_per_step_do_not_grow_with_blocks(device: torch.device) -> None:
     """Between root recomputations a step synchronises with the GPU as often for one
-    block as for 14 (the gather's copies and the one status read; none per block)."""
+    block as for 14 (on one rank: the one status read; none per block)."""
     if device.type != "cuda":
         pytest.skip("CUDA's sync debug mode needs CUDA; tests/test_shampoo_device.py "
                     "counts host reads on the CPU")
-    from mpi4py import MPI
-
-    comm = Communicator(MPI.COMM_SELF, name="self")
     g = torch.Generator().manual_seed(0)
     per_step = []
     for shapes in ([(4, 4)], [(4, 4), (10,), (6, 10), (4, 5, 6)]):
         params = [nn.Parameter(torch.randn(s, generator=g).to(device)) for s in shapes]
-        opt = DistributedShampoo(params, comm=comm, lr=0.01, momentum=0.9,
-                                 max_preconditioner_dim=4, precondition_frequency=1000)
-        counts = []
-        for step in range(4):
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=g).to(device)
-            torch.cuda.synchronize()
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    opt.step()
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-            if step > 0:  # step 0 computes the first roots (an eigensolver syncs)
-                counts.append(sum("synchroniz" in str(w.message) for w in caught))
-        per_step.append(counts)
+        # step 0 computes the first roots (the eigensolver syncs)
+        per_step.append(_syncs_per_step(params, 4, precondition_frequency=1000)[1:])
     assert per_step[0] == per_step[1], per_step
     assert min(per_step[0]) >= 1, per_step  # the status read registers: the count is real
+
+
+def test_host_syncs_per_root_step_do_not_grow_with_same_shape_blocks(
+        device: torch.device) -> None:
+    """A step that recomputes every root synchronises as often for 4 blocks of a shape as
+    for 16: one batched eigensolver per factor size, one read of the roots' finiteness,
+    the status read."""
+    if device.type != "cuda":
+        pytest.skip("CUDA's sync debug mode needs CUDA")
+    g = torch.Generator().manual_seed(0)
+    counts = []
+    for n in (4, 16):
+        params = [nn.Parameter(torch.randn(4, 4, generator=g).to(device)) for _ in range(n)]
+        counts.append(_syncs_per_step(params, 3, precondition_frequency=1))
+    assert counts[0] == counts[1], counts
+    assert min(counts[0]) >= 2, counts

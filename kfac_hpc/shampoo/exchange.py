@@ -1,0 +1,173 @@
+"""How the owners' block directions reach the ranks that apply them.
+
+:class:`GatherExchange` (world size > 1): every owner writes each batch of directions
+(one run of same-kind blocks, see :mod:`.stacks`) into its contiguous slice of the
+send buffer, in ``communication_dtype``, with its status word in front; one
+``allgatherv`` gives every rank every direction. A failed block is filled with NaN,
+so every rank can name it.
+
+:class:`LocalExchange` (world size 1): nothing travels. The batches are applied where
+they are: no gather, no staging through host memory, no packing copy. (Only where
+``communication_dtype`` differs from the parameters' is a batch rounded to it and
+back, so one rank applies the values that several would.) Failed blocks are known
+from the per-block flags, read on the host only when the status reports a failure.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+
+import torch
+from torch import Tensor
+
+from kfac_hpc.comm import Communicator
+from kfac_hpc.shampoo.ownership import Layout
+from kfac_hpc.shampoo.stacks import Run
+
+__all__ = ["DirectionExchange", "GatherExchange", "LocalExchange", "make_exchange"]
+
+
+class DirectionExchange(ABC):
+    """What one step does with the directions this rank computed."""
+
+    def __init__(self, layout: Layout, dtype: torch.dtype) -> None:
+        self.layout = layout
+        self.dtype = dtype
+
+    @abstractmethod
+    def begin(self) -> None:
+        """Start a step: forget the previous one's directions and flags."""
+
+    @abstractmethod
+    def put(self, run: Run, direction: Tensor) -> Tensor:
+        """Hand over a run's directions ``(n, *shape)``; returns them as every rank will
+        apply them, ``(n, numel)`` in ``communication_dtype``."""
+
+    @abstractmethod
+    def fail_rows(self, run: Run, finite_stats: Tensor, finite_update: Tensor) -> None:
+        """Mark the run's blocks where either device flag (``(n,)`` bool: finite
+        statistics, finite direction) is False as failed (no host read)."""
+
+    @abstractmethod
+    def fail_block(self, index: int) -> None:
+        """Mark the block ``index`` as failed (a failure known on the host)."""
+
+    @abstractmethod
+    def exchange(self, status: Tensor | int) -> Tensor | None:
+        """Finish the step (collective where directions travel): every rank's status
+        word, in rank order, on the device; None when there is nothing to read."""
+
+    @abstractmethod
+    def failed_blocks(self, ranks: list[int], stepped: set[int]) -> list[int]:
+        """After a failure: the blocks (global order) owned by ``ranks`` among the
+        ``stepped`` ones that failed (reads device memory on the host)."""
+
+    @abstractmethod
+    def update(self, index: int, dtype: torch.dtype) -> Tensor:
+        """Block ``index``'s direction, shaped like the block, in ``dtype``."""
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The buffers it holds, by name."""
+        return {}
+
+
+class LocalExchange(DirectionExchange):
+    """World size 1: the directions stay where they were computed."""
+
+    def __init__(self, layout: Layout, dtype: torch.dtype) -> None:
+        super().__init__(layout, dtype)
+        self._rows: dict[int, Tensor] = {}
+        self._flags: list[tuple[list[int], Tensor, Tensor]] = []
+        self._failed: set[int] = set()
+
+    def begin(self) -> None:
+        self._rows.clear()
+        self._flags.clear()
+        self._failed.clear()
+
+    def put(self, run: Run, direction: Tensor) -> Tensor:
+        sent = direction.to(self.dtype)  # no copy unless communication_dtype differs
+        applied = sent.to(direction.dtype)
+        for index, row in zip(run.members, applied.unbind(0)):
+            self._rows[index] = row
+        return sent.flatten(1)
+
+    def fail_rows(self, run: Run, finite_stats: Tensor, finite_update: Tensor) -> None:
+        self._flags.append((run.members, finite_stats, finite_update))  # read on failure only
+
+    def fail_block(self, index: int) -> None:
+        self._failed.add(index)
+
+    def exchange(self, status: Tensor | int) -> Tensor | None:
+        return status.reshape(1) if isinstance(status, Tensor) else None
+
+    def failed_blocks(self, ranks: list[int], stepped: set[int]) -> list[int]:
+        failed = set(self._failed)
+        for members, stats, update in self._flags:
+            failed.update(i for i, good in zip(members, (stats & update).tolist()) if not good)
+        return sorted(failed & stepped)
+
+    def update(self, index: int, dtype: torch.dtype) -> Tensor:
+        return self._rows[index].view(self.layout.blocks[index].shape).to(dtype)
+
+
+class GatherExchange(DirectionExchange):
+    """World size > 1: one ``allgatherv`` of every owner's directions and status word."""
+
+    def __init__(self, layout: Layout, dtype: torch.dtype, comm: Communicator,
+                 device: torch.device) -> None:
+        super().__init__(layout, dtype)
+        self.comm = comm
+        self.send = torch.zeros(layout.counts[comm.rank], dtype=dtype, device=device)
+        self.recv = torch.zeros(layout.total, dtype=dtype, device=device)
+        self.status_at = torch.tensor(layout.status_offsets, device=device)
+        self._as: dict[torch.dtype, Tensor] = {}
+
+    def begin(self) -> None:
+        self._as.clear()
+
+    def _slot(self, run: Run) -> Tensor:
+        first = self.layout.local_span(run.members[0]).start
+        numel = math.prod(run.stack.shape)
+        return self.send[first:first + run.size * numel].view(run.size, numel)
+
+    def put(self, run: Run, direction: Tensor) -> Tensor:
+        slot = self._slot(run)
+        slot.view(direction.shape).copy_(direction)
+        return slot
+
+    def fail_rows(self, run: Run, finite_stats: Tensor, finite_update: Tensor) -> None:
+        failed = (finite_stats & finite_update).logical_not_()
+        self._slot(run).masked_fill_(failed.unsqueeze(1), math.nan)
+
+    def fail_block(self, index: int) -> None:
+        self.send[self.layout.local_span(index)].fill_(math.nan)
+
+    def exchange(self, status: Tensor | int) -> Tensor:
+        self.send[0] = status  # a device-to-device copy for a tensor: no host sync
+        self.comm.allgatherv(self.send, self.layout.counts, out=self.recv)
+        return self.recv[self.status_at]
+
+    def failed_blocks(self, ranks: list[int], stepped: set[int]) -> list[int]:
+        layout = self.layout
+        return [i for rank in ranks for i in layout.owned(rank)
+                if i in stepped and not bool(self.recv[layout.span(i)].isfinite().all())]
+
+    def update(self, index: int, dtype: torch.dtype) -> Tensor:
+        received = self._as.get(dtype)
+        if received is None:  # one conversion of the whole buffer per parameter dtype
+            received = self._as[dtype] = self.recv.to(dtype)
+        return received[self.layout.span(index)].view(self.layout.blocks[index].shape)
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {"send buffer": self.send, "receive buffer": self.recv,
+                "status offsets": self.status_at}
+
+
+def make_exchange(layout: Layout, dtype: torch.dtype, comm: Communicator,
+                  device: torch.device) -> DirectionExchange:
+    """:class:`LocalExchange` on one rank, else :class:`GatherExchange`."""
+    if comm.size == 1:
+        return LocalExchange(layout, dtype)
+    return GatherExchange(layout, dtype, comm, device)
