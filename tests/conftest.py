@@ -4,6 +4,12 @@ Serial: ``pytest``. MPI: ``mpiexec -n N python -m mpi4py -m pytest --with-mpi --
 tests marked ``@pytest.mark.mpi(min_size=N)`` run there. Under MPI, the first failing
 test on any rank aborts every rank (no rank can wait forever in a collective that a
 failed rank never joins); ``python -m mpi4py`` and ``MPIEXEC_TIMEOUT`` are backstops.
+
+``KFAC_HPC_TEST_RECORD=DIR`` (set by tests/run_gpu.sh) records, per rank, the test in
+progress (``DIR/running-rank<R>``, empty between tests) and every failed test
+(``DIR/failed-rank<R>``: node id, phase), each written before any abort: a run that dies
+(an abort after a failure, a crash, a timeout) still says in which test, and the runner
+reruns the module without it to report the others.
 """
 
 from __future__ import annotations
@@ -39,7 +45,28 @@ def _world_rank() -> int:
     return MPI.COMM_WORLD.Get_rank()
 
 
+def _record(kind: str, text: str, mode: str = "a") -> None:
+    """Write ``text`` to ``$KFAC_HPC_TEST_RECORD/<kind>-rank<R>`` (nothing when unset)."""
+    folder = os.environ.get("KFAC_HPC_TEST_RECORD")
+    if not folder:
+        return
+    rank = next((os.environ[k] for k in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+                 if os.environ.get(k)), "0")
+    with open(os.path.join(folder, f"{kind}-rank{rank}"), mode, encoding="utf-8") as f:
+        f.write(text)
+
+
+def pytest_runtest_logstart(nodeid: str) -> None:
+    _record("running", nodeid + "\n", "w")
+
+
+def pytest_runtest_logfinish(nodeid: str) -> None:
+    _record("running", "", "w")
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.failed:
+        _record("failed", f"{report.nodeid}\t{report.when}\n")
     if report.failed and os.environ.get("KFAC_HPC_TEST_NO_ABORT") != "1":
         from mpi4py import MPI
 

@@ -1,5 +1,6 @@
 """The GPU path end to end: device selection from the local rank, and ``kfac-hpc train
---device cuda --amp`` on two ranks whose final parameters agree.
+--device cuda --amp`` on two ranks whose final parameters agree (on the ``synthetic``
+data set: no scikit-learn needed on the GPU machine, see docs/gpu.md).
 
 ``KFAC_HPC_TEST_DEVICE`` (default ``cuda``) is the device under test; without CUDA the
 root conftest skips these tests. ``KFAC_HPC_TEST_DEVICE=cpu`` runs what the CPU allows
@@ -79,8 +80,8 @@ def test_train_on_two_ranks_agrees(tmp_path: Path, optimizer: list[str]) -> None
     device = ["--device", "cuda", "--amp"] if KIND == "cuda" else ["--device", "cpu"]
     out = tmp_path / "run"
     cmd = [str(ROOT / "launch" / "local"), "-n", "2", "--timeout", "400", sys.executable, "-m",
-           "kfac_hpc", "train", *device, *optimizer, "--epochs", "1", "--max-steps", "12",
-           "--no-progress", "--out", str(out)]
+           "kfac_hpc", "train", *device, *optimizer, "--dataset", "synthetic", "--epochs", "1",
+           "--max-steps", "12", "--no-progress", "--out", str(out)]
     p = subprocess.run(cmd, cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
                        timeout=500, check=False)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]

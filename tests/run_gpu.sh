@@ -1,0 +1,198 @@
+#!/usr/bin/env bash
+# The GPU tests (tests/gpu, marked gpu), as `make gpu-test` runs them (docs/gpu.md): every
+# module serially, then every module on RANKS MPI ranks sharing the GPU(s). One pytest
+# (one mpiexec) per module, each under its own time limit, so a module that aborts or
+# hangs cannot hide the results of the others. Under MPI the first failing test aborts
+# every rank (tests/conftest.py); the harness records that test (and the test in
+# progress on each rank) first, and the module runs again without it, until it runs to
+# the end: every failing test is reported, not only the first. Prints a line per module
+# and per stage,
+#
+#   === <stage>: N passed, M failed, K skipped (exit R) in S s
+#
+# counted from each rank's JUnit report (a test fails if it fails on any rank) plus the
+# tests that took a run down, then at the end the stage lines again and every failing
+# test. R is the first non-zero exit of the stage's runs (0 when all passed). Exits 1
+# when any stage failed. pytest's exit 5 (no tests collected, e.g. a module without MPI
+# tests) is accepted.
+#
+#   PYTHON=python3 RANKS=2 MPI_TIMEOUT=1800 tests/run_gpu.sh [PYTEST ARGS...]
+#
+# GPU_TEST_MODULES (space-separated paths) narrows the modules; pytest arguments (-k ...)
+# go to every run. MAX_RERUNS (10) bounds the reruns of one module.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+
+PYTHON="${PYTHON:-python3}"
+RANKS="${RANKS:-2}"
+MPI_TIMEOUT="${MPI_TIMEOUT:-1800}"
+SERIAL_TIMEOUT="${SERIAL_TIMEOUT:-$MPI_TIMEOUT}"
+MAX_RERUNS="${MAX_RERUNS:-10}"
+read -r -a modules <<< "${GPU_TEST_MODULES:-$(echo tests/gpu/test_*.py)}"
+[[ ${#modules[@]} -gt 0 && -f "${modules[0]}" ]] || { echo "run_gpu: no test modules" >&2; exit 2; }
+
+# Colour only for a terminal (ranks under mpiexec always see one).
+color=no
+[[ -t 1 ]] && color=yes
+reports="$(mktemp -d "${TMPDIR:-/tmp}/kfac_hpc-gpu-reports.XXXXXX")" || exit 2
+trap 'rm -rf "$reports"' EXIT
+summary=()   # one "=== stage: ..." line per stage
+failures=()  # one line per failing test, and per module that ended without its reports
+status=0
+
+# Count one run's JUnit reports (one per rank): prints "passed failed skipped reports",
+# then one line per failing test ("<node id> (rank R,...)").
+count() {
+    "$PYTHON" - "$1" "$2" <<'EOF'
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+folder, module = Path(sys.argv[1]), sys.argv[2]
+dotted = module[:-3].replace("/", ".")
+outcomes: dict[str, dict[str, str]] = {}
+files = sorted(folder.glob("rank*.xml"))
+for file in files:
+    rank = file.stem[4:]
+    for case in ET.parse(file).getroot().iter("testcase"):
+        cls = case.get("classname", "")
+        inner = cls[len(dotted):].lstrip(".").replace(".", "::") if cls.startswith(dotted) else cls
+        node = "::".join(p for p in (module, inner, case.get("name", "")) if p)
+        tags = {child.tag for child in case}
+        outcome = ("failed" if tags & {"failure", "error"} else
+                   "skipped" if "skipped" in tags else "passed")
+        outcomes.setdefault(node, {})[rank] = outcome
+counts = {"passed": 0, "failed": 0, "skipped": 0}
+failing = []
+for node, by_rank in outcomes.items():
+    seen = set(by_rank.values())
+    outcome = "failed" if "failed" in seen else "passed" if "passed" in seen else "skipped"
+    counts[outcome] += 1
+    if outcome == "failed":
+        ranks = ",".join(r for r, o in sorted(by_rank.items()) if o == "failed")
+        failing.append(f"{node} (rank {ranks})")
+print(counts["passed"], counts["failed"], counts["skipped"], len(files))
+print("\n".join(failing))
+EOF
+}
+
+# The tests a dead run was in, one "<node id>\t<what>" a line: the failed tests recorded
+# before the abort; without any, the tests in progress on the ranks (a crash or a hang).
+culprits() {
+    local dir="$1" kind file rank id when
+    local -A on_ranks=() phase=()
+    local order=()
+    for kind in failed running; do
+        for file in "$dir/$kind"-rank*; do
+            [[ -f "$file" ]] || continue
+            rank="${file##*-rank}"
+            while IFS=$'\t' read -r id when; do
+                [[ -n "$id" ]] || continue
+                [[ -n "${on_ranks[$id]:-}" ]] || order+=("$id")
+                on_ranks[$id]+="${on_ranks[$id]:+,}$rank"
+                phase[$id]="$when"
+            done < "$file"
+        done
+        [[ ${#order[@]} -eq 0 ]] || break
+    done
+    for id in "${order[@]}"; do
+        if [[ $kind == failed ]]; then
+            printf '%s\tfailed on rank %s (%s), which took the run down\n' \
+                "$id" "${on_ranks[$id]}" "${phase[$id]}"
+        else
+            printf '%s\tin progress on rank %s when the run died (crash, abort or timeout)\n' \
+                "$id" "${on_ranks[$id]}"
+        fi
+    done
+}
+
+# run_module STAGE RANKS MODULE DIR [PYTEST ARGS...]: one run, reports into DIR.
+run_module() {
+    local name="$1" ranks="$2" module="$3" dir="$4"; shift 4
+    mkdir -p "$dir"
+    if [[ $ranks -eq 0 ]]; then
+        KFAC_HPC_TEST_RECORD="$dir" timeout --foreground --kill-after=30 "$SERIAL_TIMEOUT" \
+            "$PYTHON" -m pytest -q --with-mpi -p no:cacheprovider --color="$color" -m gpu \
+            --junitxml="$dir/rank0.xml" "$module" "$@"
+    else
+        # Each rank writes its own report, rank<R>.xml (Open MPI, PMIx or PMI rank).
+        # shellcheck disable=SC2016  # expanded by each rank's shell, not here
+        KFAC_HPC_TEST_RECORD="$dir" launch/local -n "$ranks" --timeout "$MPI_TIMEOUT" \
+            /bin/sh -c 'py=$0 dir=$1; shift
+                rank=${OMPI_COMM_WORLD_RANK:-${PMIX_RANK:-${PMI_RANK:-0}}}
+                exec "$py" -m mpi4py -m pytest --junitxml="$dir/rank$rank.xml" "$@"' \
+            "$PYTHON" "$dir" -q --with-mpi --only-mpi -p no:cacheprovider --color="$color" \
+            -m gpu "$module" "$@"
+    fi
+}
+
+# run_stage NAME RANKS [PYTEST ARGS...]: every module, serially (RANKS 0) or on RANKS ranks.
+run_stage() {
+    local name="$1" ranks="$2"; shift 2
+    local start=$SECONDS passed=0 failed=0 skipped=0 stage_rc=0 missing=()
+    local module dir rc module_rc t0 counts n_passed n_failed n_skipped line note
+    local expected attempt id what found deselect=()
+    local how="serially"
+    [[ $ranks -eq 0 ]] || how="each on $ranks MPI ranks"
+    echo "=== $name: ${#modules[@]} module(s), $how${*:+, pytest args: $*}"
+    for module in "${modules[@]}"; do
+        t0=$SECONDS module_rc=0 attempt=0 deselect=() n_failed=0 note=""
+        expected=$(( ranks == 0 ? 1 : ranks ))
+        local lost=0
+        while :; do
+            attempt=$((attempt + 1))
+            dir="$reports/$name/$(basename "$module" .py)/$attempt"
+            echo "--- $name $module:$([[ $ranks -eq 0 ]] || echo " launch/local -n $ranks") $PYTHON -m pytest $module${deselect[*]:+ ${deselect[*]}}"
+            run_module "$name" "$ranks" "$module" "$dir" "$@" "${deselect[@]}"
+            rc=$?
+            [[ $rc -eq 0 ]] || echo  # after a run killed mid-line (or MPI's abort notice): a new line
+            [[ $rc -eq 5 ]] && rc=0  # no tests collected: accepted
+            [[ $module_rc -ne 0 ]] || module_rc=$rc
+            shopt -s nullglob
+            local xmls=("$dir"/rank*.xml)
+            shopt -u nullglob
+            [[ ${#xmls[@]} -lt $expected ]] || break
+            # The run died before every rank wrote its report: name the test, rerun without.
+            found=0
+            while IFS=$'\t' read -r id what; do
+                [[ -n "$id" ]] || continue
+                found=1 lost=$((lost + 1))
+                failures+=("FAILED ($name) $id: $what")
+                deselect+=("--deselect=$id")
+            done <<< "$(culprits "$dir")"
+            if [[ $found -eq 0 || $attempt -gt $MAX_RERUNS ]]; then
+                note="; no report from $((expected - ${#xmls[@]})) of $expected rank(s): died outside a test or after $MAX_RERUNS reruns"
+                missing+=("$(basename "$module") (exit $rc)")
+                failures+=("ABORTED ($name) $module: exit $rc, $((expected - ${#xmls[@]})) rank(s) without a report")
+                [[ $module_rc -ne 0 ]] || module_rc=1
+                break
+            fi
+            echo "--- $name $module: exit $rc in a test; again without the test(s) that took it down"
+        done
+        counts="$(count "$dir" "$module")"
+        read -r n_passed n_failed n_skipped _ <<< "${counts%%$'\n'*}"
+        n_failed=$(( ${n_failed:-0} + lost ))
+        passed=$((passed + ${n_passed:-0})) failed=$((failed + n_failed))
+        skipped=$((skipped + ${n_skipped:-0}))
+        while IFS= read -r line; do
+            [[ -n "$line" ]] && failures+=("FAILED ($name) $line")
+        done <<< "$(tail -n +2 <<< "$counts")"
+        [[ $module_rc -eq 0 && $n_failed -gt 0 ]] && module_rc=1
+        [[ $stage_rc -ne 0 ]] || stage_rc=$module_rc
+        [[ $attempt -eq 1 ]] || note="; $attempt runs$note"
+        echo "--- $name $module: ${n_passed:-0} passed, $n_failed failed, ${n_skipped:-0} skipped (exit $module_rc) in $((SECONDS - t0)) s$note"
+    done
+    line="=== $name: $passed passed, $failed failed, $skipped skipped (exit $stage_rc) in $((SECONDS - start)) s"
+    [[ ${#missing[@]} -eq 0 ]] || line+="; no report: ${missing[*]}"
+    echo "$line"
+    summary+=("$line")
+    [[ $stage_rc -eq 0 ]] || status=1
+}
+
+run_stage gpu-serial 0 "$@"
+run_stage "gpu-mpi-$RANKS" "$RANKS" "$@"
+
+echo "=== gpu-test summary"
+printf '%s\n' "${summary[@]}"
+[[ ${#failures[@]} -eq 0 ]] || printf '%s\n' "${failures[@]}"
+exit $status
