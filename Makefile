@@ -97,7 +97,7 @@ GPU_WHEELS_EXTRA   ?=
 
 # Every GPU command runs through this: the wheels of $(GPU_WHEELS), if any, installed
 # into a prefix outside the checkout and put first on PATH/LD_LIBRARY_PATH/PYTHONPATH.
-GPU_RUN = launch/with-wheels --wheels $(GPU_WHEELS) $(if $(GPU_PREFIX),--prefix $(GPU_PREFIX)) \
+GPU_RUN = launch/with-wheels --wheels "$(GPU_WHEELS)" $(if $(GPU_PREFIX),--prefix $(GPU_PREFIX)) \
           --python $(GPU_PYTHON) --
 
 # The machine's PATH without ./.venv/bin (put first by the export above); kfac_hpc from
@@ -118,8 +118,8 @@ import importlib.util, os, shutil, subprocess, sys
 def fail(msg):
     sys.exit(f"gpu: {msg}")
 ver = "%d.%d" % sys.version_info[:2]
-wheels = "$(GPU_WHEELS)"
-carried = "$(notdir $(wildcard $(GPU_WHEELS)/*.whl))".split()
+wheels = "$(GPU_WHEELS)" or ".gpu-wheels"
+carried = "$(if $(GPU_WHEELS),$(notdir $(wildcard $(GPU_WHEELS)/*.whl)))".split()
 if os.path.realpath(sys.prefix) == os.path.realpath("$(abspath $(VENV))"):
     fail(f"{sys.executable} is ./$(VENV)'s Python, whose torch is a CPU build: set "
          "GPU_PYTHON to the machine's Python with a CUDA build of torch")
@@ -151,7 +151,8 @@ if missing:
     add = (f" GPU_WHEELS_EXTRA='{' '.join(p + '==<version>' for p in more)}'"
            " (with their own dependencies: wheels are fetched with --no-deps)") if more else ""
     where = (f"{wheels}/ has no wheel of them for this Python" if carried
-             else f"{wheels}/ holds no wheels")
+             else f"{wheels}/ holds no wheels" if "$(GPU_WHEELS)"
+             else "GPU_WHEELS is empty (no wheels used)")
     fail(f"{', '.join(missing)} missing for {sys.executable} (Python {ver}) and {where}: "
          f"where a package index is reachable run `make gpu-wheels GPU_PYVER={ver}{add}` "
          f"and carry {wheels}/ into this checkout (docs/gpu.md); make gpu-test never uses "
