@@ -32,7 +32,15 @@ from torch import nn
 
 from kfac_hpc import checkpoint
 from kfac_hpc.checkpoint import CheckpointError, atomic, tree
-from kfac_hpc.checkpoint.layout import FORMAT_VERSION, escape, unescape
+from kfac_hpc.checkpoint.layout import (
+    ALIGNMENT,
+    FORMAT_VERSION,
+    aligned_empty,
+    escape,
+    storage_to_tensor,
+    tensor_to_storage,
+    unescape,
+)
 from kfac_hpc.cli import main as cli_main
 
 
@@ -65,6 +73,28 @@ def _scramble_rng() -> None:
 
 
 # ---------------------------------------------------------------- round trips
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.int64])
+def test_restored_tensors_are_aligned_as_torch_allocates(dtype: torch.dtype) -> None:
+    """Stored data comes back as a tensor aligned as torch's own (64 bytes), like the
+    live tensor it replaces (MKL may pick another kernel, and round differently, for an
+    operand NumPy allocated 16-byte aligned); data already in such memory (what the
+    reader reads into) is taken without a copy."""
+    t = torch.arange(35, dtype=torch.float64).reshape(5, 7).to(dtype)
+    arr, name = tensor_to_storage(t)
+    raw = np.empty(arr.nbytes + ALIGNMENT, dtype=np.uint8)
+    start = (8 - raw.ctypes.data) % ALIGNMENT  # an address 8 bytes past an aligned one
+    shifted = raw[start:start + arr.nbytes].view(arr.dtype).reshape(arr.shape)
+    shifted[...] = arr
+    assert shifted.ctypes.data % ALIGNMENT == 8
+    back = storage_to_tensor(shifted, name)
+    assert back.dtype == dtype and torch.equal(back, t) and back.is_contiguous()
+    assert back.data_ptr() % ALIGNMENT == 0
+    staged = aligned_empty(arr.shape, arr.dtype)
+    staged[...] = arr
+    assert staged.ctypes.data % ALIGNMENT == 0
+    assert storage_to_tensor(staged, name).data_ptr() == staged.ctypes.data
+
+
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
 def test_round_trip_model_optimizer_rng_extra(tmp_path: Path, comm1: Any, kind: str) -> None:
     model, opt = _trained(kind, comm1)

@@ -101,11 +101,36 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+#: Bytes to which torch aligns the CPU tensors it allocates (c10's ``gAlignment``).
+ALIGNMENT = 64
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype[Any] | str) -> np.ndarray:
+    """An uninitialised C-order array in memory torch allocated (so aligned to
+    :data:`ALIGNMENT` bytes, as a live tensor is); :func:`storage_to_tensor` takes it
+    without a copy. The reader reads datasets into such arrays."""
+    dt = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    return torch.empty(nbytes, dtype=torch.uint8, device="cpu").numpy().view(dt).reshape(shape)
+
+
 def storage_to_tensor(arr: np.ndarray, name: str) -> torch.Tensor:
-    """Inverse of :func:`tensor_to_storage` (a tensor that owns its memory)."""
-    arr = c_order(arr)
-    if not arr.flags.writeable:
-        arr = arr.copy()
+    """Inverse of :func:`tensor_to_storage`: a writable, contiguous tensor aligned as
+    torch aligns the tensors it allocates (:data:`ALIGNMENT` bytes).
+
+    A restored tensor must be laid out like the live one it replaces: a CPU BLAS may
+    choose its kernel by its operands' alignment (MKL does, unless ``MKL_CBWR`` pins
+    one), and NumPy (h5py) allocates with 16-byte alignment only, so e.g. a momentum
+    buffer in NumPy's memory could round differently from the run that saved. ``arr``
+    is taken without a copy when it is writable, C-ordered and aligned (an
+    :func:`aligned_empty` array), and copied into such memory otherwise.
+    """
+    arr = np.asarray(arr)
+    if not (arr.flags.c_contiguous and arr.flags.writeable
+            and arr.ctypes.data % ALIGNMENT == 0):
+        copy = aligned_empty(arr.shape, arr.dtype)
+        copy[...] = arr
+        arr = copy
     t = torch.from_numpy(arr)
     want = torch_dtype(name)
     return t if t.dtype == want else t.view(want)

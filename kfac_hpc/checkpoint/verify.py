@@ -34,6 +34,7 @@ from kfac_hpc.checkpoint.layout import (
     OPTIMIZER,
     RNG,
     TRAIN,
+    aligned_empty,
     canonical_attrs,
     digest,
     text_digest,
@@ -177,12 +178,19 @@ def read_header(f: h5py.File, path: str) -> tuple[FileInfo, list[str]]:
 def read_chunks(d: h5py.Dataset) -> np.ndarray:
     """A dataset's data; chunked fletcher32-only datasets are read chunk by chunk without
     the filter (HDF5's fletcher32 re-check is skipped: the caller checks the CRC-32,
-    which covers the same bytes), about 2.5x faster than a filtered read."""
+    which covers the same bytes), about 2.5x faster than a filtered read.
+
+    Numeric data is read into memory torch allocated (:func:`aligned_empty`), so the
+    tensors made from it are aligned like live ones without another copy."""
+    if d.shape is None or d.dtype.kind not in "biufc":
+        return np.asarray(d[()])
+    out = aligned_empty(d.shape, d.dtype)
     plist = d.id.get_create_plist()
     if not (d.chunks and plist.get_nfilters() == 1
             and plist.get_filter(0)[0] == h5py.h5z.FILTER_FLETCHER32):
-        return np.asarray(d[()])
-    out = np.empty(d.shape, dtype=d.dtype)
+        if out.size:
+            d.read_direct(out)
+        return out
     chunk = tuple(d.chunks)
     nbytes = int(np.prod(chunk)) * d.dtype.itemsize
     for i in range(d.id.get_num_chunks()):
