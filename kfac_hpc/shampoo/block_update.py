@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from kfac_hpc.shampoo import grafting as graft
-from kfac_hpc.shampoo.kronecker import accumulate_factors, finite_diagonals, precondition
+from kfac_hpc.shampoo.kronecker import accumulate_factors, diagonal_marks, precondition
 from kfac_hpc.shampoo.roots import RootRequest, RootResult
 from kfac_hpc.shampoo.stacks import Run
 
@@ -103,7 +103,7 @@ class RunStep:
         factor_dtype: dtype of factors and roots.
         grad: the gradients (after coupled weight decay), parameters' dtype.
         param: the parameters, where weight decay needs them.
-        finite: per block, whether its factor statistics are finite (device).
+        stat_marks: per block, 0 if its factor statistics are finite, else NaN (device).
         filtered: the β1-filtered gradients.
         second_moment: the grafting second moments, where used.
         root_failures: positions of blocks whose roots failed too often (host).
@@ -113,7 +113,7 @@ class RunStep:
     factor_dtype: torch.dtype
     grad: Tensor
     param: Tensor | None
-    finite: Tensor | None = None
+    stat_marks: Tensor | None = None
     filtered: Tensor | None = None
     second_moment: Tensor | None = None
     root_failures: list[int] = field(default_factory=list)
@@ -176,7 +176,7 @@ def update_statistics(steps: Sequence[RunStep], hp: BlockHyper) -> None:
     for st in steps:
         factors = st.factors()
         accumulate_factors(factors, st.grad.to(st.factor_dtype), hp.beta2)
-        st.finite = finite_diagonals(factors)
+        st.stat_marks = diagonal_marks(factors)
     grads = [st.grad for st in steps]
     if graft.uses_second_moment(hp.grafting):
         moments = [st.rows("second_moment") for st in steps]

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from torch import Tensor
 
 __all__ = ["STATUS_EXCEPTION", "STATUS_NONFINITE_STATISTICS", "STATUS_NONFINITE_UPDATE",
-           "STATUS_ROOT_FAILURES", "ShampooNumericalError", "describe_status", "finite_rows"]
+           "STATUS_ROOT_FAILURES", "ShampooNumericalError", "describe_status", "nonfinite_marks"]
 
 STATUS_NONFINITE_STATISTICS = 1
 STATUS_ROOT_FAILURES = 2
@@ -52,11 +52,11 @@ def describe_status(status: int) -> str:
     return "; ".join(parts) if parts else "no failure"
 
 
-def finite_rows(x: Tensor) -> Tensor:
-    """``(n,)`` bool on ``x``'s device: whether each row of ``x`` ``(n, m)`` is finite.
+def nonfinite_marks(x: Tensor) -> Tensor:
+    """``(n,)`` on ``x``'s device: 0 where a row of ``x`` ``(n, m)`` is finite, NaN else.
 
     ``x·0`` is exactly 0 where ``x`` is finite and NaN where it is ±Inf or NaN, so a row
-    of ``x·0`` sums to exactly 0 iff the row is finite: three kernels (``isfinite``
-    alone is four), no host synchronisation.
+    of ``x·0`` sums to exactly 0 iff the row is finite: two kernels (``isfinite`` alone
+    is four), no host synchronisation. Marks add up: a sum of marks is 0 iff all are.
     """
-    return x.mul(0).sum(dim=1).eq(0)
+    return x.mul(0).sum(dim=1)

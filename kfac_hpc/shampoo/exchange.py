@@ -45,9 +45,9 @@ class DirectionExchange(ABC):
         apply them, ``(n, numel)`` in ``communication_dtype``."""
 
     @abstractmethod
-    def fail_rows(self, run: Run, finite_stats: Tensor, finite_update: Tensor) -> None:
-        """Mark the run's blocks where either device flag (``(n,)`` bool: finite
-        statistics, finite direction) is False as failed (no host read)."""
+    def fail_rows(self, run: Run, stat_marks: Tensor, update_marks: Tensor) -> None:
+        """Mark the run's blocks whose statistics or direction are not finite as failed
+        (``(n,)`` marks on the device: 0 if finite, else NaN; no host read)."""
 
     @abstractmethod
     def fail_block(self, index: int) -> None:
@@ -93,8 +93,8 @@ class LocalExchange(DirectionExchange):
             self._rows[index] = row
         return sent.flatten(1)
 
-    def fail_rows(self, run: Run, finite_stats: Tensor, finite_update: Tensor) -> None:
-        self._flags.append((run.members, finite_stats, finite_update))  # read on failure only
+    def fail_rows(self, run: Run, stat_marks: Tensor, update_marks: Tensor) -> None:
+        self._flags.append((run.members, stat_marks, update_marks))  # read on failure only
 
     def fail_block(self, index: int) -> None:
         self._failed.add(index)
@@ -105,11 +105,12 @@ class LocalExchange(DirectionExchange):
     def failed_blocks(self, ranks: list[int], stepped: set[int]) -> list[int]:
         failed = set(self._failed)
         for members, stats, update in self._flags:
-            failed.update(i for i, good in zip(members, (stats & update).tolist()) if not good)
+            failed.update(i for i, mark in zip(members, (stats + update).tolist()) if mark != 0)
         return sorted(failed & stepped)
 
     def update(self, index: int, dtype: torch.dtype) -> Tensor:
-        return self._rows[index].view(self.layout.blocks[index].shape).to(dtype)
+        row = self._rows[index]  # block-shaped, in its parameter's dtype already
+        return row if row.dtype == dtype else row.to(dtype)
 
 
 class GatherExchange(DirectionExchange):
@@ -137,8 +138,8 @@ class GatherExchange(DirectionExchange):
         slot.view(direction.shape).copy_(direction)
         return slot
 
-    def fail_rows(self, run: Run, finite_stats: Tensor, finite_update: Tensor) -> None:
-        failed = (finite_stats & finite_update).logical_not_()
+    def fail_rows(self, run: Run, stat_marks: Tensor, update_marks: Tensor) -> None:
+        failed = (stat_marks + update_marks).ne(0)  # NaN ≠ 0
         self._slot(run).masked_fill_(failed.unsqueeze(1), math.nan)
 
     def fail_block(self, index: int) -> None:

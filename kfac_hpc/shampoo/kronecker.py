@@ -6,8 +6,9 @@ GPU, whatever ``n``). For a block ``X`` of order k, factor i is the mode-i
 contraction ``X_(i) X_(i)ᵀ`` (``X_(i)``: ``X`` with dimension i moved first and the
 rest flattened), e.g. ``G Gᵀ`` and ``Gᵀ G`` for a matrix. Preconditioning multiplies
 every mode by its root: ``X ×_1 R_1 ×_2 R_2 … ×_k R_k``, which is ``R_1 G R_2ᵀ`` for
-a matrix and ``(R_1 ⊗ … ⊗ R_k) vec(X)`` for row-major ``vec``. Autocast is disabled,
-so the arithmetic runs in the dtype of the tensors passed in.
+a matrix and ``(R_1 ⊗ … ⊗ R_k) vec(X)`` for row-major ``vec``. The caller disables
+autocast (``DistributedShampoo.step`` does, once per step), so the arithmetic runs in
+the dtype of the tensors passed in.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from kfac_hpc.shampoo.errors import finite_rows
+from kfac_hpc.shampoo.errors import nonfinite_marks
 
-__all__ = ["accumulate_factors", "finite_diagonals", "mode_matrices", "precondition"]
+__all__ = ["accumulate_factors", "diagonal_marks", "mode_matrices", "precondition"]
 
 
 def mode_matrices(blocks: Tensor, i: int) -> Tensor:
@@ -41,21 +42,21 @@ def accumulate_factors(factors: Sequence[Tensor], blocks: Tensor, beta2: float) 
         beta2: the running-average coefficient.
     """
     alpha = 1.0 - beta2 if beta2 < 1.0 else 1.0
-    with torch.autocast(device_type=blocks.device.type, enabled=False):
-        for i, factor in enumerate(factors):
-            x = mode_matrices(blocks, i)
-            factor.baddbmm_(x, x.mT, beta=beta2, alpha=alpha)
+    for i, factor in enumerate(factors):
+        x = mode_matrices(blocks, i)
+        factor.baddbmm_(x, x.mT, beta=beta2, alpha=alpha)
 
 
-def finite_diagonals(factors: Sequence[Tensor]) -> Tensor:
-    """``(n,)`` bool: whether every diagonal entry of a block's factors is finite.
+def diagonal_marks(factors: Sequence[Tensor]) -> Tensor:
+    """``(n,)``: 0 where every diagonal entry of a block's factors is finite, else NaN
+    (:func:`~kfac_hpc.shampoo.errors.nonfinite_marks`).
 
     A NaN/Inf anywhere in a gradient reaches the diagonals (sums of squares), so
     checking them is exact and costs O(d) instead of O(d²); the result stays on the
     device (no host synchronisation).
     """
     diagonals = [f.diagonal(dim1=1, dim2=2) for f in factors]
-    return finite_rows(diagonals[0] if len(diagonals) == 1 else torch.cat(diagonals, dim=1))
+    return nonfinite_marks(diagonals[0] if len(diagonals) == 1 else torch.cat(diagonals, dim=1))
 
 
 def precondition(blocks: Tensor, roots: Sequence[Tensor]) -> Tensor:
@@ -70,14 +71,13 @@ def precondition(blocks: Tensor, roots: Sequence[Tensor]) -> Tensor:
     """
     if len(roots) != blocks.dim() - 1:
         raise ValueError(f"{len(roots)} roots for blocks of order {blocks.dim() - 1}")
-    with torch.autocast(device_type=blocks.device.type, enabled=False):
-        if len(roots) == 2:
-            return roots[0] @ blocks @ roots[1].mT
-        out = blocks
-        n = blocks.shape[0]
-        for root in roots:
-            # Contract the leading block dimension with the root's columns; the new
-            # dimension goes last, so after k steps the order is restored.
-            moved = out.movedim(1, -1)
-            out = (moved.reshape(n, -1, moved.shape[-1]) @ root.mT).reshape(moved.shape)
-        return out
+    if len(roots) == 2:
+        return roots[0] @ blocks @ roots[1].mT
+    out = blocks
+    n = blocks.shape[0]
+    for root in roots:
+        # Contract the leading block dimension with the root's columns; the new
+        # dimension goes last, so after k steps the order is restored.
+        moved = out.movedim(1, -1)
+        out = (moved.reshape(n, -1, moved.shape[-1]) @ root.mT).reshape(moved.shape)
+    return out

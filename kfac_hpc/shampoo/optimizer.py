@@ -43,7 +43,7 @@ from kfac_hpc.shampoo.errors import (
     STATUS_ROOT_FAILURES,
     ShampooNumericalError,
     describe_status,
-    finite_rows,
+    nonfinite_marks,
 )
 from kfac_hpc.shampoo.exchange import make_exchange
 from kfac_hpc.shampoo.ownership import Layout
@@ -222,6 +222,9 @@ class DistributedShampoo(torch.optim.Optimizer):
                     block_param.append(p)
                     self._group_of_block.append(gi)
         self._block_param = block_param
+        self._whole = [len(self._blocks_of[p]) == 1 for p in block_param]  # block = parameter
+        self._merged = [spec.merged_shape if spec.merged_shape != tuple(p.shape) else None
+                        for spec, p in zip(blocks, block_param)]  # None: no reshape needed
         kinds = [(gi, spec.shape, p.dtype)
                  for gi, spec, p in zip(self._group_of_block, blocks, block_param)]
         layout = self._layout = Layout.build(blocks, self.comm.size, kinds)
@@ -262,16 +265,18 @@ class DistributedShampoo(torch.optim.Optimizer):
         error: BaseException | None = None
         status: Tensor | int
         try:
-            status = self._update_owned_blocks(hypers)
+            with torch.autocast(device_type=self._device.type, enabled=False):  # exact dtypes
+                status = self._update_owned_blocks(hypers)
         except Exception as exc:  # report, join the collective, then re-raise
             error, status = exc, STATUS_EXCEPTION
         statuses = self._exchange.exchange(status)
         if error is not None:
             raise error
-        # The step's one host read: the status words. It cannot go: a failed step must
-        # raise in that step on every rank with nothing applied, and whether to apply is
-        # decided on the host. With several ranks the gather has synchronised already;
-        # on one rank it comes after every kernel of the step has been queued.
+        # The step's one host read (a device sync): the status words. It stays because a
+        # failed step must raise in that step, on every rank, with nothing applied, and
+        # whether to apply is decided on the host. With several ranks the gather has
+        # synchronised already; on one rank every kernel of the step but the final
+        # update is queued by then.
         if statuses is not None and bool((statuses != 0).any()):
             self._raise_failure(statuses)
         self._apply()
@@ -288,19 +293,19 @@ class DistributedShampoo(torch.optim.Optimizer):
         for gi, group_steps in steps.items():
             update_statistics(group_steps, hypers[gi])
         host_status = self._update_roots(steps, hypers)
-        finite_stats: list[Tensor] = []
-        finite_updates: list[Tensor] = []
+        stat_marks: list[Tensor] = []
+        update_marks: list[Tensor] = []
         for gi, group_steps in steps.items():
             for st, direction in zip(group_steps, directions(group_steps, hypers[gi])):
                 stats, update = self._hand_over(st, direction)
-                finite_stats.append(stats)
-                finite_updates.append(update)
-        if not finite_stats:
+                stat_marks.append(stats)
+                update_marks.append(update)
+        if not stat_marks:
             return host_status
-        stats, updates = _cat(finite_stats), _cat(finite_updates)
-        return (stats.logical_not().any().to(torch.int64) * STATUS_NONFINITE_STATISTICS
-                + (updates.logical_not() & stats).any().to(torch.int64) * STATUS_NONFINITE_UPDATE
-                + host_status)
+        bad_stats, bad_updates = _cat(stat_marks).ne(0), _cat(update_marks).ne(0)  # NaN ≠ 0
+        return (bad_stats.any().to(torch.int64) * STATUS_NONFINITE_STATISTICS
+                + (bad_updates & bad_stats.logical_not()).any().to(torch.int64)
+                * STATUS_NONFINITE_UPDATE + host_status)
 
     def _start_runs(self, hypers: list[BlockHyper]) -> dict[int, list[RunStep]]:
         """This step's runs (blocks with gradients, by stack), started, by parameter group."""
@@ -343,9 +348,9 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     def _view(self, tensor: Tensor, i: int) -> Tensor:
         """Block ``i``'s view of ``tensor`` (its parameter's shape)."""
-        spec = self.layout.blocks[i]
-        merged = tensor.reshape(spec.merged_shape)
-        return merged if len(self._blocks_of[self._block_param[i]]) == 1 else merged[spec.slices]
+        shape = self._merged[i]
+        merged = tensor if shape is None else tensor.reshape(shape)
+        return merged if self._whole[i] else merged[self.layout.blocks[i].slices]
 
     def _update_roots(self, steps: dict[int, list[RunStep]], hypers: list[BlockHyper]) -> int:
         """Recompute the roots of the runs due, all at once; the host-known status bits."""
@@ -365,18 +370,18 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     def _hand_over(self, st: RunStep, direction: Tensor) -> tuple[Tensor, Tensor]:
         """Give a run's directions to the exchange; per block, whether its statistics and
-        its direction (as it travels) are finite."""
+        its direction (as it travels) are finite (marks: 0 if so, else NaN)."""
         exchange = self._exchange
         sent = exchange.put(st.run, direction)
-        finite_update = finite_rows(sent)
-        assert st.finite is not None
-        finite_stats = st.finite
+        update_marks = nonfinite_marks(sent)
+        assert st.stat_marks is not None
+        stat_marks = st.stat_marks
         for j in st.root_failures:  # the block fails as a whole; its flags do not count
-            finite_stats[j] = True
-            finite_update[j] = True
+            stat_marks[j] = 0.0
+            update_marks[j] = 0.0
             exchange.fail_block(st.run.members[j])
-        exchange.fail_rows(st.run, finite_stats, finite_update)
-        return finite_stats, finite_update
+        exchange.fail_rows(st.run, stat_marks, update_marks)
+        return stat_marks, update_marks
 
     def _raise_failure(self, statuses: Tensor) -> None:
         values = [int(v) for v in statuses.tolist()]
@@ -417,7 +422,8 @@ class DistributedShampoo(torch.optim.Optimizer):
         parts = [self._exchange.update(i, p.dtype) for i in indices]
         if len(indices) == 1:
             targets.append(p)
-            updates.append(parts[0].reshape(p.shape))
+            updates.append(parts[0] if self._merged[indices[0]] is None else
+                           parts[0].reshape(p.shape))
             return
         specs = [self.layout.blocks[i] for i in indices]
         if p.is_contiguous():

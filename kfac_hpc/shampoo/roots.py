@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kfac_hpc.shampoo.errors import finite_rows
+from kfac_hpc.shampoo.errors import nonfinite_marks
 
 __all__ = ["RootComputationError", "RootRequest", "RootResult", "inverse_root", "inverse_roots"]
 
@@ -127,8 +127,9 @@ def _prepared(requests: Sequence[RootRequest]) -> Tensor:
 
 def _batched_roots(matrices: Tensor, requests: Sequence[RootRequest]
                    ) -> tuple[Tensor, Tensor] | None:
-    """The roots of the stacked ``matrices`` by one ``eigh`` and, per matrix, whether it
-    is finite (on the device); None if the eigensolver raised."""
+    """The roots of the stacked ``matrices`` by one ``eigh`` and, per matrix, a mark: 0
+    if its eigenvalues and root are finite, else NaN (on the device); None if the
+    eigensolver raised."""
     try:
         eigenvalues, eigenvectors = torch.linalg.eigh(matrices)
     except RuntimeError:  # any matrix failing fails the batch: redone one by one
@@ -136,7 +137,7 @@ def _batched_roots(matrices: Tensor, requests: Sequence[RootRequest]
     scales = [(eigenvalues[rows].clamp(min=0) + members[0].epsilon).pow(-1.0 / members[0].p)
               for rows, members in _segments(requests, lambda r: (r.p, r.epsilon))]
     roots = (eigenvectors * _cat(scales).unsqueeze(-2)) @ eigenvectors.mT
-    return roots, finite_rows(eigenvalues) & finite_rows(roots.flatten(1))
+    return roots, nonfinite_marks(eigenvalues) + nonfinite_marks(roots.flatten(1))
 
 
 class _SizeGroup:
@@ -146,13 +147,13 @@ class _SizeGroup:
         self.requests = requests
         self.matrices = _prepared(requests)
         self.roots: Tensor | None = None
-        self.finite: Tensor | None = None
+        self.marks: Tensor | None = None
 
     def decompose(self) -> None:
-        """The roots of every matrix and their finiteness flags (on the device)."""
+        """The roots of every matrix and their finiteness marks (on the device)."""
         computed = _batched_roots(self.matrices, self.requests)
         if computed is not None:
-            self.roots, self.finite = computed
+            self.roots, self.marks = computed
 
     def results(self, finite: list[bool]) -> list[RootResult]:
         """Per request, its roots; matrices not ``finite`` (all where the eigensolver
@@ -195,13 +196,13 @@ def inverse_roots(requests: Sequence[RootRequest]) -> list[RootResult]:
         groups = [_SizeGroup([requests[k] for k in ks]) for ks in by_kind.values()]
         for group in groups:
             group.decompose()
-        flags = [g.finite for g in groups if g.finite is not None]
+        marks = [g.marks for g in groups if g.marks is not None]
         # The one host read of the finiteness of every root (the eigensolver syncs anyway).
-        finite = _cat(flags).tolist() if flags else []
+        finite = [mark == 0 for mark in _cat(marks).tolist()] if marks else []
         results: list[RootResult | None] = [None] * len(requests)
         at = 0
         for ks, group in zip(by_kind.values(), groups):
-            n = group.matrices.shape[0] if group.finite is not None else 0
+            n = group.matrices.shape[0] if group.marks is not None else 0
             for k, result in zip(ks, group.results(finite[at:at + n])):
                 results[k] = result
             at += n
