@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from kfac_hpc.comm import Communicator, pack_upper, replicas, triu_count, unpack_upper, world
 from kfac_hpc.kfac import linalg
+from kfac_hpc.kfac.background import BackgroundJob, Decomposed
 from kfac_hpc.kfac.capture import LayerStatistics, StatisticsCapture
 from kfac_hpc.kfac.errors import KFACNumericalError
 from kfac_hpc.kfac.exchange import (
@@ -71,7 +72,7 @@ from kfac_hpc.kfac.options import (
     FactorSync,
     KFACApprox,
     LowRankRemainder,
-    MatmulPrecision,
+    PrecisionOption,
     Strategy,
     conflicts,
     default_factor_dtype,
@@ -162,8 +163,9 @@ class KFACPreconditioner:
         low_rank_energy: float | None = None,
         low_rank_min_dim: int = DEFAULT_LOW_RANK_MIN_DIM,
         low_rank_remainder: LowRankRemainder = "mean",
-        stats_precision: MatmulPrecision | Literal["auto"] = "auto",
-        precondition_precision: MatmulPrecision | Literal["auto"] = "auto",
+        decomposition_lag: int = 0,
+        stats_precision: PrecisionOption = "auto",
+        precondition_precision: PrecisionOption = "auto",
     ) -> None:
         batch_shape = _batch_shape(input_shape)
         if strategy == AUTO:
@@ -206,6 +208,10 @@ class KFACPreconditioner:
         if problems:
             raise ValueError(f"{problems[0].option} {problems[0].text()}")
         _check_rank_fits(low_rank, low_rank_energy, inv_dtype)
+        if not (isinstance(decomposition_lag, int) and not isinstance(decomposition_lag, bool)
+                and decomposition_lag >= 0):
+            raise ValueError(f"decomposition_lag must be a whole number of steps >= 0 (0: "
+                             f"decompositions in the inverse step), got {decomposition_lag!r}")
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
         if isinstance(skip_layers, str):
@@ -248,7 +254,7 @@ class KFACPreconditioner:
             dtype=_dtype_name(self.factor_dtype) or "")
         self.precondition_precision = resolve_precision(
             precondition_precision, device_type=self.device.type,
-            dtype=_dtype_name(inv_dtype) or "")
+            dtype=_dtype_name(inv_dtype) or "", auto="full")
         self.input_shape = batch_shape
         if check_replicas:  # the placement depends on input_shape: it must agree too
             replicas.check_replicas(model.named_parameters(), self.comm,
@@ -271,6 +277,9 @@ class KFACPreconditioner:
                 self._is_local(key) and self.placement.is_grad_worker(key.layer, rank))}
         self._decompositions: dict[FactorKey, dict[str, Tensor]] = {}
         self._decomposed_at: int | None = None
+        self.decomposition_lag = decomposition_lag
+        self._pending: BackgroundJob | None = None  # decompositions being computed
+        self._side_stream: torch.cuda.Stream | None = None
         self._restored: dict[PieceKey, Tensor] | None = None  # loaded decompositions (owned)
         captured = {n: c for n, c in self.layers.items()
                     if sends_factors(strategy)
@@ -318,14 +327,22 @@ class KFACPreconditioner:
         self._check_device()
         if self._is_factor_step(k):
             self._update_factors(k)
-        if self._is_inverse_step(k) or self._decomposed_at is None:
-            # after a load between inverse steps, the stored (stale) decompositions are
-            # what an uninterrupted run would use: restore them instead of recomputing
-            restore = self._restored is not None and not self._is_inverse_step(k)
-            if self.factor_sync == "inverse" and not restore:
+        inverse, lagged = self._is_inverse_step(k), self.decomposition_lag > 0
+        if self._pending is not None and (k >= self._pending.swap_at or inverse):
+            self._install_background_decompositions()
+        if self._restored is not None and (not inverse or lagged):
+            # after a load, the stored (stale) decompositions are what an uninterrupted
+            # run uses now: restore them instead of recomputing (with a lag, until the
+            # background update started at this inverse step is installed)
+            self._update_decompositions(restore=True)
+        self._restored = None
+        if inverse or self._decomposed_at is None:
+            if self.factor_sync == "inverse":
                 self._synchronise_local_averages()
-            self._update_decompositions(restore=restore)
-            self._restored = None
+            if lagged and self._decomposed_at is not None:
+                self._start_background_decompositions(k)
+            else:
+                self._update_decompositions()
         updates = self._precondition_my_layers(k)
         updates = self._share_preconditioned(updates)
         lr, kl_clip = self.lr(k), None if self.kl_clip is None else self.kl_clip(k)
@@ -576,6 +593,101 @@ class KFACPreconditioner:
         """Owners decompose their factors and broadcast them in the worker group; local
         factors are decomposed by every worker. ``restore``: owners send the loaded
         decompositions instead, local ones included."""
+        failures: dict[FactorKey, BaseException] = {}
+        if restore:
+            self._install_decompositions(lambda: self._restored_pieces(failures), dict,
+                                         failures, restore=True)
+            return
+        step = self.steps
+        self._install_decompositions(
+            lambda: self._decompose_all(self._factor_states(local=False), step, failures),
+            lambda: self._decompose_all(self._factor_states(local=True), step, failures),
+            failures)
+
+    def _factor_states(self, local: bool) -> dict[FactorKey, FactorState]:
+        """The factors this rank decomposes: those it owns (``local=False``) or the
+        local (small) ones of its layers."""
+        return {key: state for key, state in self._factors.items()
+                if self._is_local(key) == local}
+
+    def _decompose_safely(self, key: FactorKey, state: FactorState, step: int,
+                          failures: dict[FactorKey, BaseException],
+                          eigen: tuple[Tensor, Tensor] | Exception | None = None,
+                          ) -> dict[PieceKey, Piece]:
+        """:meth:`_decompose`, a failure recorded in ``failures`` and sent as invalid: it
+        must not leave the other ranks waiting in the broadcast; every rank raises after
+        the agreement (:meth:`_agree_on_decompositions`)."""
+        try:
+            if isinstance(eigen, Exception):
+                raise eigen
+            return self._decompose(key, state, eigen, step)
+        except Exception as exc:
+            failures[key] = exc
+            return self._decompose(key, FactorState(state.dim), step=step)
+
+    def _decompose_all(self, states: Mapping[FactorKey, FactorState], step: int,
+                       failures: dict[FactorKey, BaseException]) -> dict[PieceKey, Piece]:
+        """Every factor of ``states`` decomposed as message pieces (eigh batched by size)."""
+        eigen = self._eigendecompositions(states)
+        out: dict[PieceKey, Piece] = {}
+        for key, state in states.items():
+            out.update(self._decompose_safely(key, state, step, failures, eigen.get(key)))
+        return out
+
+    def _restored_pieces(self, failures: dict[FactorKey, BaseException]
+                         ) -> dict[PieceKey, Piece]:
+        """The loaded decompositions of the factors this rank owns (recomputed where the
+        checkpoint had none that fit)."""
+        out: dict[PieceKey, Piece] = {}
+        for key, state in self._owned_states().items():
+            names = [PieceKey(key, part) for part in self._decomposition_parts(key)]
+            loaded = self._restored or {}
+            if all(p in loaded for p in names):
+                out.update({p: loaded[p] for p in names})
+                out[PieceKey(key, Part.VALID)] = 1.0
+            else:
+                out.update(self._decompose_safely(key, state, self.steps, failures))
+        return out
+
+    def _start_background_decompositions(self, k: int) -> None:
+        """``decomposition_lag > 0``: decompose a snapshot of the factors of step ``k`` in
+        a :class:`~kfac_hpc.kfac.background.BackgroundJob`, installed at step ``k + lag``
+        (:meth:`_install_background_decompositions`)."""
+        snapshot = {key: FactorState(state.dim, None if state.average is None
+                                     else state.average.clone(), state.updates)
+                    for key, state in self._factors.items()}
+
+        def compute() -> Decomposed:
+            done = Decomposed()
+            done.owned = self._decompose_all(
+                {k_: s for k_, s in snapshot.items() if not self._is_local(k_)}, k,
+                done.failures)
+            done.local = self._decompose_all(
+                {k_: s for k_, s in snapshot.items() if self._is_local(k_)}, k, done.failures)
+            return done
+
+        if self.device.type == "cuda" and self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.device)
+        self._pending = BackgroundJob(
+            compute, self.device, swap_at=k + self.decomposition_lag,
+            stream=self._side_stream if self.device.type == "cuda" else None,
+            inputs=[s.average for s in snapshot.values() if s.average is not None])
+
+    def _install_background_decompositions(self) -> None:
+        """Wait for the pending background job and install its decompositions (the
+        broadcast in the worker group and the failure agreement happen here)."""
+        job, self._pending = self._pending, None
+        assert job is not None
+        done = job.result()
+        self._install_decompositions(lambda: done.owned, lambda: done.local, done.failures)
+
+    def _install_decompositions(self, produce: Callable[[], Mapping[PieceKey, Piece]],
+                                local: Callable[[], Mapping[PieceKey, Piece]],
+                                failures: Mapping[FactorKey, BaseException],
+                                restore: bool = False) -> None:
+        """Broadcast the pieces ``produce()`` gives (the factors this rank owns; with
+        ``restore`` the local ones too) in the worker group, add ``local()``'s, agree on
+        ``failures`` and keep the valid decompositions of this rank's layers."""
         group, g = self.placement.worker_group_of_rank(self.comm.rank), self.placement.grad_workers
         my_layers = [n for n in self.layers if self.placement.layer_group[n] == group]
         keys = [FactorKey(layer, f) for layer in my_layers for f in FACTORS]
@@ -584,48 +696,10 @@ class KFACPreconditioner:
             if restore or not self._is_local(key):
                 parts[self._owner(key) - group * g] += self._decomposition_pieces(key)
 
-        failures: dict[FactorKey, BaseException] = {}
-
-        def decompose_safely(key: FactorKey, state: FactorState,
-                             eigen: tuple[Tensor, Tensor] | Exception | None = None,
-                             ) -> dict[PieceKey, Piece]:
-            # a failure must not leave the other ranks waiting in the broadcast: this rank
-            # sends the factor as invalid, and every rank raises after the agreement below
-            try:
-                if isinstance(eigen, Exception):
-                    raise eigen
-                return self._decompose(key, state, eigen)
-            except Exception as exc:
-                failures[key] = exc
-                return self._decompose(key, FactorState(state.dim))
-
-        def decompose(local: bool) -> dict[PieceKey, Piece]:
-            states = {key: state for key, state in self._factors.items()
-                      if self._is_local(key) == local}
-            eigen = self._eigendecompositions(states)
-            out: dict[PieceKey, Piece] = {}
-            for key, state in states.items():
-                out.update(decompose_safely(key, state, eigen.get(key)))
-            return out
-
-        def restored() -> dict[PieceKey, Piece]:
-            out: dict[PieceKey, Piece] = {}
-            for key, state in self._owned_states().items():
-                names = [PieceKey(key, part) for part in self._decomposition_parts(key)]
-                loaded = self._restored or {}
-                if all(p in loaded for p in names):
-                    out.update({p: loaded[p] for p in names})
-                    out[PieceKey(key, Part.VALID)] = 1.0
-                else:
-                    out.update(decompose_safely(key, state))
-            return out
-
         with self.comm.stats.tagged("decompositions"):
-            pieces = broadcast_parts(self.worker_comm, MessageLayout.of(parts),
-                                     restored if restore else lambda: decompose(local=False),
+            pieces = broadcast_parts(self.worker_comm, MessageLayout.of(parts), produce,
                                      self.inv_dtype, self.device)
-        all_pieces: dict[PieceKey, Piece] = {
-            **pieces, **(decompose(local=True) if not restore else {})}
+        all_pieces: dict[PieceKey, Piece] = {**pieces, **local()}
         self._agree_on_decompositions(failures)
         low = [key for key in keys if self._is_low_rank(key)]
         # valid flags and the ranks the energy rule chose: one device-to-host transfer
@@ -709,16 +783,18 @@ class KFACPreconditioner:
         return [*((PieceKey(key, part), size[part]) for part in self._decomposition_parts(key)),
                 (PieceKey(key, Part.VALID), 1)]
 
-    def _decompose_low_rank(self, key: FactorKey, average: Tensor) -> dict[PieceKey, Piece]:
-        """Randomized decomposition (sketch seeded by factor and step, so the same on any
-        rank), laid out as :meth:`_decomposition_pieces` says; float64 retry on failure."""
+    def _decompose_low_rank(self, key: FactorKey, average: Tensor,
+                            step: int) -> dict[PieceKey, Piece]:
+        """Randomized decomposition (sketch seeded by factor and ``step``, so the same on
+        any rank), laid out as :meth:`_decomposition_pieces` says; float64 retry on
+        failure."""
         cap = self._cap(key)
         assert cap is not None
 
         def attempt(factor: Tensor) -> LowRankFactor:
             return randomized_eigh(factor, rank=cap, energy=self.low_rank_energy,
                                    remainder=self.low_rank_remainder,
-                                   generator=sketch_generator(key.name, self.steps, self.device))
+                                   generator=sketch_generator(key.name, step, self.device))
 
         try:
             low = attempt(average)
@@ -747,20 +823,23 @@ class KFACPreconditioner:
         return dict(zip(keys, results))
 
     def _decompose(self, key: FactorKey, state: FactorState,
-                   eigen: tuple[Tensor, Tensor] | None = None) -> dict[PieceKey, Piece]:
+                   eigen: tuple[Tensor, Tensor] | None = None,
+                   step: int | None = None) -> dict[PieceKey, Piece]:
         """One factor's decomposition as message pieces (``eigen``: its ``(Q, λ)`` when
-        already computed)."""
+        already computed; ``step``: the inverse step it belongs to, default the current
+        one: it seeds low-rank sketches and picks the damping of inverses)."""
+        step = self.steps if step is None else step
         if state.average is None:  # never saw statistics: marked invalid, not preconditioned
             return {p: torch.zeros(m, dtype=self.inv_dtype, device=self.device)
                     for p, m in self._decomposition_pieces(key)}
         valid: dict[PieceKey, Piece] = {PieceKey(key, Part.VALID): 1.0}
         if self._is_low_rank(key):
-            return self._decompose_low_rank(key, state.average)
+            return self._decompose_low_rank(key, state.average, step)
         if self.compute_method == "eigen":
             q, lam = eigen if eigen is not None else linalg.eigh_clamped(
                 state.average, dtype=self.inv_dtype)
             return {PieceKey(key, Part.Q): q, PieceKey(key, Part.LAMBDA): lam, **valid}
-        damping = self.damping(self.steps)
+        damping = self.damping(step)
         inv = linalg.damped_inverse(state.average, damping, dtype=self.inv_dtype)
         return {PieceKey(key, Part.INV): inv, **valid}
 
@@ -902,6 +981,8 @@ class KFACPreconditioner:
         if self.factor_sync == "inverse" and any(
                 local.updates for local in self.local_averages.values()):
             self._synchronise_local_averages()
+        if self._pending is not None:  # installed now, in the saving run as in the resumed
+            self._install_background_decompositions()
         state: dict[str, Any] = {
             "step": self.steps,
             "factors": {k.name: s.average for k, s in self._owned_states().items()
@@ -972,6 +1053,9 @@ class KFACPreconditioner:
         (the same failure on every rank, nothing half-loaded), and owners of local (small)
         factors send them to the layer's other gradient workers.
         """
+        if self._pending is not None:  # superseded by the loaded state
+            self._pending.cancel()
+            self._pending = None
         factors = state["factors"]
         updates = state.get("factor_updates", {})
         owned = {key.name: s for key, s in self._owned_states().items()}  # by stored name
@@ -1073,6 +1157,7 @@ class KFACPreconditioner:
                 "low_rank_energy": self.low_rank_energy,
                 "low_rank_min_dim": self.low_rank_min_dim,
                 "low_rank_remainder": self.low_rank_remainder,
+                "decomposition_lag": self.decomposition_lag,
                 "stats_precision": self.stats_precision,
                 "precondition_precision": self.precondition_precision,
                 "accumulation_steps": self.accumulation_steps, "world_size": self.comm.size,
@@ -1121,6 +1206,9 @@ class KFACPreconditioner:
         The preconditioner can no longer step.
         """
         self.remove_hooks()
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
         for sub in {id(c): c for c in (self.worker_comm, self.receiver_comm)}.values():
             if sub is not self.comm:
                 sub.free()

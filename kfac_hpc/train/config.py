@@ -59,7 +59,9 @@ AMP_DTYPES = ("float16", "bfloat16")
 # preconditioner keyword -> TrainConfig field, where they differ
 _KFAC_FIELDS = {"strategy": "kfac_strategy", "overlap": "kfac_overlap",
                 "symmetric_packing": "kfac_symmetric_packing", "factor_sync": "kfac_factor_sync",
-                "compute_method": "kfac_compute_method"}
+                "compute_method": "kfac_compute_method", "stats_precision": "kfac_stats_precision",
+                "precondition_precision": "kfac_precondition_precision",
+                "factor_dtype": "kfac_factor_dtype", "inv_dtype": "kfac_inv_dtype"}
 
 
 def _kfac_flag(option: str, value: str) -> str:
@@ -189,6 +191,16 @@ class TrainConfig:
     kfac_factor_dtype: str = _opt("auto", "auto (the weights' dtype, at least float32) | "
                                   "float32 | float64", "kfac")
     kfac_inv_dtype: str = _opt("float32", "float32 | float64", "kfac")
+    kfac_decomposition_lag: int = _opt(
+        0, "steps an inverse update may take in the background (a worker thread, a side "
+        "CUDA stream) before its decompositions replace the old ones; 0: in the step",
+        "kfac")
+    kfac_stats_precision: str = _opt(
+        "auto", "auto | full | tf32 | bf16: operands of the factor statistics' GEMMs (auto: "
+        "tf32 for float32 factors on CUDA, full elsewhere)", "kfac")
+    kfac_precondition_precision: str = _opt(
+        "auto", "auto | full | tf32 | bf16: operands of the preconditioning GEMMs (auto: "
+        "full)", "kfac")
     # -- distribution and device
     ddp: bool = _opt(False, "average gradients with torch DDP (gloo/nccl) instead of MPI",
                      "distributed")
@@ -379,6 +391,7 @@ class TrainConfig:
                  "must be > 0 (or none to disable)")
             need(self.factor_update_steps >= 1, "factor_update_steps", "must be >= 1")
             need(self.inv_update_steps >= 1, "inv_update_steps", "must be >= 1")
+            need(self.kfac_decomposition_lag >= 0, "kfac_decomposition_lag", "must be >= 0")
             choice("kfac_factor_sync", FACTOR_SYNCS)
             choice("kfac_factor_dtype", ("auto", *DTYPES))
             choice("kfac_inv_dtype", DTYPES)
@@ -389,7 +402,11 @@ class TrainConfig:
                     factor_sync=self.kfac_factor_sync, compute_method=self.kfac_compute_method,
                     low_rank=self.low_rank, low_rank_energy=self.low_rank_energy,
                     low_rank_min_dim=self.low_rank_min_dim,
-                    low_rank_remainder=self.low_rank_remainder):
+                    low_rank_remainder=self.low_rank_remainder,
+                    stats_precision=self.kfac_stats_precision,
+                    precondition_precision=self.kfac_precondition_precision,
+                    factor_dtype=None if self.kfac_factor_dtype == "auto"
+                    else self.kfac_factor_dtype, inv_dtype=self.kfac_inv_dtype):
                 need(False, _KFAC_FIELDS.get(conflict.option, conflict.option),
                      conflict.text(_kfac_flag))
         # distributed / device

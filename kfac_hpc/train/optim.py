@@ -28,6 +28,7 @@ from kfac_hpc.kfac.options import (
     COMPUTE_METHODS,
     FACTOR_SYNCS,
     LOW_RANK_REMAINDERS,
+    PRECISION_OPTIONS,
     STRATEGIES,
     one_of,
 )
@@ -190,6 +191,11 @@ def build_preconditioner(cfg: TrainConfig, model: nn.Module, comm: Communicator,
         low_rank_min_dim=cfg.low_rank_min_dim,
         low_rank_remainder=one_of("low_rank_remainder", cfg.low_rank_remainder,
                                   LOW_RANK_REMAINDERS),
+        decomposition_lag=cfg.kfac_decomposition_lag,
+        stats_precision=one_of("kfac_stats_precision", cfg.kfac_stats_precision,
+                               PRECISION_OPTIONS),
+        precondition_precision=one_of("kfac_precondition_precision",
+                                      cfg.kfac_precondition_precision, PRECISION_OPTIONS),
     )
 
 

@@ -1,0 +1,415 @@
+"""K-FAC on one GPU, phase by phase: operand precisions, decompositions, kernels, accuracy.
+
+    python benchmarks/gpu_profile.py [--device cuda] [--batch 32] [--image-size 224]
+        [--rounds 5] [--sections kinds decompositions profile accuracy] [--markdown]
+        [--out benchmarks/out/gpu]
+
+ResNet-50 (torchvision's when it imports, else ``kfac_hpc.models``' with the ImageNet
+stem), 1000 classes, one fixed synthetic batch, fp32 model, one process
+(``Communicator(MPI.COMM_SELF)``), K-FAC comm-opt eigen with damping 0.001 and
+``kl_clip`` 0.001 on SGD. Sections:
+
+* ``kinds``: ms per iteration (median of ``--rounds`` after one warm-up) of SGD and of
+  the K-FAC iteration kinds ``f`` (factor update), ``p`` (stale decompositions) and
+  ``fi`` (factor and inverse update), with the device synchronised around each
+  iteration, for each pair (``stats_precision``, ``precondition_precision``) and for
+  ``kfac_approx="reduce"``; the schedules (1,10) = (fi + 9f)/10 and (10,100) =
+  (fi + 9f + 90p)/100 composed from them, and the ratios to SGD.
+* ``schedule``: mean ms per iteration over two whole inverse periods of a real schedule
+  (``--schedule F I``, default (1,10)) with each ``decomposition_lag`` of ``--lags``
+  (decompositions in a worker thread on a side stream), against SGD.
+* ``decompositions``: one inverse update (``_update_decompositions``) against the bare
+  solver calls on the same factors: ``torch.linalg.eigh`` one factor at a time and
+  batched by size (``linalg.eigh_clamped_many``), and batched for the same factors plus
+  a large multiple of the identity (eigh's time depends on the spectrum); per size,
+  the count and ms per eigh.
+* ``profile``: ``torch.profiler`` of one ``f`` and one ``fi`` iteration: host time,
+  device time, kernel launches and the top operators by device time.
+* ``accuracy``: for five layers of the model (the first, the last, and three between
+  at 15, 50 and 85 % of the K-FAC layers in model order) the factors of one batch in
+  fp32 full/TF32/bf16 against float64 on the same device (the worst entry error normalised by
+  ``√(A_ii A_jj)``, and the Frobenius relative error) and the preconditioned gradient
+  from float32 eigenbases with each ``precondition_precision`` against float64.
+
+Writes ``gpu_profile_<device>.json`` under ``--out`` and prints the tables. Runs on the
+CPU too (``--device cpu``, small ``--image-size``: a dry run of the code, not a GPU
+number). About 60-90 s on an H200 at the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from mpi4py import MPI
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import format_table, machine, write_json
+
+from kfac_hpc import KFACPreconditioner
+from kfac_hpc.comm import Communicator
+from kfac_hpc.kfac import linalg
+from kfac_hpc.kfac.layers import LayerCurvature, register_layers
+from kfac_hpc.models import build_model
+
+PRECISION_PAIRS = [("full", "full"), ("tf32", "full"), ("tf32", "tf32"), ("bf16", "tf32")]
+
+
+def make_model(name: str, device: torch.device, image_size: int) -> nn.Module:
+    """``resnet50``: torchvision's when it imports, else the package's (ImageNet stem);
+    ``resnet20``: the package's CIFAR ResNet-20 (small factors: for dry runs)."""
+    torch.manual_seed(0)
+    if name == "resnet20":
+        return build_model("resnet20", num_classes=1000).to(device)
+    try:
+        from torchvision.models import resnet50 as tv_resnet50
+
+        model: nn.Module = tv_resnet50()
+    except ImportError:
+        model = build_model("resnet50", num_classes=1000, image_size=image_size,
+                            stem="imagenet")
+    return model.to(device)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+class Trainer:
+    """One model, optimizer and (optionally) preconditioner; ``run(kind)`` does one
+    iteration of that kind."""
+
+    def __init__(self, device: torch.device, batch: tuple[Tensor, Tensor],
+                 args: argparse.Namespace, kfac: dict[str, Any] | None) -> None:
+        self.device = device
+        self.model = make_model(args.model, device, args.image_size)
+        self.x, self.y = batch
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        self.pre = None if kfac is None else KFACPreconditioner(
+            self.model, comm=Communicator(MPI.COMM_SELF), damping=0.001, kl_clip=0.001,
+            lr=0.01, factor_update_steps=lambda k: 1 if self.kind != "p" else 10**9,
+            inv_update_steps=lambda k: 1 if self.kind == "fi" else 10**9, **kfac)
+        self.kind = "fi"
+
+    def run(self, kind: str) -> None:
+        self.kind = kind
+        if self.pre is not None:
+            self.pre.steps = 1  # the schedules above decide the kind (1 % 10**9 != 0)
+        self.opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(self.model(self.x), self.y).backward()
+        if self.pre is not None:
+            self.pre.step()
+        self.opt.step()
+
+    def close(self) -> None:
+        if self.pre is not None:
+            self.pre.close()
+
+
+def kinds_section(device: torch.device, batch: tuple[Tensor, Tensor], args: argparse.Namespace
+                  ) -> dict[str, Any]:
+    configs: list[tuple[str, dict[str, Any] | None]] = [("SGD", None)]
+    configs += [(f"stats {s} / precond {p}", {"stats_precision": s, "precondition_precision": p})
+                for s, p in PRECISION_PAIRS]
+    configs.append(("reduce, auto", {"kfac_approx": "reduce"}))
+    out: dict[str, Any] = {}
+    for label, kfac in configs:
+        trainer = Trainer(device, batch, args, kfac)
+        kinds = ["sgd"] if kfac is None else ["fi", "f", "p"]
+        times: dict[str, list[float]] = {k: [] for k in kinds}
+        for kind in kinds:
+            trainer.run(kind)  # warm-up (first decompositions, cuBLAS handles, caches)
+        for _ in range(args.rounds):
+            for kind in kinds:
+                times[kind].append(timed(lambda t=trainer, k=kind: t.run(k), device))
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        if kfac is not None:
+            med["(1,10)"] = (med["fi"] + 9 * med["f"]) / 10
+            med["(10,100)"] = (med["fi"] + 9 * med["f"] + 90 * med["p"]) / 100
+        if device.type == "cuda":
+            med["peak MiB"] = torch.cuda.max_memory_allocated(device) / 2**20
+            torch.cuda.reset_peak_memory_stats(device)
+        out[label] = med
+        trainer.close()
+    return out
+
+
+def kinds_table(res: dict[str, Any], md: bool) -> str:
+    sgd = res["SGD"]["sgd"]
+    rows = [["SGD", "", "", "", f"{sgd:.1f}", f"{sgd:.1f}", "1.00", "1.00"]]
+    for label, m in res.items():
+        if label == "SGD":
+            continue
+        rows.append([label, f"{m['fi']:.1f}", f"{m['f']:.1f}", f"{m['p']:.1f}",
+                     f"{m['(1,10)']:.1f}", f"{m['(10,100)']:.1f}",
+                     f"{m['(1,10)'] / sgd:.2f}", f"{m['(10,100)'] / sgd:.2f}"])
+    return format_table(["configuration", "fi ms", "f ms", "p ms", "(1,10) ms", "(10,100) ms",
+                         "(1,10)/SGD", "(10,100)/SGD"], rows, md)
+
+
+def schedule_section(device: torch.device, batch: tuple[Tensor, Tensor],
+                     args: argparse.Namespace) -> dict[str, Any]:
+    """Mean ms per iteration of real schedules (every step as the preconditioner's own
+    schedule decides) over two whole inverse periods after one: SGD, and K-FAC with
+    each ``decomposition_lag`` of ``--lags``."""
+    out: dict[str, Any] = {}
+    f_steps, i_steps = args.schedule
+    configs: list[tuple[str, dict[str, Any] | None]] = [("SGD", None)]
+    configs += [(f"({f_steps},{i_steps}) lag {lag}",
+                 {"factor_update_steps": f_steps, "inv_update_steps": i_steps,
+                  "decomposition_lag": lag}) for lag in args.lags]
+    for label, kfac in configs:
+        model = make_model(args.model, device, args.image_size)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        pre = None if kfac is None else KFACPreconditioner(
+            model, comm=Communicator(MPI.COMM_SELF), damping=0.001, kl_clip=0.001, lr=0.01,
+            **kfac)
+
+        def iteration(model: nn.Module = model, opt: torch.optim.Optimizer = opt,
+                      pre: KFACPreconditioner | None = pre) -> None:
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+            if pre is not None:
+                pre.step()
+            opt.step()
+
+        for _ in range(i_steps):  # one period: first decompositions, caches
+            iteration()
+        n = 2 * i_steps
+        total = timed(lambda it=iteration, n=n: [it() for _ in range(n)], device)
+        out[label] = {"ms per iteration": total / n * 1e3}
+        if pre is not None:
+            pre.close()
+    sgd = out["SGD"]["ms per iteration"]
+    for v in out.values():
+        v["x SGD"] = v["ms per iteration"] / sgd
+    return out
+
+
+def decompositions_section(device: torch.device, batch: tuple[Tensor, Tensor],
+                           args: argparse.Namespace) -> dict[str, Any]:
+    trainer = Trainer(device, batch, args,
+                      {"stats_precision": "full", "precondition_precision": "full"})
+    for _ in range(2):
+        trainer.run("fi")
+    pre = trainer.pre
+    assert pre is not None
+    update = [timed(lambda: pre._update_decompositions(), device) for _ in range(3)]
+    factors = [s.average for s in pre.factors.values() if s.average is not None]
+
+    def one_by_one() -> None:
+        for f in factors:
+            torch.linalg.eigh(f)
+
+    each = [timed(one_by_one, device) for _ in range(3)]
+    batched = [timed(lambda: linalg.eigh_clamped_many(factors), device) for _ in range(3)]
+    sizes: dict[int, list[Tensor]] = {}
+    for f in factors:
+        sizes.setdefault(f.shape[0], []).append(f)
+    # eigh's time depends on the spectrum: a factor dominated by a multiple of the
+    # identity (as a running average started from I with a small data term is, for the
+    # first hundreds of steps) deflates early in divide and conquer
+    shifted = [f + torch.eye(f.shape[0], device=f.device, dtype=f.dtype)
+               * (100 * float(f.diagonal().mean())) for f in factors]
+    identity_dominated = [timed(lambda: linalg.eigh_clamped_many(shifted), device)
+                          for _ in range(3)]
+    per_size = {}
+    for d, group in sorted(sizes.items()):
+        t = statistics.median(timed(lambda f=group[0]: torch.linalg.eigh(f), device)
+                              for _ in range(3))
+        per_size[d] = {"count": len(group), "ms per eigh": t * 1e3}
+    trainer.close()
+    return {"inverse update ms": statistics.median(update) * 1e3,
+            "eigh one by one ms": statistics.median(each) * 1e3,
+            "eigh batched by size ms": statistics.median(batched) * 1e3,
+            "eigh of F + 100·mean(diag F)·I ms": statistics.median(identity_dominated) * 1e3,
+            "factors": len(factors), "per size": per_size}
+
+
+def profile_section(device: torch.device, batch: tuple[Tensor, Tensor],
+                    args: argparse.Namespace) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    trainer = Trainer(device, batch, args, {})
+    for kind in ("fi", "f"):
+        trainer.run(kind)
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    out: dict[str, Any] = {}
+    for kind in ("f", "fi", "p"):
+        sync(device)
+        with profile(activities=activities) as prof:
+            trainer.run(kind)
+            sync(device)
+        events = prof.key_averages()
+        device_attr = "self_device_time_total"
+        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel",
+                                                            "cuLaunchKernel",
+                                                            "cudaLaunchKernelExC"))
+        top = sorted(events, key=lambda e: getattr(e, device_attr, 0.0), reverse=True)[:12]
+        out[kind] = {
+            "host ms": sum(e.self_cpu_time_total for e in events) / 1e3,
+            "device ms": sum(getattr(e, device_attr, 0.0) for e in events) / 1e3,
+            "kernel launches": launches,
+            "top": [(e.key, e.count, getattr(e, device_attr, 0.0) / 1e3) for e in top],
+        }
+    trainer.close()
+    return out
+
+
+def _layer_io(model: nn.Module, curvs: dict[str, LayerCurvature], names: Sequence[str],
+              batch: tuple[Tensor, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
+    """Inputs and output gradients of the named layers for one batch."""
+    seen: dict[str, list[Tensor]] = {n: [] for n in names}
+    handles = []
+    for n in names:
+        def hook(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor,
+                 n: str = n) -> None:
+            seen[n].append(inputs[0].detach())
+            output.register_hook(lambda g, n=n: seen[n].append(g.detach()))
+        handles.append(curvs[n].module.register_forward_hook(hook))
+    x, y = batch
+    nn.functional.cross_entropy(model(x), y).backward()
+    for h in handles:
+        h.remove()
+    return {n: (v[0], v[1]) for n, v in seen.items()}
+
+
+def accuracy_section(device: torch.device, batch: tuple[Tensor, Tensor],
+                     args: argparse.Namespace) -> dict[str, Any]:
+    model = make_model(args.model, device, args.image_size).double()
+    curvs, _ = register_layers(model)
+    names = list(curvs)
+    picked = list(dict.fromkeys(names[round(q * (len(names) - 1))]
+                                for q in (0.0, 0.15, 0.5, 0.85, 1.0)))
+    x, y = batch
+    io = _layer_io(model, curvs, picked, (x.double(), y))
+    out: dict[str, Any] = {}
+    for n in picked:
+        curv = curvs[n]
+        inputs, grads = io[n]
+        exact = {"A": curv.a_factor(inputs), "G": curv.g_factor(grads)}
+        row: dict[str, Any] = {"A dim": curv.a_dim, "G dim": curv.g_dim}
+        for precision in ("full", "tf32", "bf16"):
+            approx = {"A": curv.a_factor(inputs, torch.float32, precision),
+                      "G": curv.g_factor(grads, torch.float32, precision=precision)}
+            for f in ("A", "G"):
+                e, a = exact[f], approx[f].double()
+                diag = e.diagonal().clamp(min=1e-300)
+                row[f"{f} {precision} entry"] = float(
+                    ((a - e).abs() / torch.sqrt(torch.outer(diag, diag))).max())
+                row[f"{f} {precision} fro"] = float(torch.linalg.norm(a - e) / torch.linalg.norm(e))
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        grad = torch.randn(curv.g_dim, curv.a_dim, generator=gen, dtype=torch.float64).to(device)
+        qa, la = linalg.eigh_clamped(exact["A"], torch.float64)
+        qg, lg = linalg.eigh_clamped(exact["G"], torch.float64)
+        damping = 1e-3 * float(la.max() * lg.max())
+        reference = linalg.precondition_eigen(grad, qa, la, qg, lg, damping)
+        f32 = [t.float() for t in (grad, qa, la, qg, lg)]
+        for precision in ("full", "tf32", "bf16"):
+            v = linalg.precondition_eigen(*f32, damping, precision).double()
+            row[f"V {precision}"] = float(torch.linalg.norm(v - reference)
+                                          / torch.linalg.norm(reference))
+        out[n] = row
+    return out
+
+
+def accuracy_table(res: dict[str, Any], md: bool) -> str:
+    head = ["layer", "A dim", "G dim"]
+    cols = [f"{f} {p} {m}" for f in ("A", "G") for p in ("full", "tf32", "bf16")
+            for m in ("entry",)] + [f"V {p}" for p in ("full", "tf32", "bf16")]
+    rows = [[n, str(r["A dim"]), str(r["G dim"]), *(f"{r[c]:.1e}" for c in cols)]
+            for n, r in res.items()]
+    return format_table(head + cols, rows, md)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    p.add_argument("--model", choices=("resnet50", "resnet20"), default="resnet50",
+                   help="resnet20: small factors, for a dry run on the CPU")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--sections", nargs="+", default=["kinds", "schedule", "decompositions",
+                                                      "profile", "accuracy"],
+                   choices=["kinds", "schedule", "decompositions", "profile", "accuracy"])
+    p.add_argument("--schedule", type=int, nargs=2, default=(1, 10), metavar=("F", "I"),
+                   help="schedule section: factor_update_steps and inv_update_steps")
+    p.add_argument("--lags", type=int, nargs="+", default=[0, 5, 9],
+                   help="schedule section: decomposition_lag values")
+    p.add_argument("--markdown", action="store_true")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/out/gpu"))
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_profile: --device cuda but torch sees no GPU "
+              f"(torch {torch.__version__}, CUDA {torch.version.cuda})", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(args.batch, 3, args.image_size, args.image_size, generator=g).to(device),
+             torch.randint(0, 1000, (args.batch,), generator=g).to(device))
+    md = args.markdown
+    result: dict[str, Any] = {"machine": machine(), "device": str(device),
+                              "torch": torch.__version__, "cuda": torch.version.cuda,
+                              "gpu": torch.cuda.get_device_name(device)
+                              if device.type == "cuda" else None,
+                              "batch": args.batch, "image_size": args.image_size}
+    print(f"# gpu_profile: {result['gpu'] or 'CPU (dry run)'}, torch {torch.__version__}, "
+          f"CUDA {torch.version.cuda}, batch {args.batch}, {args.image_size}px", flush=True)
+    if "kinds" in args.sections:
+        result["kinds"] = kinds_section(device, batch, args)
+        print(kinds_table(result["kinds"], md), flush=True)
+    if "schedule" in args.sections:
+        result["schedule"] = schedule_section(device, batch, args)
+        print(format_table(["configuration", "ms per iteration", "x SGD"],
+                           [[k, f"{v['ms per iteration']:.1f}", f"{v['x SGD']:.2f}"]
+                            for k, v in result["schedule"].items()], md), flush=True)
+    if "decompositions" in args.sections:
+        dec = decompositions_section(device, batch, args)
+        result["decompositions"] = dec
+        print(f"\ninverse update {dec['inverse update ms']:.1f} ms; eigh one by one "
+              f"{dec['eigh one by one ms']:.1f} ms; batched by size "
+              f"{dec['eigh batched by size ms']:.1f} ms ({dec['factors']} factors); the same "
+              f"factors dominated by a multiple of I: "
+              f"{dec['eigh of F + 100·mean(diag F)·I ms']:.1f} ms")
+        print(format_table(["dim", "count", "ms per eigh"],
+                           [[str(d), str(v["count"]), f"{v['ms per eigh']:.2f}"]
+                            for d, v in dec["per size"].items()], md), flush=True)
+    if "profile" in args.sections:
+        prof = profile_section(device, batch, args)
+        result["profile"] = prof
+        for kind, v in prof.items():
+            print(f"\n{kind}: host {v['host ms']:.1f} ms, device {v['device ms']:.1f} ms, "
+                  f"{v['kernel launches']} kernel launches")
+            print(format_table(["op", "calls", "device ms"],
+                               [[k[:60], str(c), f"{t:.2f}"] for k, c, t in v["top"]], md),
+                  flush=True)
+    if "accuracy" in args.sections:
+        result["accuracy"] = accuracy_section(device, batch, args)
+        print("\n" + accuracy_table(result["accuracy"], md), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = write_json(args.out / f"gpu_profile_{device.type}.json", result)
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,130 @@
+"""Decompositions in the background (``decomposition_lag``): which ones are used when,
+determinism, exact resume in the middle of a lag, and agreed failures."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from mpi4py import MPI
+from shared_cases import small_cnn, small_cnn_batches
+from torch import nn
+
+from kfac_hpc import KFACPreconditioner
+from kfac_hpc.comm import Communicator
+from kfac_hpc.kfac import linalg
+from kfac_hpc.kfac.errors import KFACNumericalError
+
+INV = 3  # inverse update every 3 steps
+LAG = 2
+
+
+def build(comm: Communicator, lag: int, **options) -> tuple[nn.Module, KFACPreconditioner,
+                                                           torch.optim.Optimizer]:
+    model = small_cnn()
+    pre = KFACPreconditioner(model, comm=comm, damping=0.01, inv_update_steps=INV,
+                             inv_dtype=torch.float64, decomposition_lag=lag, **options)
+    return model, pre, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def one_step(model: nn.Module, pre: KFACPreconditioner, opt: torch.optim.Optimizer,
+             x: torch.Tensor, y: torch.Tensor) -> None:
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    pre.step()
+    opt.step()
+
+
+def test_lagged_decompositions_are_those_of_the_snapshot():
+    """At step t the decompositions in use are those of the factors of the latest inverse
+    step k with k + lag <= t (the first, at step 0, is computed in place)."""
+    model, pre, opt = build(Communicator(MPI.COMM_SELF), LAG)
+    snapshots: dict[int, dict[str, torch.Tensor]] = {}
+    for t, (x, y) in enumerate(small_cnn_batches(10)):
+        one_step(model, pre, opt, x, y)
+        if t % INV == 0:
+            snapshots[t] = {k: s.average.clone() for k, s in pre.factors.items()
+                            if s.average is not None}
+        k = max(s for s in snapshots if s == 0 or s + LAG <= t)
+        for key, parts in pre.decompositions.items():
+            expected = linalg.eigh_clamped(snapshots[k][key], torch.float64)
+            assert torch.equal(parts["lambda"], expected[1]), (t, k, key)
+    pre.close()
+
+
+def test_lag_changes_the_trajectory_deterministically():
+    def final(lag: int) -> list[torch.Tensor]:
+        model, pre, opt = build(Communicator(MPI.COMM_SELF), lag)
+        for x, y in small_cnn_batches(8):
+            one_step(model, pre, opt, x, y)
+        pre.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    first, second, in_place = final(LAG), final(LAG), final(0)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert not all(torch.equal(a, b) for a, b in zip(first, in_place))
+
+
+def _resume_case(comm: Communicator, save_at: int, **options) -> None:
+    """A run that saves at ``save_at`` (a background update pending) and goes on, against
+    a run rebuilt from those state dicts: bitwise equal."""
+    data = small_cnn_batches(9)
+    model, pre, opt = build(comm, LAG, **options)
+    saved = None
+    for t, (x, y) in enumerate(data):
+        if t == save_at:
+            assert pre._pending is not None  # the case this test is about
+            saved = copy.deepcopy((model.state_dict(), opt.state_dict(), pre.state_dict()))
+        one_step(model, pre, opt, x, y)
+    pre.close()
+    assert saved is not None
+    model2, pre2, opt2 = build(comm, LAG, **options)
+    model2.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    pre2.load_state_dict(saved[2])
+    for x, y in data[save_at:]:
+        one_step(model2, pre2, opt2, x, y)
+    pre2.close()
+    for (name, p), q in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(p, q), f"{name} differs after resuming at step {save_at}"
+
+
+@pytest.mark.parametrize("save_at", [4, 7])  # 4: pending from 3; 7: pending from 6
+def test_resume_in_the_middle_of_a_lag_is_bitwise(save_at):
+    _resume_case(Communicator(MPI.COMM_SELF), save_at)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("strategy", ["comm-opt", "mem-opt"])
+def test_resume_in_the_middle_of_a_lag_is_bitwise_ranks(comm, strategy):
+    _resume_case(comm, 4, strategy=strategy)
+
+
+def test_failure_in_the_background_is_raised_at_the_swap(monkeypatch):
+    model, pre, opt = build(Communicator(MPI.COMM_SELF), LAG)
+    data = small_cnn_batches(6)
+    for x, y in data[:3]:
+        one_step(model, pre, opt, x, y)
+    old = {k: {p: t.clone() for p, t in parts.items()} for k, parts in pre.decompositions.items()}
+
+    def eigh_fails(factors, dtype=torch.float32):
+        return [torch.linalg.LinAlgError("injected") for _ in factors]
+
+    monkeypatch.setattr(linalg, "eigh_clamped_many", eigh_fails)
+    one_step(model, pre, opt, *data[3])  # step 3: the background update starts
+    monkeypatch.undo()
+    one_step(model, pre, opt, *data[4])  # step 4: still the old decompositions
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(data[5][0]), data[5][1]).backward()
+    with pytest.raises(KFACNumericalError, match="decomposition"):
+        pre.step()  # step 5: the swap, where the failure is agreed
+    for key, parts in old.items():
+        for part, value in parts.items():
+            assert torch.equal(pre.decompositions[key][part], value)
+    pre.close()
+
+
+def test_lag_is_validated():
+    with pytest.raises(ValueError, match="decomposition_lag must be a whole number"):
+        KFACPreconditioner(nn.Linear(3, 2), decomposition_lag=-1)
