@@ -12,6 +12,7 @@ import math
 import os
 import platform
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,9 @@ if TYPE_CHECKING:
     import torch
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
+REPO_DIR = Path(__file__).resolve().parent.parent
+#: Peer libraries' source trees (never committed: ``/.peers/`` is in ``.git/info/exclude``).
+PEERS_DIR = REPO_DIR / ".peers"
 # Set by mpiexec itself on every rank: not a user's setting.
 _LAUNCHER_ENV = {"OMPI_MCA_PREFIXES", "OMPI_MCA_initial_wdir", "OMPI_MCA_cpu_type",
                  "OMPI_MCA_num_procs"}
@@ -275,3 +279,127 @@ def mean_std(values: Sequence[float | None]) -> tuple[float, float]:
     if len(vals) < 2:
         return m, math.nan
     return m, math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1))
+
+
+def peer_source(variable: str, name: str, fallback: str = "") -> str:
+    """Default source folder of a peer library (a folder holding its package folder).
+
+    Args:
+        variable: environment variable that wins when set (e.g. ``KAISA_SRC``).
+        name: sub-folder of :data:`PEERS_DIR` used when it exists (e.g. ``"kaisa"``).
+        fallback: used when neither is there (may be empty).
+
+    Returns:
+        ``$variable``, else ``<repo>/.peers/<name>`` when that folder exists, else
+        ``fallback``.
+    """
+    if os.environ.get(variable):
+        return os.environ[variable]
+    local = PEERS_DIR / name
+    return str(local) if local.is_dir() else fallback
+
+
+def peer_version(src: str) -> str | None:
+    """The first line of ``<src>/VERSION`` (tag/commit written when the peer's source
+    was extracted), or None."""
+    try:
+        return (Path(src) / "VERSION").read_text().splitlines()[0].strip() or None
+    except (OSError, IndexError):
+        return None
+
+
+def imagenet_resnet50(num_classes: int = 1000, image_size: int = 224,
+                      implementation: str = "auto") -> tuple[torch.nn.Module, str]:
+    """ResNet-50 with the ImageNet stem, and where it came from.
+
+    Args:
+        num_classes: size of the last layer.
+        image_size: input height/width (only ``kfac_hpc.models`` uses it, to choose its
+            stem; torchvision's model always has the ImageNet stem).
+        implementation: ``"torchvision"``, ``"kfac_hpc"`` or ``"auto"`` (torchvision's
+            ``resnet50()`` when torchvision imports, else ``kfac_hpc.models``).
+
+    Returns:
+        The model (random weights, CPU) and a description of its source.
+
+    Raises:
+        ImportError: ``implementation="torchvision"`` and torchvision does not import.
+    """
+    if implementation in ("auto", "torchvision"):
+        try:
+            import torchvision
+
+            model = torchvision.models.resnet50(weights=None, num_classes=num_classes)
+            return model, f"torchvision {torchvision.__version__} resnet50()"
+        except Exception as e:  # not installed, or a build that does not match torch
+            if implementation == "torchvision":
+                raise ImportError(f"torchvision's resnet50 is not available: {e}") from e
+    from kfac_hpc.models import build_model
+
+    model = build_model("resnet50", num_classes=num_classes, in_channels=3,
+                        image_size=image_size)
+    return model, "kfac_hpc.models resnet50"
+
+
+def cuda_memory(device: torch.device) -> tuple[int, int]:
+    """``(memory_allocated, max_memory_allocated)`` on ``device``; ``(0, 0)`` on the CPU."""
+    import torch
+
+    if device.type != "cuda":
+        return 0, 0
+    return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+
+
+def reset_cuda_peak(device: torch.device) -> None:
+    """Synchronise ``device`` and reset its peak-memory counter (no-op on the CPU)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the distinct tensor storages reachable from ``obj`` through dicts,
+    lists, tuples and dataclass fields (e.g. an optimizer's ``state``, where Meta's
+    Shampoo keeps its factors in dataclasses); a storage shared by views is counted
+    once."""
+    import dataclasses
+
+    import torch
+
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            key = (str(item.device), storage.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            stack.extend(getattr(item, f.name, None) for f in dataclasses.fields(item))
+    return total
+
+
+_IMPORTED = time.time()
+
+
+def process_seconds() -> float:
+    """Seconds since this process started (Linux: ``/proc/self/stat``, so Python's and
+    torch's start-up count too), else since this module was imported."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: ticks after boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - started)
+    except (OSError, ValueError, IndexError):
+        return time.time() - _IMPORTED
