@@ -77,7 +77,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kfac_hpc.kfac.linalg import column_covariance, covariance, inner64, uses_gpu_path
-from kfac_hpc.kfac.patches import averaged_patches, patch_covariance
+from kfac_hpc.kfac.patches import (
+    averaged_patches,
+    conv_output_size,
+    patch_covariance,
+    patch_rows,
+)
 from kfac_hpc.kfac.precision import MatmulPrecision
 
 __all__ = [
@@ -394,7 +399,8 @@ class Conv2dCurvature(LayerCurvature):
         return F.unfold(x, m.kernel_size, dilation=m.dilation, padding=pad, stride=m.stride)
 
     def _input_rows(self, inputs: Tensor) -> Tensor:
-        return self._patches(inputs).transpose(1, 2).reshape(-1, self.weight_cols)
+        x = inputs if inputs.dim() == 4 else inputs.unsqueeze(0)
+        return patch_rows(x, *self._conv_geometry(), self.pads())
 
     def _output_rows(self, grad_output: Tensor) -> tuple[Tensor, int]:
         g = grad_output if grad_output.dim() == 4 else grad_output.unsqueeze(0)
@@ -426,23 +432,27 @@ class Conv2dCurvature(LayerCurvature):
     # On the CPU, with more output positions than features, the factors are summed per
     # sample from the (b, features, positions) layout F.unfold and the gradient already
     # have: no transposed copy of the rows (2.3x faster for ResNet-20's first stage).
-    # The GPU path, half precision and rounded products take the row path: one copy,
-    # one GEMM (per-sample partial sums cost b·d² memory and b small products).
+    # The GPU path, half precision and rounded products take the row path: the patch
+    # rows in one strided copy (patches.patch_rows), one GEMM (per-sample partial sums
+    # cost b·d² memory and b small products).
     def a_factor_unfold(self, inputs: Tensor, dtype: torch.dtype | None = None,
                         precision: MatmulPrecision = "full") -> Tensor:
-        """Expand ``A`` from ``F.unfold`` patches (the GPU path, and the reference)."""
-        patches = self._patches(_cast(inputs, dtype))
-        if self._row_path(patches, precision):
-            rows = patches.transpose(1, 2).reshape(-1, self.weight_cols)
-            return covariance(self._with_bias_column(rows), precision=precision)
-        return column_covariance(patches, append_one=self.has_bias)
+        """Expand ``A`` from the patch rows (the GPU path) or from ``F.unfold`` patches
+        summed per sample (the CPU path with many positions; the reference)."""
+        x = _cast(inputs, dtype)
+        x = x if x.dim() == 4 else x.unsqueeze(0)
+        ho, wo = conv_output_size(x.shape[2], x.shape[3], *self._conv_geometry(), self.pads())
+        if self._row_path(self.weight_cols, ho * wo, x, precision):
+            return covariance(self._with_bias_column(self._input_rows(x)), precision=precision)
+        return column_covariance(self._patches(x), append_one=self.has_bias)
 
     @staticmethod
-    def _row_path(blocks: Tensor, precision: MatmulPrecision) -> bool:
-        """Whether ``(b, features, positions)`` statistics take the row path (one
-        transposed copy, one GEMM) rather than per-sample partial sums."""
-        return (blocks.shape[1] >= blocks.shape[2] or blocks.dtype not in _WIDE
-                or precision != "full" or uses_gpu_path(blocks.device))
+    def _row_path(features: int, positions: int, t: Tensor, precision: MatmulPrecision
+                  ) -> bool:
+        """Whether statistics of ``features`` per row at ``positions`` per sample take
+        the row path (one copy, one GEMM) rather than per-sample partial sums."""
+        return (features >= positions or t.dtype not in _WIDE
+                or precision != "full" or uses_gpu_path(t.device))
 
     def g_factor(
         self, grad_output: Tensor, dtype: torch.dtype | None = None,
@@ -453,7 +463,7 @@ class Conv2dCurvature(LayerCurvature):
         g = _cast(grad_output, dtype)
         g = g if g.dim() == 4 else g.unsqueeze(0)
         b, positions = g.shape[0], g.shape[2] * g.shape[3]
-        if self._row_path(g.reshape(b, self.g_dim, positions), precision):
+        if self._row_path(self.g_dim, positions, g, precision):
             return super().g_factor(grad_output, dtype, grad_scale, precision)
         scale = b / grad_scale  # δ = b·∂L/∂y / grad_scale, applied to the small result
         return column_covariance(g.reshape(b, self.g_dim, positions)).mul_(scale * scale)

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 __all__ = ["APPROXIMATIONS", "AUTO", "COMPUTE_METHODS", "DEFAULT_BUCKET_CAP_MB",
-           "DEFAULT_LOCAL_THRESHOLD", "DEFAULT_LOW_RANK_MIN_DIM", "DTYPES", "FACTOR_SYNCS",
-           "LOW_RANK_REMAINDERS", "PRECISIONS", "PRECISION_OPTIONS", "STRATEGIES",
-           "ComputeMethod", "Conflict", "FactorSync", "KFACApprox", "LowRankRemainder",
-           "MatmulPrecision", "PrecisionOption", "Strategy", "conflicts",
-           "default_factor_dtype", "low_rank_cap", "one_of", "reduces_factors",
-           "resolve_precision", "sends_factors"]
+           "DEFAULT_LOCAL_THRESHOLD", "DEFAULT_LOW_RANK_MIN_DIM", "DTYPES", "EIGEN_REFRESHES",
+           "FACTOR_SYNCS", "LOW_RANK_REMAINDERS", "PRECISIONS", "PRECISION_OPTIONS",
+           "STRATEGIES", "ComputeMethod", "Conflict", "EigenRefresh", "FactorSync",
+           "KFACApprox", "LowRankRemainder", "MatmulPrecision", "PrecisionOption",
+           "Strategy", "conflicts", "default_factor_dtype", "low_rank_cap", "one_of",
+           "reduces_factors", "resolve_precision", "sends_factors"]
 
 Strategy = Literal["comm-opt", "mem-opt", "hybrid-opt", "dp-kfac"]
 STRATEGIES: tuple[Strategy, ...] = ("comm-opt", "mem-opt", "hybrid-opt", "dp-kfac")
@@ -41,6 +41,10 @@ MatmulPrecision = Literal["full", "tf32", "bf16"]
 PRECISIONS: tuple[MatmulPrecision, ...] = ("full", "tf32", "bf16")
 PrecisionOption = Literal["auto", "full", "tf32", "bf16"]  # "auto": resolve_precision
 PRECISION_OPTIONS: tuple[PrecisionOption, ...] = ("auto", "full", "tf32", "bf16")
+
+EigenRefresh = Literal["eigh", "subspace"]
+# how an eigenbasis is renewed at an inverse update (kfac_hpc.kfac.linalg)
+EIGEN_REFRESHES: tuple[EigenRefresh, ...] = ("eigh", "subspace")
 
 LowRankRemainder = Literal["mean", "zero"]
 LOW_RANK_REMAINDERS: tuple[LowRankRemainder, ...] = ("mean", "zero")  # kfac.lowrank's rules
@@ -136,12 +140,20 @@ def conflicts(*, strategy: str, grad_worker_fraction: float | None = None,
               low_rank_min_dim: int = DEFAULT_LOW_RANK_MIN_DIM,
               low_rank_remainder: str = "mean", stats_precision: str = AUTO,
               precondition_precision: str = AUTO,
-              factor_dtype: str | None = None, inv_dtype: str = "float32") -> list[Conflict]:
+              factor_dtype: str | None = None, inv_dtype: str = "float32",
+              eigen_refresh: str = "eigh") -> list[Conflict]:
     """Every rule the options break, in a fixed order (empty: compatible).
 
     Dtypes are named without ``torch.`` (``factor_dtype=None``: chosen from the model).
     """
     out: list[Conflict] = []
+    if eigen_refresh not in EIGEN_REFRESHES:
+        out.append(Conflict("eigen_refresh", f"must be one of {EIGEN_REFRESHES}; got "
+                                             f"{eigen_refresh!r}"))
+    elif eigen_refresh != "eigh" and compute_method != "eigen":
+        out.append(Conflict("eigen_refresh", f"needs <compute_method=eigen>: "
+                                             f"<compute_method={compute_method}> has no "
+                                             "eigenbasis"))
     for option, value, dtype in (("stats_precision", stats_precision, factor_dtype),
                                  ("precondition_precision", precondition_precision, inv_dtype)):
         if value not in PRECISION_OPTIONS:

@@ -52,6 +52,7 @@ __all__ = [
     "averaged_patches",
     "conv_output_size",
     "patch_covariance",
+    "patch_rows",
 ]
 
 Pads = tuple[int, int, int, int]  # (top, bottom, left, right)
@@ -133,6 +134,30 @@ def patch_covariance(x: Tensor, kernel_size: Pair, stride: Pair, dilation: Pair,
             with_bias[d, d] = n
             full = with_bias
     return full.div_(n)
+
+
+def patch_rows(x: Tensor, kernel_size: Pair, stride: Pair, dilation: Pair, pads: Pads
+               ) -> Tensor:
+    """``(b·Ho·Wo, C·kh·kw)``: every output position's input patch as a row, columns in
+    the weight's ``(c, i, j)`` order: the rows of ``F.unfold(x).transpose(1, 2)``, the
+    same numbers in the same order.
+
+    Built as one strided view of the (zero-padded) input, ``(b, Ho, Wo, C, kh, kw)``,
+    and one copy: two kernels at most, where ``F.unfold`` runs one im2col kernel per
+    sample on CUDA and the rows need a transposed copy after it.
+    """
+    if x.dim() != 4:
+        raise ValueError(f"patch_rows expects (b, C, H, W) input, got {tuple(x.shape)}")
+    b, c, h, w = x.shape
+    (kh, kw), (sh, sw), (dh, dw) = kernel_size, stride, dilation
+    top, bottom, left, right = pads
+    ho, wo = conv_output_size(h, w, kernel_size, stride, dilation, pads)
+    if any(pads):  # any strides will do (channels-last too): only padding copies
+        x = torch.nn.functional.pad(x, (left, right, top, bottom))
+    sb, sc, sy, sx = x.stride()
+    view = x.as_strided((b, ho, wo, c, kh, kw),
+                        (sb, sy * sh, sx * sw, sc, sy * dh, sx * dw), x.storage_offset())
+    return view.reshape(b * ho * wo, c * kh * kw)
 
 
 _KRON_MAX = 1 << 18  # entries of M_H ⊗ M_W above which averaged_patches uses two GEMMs

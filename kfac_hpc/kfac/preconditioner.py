@@ -69,6 +69,7 @@ from kfac_hpc.kfac.options import (
     FACTOR_SYNCS,
     STRATEGIES,
     ComputeMethod,
+    EigenRefresh,
     FactorSync,
     KFACApprox,
     LowRankRemainder,
@@ -164,6 +165,7 @@ class KFACPreconditioner:
         low_rank_min_dim: int = DEFAULT_LOW_RANK_MIN_DIM,
         low_rank_remainder: LowRankRemainder = "mean",
         decomposition_lag: int = 0,
+        eigen_refresh: EigenRefresh = "eigh",
         stats_precision: PrecisionOption = "auto",
         precondition_precision: PrecisionOption = "auto",
     ) -> None:
@@ -204,7 +206,8 @@ class KFACPreconditioner:
                              stats_precision=stats_precision,
                              precondition_precision=precondition_precision,
                              factor_dtype=_dtype_name(factor_dtype),
-                             inv_dtype=_dtype_name(inv_dtype) or "float32")
+                             inv_dtype=_dtype_name(inv_dtype) or "float32",
+                             eigen_refresh=eigen_refresh)
         if problems:
             raise ValueError(f"{problems[0].option} {problems[0].text()}")
         _check_rank_fits(low_rank, low_rank_energy, inv_dtype)
@@ -278,6 +281,7 @@ class KFACPreconditioner:
         self._decompositions: dict[FactorKey, dict[str, Tensor]] = {}
         self._decomposed_at: int | None = None
         self.decomposition_lag = decomposition_lag
+        self.eigen_refresh: EigenRefresh = eigen_refresh
         self._pending: BackgroundJob | None = None  # decompositions being computed
         self._side_stream: torch.cuda.Stream | None = None
         self._restored: dict[PieceKey, Tensor] | None = None  # loaded decompositions (owned)
@@ -813,14 +817,24 @@ class KFACPreconditioner:
                              ) -> dict[FactorKey, tuple[Tensor, Tensor] | Exception]:
         """Full eigendecompositions of the factors among ``states`` that get one, batched
         by size (:func:`~kfac_hpc.kfac.linalg.eigh_clamped_many`: one solver call, and
-        one host sync, per distinct size)."""
+        one host sync, per distinct size). With ``eigen_refresh="subspace"`` a factor
+        whose previous eigenbasis this rank holds is refreshed from it instead
+        (:func:`~kfac_hpc.kfac.linalg.refresh_eigenbases`: two GEMMs and a QR)."""
         if self.compute_method != "eigen":
             return {}
         keys = [key for key, state in states.items()
                 if state.average is not None and not self._is_low_rank(key)]
-        results = linalg.eigh_clamped_many(
-            [cast(Tensor, states[key].average) for key in keys], dtype=self.inv_dtype)
-        return dict(zip(keys, results))
+        previous = {key: self._decompositions[key]["Q"] for key in keys
+                    if self.eigen_refresh == "subspace" and key in self._decompositions}
+        fresh = [key for key in keys if key not in previous]
+        out: dict[FactorKey, tuple[Tensor, Tensor] | Exception] = dict(zip(
+            fresh, linalg.eigh_clamped_many(
+                [cast(Tensor, states[key].average) for key in fresh], dtype=self.inv_dtype)))
+        refreshed = list(previous)
+        out.update(zip(refreshed, linalg.refresh_eigenbases(
+            [cast(Tensor, states[key].average) for key in refreshed],
+            [previous[key] for key in refreshed], dtype=self.inv_dtype)))
+        return out
 
     def _decompose(self, key: FactorKey, state: FactorState,
                    eigen: tuple[Tensor, Tensor] | None = None,
@@ -1158,6 +1172,7 @@ class KFACPreconditioner:
                 "low_rank_min_dim": self.low_rank_min_dim,
                 "low_rank_remainder": self.low_rank_remainder,
                 "decomposition_lag": self.decomposition_lag,
+                "eigen_refresh": self.eigen_refresh,
                 "stats_precision": self.stats_precision,
                 "precondition_precision": self.precondition_precision,
                 "accumulation_steps": self.accumulation_steps, "world_size": self.comm.size,

@@ -61,7 +61,8 @@ _KFAC_FIELDS = {"strategy": "kfac_strategy", "overlap": "kfac_overlap",
                 "symmetric_packing": "kfac_symmetric_packing", "factor_sync": "kfac_factor_sync",
                 "compute_method": "kfac_compute_method", "stats_precision": "kfac_stats_precision",
                 "precondition_precision": "kfac_precondition_precision",
-                "factor_dtype": "kfac_factor_dtype", "inv_dtype": "kfac_inv_dtype"}
+                "factor_dtype": "kfac_factor_dtype", "inv_dtype": "kfac_inv_dtype",
+                "eigen_refresh": "kfac_eigen_refresh"}
 
 
 def _kfac_flag(option: str, value: str) -> str:
@@ -195,6 +196,9 @@ class TrainConfig:
         0, "steps an inverse update may take in the background (a worker thread, a side "
         "CUDA stream) before its decompositions replace the old ones; 0: in the step",
         "kfac")
+    kfac_eigen_refresh: str = _opt(
+        "eigh", "eigh | subspace: renew eigenbases by a full eigendecomposition, or by one "
+        "subspace-iteration step (two GEMMs and a QR) from the previous basis", "kfac")
     kfac_stats_precision: str = _opt(
         "auto", "auto | full | tf32 | bf16: operands of the factor statistics' GEMMs (auto: "
         "tf32 for float32 factors on CUDA, full elsewhere)", "kfac")
@@ -406,7 +410,8 @@ class TrainConfig:
                     stats_precision=self.kfac_stats_precision,
                     precondition_precision=self.kfac_precondition_precision,
                     factor_dtype=None if self.kfac_factor_dtype == "auto"
-                    else self.kfac_factor_dtype, inv_dtype=self.kfac_inv_dtype):
+                    else self.kfac_factor_dtype, inv_dtype=self.kfac_inv_dtype,
+                    eigen_refresh=self.kfac_eigen_refresh):
                 need(False, _KFAC_FIELDS.get(conflict.option, conflict.option),
                      conflict.text(_kfac_flag))
         # distributed / device
