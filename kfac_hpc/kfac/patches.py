@@ -69,6 +69,17 @@ def conv_output_size(h: int, w: int, kernel_size: Pair, stride: Pair, dilation: 
     return ho, wo
 
 
+def _input_geometry(x: Tensor, kernel_size: Pair, stride: Pair, dilation: Pair, pads: Pads,
+                    what: str) -> tuple[int, int, int, int, int, int]:
+    """``(b, C, H, W, Ho, Wo)`` of a ``(b, C, H, W)`` input (a ValueError naming ``what``
+    for any other rank)."""
+    if x.dim() != 4:
+        raise ValueError(f"{what} expects (b, C, H, W) input, got {tuple(x.shape)}")
+    b, c, h, w = x.shape
+    ho, wo = conv_output_size(h, w, kernel_size, stride, dilation, pads)
+    return b, c, h, w, ho, wo
+
+
 def _offset_slices(ho: int, wo: int, kernel_size: Pair, stride: Pair,
                    dilation: Pair) -> list[tuple[slice, slice]]:
     """Per kernel offset ``(i, j)`` (row-major), the rows and columns of the padded input
@@ -92,11 +103,9 @@ def patch_covariance(x: Tensor, kernel_size: Pair, stride: Pair, dilation: Pair,
     samples, at least one); ``blocks`` the block rows of the symmetric update (default
     by size, see the module docstring).
     """
-    if x.dim() != 4:
-        raise ValueError(f"patch_covariance expects (b, C, H, W) input, got {tuple(x.shape)}")
-    b, c, h, w = x.shape
+    b, c, h, w, ho, wo = _input_geometry(x, kernel_size, stride, dilation, pads,
+                                         "patch_covariance")
     top, bottom, left, right = pads
-    ho, wo = conv_output_size(h, w, kernel_size, stride, dilation, pads)
     kk = kernel_size[0] * kernel_size[1]
     d = c * kk
     dt = d + int(append_one)
@@ -146,12 +155,9 @@ def patch_rows(x: Tensor, kernel_size: Pair, stride: Pair, dilation: Pair, pads:
     and one copy: two kernels at most, where ``F.unfold`` runs one im2col kernel per
     sample on CUDA and the rows need a transposed copy after it.
     """
-    if x.dim() != 4:
-        raise ValueError(f"patch_rows expects (b, C, H, W) input, got {tuple(x.shape)}")
-    b, c, h, w = x.shape
+    b, c, _, _, ho, wo = _input_geometry(x, kernel_size, stride, dilation, pads, "patch_rows")
     (kh, kw), (sh, sw), (dh, dw) = kernel_size, stride, dilation
     top, bottom, left, right = pads
-    ho, wo = conv_output_size(h, w, kernel_size, stride, dilation, pads)
     if any(pads):  # any strides will do (channels-last too): only padding copies
         x = torch.nn.functional.pad(x, (left, right, top, bottom))
     sb, sc, sy, sx = x.stride()
@@ -172,12 +178,10 @@ def averaged_patches(x: Tensor, kernel_size: Pair, stride: Pair, dilation: Pair,
     or padding the input: one GEMM with the window indicator ``M_H ⊗ M_W``, or two thin
     GEMMs when that matrix has more than ``kron_max`` entries (module docstring).
     """
-    if x.dim() != 4:
-        raise ValueError(f"averaged_patches expects (b, C, H, W) input, got {tuple(x.shape)}")
-    b, c, h, w = x.shape
+    b, c, h, w, ho, wo = _input_geometry(x, kernel_size, stride, dilation, pads,
+                                         "averaged_patches")
     (kh, kw), (sh, sw), (dh, dw) = kernel_size, stride, dilation
     top, _, left, _ = pads
-    ho, wo = conv_output_size(h, w, kernel_size, stride, dilation, pads)
     mh = _window_indicator(h, kh, ho, sh, dh, top, x.dtype, x.device)
     mw = _window_indicator(w, kw, wo, sw, dw, left, x.dtype, x.device)
     with torch.autocast(device_type=x.device.type, enabled=False):
