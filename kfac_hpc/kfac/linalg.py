@@ -278,15 +278,23 @@ def refresh_eigenbases(factors: list[Tensor], bases: list[Tensor],
     qr(F·Q_prev).Q``, ``λ = diag(Qᵀ F Q)`` clamped at 0, in the factor's dtype (float32
     for half inputs), returned in ``dtype``.
 
+    ``bases`` hold their eigenvectors in ascending order of eigenvalue (as ``eigh`` and
+    this function return them); the QR takes them largest first, so the dominant
+    directions are orthonormalised first and the small ones keep what is left (in
+    ascending order a small direction, which the change of ``F`` since ``Q_prev``
+    dominates, would take a large one's place: on a ResNet-20 conv factor that made the
+    reconstruction error 0.63 instead of 0.012).
+
     ``Q diag(λ) Qᵀ`` is the factor with its off-diagonal part in the basis ``Q`` dropped:
     exact when ``Q_prev`` spans the factor's eigenvectors, and each refresh moves
     ``Q`` one power step towards them (a direction converges at the ratio of its
     eigenvalue to the next). Two GEMMs and a QR per factor (no solver error flags, so no
     host sync), against a full ``eigh``: a fraction of its time on a GPU (a QR of a
     4608² float32 matrix takes 39 ms on an H200, its ``eigh`` 124 ms). Factors of one
-    size and dtype are refreshed as one batch. λ follows ``Q``'s columns (not sorted).
+    size and dtype are refreshed as one batch. λ is returned in ascending order.
     """
     out: list[tuple[Tensor, Tensor]] = [(f, f) for f in factors]  # placeholders
+    # ``(f, f)`` only fills the list; every entry is replaced below
     groups: dict[tuple[tuple[int, ...], torch.dtype], list[int]] = {}
     for i, f in enumerate(factors):
         if bases[i].shape != f.shape:
@@ -296,9 +304,10 @@ def refresh_eigenbases(factors: list[Tensor], bases: list[Tensor],
     for members in groups.values():
         dt = _linalg_dtype(factors[members[0]])
         f = torch.stack([factors[i] for i in members]).to(dt)
-        q_prev = torch.stack([bases[i] for i in members]).to(dt)
+        q_prev = torch.stack([bases[i] for i in members]).to(dt).flip(-1)  # largest first
         q, _ = torch.linalg.qr(torch.bmm(f, q_prev))
-        lam = (q * torch.bmm(f, q)).sum(dim=1).clamp(min=0.0)
+        lam, order = (q * torch.bmm(f, q)).sum(dim=1).clamp(min=0.0).sort(dim=-1)
+        q = q.gather(2, order.unsqueeze(1).expand_as(q))  # ascending, as eigh's
         q, lam = q.to(dtype), lam.to(dtype)
         for j, i in enumerate(members):
             out[i] = (q[j], lam[j])
