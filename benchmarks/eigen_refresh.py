@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([str(step), f"{rec['factor median']:.1e}", f"{rec['factor max']:.1e}",
                      f"{rec['gradient median']:.1e}", f"{rec['gradient max']:.1e}",
                      f"{t_eigh * 1e3:.0f}", f"{t_refresh * 1e3:.0f}"])
+        print(f"step {step}: factor error median {rec['factor median']:.1e} max "
+              f"{rec['factor max']:.1e}; preconditioned gradient error median "
+              f"{rec['gradient median']:.1e} max {rec['gradient max']:.1e}", flush=True)
     pre.close()
     print(f"# eigen_refresh: {args.model}, batch {args.batch}, damping {args.damping}, "
           f"inverse updates every {args.inv_steps} steps, {args.device}, "
