@@ -255,7 +255,9 @@ def assert_restored_like_live(comm: Communicator, strategy: str, options: dict,
                           inspect=lambda pre, opt: live.update(layouts(pre, opt)))
     train_with_checkpoint(comm, strategy, options, root / "restored", resume=True,
                           inspect=lambda pre, opt: restored.update(layouts(pre, opt)))
-    assert any(k.startswith("decomposition") for k in live)
+    # the check proves something: some rank holds decompositions (under mem-opt at 4
+    # ranks a rank may be the gradient worker of no layer of this small model)
+    assert comm.any(any(k.startswith("decomposition") for k in live))
     assert any(k.startswith("optimizer") for k in live)
     assert restored.keys() == live.keys()
     differ = {k: (live[k], restored[k]) for k in live if live[k] != restored[k]}
