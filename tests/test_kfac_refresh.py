@@ -115,7 +115,7 @@ def test_refresh_beats_the_stale_basis_on_a_changed_factor():
     QR takes the dominant directions first (ascending order gave an error of 0.63)."""
     old = factor(144, 6, spread=4.0)
     new = 0.77 * old + 0.23 * factor(144, 7, spread=4.0)
-    lam, q = torch.linalg.eigh(old)
+    _, q = torch.linalg.eigh(old)
     (q2, lam2), = linalg.refresh_eigenbases([new], [q], torch.float64)
     stale = (q * (new @ q)).sum(dim=0)
     assert reconstruction_error(new, q2, lam2) < 0.6 * reconstruction_error(new, q, stale)
