@@ -609,3 +609,29 @@ def test_covariance_symmetric_path(d: int) -> None:
         symmetric_gram_(acc, rows, blocks)
         symmetric_gram_(acc, rows, blocks)  # accumulates
         assert rel_err(mirror_upper(acc), 2 * ref * n) < 1e-14
+
+
+def test_eigh_of_a_factor_with_zero_rows(monkeypatch):
+    """A 3x3 convolution's A on 1x1 feature maps is mostly zero padding: exact zero rows,
+    on which LAPACK's eigh can fail to converge (MKL did, in float32). eigh_clamped
+    retries on a slightly shifted diagonal and still reconstructs the factor."""
+    from kfac_hpc.kfac.layers import Conv2dCurvature
+
+    torch.manual_seed(0)
+    curv = Conv2dCurvature(torch.nn.Conv2d(64, 8, 3, padding=1, bias=False))
+    a = curv.a_factor(torch.relu(torch.randn(4, 64, 1, 1)))
+    assert int((a.abs().sum(0) == 0).sum()) > 400  # the padding's zero rows
+    q, lam = linalg.eigh_clamped(a)
+    torch.testing.assert_close(q @ torch.diag(lam) @ q.t(), a, rtol=0, atol=1e-5)
+
+    real = torch.linalg.eigh  # a solver that, like MKL here, fails on exact zero diagonals
+
+    def fails_on_zero_diagonal(m, *args, **kwargs):
+        if bool((m.diagonal(dim1=-2, dim2=-1) == 0).any()):
+            raise torch.linalg.LinAlgError("failed to converge (stand-in)")
+        return real(m, *args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "eigh", fails_on_zero_diagonal)
+    q, lam = linalg.eigh_clamped(a)
+    assert q.dtype == torch.float32 and bool((lam >= 0).all())
+    torch.testing.assert_close(q @ torch.diag(lam) @ q.t(), a, rtol=0, atol=1e-5)

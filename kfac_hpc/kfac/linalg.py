@@ -224,14 +224,25 @@ def eigh_clamped(F: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor,
     """Eigendecomposition ``F = Q diag(λ) Qᵀ`` of a symmetric factor, λ clamped at 0.
 
     Computed in ``F``'s dtype (float32 for fp16/bf16 inputs); if that raises
-    ``torch.linalg.LinAlgError`` (non-convergence), it is retried in float64. Only the
-    lower triangle of ``F`` is read. Returns ``(Q, λ)`` cast to ``dtype``, with λ in
-    ascending order.
+    ``torch.linalg.LinAlgError`` (non-convergence), it is retried in float64, and then
+    on ``F + s·I`` in float64 with ``s = 1e-9·max|diag F|`` (λ shifted back by ``s``):
+    LAPACK's divide and conquer can fail on factors with rows that are exactly zero,
+    e.g. a 3x3 convolution's ``A`` on 1x1 feature maps, where the zero padding is most
+    of every patch (seen with MKL, in float32 and float64). Only the lower triangle of
+    ``F`` is read. Returns ``(Q, λ)`` cast to ``dtype``, with λ in ascending order.
     """
     try:
         evals, evecs = torch.linalg.eigh(F.to(_linalg_dtype(F)))
     except torch.linalg.LinAlgError:
-        evals, evecs = torch.linalg.eigh(F.to(torch.float64))
+        f64 = F.to(torch.float64)
+        try:
+            evals, evecs = torch.linalg.eigh(f64)
+        except torch.linalg.LinAlgError:
+            shift = f64.diagonal().abs().amax() * 1e-9
+            shifted = f64.clone()
+            shifted.diagonal().add_(shift)
+            evals, evecs = torch.linalg.eigh(shifted)
+            evals = evals - shift
     return evecs.to(dtype), evals.clamp(min=0.0).to(dtype)
 
 
