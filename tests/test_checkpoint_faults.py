@@ -7,6 +7,9 @@
   checkpoints and ``latest`` are as they were, HDF5 has no file left open, and the
   process exits normally (on a real, tiny file system: in a subprocess, at 1 and 2
   ranks, where a user namespace can mount one).
+* Damaged bytes: no single flipped bit makes ``verify`` or ``latest(valid=True)`` raise
+  (h5py raises ``OSError``, ``KeyError``, ``RuntimeError``... for some); the file is BAD
+  and ``latest(valid=True)`` passes over it.
 * ``load`` applies everything or nothing: a section that fails after others were
   applied puts every section back; what can be checked beforehand (dtypes, RNG
   states, NaN) is checked before anything is applied.
@@ -30,7 +33,15 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from test_checkpoint_support import FakeKFAC, Net, make_optimizer, train_steps
+from test_checkpoint_support import (
+    FakeKFAC,
+    Net,
+    flip_bit,
+    make_optimizer,
+    raw_read_raises,
+    spread_bits,
+    train_steps,
+)
 from torch import nn
 
 from kfac_hpc import checkpoint
@@ -456,3 +467,38 @@ def test_other_kfac_entries_round_trip(tmp_path: Path, comm1: Any) -> None:
     assert fresh.extra["local"]["coefficient"] == 0.5
     assert torch.equal(fresh.extra["local"]["deltas"]["conv/A"], torch.zeros(2))
     fresh.check(1)
+
+
+# ------------------------------------------------------------------ damaged bytes
+def test_no_single_bit_flip_makes_verify_or_latest_raise(
+        tmp_path: Path, comm1: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """200 single-bit flips spread over a checkpoint: ``verify_file`` reports OK or BAD
+    with a reason and never raises, ``kfac-hpc ckpt verify`` prints OK or BAD, and
+    ``latest(valid=True)`` gives the flipped file when it verifies, else the good older
+    one. Some of these flips made h5py raise (and ``verify`` crash) before."""
+    model, opt, pre = _setup(comm1)
+    source = checkpoint.save(tmp_path / "src.h5", model=model, optimizer=opt,
+                             preconditioner=pre, step=2, comm=comm1)
+    data = source.read_bytes()
+    directory = tmp_path / "ck"
+    small = nn.Linear(2, 2)  # the good older checkpoint: small, quick to verify
+    older = checkpoint.save(directory, model=small, optimizer=None, step=1, comm=comm1)
+    newest = directory / "ckpt_00000002.h5"
+    checkpoint.atomic.write_pointer(directory, newest.name)  # as save leaves it
+    raised_before, bad = 0, 0
+    for i, bit in enumerate(spread_bits(len(data), 200)):
+        newest.write_bytes(flip_bit(data, bit))
+        crashed = raw_read_raises(newest)
+        raised_before += crashed
+        report = checkpoint.verify_file(newest)
+        assert report.ok or report.problems, bit
+        bad += not report.ok
+        if crashed or i % 4 == 0:  # latest(valid=True) verifies again: a sample
+            want = newest if report.ok else older
+            assert checkpoint.latest(directory, valid=True) == want, bit
+        if crashed or i % 8 == 0:  # the command too: it prints, never a traceback
+            status = cli_main(["ckpt", "verify", str(newest)])
+            out = capsys.readouterr().out
+            assert out.startswith("OK" if report.ok else "BAD") and status == (not report.ok)
+    assert raised_before >= 5, raised_before  # the sample holds flips that crashed before
+    assert bad >= 100, bad

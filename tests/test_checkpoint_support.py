@@ -276,3 +276,60 @@ def flip_byte(path: Path, dataset: str, offset_in_data: int = 0) -> None:
         b = fh.read(1)
         fh.seek(where + offset_in_data)
         fh.write(bytes([b[0] ^ 0x10]))
+
+
+def flip_bit(data: bytes, bit: int) -> bytes:
+    """``data`` with bit number ``bit`` (0 = the first byte's lowest bit) flipped."""
+    out = bytearray(data)
+    out[bit // 8] ^= 1 << (bit % 8)
+    return bytes(out)
+
+
+def spread_bits(nbytes: int, count: int) -> list[int]:
+    """``count`` bit positions spread over a file of ``nbytes`` bytes (deterministic:
+    evenly spaced, each at another bit of its byte)."""
+    return [(i * nbytes // count) * 8 + i % 8 for i in range(count)]
+
+
+def raw_read_raises(path: Path) -> bool:
+    """Whether reading ``path`` the plain h5py way raises what ``verify`` did not catch
+    before it caught everything: anything but a CheckpointError from the header checks
+    (after the file opened), anything but ``OSError``/``KeyError``/``ValueError`` from a
+    dataset read. Such bytes made ``verify``, ``latest(valid=True)`` and resume crash."""
+    import h5py
+
+    from kfac_hpc.checkpoint import CheckpointError
+    from kfac_hpc.checkpoint.verify import read_header
+
+    try:
+        f = h5py.File(path, "r", locking=False)
+    except OSError:
+        return False
+    with f:
+        try:
+            info, _ = read_header(f, str(path))
+        except CheckpointError:
+            return False
+        except Exception:
+            return True
+        for p in info.manifest:
+            try:
+                if p in f:
+                    f[p][()]
+            except (OSError, KeyError, ValueError):
+                pass
+            except Exception:
+                return True
+    return False
+
+
+def structural_flip(path: Path, tries: int = 400) -> int:
+    """Flip one bit of ``path`` (in place) that makes plain h5py reading raise
+    (:func:`raw_read_raises`); returns the bit. Searches :func:`spread_bits` in order."""
+    data = path.read_bytes()
+    for bit in spread_bits(len(data), tries):
+        path.write_bytes(flip_bit(data, bit))
+        if raw_read_raises(path):
+            return bit
+    path.write_bytes(data)
+    raise AssertionError(f"no bit of {path} among {tries} makes h5py raise")

@@ -304,6 +304,53 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(
     with pytest.raises(ConfigError, match=r"no usable checkpoint in .*every one is damaged"):
         train(cfg, comm, verbose=False)
 
+def damaged_structure_run(comm: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The newest checkpoint has a flipped bit that makes h5py raise (not a checksum
+    mismatch: the file's structure): ``--resume auto`` says so and resumes from the one
+    before it, and ``latest(valid=True)`` passes over it."""
+    from test_checkpoint_support import structural_flip
+
+    from kfac_hpc import checkpoint
+    from kfac_hpc.checkpoint.atomic import candidates
+
+    ck = tmp_path / "ck"
+    cfg = config(tmp_path, comm.size, epochs=1, checkpoint_dir=str(ck),
+                 checkpoint_every_steps=5, checkpoint_keep=3)
+    calls = {"n": 0}
+
+    def stop_at() -> bool:
+        calls["n"] += 1
+        return calls["n"] == 12
+
+    assert train(cfg, comm, verbose=False, should_stop=stop_at).steps == 12
+    files = candidates(ck)
+    assert [f.name for f in files] == ["ckpt_00000012.h5", "ckpt_00000010.h5",
+                                       "ckpt_00000005.h5"]
+    if comm.rank == 0:
+        structural_flip(files[0])
+        assert not checkpoint.verify_file(files[0]).ok
+        assert checkpoint.latest(ck, valid=True) == files[1]
+    comm.barrier()
+    capsys.readouterr()
+    second = train(cfg, comm, verbose=True)
+    out = capsys.readouterr().out
+    assert second.ranks_agree and second.steps == 22
+    if comm.rank == 0:
+        assert f"checkpoint {files[0]} is damaged (" in out, out
+        assert f"resumed from {files[1]} at step 10" in out, out
+
+
+def test_a_newest_checkpoint_whose_structure_is_damaged_is_skipped(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    damaged_structure_run(self_comm(), tmp_path, capsys)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_damaged_structure_is_skipped_on_every_rank(
+        comm: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    damaged_structure_run(comm, Path(comm.broadcast_object(str(tmp_path))), capsys)
+
+
 # ------------------------------------------------------------------ divergence
 DIVERGED = (r"^(?P<what>.+) at step (?P<step>\d+) \(epoch (?P<epoch>\d+)\)(?P<detail>.*); "
             r"last good checkpoint: (?P<ckpt>.+)$")

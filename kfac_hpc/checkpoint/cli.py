@@ -21,7 +21,13 @@ from typing import Any
 from kfac_hpc.checkpoint.atomic import latest, list_checkpoints
 from kfac_hpc.checkpoint.errors import CheckpointError
 from kfac_hpc.checkpoint.layout import KFAC, MODEL, OPTIMIZER, RNG, TRAIN
-from kfac_hpc.checkpoint.verify import FileInfo, open_checkpoint, read_header, verify_file
+from kfac_hpc.checkpoint.verify import (
+    FileInfo,
+    describe,
+    open_checkpoint,
+    read_header,
+    verify_file,
+)
 from kfac_hpc.units import format_bytes
 
 
@@ -156,10 +162,14 @@ def _inspect(args: argparse.Namespace) -> int:
     try:
         with open_checkpoint(path) as f:
             info, problems = read_header(f, str(path))
+        summary = summarize(info, os.path.getsize(path))
     except CheckpointError as exc:
         print(f"kfac-hpc ckpt: {exc}", file=sys.stderr)
         return 1
-    summary = summarize(info, os.path.getsize(path))
+    except Exception as exc:  # damaged bytes make h5py raise almost anything
+        print(f"kfac-hpc ckpt: {path}: damaged HDF5 structure ({describe(exc)})",
+              file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps({**summary, "problems": problems}, indent=2, default=str))
     else:

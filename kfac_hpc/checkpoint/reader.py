@@ -57,7 +57,13 @@ from kfac_hpc.checkpoint.state import (
     torch_state_from_names,
     unwrap,
 )
-from kfac_hpc.checkpoint.verify import FileInfo, open_checkpoint, read_chunks, read_header
+from kfac_hpc.checkpoint.verify import (
+    FileInfo,
+    describe,
+    open_checkpoint,
+    read_chunks,
+    read_header,
+)
 from kfac_hpc.checkpoint.writer import TAG, factor_path, kfac_rank_group, resolve_comm
 
 if TYPE_CHECKING:
@@ -332,8 +338,8 @@ def _read_own(plan: Plan, routes: list[Route]) -> tuple[dict[str, np.ndarray], l
     problems: list[str] = []
     try:
         f = h5py.File(plan.path, "r", locking=False)
-    except OSError as exc:
-        return staged, [f"cannot open {plan.path}: {exc}"]
+    except Exception as exc:  # damaged bytes make h5py raise almost anything
+        return staged, [f"cannot open {plan.path}: {describe(exc)}"]
     checks = _Checks()
     with f:
         for r in routes:
@@ -350,8 +356,9 @@ def _read(f: h5py.File | None, r: Route) -> tuple[np.ndarray | None, str | None]
     try:
         assert f is not None
         arr = c_order(read_chunks(f[r.path]))
-    except (OSError, KeyError, ValueError) as exc:
-        return None, f"dataset {r.path}: cannot read ({exc}); fletcher32 checksum failure or damage"
+    except Exception as exc:  # damaged bytes make h5py raise almost anything
+        return None, f"dataset {r.path}: cannot read ({describe(exc)}); fletcher32 checksum " \
+                     "failure or damage"
     if arr.shape != r.shape or arr.dtype.str != r.dtype:
         return None, f"dataset {r.path}: {arr.dtype.str}{list(arr.shape)} read, " \
                      f"{r.dtype}{list(r.shape)} expected"

@@ -41,8 +41,8 @@ from kfac_hpc.checkpoint.layout import (
     walk,
 )
 
-__all__ = ["FileInfo", "VerifyReport", "open_checkpoint", "read_dataset", "read_header",
-           "verify_file"]
+__all__ = ["FileInfo", "VerifyReport", "describe", "open_checkpoint", "read_dataset",
+           "read_header", "verify_file"]
 
 
 @dataclass
@@ -210,40 +210,70 @@ def read_dataset(f: h5py.File, path: str, want_digest: str) -> tuple[np.ndarray 
     """Read a dataset and check it: (array, None) or (None, problem)."""
     try:
         arr = np.asarray(f[path][()])
-    except (OSError, KeyError, ValueError) as exc:
-        return None, f"dataset {path}: cannot read ({exc}); fletcher32 checksum failure or damage"
-    got = digest(arr)
+        got = digest(arr)
+    except Exception as exc:  # damaged bytes make h5py raise almost anything
+        return None, f"dataset {path}: cannot read ({describe(exc)}); fletcher32 checksum " \
+                     "failure or damage"
     if got != want_digest:
         return None, f"dataset {path}: checksum mismatch (stored {want_digest}, data {got})"
     return arr, None
 
 
+def describe(exc: BaseException) -> str:
+    """An exception raised while reading damaged bytes, as one line for a report."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def verify_file(path: str | os.PathLike[str], *, data: bool = True) -> VerifyReport:
-    """Check a checkpoint file; never raises for a bad file (see ``report.problems``)."""
+    """Check a checkpoint file; never raises for a bad file (see ``report.problems``).
+
+    Whatever the bytes, the outcome is a report: a damaged file can make h5py and
+    numpy raise almost anything while reading (``OSError``, ``KeyError``,
+    ``RuntimeError``, ``ValueError``, ``TypeError``, ``IndexError``, ``struct.error``,
+    ``MemoryError``...); each becomes a problem naming what was being read.
+
+    Args:
+        path: The checkpoint file.
+        data: Also read every dataset and check its checksum and finiteness.
+
+    Returns:
+        The report; ``report.ok`` is True when no problem was found.
+    """
     spath = str(path)
+    report = VerifyReport(spath, False)
     try:
-        f = open_checkpoint(path)
+        _verify(spath, data, report)
     except CheckpointError as exc:
-        return VerifyReport(spath, False, [str(exc)])
-    with f:
-        try:
-            info, problems = read_header(f, spath)
-        except CheckpointError as exc:
-            return VerifyReport(spath, False, [str(exc)])
-        report = VerifyReport(spath, False, problems, info)
+        report.problems.append(str(exc))
+    except Exception as exc:  # damaged bytes: whatever h5py/numpy raise is a problem
+        report.problems.append(f"{spath}: damaged HDF5 structure ({describe(exc)})")
+    report.ok = not report.problems
+    return report
+
+
+def _verify(spath: str, data: bool, report: VerifyReport) -> None:
+    """The checks of :func:`verify_file`, adding to ``report`` (may raise)."""
+    with open_checkpoint(spath) as f:
+        info, problems = read_header(f, spath)
+        report.problems.extend(problems)
+        report.info = info
         for p, want in info.manifest.items():
             if p not in f:
                 continue
             report.datasets += 1
+            d = f[p]
+            if not isinstance(d, h5py.Dataset) or list(d.shape or ()) != list(want["shape"]) \
+                    or d.dtype.str != want["dtype"]:
+                continue  # reported by read_header; reading a damaged shape could be huge
             if data:
                 arr, problem = read_dataset(f, p, want["digest"])
                 if problem:
-                    problems.append(problem)
+                    report.problems.append(problem)
                 elif arr is not None:
                     report.nbytes += arr.nbytes
                     bad = nonfinite_count(arr, want.get("torch_dtype")) if checked(p) else 0
                     if bad:
-                        problems.append(f"dataset {p} holds NaN/Inf ({bad} of {arr.size} "
-                                        "values): the run that wrote it had diverged")
-    report.ok = not report.problems
-    return report
+                        report.problems.append(
+                            f"dataset {p} holds NaN/Inf ({bad} of {arr.size} values): the "
+                            "run that wrote it had diverged")
