@@ -88,7 +88,11 @@ class FusedAllreduce:
     """Allreduce a list of tensors as few fused messages (each at most ``cap_mb``).
 
     ``start()`` posts non-blocking reductions; ``wait()`` completes them and writes
-    the results back into the original tensors.
+    the results back into the original tensors. The first ``start()`` is collective
+    beyond the reductions: the ranks agree on the message sizes (one 16-byte allreduce,
+    :meth:`~kfac_hpc.comm.Communicator.agree`) and every rank raises the same
+    ``ValueError`` where they differ, before MPI sees any buffer; later starts reuse
+    the agreement (the sizes are fixed at construction).
     """
 
     def __init__(self, comm: Communicator, tensors: Sequence[torch.Tensor], *,
@@ -99,8 +103,19 @@ class FusedAllreduce:
         sizes = [t.numel() * (dtype.itemsize if dtype else t.element_size()) for t in tensors]
         self.groups = buckets_by_size(sizes, int(cap_mb * 2**20))
         self._inflight: list[tuple[list[int], Handle[torch.Tensor]]] = []
+        self._agreed = False
+
+    def layout(self) -> list[tuple[int, str]]:
+        """Elements and dtype of each fused message, in posting order."""
+        return [(sum(self.tensors[i].numel() for i in group),
+                 str(self.dtype or self.tensors[group[0]].dtype)) for group in self.groups]
 
     def start(self) -> FusedAllreduce:
+        if not self._agreed:
+            self.comm.agree(self.layout(), "the fused allreduce's messages (elements, dtype)",
+                            hint="pass tensors of the same sizes, in the same order, and the "
+                                 "same cap_mb and dtype on every rank")
+            self._agreed = True
         for group in self.groups:
             flat = flatten([self.tensors[i] for i in group], self.dtype)
             self._inflight.append((group, self.comm.iallreduce(flat, self.op)))

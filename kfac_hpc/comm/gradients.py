@@ -23,13 +23,22 @@ class GradientAverager:
     that never completed, e.g. of unused parameters, go last). From then on a bucket's
     allreduce starts from a gradient hook as soon as it and every bucket before it in
     the agreed order are complete: communication overlaps with backward.
-    ``synchronize()`` posts what is left (parameters without gradients travel as zeros
-    and keep ``grad=None``), waits, and writes the averages back.
+    ``synchronize()`` posts what is left, waits, and writes the averages back.
 
-    ``check_replicas`` (default): the constructor checks, collectively, that every rank
-    holds the same parameters (structure and values; see
-    :func:`~kfac_hpc.comm.replicas.check_replicas`): ranks with different models would
-    otherwise post reductions of different sizes (memory corruption or a hang).
+    Parameters without a gradient at a step (``grad=None``: unused in this forward)
+    travel as zeros, and one flag per parameter travels with its bucket, so every rank
+    ends the step with the same gradients: a parameter with a gradient on some rank gets
+    the average (the missing ones counted as zeros) on every rank, one without a gradient
+    on every rank keeps ``grad=None``. The message sizes never depend on the step.
+
+    The constructor agrees, collectively, on the bucket layout (the message sizes every
+    rank will post; one 16-byte allreduce) and raises the same ``ValueError`` on every
+    rank where it differs, before MPI sees any bucket. With ``check_replicas`` (default)
+    the layout is part of the replica check, which also checks that every rank holds the
+    same parameters (names, shapes, dtypes, which ones train, values; see
+    :func:`~kfac_hpc.comm.replicas.check_replicas`): ranks with different models or that
+    freeze different parameters would otherwise post reductions of different sizes
+    (memory corruption or a hang).
 
     With torch DDP the gradients are already averaged: do not use both.
     Inside ``with averager.no_sync():`` (gradient accumulation) nothing is sent.
@@ -45,9 +54,20 @@ class GradientAverager:
     def __init__(self, model: nn.Module, comm: Communicator, *, bucket_cap_mb: float = 25.0,
                  dtype: torch.dtype | None = None, check_replicas: bool = True) -> None:
         self.comm = comm
-        if check_replicas:  # ranks with different models would post mismatched buckets
-            replicas.check_replicas(model.named_parameters(), comm)
         self.params = [p for p in model.parameters() if p.requires_grad][::-1]
+        sizes = [p.numel() * (dtype.itemsize if dtype else p.element_size()) for p in self.params]
+        self.buckets = buckets_by_size(sizes, int(bucket_cap_mb * 2**20))
+        # what each bucket's message holds (gradients, then one flag per parameter): every
+        # rank must post the same sizes, agreed here once, before MPI sees any bucket
+        layout = [(sum(self.params[i].numel() for i in idx) + len(idx),
+                   str(dtype or self.params[idx[0]].dtype)) for idx in self.buckets]
+        if check_replicas:  # ranks with different models would post mismatched buckets
+            replicas.check_replicas(model.named_parameters(), comm,
+                                    settings={"gradient buckets": layout})
+        else:
+            comm.agree(layout, "the GradientAverager's buckets (elements, dtype)",
+                       hint="build the model, freeze the same parameters and pass the same "
+                            "bucket_cap_mb and dtype on every rank")
         devices = sorted({str(p.device) for p in self.params})
         if len(devices) > 1:
             raise ValueError(f"GradientAverager needs every parameter on one device, got "
@@ -55,8 +75,6 @@ class GradientAverager:
         if any(p.is_cuda for p in self.params) and comm.size > 1:
             threads.require_hook_level(what="GradientAverager posts reductions from backward "
                                             "hooks, which run on autograd's CUDA worker thread")
-        sizes = [p.numel() * (dtype.itemsize if dtype else p.element_size()) for p in self.params]
-        self.buckets = buckets_by_size(sizes, int(bucket_cap_mb * 2**20))
         self.dtype = dtype
         self._bucket_of = {id(p): b for b, idx in enumerate(self.buckets)
                            for p in (self.params[i] for i in idx)}
@@ -92,9 +110,11 @@ class GradientAverager:
                 handle.test()
 
     def _post(self, b: int) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p)
-                 for p in (self.params[i] for i in self.buckets[b])]
-        self._handles[b] = self.comm.iallreduce(flatten(grads, self.dtype), "avg")
+        params = [self.params[i] for i in self.buckets[b]]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flags = torch.tensor([float(p.grad is not None) for p in params],
+                             dtype=self.dtype or params[0].dtype, device=params[0].device)
+        self._handles[b] = self.comm.iallreduce(flatten([*grads, flags], self.dtype), "avg")
         self._posted.add(b)
         self._posted_order.append(b)
         self._next += 1
@@ -111,11 +131,14 @@ class GradientAverager:
             assert handle is not None
             params = [self.params[i] for i in self.buckets[b]]
             flat = handle.wait()
+            flags = flat[flat.numel() - len(params):].tolist()  # > 0: some rank had a grad
             offset = 0
-            for p in params:
+            for p, flag in zip(params, flags):
                 n = p.numel()
                 if p.grad is not None:
                     unflatten_into(flat[offset:offset + n], [p.grad])
+                elif flag > 0:  # a gradient on another rank: this rank takes the average
+                    p.grad = flat[offset:offset + n].view(p.shape).to(p.dtype, copy=True)
                 offset += n
         if self._order is None:
             self._order = self._agree_on_order()

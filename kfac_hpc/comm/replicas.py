@@ -6,9 +6,12 @@ corruption or a hang); ranks that start from different values silently train dif
 models. :func:`check_replicas` finds both before any training collective, with messages
 of fixed size only:
 
-1. the *structure* (names, shapes, dtypes, plus any ``settings`` that must agree) as a
-   64-bit digest: one 16-byte allreduce (max of ``d`` and of ``-d``) tells whether all
-   ranks agree, whatever their models;
+1. the *structure* (names, shapes, dtypes, which parameters train (``requires_grad``:
+   a frozen parameter is left out of every gradient reduction, so ranks that freeze
+   different parameters would post reductions of different sizes), plus any
+   ``settings`` that must agree, e.g. a message layout) as a 64-bit digest: one
+   16-byte allreduce (max of ``d`` and of ``-d``) tells whether all ranks
+   agree, whatever their models;
 2. the *values*: rank 0 broadcasts one ``(sum, sum of |x|)`` row per parameter tensor
    (float64, read back from the device in one transfer), every rank compares its own,
    and a 4-byte allreduce agrees on the outcome.
@@ -40,13 +43,28 @@ def replica_check_bytes(param_tensors: int) -> list[int]:
 def check_replicas(named_parameters: Iterable[tuple[str, Tensor]], comm: Communicator, *,
                    settings: Mapping[str, Any] | None = None, what: str = "model") -> None:
     """Raise the same ``ValueError`` on every rank unless all ranks hold parameters of the
-    same names, shapes and dtypes, with equal values (a checksum, 1e-9 relative), and
-    equal ``settings`` (compared exactly). Collective; nothing at world size 1."""
+    same names, shapes, dtypes and ``requires_grad``, with equal values (a checksum, 1e-9
+    relative), and equal ``settings`` (compared exactly). Collective; nothing at world
+    size 1.
+
+    Args:
+        named_parameters: ``(name, parameter)`` pairs, e.g. ``model.named_parameters()``.
+        comm: the ranks that must agree.
+        settings: anything else that must be equal on every rank (compared by ``repr``
+            in the digest, by ``==`` for the message), e.g. the layout of the messages
+            the caller will post.
+        what: what the parameters belong to, for the message.
+
+    Raises:
+        ValueError: on every rank, naming the ranks and parameters or settings that
+            differ from rank 0's, and the fix.
+    """
     if comm.size == 1:
         return
     params = list(named_parameters)
     settings = dict(settings or {})
-    structure = [(name, tuple(p.shape), str(p.dtype)) for name, p in params]
+    structure = [(name, tuple(p.shape), str(p.dtype), bool(p.requires_grad))
+                 for name, p in params]
     if not _agree(comm, _digest(repr((structure, sorted(settings.items()))))):
         _raise_structure(comm, structure, settings, what)
     sums = _checksums([p for _, p in params])
@@ -84,31 +102,56 @@ def _checksums(params: list[Tensor]) -> Tensor:
         return torch.stack(rows).cpu()
 
 
-def _raise_structure(comm: Communicator, structure: list[tuple[str, tuple[int, ...], str]],
-                     settings: dict[str, Any], what: str) -> None:
+Structure = list[tuple[str, tuple[int, ...], str, bool]]
+
+
+def _raise_structure(comm: Communicator, structure: Structure, settings: dict[str, Any],
+                     what: str) -> None:
     everyone = comm.allgather_object((structure, settings))
     base_structure, base_settings = everyone[0]
     problems: dict[int, str] = {}
+    trainable_only: list[bool] = []  # per rank whose structure differs
     for rank, (theirs, their_settings) in enumerate(everyone):
+        parts = []
+        if theirs != base_structure:
+            text, only = _structure_difference(theirs, base_structure)
+            trainable_only.append(only)
+            parts.append(text)
         if their_settings != base_settings:
             keys = sorted(k for k in set(their_settings) | set(base_settings)
                           if their_settings.get(k) != base_settings.get(k))
-            problems[rank] = "; ".join(f"{k}={their_settings.get(k)!r} (rank 0: "
-                                       f"{base_settings.get(k)!r})" for k in keys)
-        elif theirs != base_structure:
-            problems[rank] = _structure_difference(theirs, base_structure)
+            parts.append("; ".join(f"{k}={their_settings.get(k)!r} (rank 0: "
+                                   f"{base_settings.get(k)!r})" for k in keys))
+        if parts:
+            problems[rank] = "; ".join(parts)
+    if trainable_only and all(trainable_only):
+        fix = ("every rank must train the same parameters: set requires_grad identically on "
+               "every rank (freeze the same layers everywhere) before building the gradient "
+               "averager, optimizer or preconditioner")
+    else:
+        fix = ("every rank must build the same model with the same settings (data-parallel "
+               "training)")
     raise ValueError(
-        f"ranks hold different {what}s (rank: difference from rank 0): {problems}; every rank "
-        "must build the same model with the same settings (data-parallel training)")
+        f"ranks hold different {what}s (rank: difference from rank 0): {problems}; {fix}")
 
 
-def _structure_difference(theirs: list[tuple[str, tuple[int, ...], str]],
-                          base: list[tuple[str, tuple[int, ...], str]]) -> str:
-    mine, ref = {n: (s, d) for n, s, d in theirs}, {n: (s, d) for n, s, d in base}
+def _structure_difference(theirs: Structure, base: Structure) -> tuple[str, bool]:
+    """The difference of ``theirs`` from ``base`` in words, and whether it is only in
+    which parameters train."""
+    mine = {n: (s, d) for n, s, d, _ in theirs}
+    ref = {n: (s, d) for n, s, d, _ in base}
     extra = [n for n in mine if n not in ref][:3]
     missing = [n for n in ref if n not in mine][:3]
     changed = [f"{n} {mine[n][0]} {mine[n][1]} vs {ref[n][0]} {ref[n][1]}"
                for n in mine if n in ref and mine[n] != ref[n]][:3]
+    trains = {n: t for n, _, _, t in theirs}
+    ref_trains = {n: t for n, _, _, t in base}
+    frozen = [n for n in trains if n in ref_trains and ref_trains[n] and not trains[n]]
+    trained = [n for n in trains if n in ref_trains and trains[n] and not ref_trains[n]]
     parts = [f"extra {extra}" if extra else "", f"missing {missing}" if missing else "",
-             f"different {changed}" if changed else ""]
-    return ", ".join(p for p in parts if p) or "parameter order differs"
+             f"different {changed}" if changed else "",
+             f"requires_grad=False on {frozen[:5]} (rank 0 trains them)" if frozen else "",
+             f"requires_grad=True on {trained[:5]} (rank 0 freezes them)" if trained else ""]
+    text = ", ".join(p for p in parts if p)
+    only_trainable = not (extra or missing or changed) and bool(frozen or trained)
+    return text or "parameter order differs", only_trainable

@@ -259,9 +259,25 @@ class KFACPreconditioner:
             precondition_precision, device_type=self.device.type,
             dtype=_dtype_name(inv_dtype) or "", auto="full")
         self.input_shape = batch_shape
-        if check_replicas:  # the placement depends on input_shape: it must agree too
-            replicas.check_replicas(model.named_parameters(), self.comm,
-                                    settings={"input_shape": batch_shape})
+        # what shapes the messages must agree before any of them: the layers K-FAC
+        # registered (skip_layers, frozen weights), their dimensions, and the options that
+        # decide placement and buckets (the placement depends on input_shape too)
+        layout = {
+            "input_shape": batch_shape,
+            "kfac layers": tuple((n, c.a_dim, c.g_dim) for n, c in self.layers.items()),
+            "strategy": strategy, "grad_worker_fraction": grad_worker_fraction,
+            "factor_dtype": str(self.factor_dtype), "overlap": overlap,
+            "bucket_cap_mb": bucket_cap_mb, "factor_sync": factor_sync,
+            "symmetric_packing": symmetric_packing,
+            "local_decomposition_threshold": local_decomposition_threshold,
+            "compute_method": compute_method, "low_rank": low_rank,
+            "low_rank_min_dim": low_rank_min_dim}
+        if check_replicas:
+            replicas.check_replicas(model.named_parameters(), self.comm, settings=layout)
+        else:  # no replica check: still agree on the message layout (one 16-byte allreduce)
+            self.comm.agree(sorted(layout.items()), "K-FAC's layers and message options",
+                            hint="register the same layers (skip_layers, requires_grad) and "
+                                 "pass the same options on every rank")
 
         grad_workers = grad_workers_for(strategy, self.comm.size, grad_worker_fraction)
         self._decomposition_cost = decomposition_cost(low_rank, low_rank_min_dim)

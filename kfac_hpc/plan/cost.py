@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from kfac_hpc.comm.buffers import WIDENED_DTYPES
+from kfac_hpc.comm.communicator import AGREE_BYTES
 from kfac_hpc.comm.fusion import buckets_by_size, triu_count
 from kfac_hpc.comm.replicas import replica_check_bytes
 from kfac_hpc.kfac.lowrank import sketches
@@ -447,11 +448,13 @@ class Distribution:
 
 def construction_traffic(model: ModelSpec, options: KFACOptions, world: int) -> StepTraffic:
     """The constructor's replica check (:func:`kfac_hpc.comm.replicas.check_replicas`):
-    a structure digest, the parameter checksums and the outcome; nothing at world size 1
-    or with ``check_replicas=False``."""
+    a structure digest, the parameter checksums and the outcome; with
+    ``check_replicas=False`` the layout agreement only
+    (:meth:`kfac_hpc.comm.Communicator.agree`, 16 bytes); nothing at world size 1."""
     out = StepTraffic(bytes={"construction": 0}, calls={"construction": 0})
-    if world > 1 and options.check_replicas:
-        for nbytes in replica_check_bytes(model.param_tensors):
+    if world > 1:
+        for nbytes in replica_check_bytes(model.param_tensors) if options.check_replicas \
+                else [AGREE_BYTES]:
             out.add("construction", nbytes, 1)
     return out
 
