@@ -35,6 +35,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from kfac_hpc.factory_options import coerce_options
+
 __all__ = ["GPT", "BasicBlock", "Bottleneck", "build_model", "model_names", "register_model"]
 
 ModelBuilder = Callable[..., nn.Module]
@@ -88,7 +90,9 @@ def build_model(
             ``mlp``, ``stem="cifar"`` for ``resnet50``, ``zero_init_residual=True``.
 
     Raises:
-        ValueError: unknown name or option, or inconsistent sizes.
+        ValueError: unknown name or option, an option value that does not fit the
+            builder's annotation (:func:`kfac_hpc.factory_options.coerce_options`), or
+            inconsistent sizes.
     """
     if name not in _REGISTRY:
         raise ValueError(f"unknown model {name!r}; valid names: {', '.join(model_names())}")
@@ -104,6 +108,7 @@ def build_model(
             f"model {name!r} does not take option(s) {', '.join(unknown)}; "
             f"its options are: {', '.join(accepted) or '(none)'}"
         )
+    options = coerce_options(builder, options)
     return builder(
         num_classes=num_classes,
         in_channels=in_channels,

@@ -51,6 +51,19 @@ def test_module_entry_point_reports_bad_values(tmp_path: Path) -> None:
     assert "--epochs: expected an integer, got 'x'" in p.stderr and "Traceback" not in p.stderr
 
 
+@pytest.mark.parametrize("option, message", [
+    ("hidden=64.7", "--model-options hidden=64.7: expected int or a list of int"),
+    ("hidden=abc", '--model-options hidden="abc": expected int or a list of int'),
+])
+def test_bad_model_option_value_exits_2_naming_it(tmp_path: Path, option: str,
+                                                  message: str) -> None:
+    p = run([*KFAC_HPC, "train", "--model-options", option, "--epochs", "1", "--no-progress",
+             "--out", str(tmp_path / "run")], tmp_path)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert message in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.count(message) == 1, p.stderr
+
+
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
 def test_bad_input_on_two_ranks_prints_once(tmp_path: Path) -> None:
     """A missing data path is found during setup (a file-system check): every rank

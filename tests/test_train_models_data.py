@@ -108,6 +108,65 @@ def test_mlp_hidden_option() -> None:
     assert widths == [5, 6, 7, 3]
 
 
+def _widths(model: nn.Module) -> list[int]:
+    return [m.out_features for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+@pytest.mark.parametrize("text, widths", [
+    ('hidden="64"', [64, 3]),  # a quoted number: one layer of 64, not (6, 4)
+    ("hidden=64", [64, 3]),  # a scalar where a sequence is expected: (64,)
+    ("hidden=[32,16]", [32, 16, 3]),
+])
+def test_mlp_hidden_option_from_text(text: str, widths: list[int]) -> None:
+    """``--model-options`` text is parsed (JSON), then converted by the builder's
+    annotation ``hidden: Sequence[int]``."""
+    from kfac_hpc.train.config import parse_key_values
+
+    options = parse_key_values([text])
+    assert _widths(build_model("mlp", num_classes=3, input_dim=10, **options)) == widths
+
+
+@pytest.mark.parametrize("text, message", [
+    ("hidden=64.7", r'--model-options hidden=64\.7: expected int or a list of int .*got '
+                    r"float 64\.7 \(a float is not an int\)"),
+    ("hidden=abc", r'--model-options hidden="abc": expected int or a list of int .*got the '
+                   r'text "abc"'),
+    ("hidden=[8,2.5]", r"--model-options hidden=\[8, 2\.5\]: expected int or a list of int"),
+])
+def test_mlp_hidden_option_errors_name_the_option_and_type(text: str, message: str) -> None:
+    from kfac_hpc.train.config import parse_key_values
+
+    options = parse_key_values([text])
+    with pytest.raises(ValueError, match=message):
+        build_model("mlp", num_classes=3, input_dim=10, **options)
+
+
+def test_other_model_options_are_converted_by_annotation() -> None:
+    with pytest.raises(ValueError, match=r"--model-options stem=3: expected str, got int 3"):
+        build_model("resnet50", num_classes=10, stem=3)
+    with pytest.raises(ValueError, match=r'zero_init_residual="yes": expected bool'):
+        build_model("resnet50", num_classes=10, zero_init_residual="yes")
+    with pytest.raises(ValueError, match=r"context=2\.5: expected int or null"):
+        build_model("gpt", num_classes=10, input_dim=8, context=2.5)
+    gpt = build_model("gpt", num_classes=10, input_dim=8, dim="16", depth=1, context=None)
+    assert isinstance(gpt, nn.Module)
+
+
+def test_plugin_model_options_are_converted_by_annotation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``pkg.module:factory``'s options follow its annotations too (examples/custom_model:
+    ``width: int``); an error is a ConfigError naming the factory and the option."""
+    from kfac_hpc.train.config import ConfigError
+    from kfac_hpc.train.plugins import build_plugin_model
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    kw = {"num_classes": 3, "in_channels": 1, "image_size": None, "input_dim": 10}
+    model = build_plugin_model("examples.custom_model:build_model", **kw, width="8")
+    assert 8 in _widths(model)
+    with pytest.raises(ConfigError, match=r"--model 'examples.custom_model:build_model': "
+                                          r"--model-options width=64\.7: expected int"):
+        build_plugin_model("examples.custom_model:build_model", **kw, width=64.7)
+
+
 @pytest.mark.parametrize("name", ["mlp", "resnet20"])
 def test_deterministic_init(name: str) -> None:
     def params(seed: int) -> list[torch.Tensor]:

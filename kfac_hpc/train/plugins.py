@@ -7,7 +7,9 @@ nested attributes) must be callable. The contracts (also in docs/training.md):
 
 * **model factory** ``f(*, num_classes, in_channels, image_size, input_dim,
   **model_options) -> nn.Module``: it receives the keywords it declares (all of them
-  when it takes ``**kwargs``) plus every ``--model-options KEY=VALUE``. It must build
+  when it takes ``**kwargs``) plus every ``--model-options KEY=VALUE``, converted by
+  its annotations (:mod:`kfac_hpc.factory_options`: ``width: int`` refuses ``64.7``,
+  ``hidden: Sequence[int]`` takes ``64`` as ``(64,)``). It must build
   the same parameters on every rank from torch's global RNG (the driver seeds it
   first and then broadcasts rank 0's parameters anyway). K-FAC preconditions its
   ``nn.Linear``/``nn.Conv2d`` layers; Shampoo every parameter.
@@ -40,6 +42,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from kfac_hpc.factory_options import coerce_options
 from kfac_hpc.train.config import ConfigError, is_plugin, plugin_syntax_ok
 from kfac_hpc.train.data import DatasetSplits
 
@@ -109,6 +112,10 @@ def build_plugin_model(spec: str, *, num_classes: int, in_channels: int,
     fn = load_factory(spec, "--model")
     common = {"num_classes": num_classes, "in_channels": in_channels,
               "image_size": image_size, "input_dim": input_dim}
+    try:
+        options = coerce_options(fn, options)
+    except ValueError as exc:
+        raise ConfigError(f"--model {spec!r}: {exc}") from None
     model = _call(fn, spec, "--model", common, required=dict(options))
     if not isinstance(model, nn.Module):
         raise ConfigError(f"--model {spec!r}: the factory returned a "
