@@ -44,6 +44,18 @@ def build_parser(names: Sequence[str] | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
+    if command == "train":  # a job: catch preemption signals before torch and MPI load
+        from kfac_hpc.train import cli as train_cli
+
+        train_cli.install_startup_signals(argv)
+        try:
+            return _main(argv, command)
+        finally:
+            train_cli.uninstall_startup_signals()
+    return _main(argv, command)
+
+
+def _main(argv: list[str], command: str | None) -> int:
     parser = build_parser([command] if command in SUBCOMMANDS else [])
     args = parser.parse_args(argv)
     if args.command is None:

@@ -212,10 +212,10 @@ def test_crash_without_progress_is_not_requeued(tmp_path):
     assert not (tmp_path / "slurm" / "requeues").exists()
 
 
-@pytest.mark.parametrize("status", [1, 2, 3])
+@pytest.mark.parametrize("status", [1, 2, 3, 130])
 def test_deliberate_failures_are_not_requeued(tmp_path, status):
-    """1 (checkpoint write failed), 2 (bad input), 3 (diverged) are never requeued, even
-    with a newer checkpoint; 139 (segfault) with one is."""
+    """1 (checkpoint write failed), 2 (bad input), 3 (diverged), 130 (Ctrl-C) are never
+    requeued, even with a newer checkpoint; 139 (segfault) with one is."""
     env = dict(os.environ)
     env.update({"PATH": f"{FAKE}{os.pathsep}{env['PATH']}", "FAKE_SLURM_DIR": str(tmp_path),
                 "SLURM_JOB_ID": "77", "KFAC_CHECKPOINT_DIR": str(tmp_path / "none")})

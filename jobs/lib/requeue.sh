@@ -19,7 +19,8 @@
 # no NaN/Inf) of a later step than the newest valid one when the step started. A step
 # that crashes before its first new checkpoint would crash again the same way (a
 # deterministic bug): it is not requeued, so it does not burn the allocation. Statuses
-# 1, 2 and 3 are never requeued (3, NaN, is deterministic). Without KFAC_CHECKPOINT_DIR
+# 1, 2, 3 and 130 (Ctrl-C: the user asked to stop) are never requeued (3, NaN, is
+# deterministic). Without KFAC_CHECKPOINT_DIR
 # crashes are not requeued.
 
 KFAC_REQUEUE_EXIT_CODE=75
@@ -84,10 +85,11 @@ run_with_requeue() {
     local why
     case "$rc" in
         0) echo "kfac_hpc: job step finished with status 0 (done)"; return 0 ;;
-        1|2|3)
+        1|2|3|130)
             case "$rc" in
                 1) why="a checkpoint could not be written" ;;
                 2) why="bad input" ;;
+                130) why="interrupted (SIGINT) after a checkpoint: resubmit to continue" ;;
                 *) why="training diverged (NaN/Inf): deterministic, a restart would diverge again" ;;
             esac
             echo "kfac_hpc: job step finished with status $rc ($why); not requeueing"

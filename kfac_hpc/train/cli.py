@@ -8,20 +8,40 @@ parameters or K-FAC/Shampoo statistics became NaN/Inf: one message on rank 0 nam
 the step and the last good checkpoint, every rank exits 3 together), 1 when a
 checkpoint cannot be written (disk full, ...: one message, every rank exits 1), 4 when
 a rank made no progress for ``--hang-timeout-minutes`` (the watchdog prints that rank's
-stacks and aborts the job), 75 after a preemption checkpoint; any other error aborts
-all ranks with the failing rank's traceback.
+stacks and aborts the job), 75 after a preemption checkpoint, or on a preemption signal
+that arrives before anything can be checkpointed (the first seconds: see
+:class:`StartupSignals`), 130 after Ctrl-C (SIGINT: every rank checkpoints at the next
+step and rank 0 names the file); any other error aborts all ranks with the failing
+rank's traceback.
+
+Usage errors found before MPI starts (a bad flag or value, a broken config file) are
+agreed over MPI before any rank exits (:func:`agree_on_usage`): a launcher kills the
+other ranks as soon as one exits with an error, so a rank that exits first must not
+take rank 0's message with it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import typing
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["add_arguments", "env_rank", "main", "run", "select_device_before_mpi"]
+if TYPE_CHECKING:  # imports torch: not before the start-up signal handlers are in place
+    from kfac_hpc.train.config import TrainConfig
+
+__all__ = ["INTERRUPT_EXIT_CODE", "REQUEUE_EXIT_CODE", "StartupSignals", "add_arguments",
+           "agree_on_usage", "env_rank", "env_size", "main", "run", "select_device_before_mpi"]
+
+# = kfac_hpc.runtime.preemption.REQUEUE_EXIT_CODE, which is not imported here: that
+# module imports torch, and this one must work before torch and MPI are loaded.
+REQUEUE_EXIT_CODE = 75
+INTERRUPT_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd command
 
 _GROUP_TITLES = {
     "data": "data",
@@ -37,6 +57,8 @@ _GROUP_TITLES = {
 
 _RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID",
                    "MV2_COMM_WORLD_RANK", "MPI_RANK")
+_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "FLUX_JOB_SIZE",
+                   "SLURM_NTASKS")
 
 
 def env_rank() -> int:
@@ -51,15 +73,164 @@ def env_rank() -> int:
     return 0
 
 
+def env_size() -> int:
+    """The number of ranks from the launcher's environment (1 if not launched by one)."""
+    for name in _SIZE_VARIABLES:
+        value = os.environ.get(name)
+        if value is not None and value.strip().isdigit():
+            return max(1, int(value))
+    return 1
+
+
+def agree_on_usage(problem: str | None) -> int:
+    """Agree on the usage errors every rank found before MPI started: 0 when none did,
+    else 2 once rank 0 has printed and flushed them (collective when launched on several
+    ranks; every rank of the job must call it once, with or without a problem).
+
+    Why not simply exit: ``mpiexec`` (and ``srun --kill-on-bad-exit``) kills every rank
+    as soon as one exits with an error status, so a rank other than 0 that finds the same
+    error a little sooner took rank 0 (and the message, printed on rank 0 only) with it.
+    Here nobody exits before rank 0 has written the message; a problem that only some
+    ranks found (a file missing on one node) is printed too, naming those ranks.
+
+    Args:
+        problem: this rank's complete message line(s), or None.
+
+    Returns:
+        The exit status: 0 (no rank found a problem) or 2.
+    """
+    if env_size() <= 1:
+        if problem is not None and env_rank() == 0:
+            sys.stderr.write(problem.rstrip("\n") + "\n")
+            sys.stderr.flush()
+        return 0 if problem is None else 2
+    try:
+        from mpi4py import MPI  # starts MPI: the device is chosen before (select_device)
+
+        comm = MPI.COMM_WORLD
+        problems: list[str | None] = comm.allgather(problem)
+    except Exception as exc:  # no MPI to agree with: say it here (rank 0), as before
+        if problem is None:
+            raise
+        if env_rank() == 0:
+            sys.stderr.write(f"{problem.rstrip()}\n(MPI did not start: {exc})\n")
+            sys.stderr.flush()
+        return 2
+    if all(p is None for p in problems):
+        return 0
+    if comm.Get_rank() == 0:
+        texts: dict[str, list[int]] = {}
+        for rank, text in enumerate(problems):
+            if text is not None:
+                texts.setdefault(text.rstrip("\n"), []).append(rank)
+        for text, ranks in texts.items():
+            where = "" if 0 in ranks else f" [on rank(s) {', '.join(map(str, ranks))}]"
+            sys.stderr.write(f"{text}{where}\n")
+        sys.stderr.flush()
+    comm.Barrier()  # nobody exits (and gets the job killed) before rank 0 has printed
+    return 2
+
+
+class StartupSignals:
+    """Signal handlers for the first seconds of a job, before its preemption guard exists.
+
+    Installed on the first line of the entry point (before torch and mpi4py are imported,
+    which alone take seconds): a preemption signal (``USR1``, ``TERM`` and those named by
+    ``--preempt-signals``) makes the rank exit :data:`REQUEUE_EXIT_CODE` at once, as
+    nothing can be checkpointed yet and the batch script should requeue the job rather
+    than count a crash; ``SIGINT`` makes it exit :data:`INTERRUPT_EXIT_CODE`. Rank 0
+    says so on stderr. Once the training loop's
+    :class:`~kfac_hpc.runtime.preemption.PreemptionGuard` is installed it takes over
+    (:meth:`hand_over`); :meth:`uninstall` restores what was there before.
+    """
+
+    def __init__(self, signals: Iterable[str | int] = ("USR1", "TERM")) -> None:
+        self.signals: list[signal.Signals] = [signal.SIGINT]
+        for name in signals:
+            try:
+                sig = _signal_of(name)
+            except ValueError:
+                continue  # reported by the config's validation
+            if sig not in self.signals:
+                self.signals.append(sig)
+        self._previous: dict[signal.Signals, Any] = {}
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str]) -> StartupSignals:
+        """The defaults plus the signals of a ``--preempt-signals`` flag in ``argv``."""
+        names: list[str] = ["USR1", "TERM"]
+        for i, arg in enumerate(argv):
+            value = None
+            if arg == "--preempt-signals" and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif arg.startswith("--preempt-signals="):
+                value = arg.split("=", 1)[1]
+            if value is not None:
+                names += [v.strip() for v in value.split(",") if v.strip()]
+        return cls(names)
+
+    def install(self) -> StartupSignals:
+        """Install the handlers (main thread only; elsewhere nothing is done)."""
+        try:
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        except ValueError:  # not the main thread: leave the signals alone
+            self.uninstall()
+        return self
+
+    def hand_over(self, taken: Iterable[signal.Signals]) -> None:
+        """Restore the previous handlers of the signals that the caller's handlers (just
+        installed for ``taken``) do not cover; forget the others."""
+        taken = set(taken)
+        for sig in list(self._previous):
+            if sig in taken:
+                del self._previous[sig]
+        self.uninstall()
+
+    def uninstall(self) -> None:
+        """Put back the previous handlers of the signals still handled here."""
+        for sig, previous in self._previous.items():
+            if signal.getsignal(sig) == self._handle:
+                signal.signal(sig, previous)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            status, what = INTERRUPT_EXIT_CODE, "interrupted"
+        else:
+            status, what = REQUEUE_EXIT_CODE, "preempted"
+        if env_rank() == 0:
+            try:
+                sys.stderr.write(f"kfac-hpc train: {what} ({name}) while starting, before "
+                                 f"anything could be checkpointed; exit status {status}"
+                                 + (" asks for a requeue" if status == REQUEUE_EXIT_CODE
+                                    else "") + "\n")
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(status)  # from any point of the start-up: imports, MPI_Init, parsing
+
+
+def _signal_of(name: str | int) -> signal.Signals:
+    if isinstance(name, int) or name.isdigit():
+        return signal.Signals(int(name))
+    text = name.upper()
+    text = text if text.startswith("SIG") else "SIG" + text
+    try:
+        return signal.Signals[text]
+    except KeyError:
+        raise ValueError(f"unknown signal {name!r}") from None
+
+
 def _rank0_only(parser: argparse.ArgumentParser) -> None:
-    """Make ``parser`` print usage errors and help on rank 0 only (exit 2 on every rank),
-    and reject unknown flags itself rather than leaving them to the parent parser."""
+    """Make ``parser`` print usage errors and help on rank 0 only (exit 2 on every rank,
+    after rank 0 printed: :func:`agree_on_usage`), and reject unknown flags itself rather
+    than leaving them to the parent parser."""
     quiet = env_rank() != 0
 
     def error(message: str) -> typing.NoReturn:
-        if not quiet:
-            sys.stderr.write(f"{parser.prog}: error: {message} (see {parser.prog} --help)\n")
-        sys.exit(2)
+        sys.exit(agree_on_usage(f"{parser.prog}: error: {message} (see {parser.prog} --help)"))
 
     original_parse_known = parser.parse_known_args
     original_help = parser.print_help
@@ -149,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of the subcommand: returns the exit status (same on every rank)."""
     from kfac_hpc.train.config import ConfigError
 
-    rank = env_rank()
+    problem: str | None = None
     try:
         cfg = config_from_args(args)
         # First: mpi4py starts MPI on import, and validate() may import it already
@@ -157,21 +328,31 @@ def run(args: argparse.Namespace) -> int:
         select_device_before_mpi(cfg.device)
         cfg.validate()  # every rank reaches the same verdict, no collective
     except ValueError as exc:  # ConfigError, or a malformed launcher variable
-        return _usage_error(str(exc), rank)
+        problem = f"kfac-hpc train: error: {exc}"
+    status = agree_on_usage(problem)  # every rank, before any rank may exit
+    if status:
+        return status
 
     from kfac_hpc.comm import install_abort_on_error, world
+    from kfac_hpc.runtime.preemption import PreemptionGuard
 
     install_abort_on_error()
     comm = world()
-    from kfac_hpc.checkpoint import CheckpointError
-    from kfac_hpc.runtime.preemption import REQUEUE_EXIT_CODE, PreemptionGuard
-    from kfac_hpc.train.loop import TrainingDiverged, train
-
     margin = cfg.time_limit_margin_minutes
     guard = PreemptionGuard(comm, signals=cfg.preempt_signals,
                             time_margin_s=None if margin is None else 60 * margin).install()
+    interrupt = PreemptionGuard(comm, signals=[] if signal.SIGINT in guard.signals
+                                else ["INT"]).install()
+    _hand_over_startup_signals([*guard.signals, *interrupt.signals])
+
+    from kfac_hpc.checkpoint import CheckpointError
+    from kfac_hpc.train.loop import TrainingDiverged, train
+
+    def should_stop() -> bool:
+        return guard.local_reason() is not None or bool(interrupt.received)
+
     try:
-        result = train(cfg, comm, should_stop=lambda: guard.local_reason() is not None)
+        result = train(cfg, comm, should_stop=should_stop)
     except ConfigError as exc:  # raised alike on every rank by the setup agreement
         return _usage_error(str(exc), comm.rank)
     except TrainingDiverged as exc:  # raised alike on every rank, at the same step
@@ -183,22 +364,42 @@ def run(args: argparse.Namespace) -> int:
             print(f"kfac-hpc train: error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        # a late second signal (SLURM may repeat it) must not kill a rank that has
-        # checkpointed and is about to exit 75
+        # a late second signal (SLURM may repeat it, a user presses Ctrl-C again) must
+        # not kill a rank that has checkpointed and is about to exit
         guard.ignore_from_now_on()
+        interrupt.ignore_from_now_on()
     if result.stopped == "stop_requested":
-        reason = guard.local_reason() or "another rank was signalled"
-        if not cfg.checkpoint_dir:
-            if comm.rank == 0:
-                print(f"kfac-hpc train: stopped ({reason}) without --checkpoint-dir: "
-                      "nothing was saved", file=sys.stderr, flush=True)
-            return 1
-        if comm.rank == 0:
-            print(f"kfac-hpc train: stopped ({reason}); checkpoint saved in "
-                  f"{cfg.checkpoint_dir}; exit status {REQUEUE_EXIT_CODE} asks for a requeue",
-                  flush=True)
-        return REQUEUE_EXIT_CODE
+        # Ctrl-C on any rank wins over a preemption: the user asked to stop, not requeue
+        # (unless --preempt-signals names INT: then it is a preemption signal)
+        interrupted = comm.any(bool(interrupt.received))
+        return _report_stop(cfg, comm.rank, result.steps, guard.local_reason(), interrupted)
     return 0 if result.ranks_agree else 1
+
+
+def _report_stop(cfg: TrainConfig, rank: int, step: int, reason: str | None,
+                 interrupted: bool) -> int:
+    """Rank 0 says why the run stopped and what was saved; returns the exit status."""
+    status = INTERRUPT_EXIT_CODE if interrupted else REQUEUE_EXIT_CODE
+    why = "interrupted (signal SIGINT)" if interrupted else (
+        f"stopped ({reason or 'another rank was signalled'})")
+    if not cfg.checkpoint_dir:
+        if rank == 0:
+            print(f"kfac-hpc train: {why} at step {step} without --checkpoint-dir: nothing "
+                  "was saved", file=sys.stderr, flush=True)
+        return INTERRUPT_EXIT_CODE if interrupted else 1
+    if rank == 0:
+        saved = cfg.checkpoint_dir
+        try:
+            name = (Path(cfg.checkpoint_dir) / "latest").read_text().strip()
+            if name:
+                saved = str(Path(cfg.checkpoint_dir) / name)
+        except OSError:
+            pass
+        then = ("exit status 75 asks for a requeue" if status == REQUEUE_EXIT_CODE
+                else f"exit status {status}; run the same command again to resume")
+        print(f"kfac-hpc train: {why} at step {step}; checkpoint saved: {saved}; {then}",
+              file=sys.stderr if interrupted else sys.stdout, flush=True)
+    return status
 
 
 def select_device_before_mpi(device: str) -> None:
@@ -217,9 +418,40 @@ def _usage_error(message: str, rank: int) -> int:
     return 2
 
 
+_startup: StartupSignals | None = None
+
+
+def install_startup_signals(argv: Sequence[str] | None = None) -> StartupSignals:
+    """Install :class:`StartupSignals` for this process's job (from its ``argv``); the
+    training loop's guard takes over in :func:`run`. Call it first thing."""
+    global _startup
+    if _startup is None:
+        _startup = StartupSignals.from_argv(sys.argv[1:] if argv is None else argv).install()
+    return _startup
+
+
+def uninstall_startup_signals() -> None:
+    """Undo :func:`install_startup_signals` (where nothing took over yet)."""
+    global _startup
+    if _startup is not None:
+        _startup.uninstall()
+        _startup = None
+
+
+def _hand_over_startup_signals(taken: Iterable[signal.Signals]) -> None:
+    global _startup
+    if _startup is not None:
+        _startup.hand_over(taken)
+        _startup = None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m kfac_hpc.train [flags]``."""
-    parser = argparse.ArgumentParser(prog="python -m kfac_hpc.train")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    return run(args)
+    install_startup_signals(argv)
+    try:
+        parser = argparse.ArgumentParser(prog="python -m kfac_hpc.train")
+        add_arguments(parser)
+        args = parser.parse_args(argv)
+        return run(args)
+    finally:
+        uninstall_startup_signals()
