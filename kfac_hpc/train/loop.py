@@ -88,6 +88,10 @@ USAGE_ERRORS: tuple[type[BaseException], ...] = (
 #: 75 checkpointed and asks for a requeue).
 DIVERGED_EXIT_CODE = 3
 
+#: How :func:`kfac_hpc.checkpoint.load` notes a checkpoint's K-FAC state it did not load
+#: because no preconditioner was given.
+KFAC_DROPPED = "K-FAC state in the checkpoint not loaded (no preconditioner given)"
+
 
 class TrainingDiverged(FloatingPointError):
     """The loss, the parameters or the K-FAC/Shampoo statistics became NaN or Inf.
@@ -546,6 +550,11 @@ class Trainer:
             self.scaler.load_state_dict(extra["grad_scaler"])
         self._print(f"resumed from {path} at step {self.step} "
                     f"(epoch {self.train_loader.epoch}, batch {self.train_loader.batch_index})")
+        if self.pre is None and any(n.startswith(KFAC_DROPPED) for n in info.mismatches):
+            self._print(f"warning: {path} holds K-FAC state (Kronecker factors, eigenbases) "
+                        "that --preconditioner none does not use: it is dropped, and the "
+                        "checkpoints of this run will not have it; to keep it, resume with "
+                        "--preconditioner kfac, or keep a copy of that file")
         return True
 
     def _background_enabled(self) -> bool:
