@@ -64,6 +64,70 @@ def test_bad_model_option_value_exits_2_naming_it(tmp_path: Path, option: str,
     assert p.stderr.count(message) == 1, p.stderr
 
 
+#: A shell prelude per file-system fault: a private mount namespace (``unshare -rm``)
+#: with a tmpfs at "$0", then the command. As root a chmod 0o500 directory is still
+#: writable, so read-only and full file systems are real mounts here.
+MOUNTS = {
+    "read-only": 'mount -t tmpfs tmpfs "$0" && mkdir "$0/d" && mount -o remount,ro "$0"',
+    "full": 'mount -t tmpfs -o size=64k tmpfs "$0" && mkdir "$0/d" && '
+            '{ cat /dev/zero > "$0/fill" 2>/dev/null; true; }',
+}
+
+
+def _mount_prefix(mountpoint: Path, fault: str) -> list[str]:
+    """A command prefix running the rest with ``fault``'s tmpfs at ``mountpoint``;
+    skips where a user namespace cannot mount one."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) to mount a file system")
+    prefix = ["unshare", "-rm", "sh", "-c", MOUNTS[fault] + ' && exec "$@"', str(mountpoint)]
+    probe = subprocess.run([*prefix, "true"], capture_output=True, text=True, check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs in a user namespace here: {probe.stderr.strip()}")
+    return prefix
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
+@pytest.mark.parametrize("flag", ["--out", "--checkpoint-dir"])
+@pytest.mark.parametrize("fault", ["read-only", "full", "a file", "chmod 0o500"])
+def test_unwritable_output_directory_is_one_usage_error_at_setup(
+        tmp_path: Path, flag: str, fault: str) -> None:
+    """At 2 ranks, an ``--out`` or ``--checkpoint-dir`` that cannot be written (read-only,
+    a full file system, a file where a directory is expected, no permission) is found at
+    setup, before any training: one message, status 2 on every rank, no traceback, no
+    MPI_ABORT (before: a traceback and MPI_ABORT for ``--out``, and for
+    ``--checkpoint-dir`` a failure only after the first epoch)."""
+    prefix: list[str] = []
+    mountpoint = tmp_path / "fs"
+    mountpoint.mkdir()
+    if fault in MOUNTS:
+        prefix = _mount_prefix(mountpoint, fault)
+        target = mountpoint / "d"
+    elif fault == "a file":
+        target = tmp_path / "file"
+        target.write_text("not a directory\n")
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("as root a chmod 0o500 directory stays writable (the mounts and "
+                        "'a file' cases cover root)")
+        target = tmp_path / "locked"
+        target.mkdir(mode=0o500)
+    out = tmp_path / "run"
+    dirs = ["--out", str(target)] if flag == "--out" else \
+        ["--out", str(out), "--checkpoint-dir", str(target)]
+    p = run([*prefix, str(ROOT / "launch" / "local"), "-n", "2", "--timeout", "240",
+             *KFAC_HPC, "train", "--epochs", "1", "--no-progress", *dirs], tmp_path,
+            timeout=300)
+    text = p.stdout + p.stderr
+    assert p.returncode == 2, text
+    reason = {"read-only": "cannot write in the directory: Read-only file system",
+              "full": "(the file system is full)", "a file": "exists and is not a directory",
+              "chmod 0o500": "cannot write in the directory: Permission denied"}[fault]
+    message = f"{flag} {target}: "
+    assert text.count(message) == 1 and reason in text, text
+    assert "Traceback" not in text and "MPI_ABORT" not in text, text
+    assert "epoch 1" not in p.stdout.lower() and not (out / "epochs.csv").exists(), text
+
+
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
 def test_bad_input_on_two_ranks_prints_once(tmp_path: Path) -> None:
     """A missing data path is found during setup (a file-system check): every rank
