@@ -375,7 +375,9 @@ def test_unwritable_directories_are_found_at_setup(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ divergence
 DIVERGED = (r"^(?P<what>.+) at step (?P<step>\d+) \(epoch (?P<epoch>\d+)\)(?P<detail>.*); "
-            r"last good checkpoint: (?P<ckpt>.+)$")
+            r"last finite checkpoint: (?P<ckpt>.+?)(?:; the loss left its running range at "
+            r"step (?P<left>\d+) \((?P<how>.+)\); newest checkpoint before that: "
+            r"(?P<before>.+))?$")
 
 
 def _diverge(comm: Any, cfg: TrainConfig) -> Any:
@@ -486,8 +488,10 @@ def test_kfac_numerical_error_after_a_nan_loss_reports_the_loss(
     ck = tmp_path / "ck"
     exc = _diverge(self_comm(), config(tmp_path, preconditioner="kfac", checkpoint_dir=str(ck),
                                        checkpoint_every_steps=1, checkpoint_keep=3))
-    assert str(exc) == (f"loss became NaN/Inf at step 4 (epoch 1); last good checkpoint: "
-                        f"{ck / 'ckpt_00000003.h5'}")
+    assert str(exc) == (f"loss became NaN/Inf at step 4 (epoch 1); last finite checkpoint: "
+                        f"{ck / 'ckpt_00000003.h5'}; the loss left its running range at step "
+                        f"4 (NaN/Inf); newest checkpoint before that: {ck / 'ckpt_00000002.h5'}")
+    assert exc.before_range == str(ck / "ckpt_00000002.h5")
     assert type(exc.__cause__).__name__ == "KFACNumericalError"  # K-FAC did stop first
     _check_good_checkpoints(ck, exc, keep=3)
 
@@ -529,7 +533,7 @@ def test_numerical_errors_end_the_run_alike(tmp_path: Path, monkeypatch: pytest.
     exc = _diverge(self_comm(), config(tmp_path, checkpoint_dir=str(ck), checkpoint_every_steps=2,
                                        **changes))
     assert str(exc) == (f"{what} at step 5 (epoch 1) ({type(error).__name__}: {error}); "
-                        f"last good checkpoint: {ck / 'ckpt_00000004.h5'}")
+                        f"last finite checkpoint: {ck / 'ckpt_00000004.h5'}")
     assert exc.__cause__ is error
 
 
@@ -560,7 +564,8 @@ def test_cli_exit_status_and_message_of_a_nan_run(tmp_path: Path) -> None:
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240, check=False)
     assert done.returncode == 3, done.stdout + done.stderr
     assert done.stderr.count("loss became NaN/Inf at step") == 1, done.stderr
-    assert "last good checkpoint: " + str(ck / "ckpt_") in done.stderr
+    assert "last finite checkpoint: " + str(ck / "ckpt_") in done.stderr
+    assert "the loss left its running range at step" in done.stderr
     assert "Traceback" not in done.stderr
     from kfac_hpc import checkpoint
 

@@ -60,3 +60,95 @@ def test_resuming_kfac_without_a_preconditioner_warns_once(
     train(config(tmp_path, preconditioner="kfac", resume=str(ck / "ckpt_00000003.h5"),
                  max_steps=4), comm, verbose=True)
     assert "holds K-FAC state" not in capsys.readouterr().out
+
+
+def test_milestones_are_kept_besides_the_last_n(tmp_path: Path) -> None:
+    """prune: the first checkpoint at or after every multiple of the interval survives
+    the rotation and never counts against keep_last."""
+    from kfac_hpc.checkpoint import atomic
+    from kfac_hpc.checkpoint.layout import checkpoint_name
+
+    def steps() -> list[int]:
+        return [int(p.stem.split("_")[1]) for p in atomic.list_checkpoints(tmp_path)]
+
+    for step in (3, 6, 9, 12, 15, 21, 24, 27):
+        (tmp_path / checkpoint_name(step)).write_bytes(b"x")
+        atomic.prune(tmp_path, 2, protect=checkpoint_name(step), keep_every_steps=10)
+    assert steps() == [12, 21, 24, 27]  # milestones of [10, 20) and [20, 30), then the last 2
+    atomic.prune(tmp_path, 1, protect=checkpoint_name(27), keep_every_steps=10)
+    assert steps() == [12, 21, 27]
+    atomic.prune(tmp_path, 1, protect=checkpoint_name(27))  # no milestones: the last 1
+    assert steps() == [27]
+
+
+def test_a_milestone_checkpoint_survives_the_rotation_of_a_run(tmp_path: Path) -> None:
+    """--checkpoint-every-steps 5 --checkpoint-keep 2 --checkpoint-keep-every-epochs 1:
+    the last two, and the first checkpoint of every epoch, are on disk."""
+    from kfac_hpc.checkpoint import atomic, verify_file
+
+    ck = tmp_path / "ck"
+    result = train(config(tmp_path, epochs=3, checkpoint_dir=str(ck), checkpoint_every_steps=5,
+                          checkpoint_keep=2, checkpoint_keep_every_epochs=1,
+                          checkpoint_background=False), self_comm(), verbose=False)
+    per_epoch = result.steps // 3
+    saved = [s for s in range(1, result.steps + 1) if s % 5 == 0 or s == result.steps]
+    milestones = {min(s for s in saved if s >= k * per_epoch) for k in (1, 2, 3)}
+    rotated = [s for s in saved if s not in milestones][-2:]
+    files = atomic.list_checkpoints(ck)
+    assert [int(p.stem.split("_")[1]) for p in files] == sorted(milestones | set(rotated))
+    assert all(verify_file(p).ok for p in files)
+    assert len(files) > 2
+
+
+def blow_up_run(comm: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGD at lr 0.05 for 15 steps, then lr 1e4 (checkpoints every step, all kept): the
+    message names, besides the last finite checkpoint, the newest one taken before the
+    loss left its running range, which holds the sane parameters of before the blow-up."""
+    import math
+    import re
+
+    import kfac_hpc.train.loop as loop
+    from kfac_hpc import checkpoint
+    from kfac_hpc.models import build_model
+
+    def schedule(*_: Any) -> Any:
+        return lambda step: 0.05 if step < 15 else 1e4
+
+    monkeypatch.setattr(loop, "lr_schedule", schedule)
+    ck = tmp_path / "ck"
+    cfg = config(tmp_path, comm.size, checkpoint_dir=str(ck), checkpoint_every_steps=1,
+                 checkpoint_keep=1000, checkpoint_background=False)
+    with pytest.raises(loop.TrainingDiverged) as err:
+        train(cfg, comm, verbose=False)
+    exc = err.value
+    messages = comm.allgather_object(str(exc)) if comm.size > 1 else [str(exc)]
+    assert len(set(messages)) == 1, messages
+    m = re.search(r"last finite checkpoint: (?P<finite>.+?); the loss left its running range "
+                  r"at step (?P<left>\d+) \((?P<how>.+)\); newest checkpoint before that: "
+                  r"(?P<before>.+)$", str(exc))
+    assert m is not None, str(exc)
+    left = int(m["left"])
+    assert 17 <= left <= exc.step, str(exc)  # the first step after the update at lr 1e4
+    assert m["finite"] == exc.checkpoint and m["before"] == exc.before_range
+    assert exc.before_range == str(ck / f"ckpt_{left - 2:08d}.h5") != exc.checkpoint
+    if comm.rank == 0:
+        def largest(path: str) -> float:
+            model = build_model("mlp", input_dim=64, num_classes=10)
+            checkpoint.load(path, model=model, optimizer=None, comm=self_comm(),
+                            restore_rng=False)
+            return max(float(p.detach().abs().max()) for p in model.parameters())
+
+        sane = largest(exc.before_range)
+        assert math.isfinite(sane) and sane < 100
+        assert exc.checkpoint is not None and largest(exc.checkpoint) > 10 * sane
+
+
+def test_divergence_names_the_checkpoint_before_the_blow_up(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blow_up_run(self_comm(), tmp_path, monkeypatch)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_divergence_names_the_checkpoint_before_the_blow_up_on_every_rank(
+        comm: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blow_up_run(comm, Path(comm.broadcast_object(str(tmp_path))), monkeypatch)

@@ -140,13 +140,35 @@ def latest(directory: str | os.PathLike[str], *, valid: bool = False) -> Path | 
     return None
 
 
-def prune(directory: Path, keep_last: int | None, protect: str | None = None) -> list[Path]:
+def milestones(paths: list[Path], every_steps: int | None) -> set[str]:
+    """Names of the milestone checkpoints among ``paths``: for every ``k >= 1`` the one
+    of the smallest step in ``[k * every_steps, (k + 1) * every_steps)`` (the first
+    checkpoint at or after every ``every_steps``-th step). None or 0: none."""
+    if not every_steps or every_steps <= 0:
+        return set()
+    first: dict[int, tuple[int, str]] = {}
+    for path in paths:
+        step = step_of_name(path.name)
+        if step is None or step < every_steps:
+            continue
+        k = step // every_steps
+        if k not in first or step < first[k][0]:
+            first[k] = (step, path.name)
+    return {name for _, name in first.values()}
+
+
+def prune(directory: Path, keep_last: int | None, protect: str | None = None,
+          keep_every_steps: int | None = None) -> list[Path]:
     """Keep ``keep_last`` checkpoints: ``protect`` (the one just written) and the newest
-    others by step; delete the rest."""
+    others by step; delete the rest, except the milestones of ``keep_every_steps``
+    (:func:`milestones`), which are kept besides them and never count against
+    ``keep_last``."""
     if keep_last is None or keep_last <= 0:
         return []
     found = list_checkpoints(directory)
-    others = [p for p in found if p.name != protect]
+    kept = milestones(found, keep_every_steps)
+    others = [p for p in found if p.name != protect and p.name not in kept]
+    found = [p for p in found if p.name not in kept]
     keep_others = keep_last - (len(others) < len(found))
     removed = []
     for path in others[:len(others) - keep_others] if keep_others > 0 else others:

@@ -537,7 +537,7 @@ def _agree_finite(comm: Communicator, nonfinite: list[str], step: int) -> None:
 
 
 def _commit(tmp: Path, final: Path, is_dir: bool, keep_last: int | None,
-            needed: int) -> str | None:
+            needed: int, keep_every_steps: int | None = None) -> str | None:
     """Rename ``tmp`` to ``final``, then (a directory) point ``latest`` at it and prune.
 
     Returns the error, if any. A pointer that cannot be written takes the new file back
@@ -563,7 +563,8 @@ def _commit(tmp: Path, final: Path, is_dir: bool, keep_last: int | None,
                 atomic.fsync_dir(final.parent)
         return problem
     try:
-        atomic.prune(final.parent, keep_last, protect=final.name)
+        atomic.prune(final.parent, keep_last, protect=final.name,
+                     keep_every_steps=keep_every_steps)
     except OSError as exc:
         return f"{final} was written, but pruning old checkpoints failed: {exc}"
     return None
@@ -581,12 +582,15 @@ def save(directory_or_path: str | os.PathLike[str], *, model: nn.Module, optimiz
          extra: dict[str, Any] | None = None, keep_last: int | None = 3,
          store_eigenbases: bool = True, fletcher32: bool = True,
          parallel: bool | None = None, prefetch: bool = False,
-         check_finite: bool = True) -> Path:
+         check_finite: bool = True, keep_every_steps: int | None = None) -> Path:
     """Write a checkpoint (collective: every rank calls it with its own objects).
 
     ``directory_or_path``: a directory (file ``ckpt_<step>.h5`` in it, then the
     ``latest`` pointer, then pruning to the last ``keep_last``; None or 0 keeps all) or
     a ``.h5`` file path (written atomically; no pointer, no pruning).
+    ``keep_every_steps``: the pruning also keeps, besides the last ``keep_last``, the
+    first checkpoint at or after every multiple of this step count (milestones,
+    :func:`kfac_hpc.checkpoint.atomic.milestones`; never deleted by the pruning).
     ``extra``: JSON-able dict that may hold tensors/arrays (stored under ``/train``).
     ``store_eigenbases``: also store the decompositions the preconditioner reports with
     ``state_dict(eigenbases=True)`` (default: a run resumed between two inverse updates
@@ -610,6 +614,7 @@ def save(directory_or_path: str | os.PathLike[str], *, model: nn.Module, optimiz
                 preconditioner=preconditioner, step=step, extra=extra, keep_last=keep_last,
                 store_eigenbases=store_eigenbases, fletcher32=fletcher32, parallel=parallel,
                 prefetch=prefetch, check_finite=check_finite)
+    st.keep_every_steps = keep_every_steps
     return _write_and_agree(comm, st)
 
 
@@ -626,6 +631,7 @@ class _Staged:
     fletcher32: bool
     prefetch: bool
     use_parallel: bool
+    keep_every_steps: int | None = None
 
 
 def _stage(comm: Communicator, directory_or_path: str | os.PathLike[str], *, model: nn.Module,
@@ -734,7 +740,7 @@ def _write_commit(comm: Communicator, st: _Staged) -> tuple[str | None, str | No
         return None, error
     if error is None:
         error = _commit(st.tmp, st.final, st.is_dir, st.keep_last,
-                        sum(e.nbytes for e in st.plan))
+                        sum(e.nbytes for e in st.plan), st.keep_every_steps)
     if error is not None:
         with contextlib.suppress(OSError):
             st.tmp.unlink()

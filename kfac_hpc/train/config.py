@@ -233,6 +233,10 @@ class TrainConfig:
     checkpoint_every_minutes: float | None = _opt(None, "checkpoint every M minutes",
                                                   "checkpoint")
     checkpoint_keep: int = _opt(3, "keep the last N checkpoints", "checkpoint")
+    checkpoint_keep_every_epochs: int | None = _opt(
+        None, "also keep one checkpoint per N epochs (the first at or after the end of "
+        "every N-th epoch): milestones that the rotation of --checkpoint-keep never "
+        "deletes", "checkpoint")
     checkpoint_background: bool = _opt(
         True, "write periodic checkpoints in the background (training stalls only for a "
         "snapshot to host memory; KFAC_HPC_CHECKPOINT_BACKGROUND=0 also turns it off)",
@@ -430,6 +434,9 @@ class TrainConfig:
                 need(value > 0, name, "must be > 0")
                 need(self.checkpoint_dir is not None, name, "needs --checkpoint-dir")
         need(self.checkpoint_keep >= 1, "checkpoint_keep", "must be >= 1")
+        if self.checkpoint_keep_every_epochs is not None:
+            need(self.checkpoint_keep_every_epochs >= 1, "checkpoint_keep_every_epochs",
+                 "must be >= 1")
         need(bool(self.resume), "resume", "must be auto, never or a checkpoint path")
         for sig in self.preempt_signals:
             try:

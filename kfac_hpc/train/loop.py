@@ -35,8 +35,10 @@ import gc
 import hashlib
 import math
 import os
+import statistics
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,24 +95,36 @@ DIVERGED_EXIT_CODE = 3
 #: because no preconditioner was given.
 KFAC_DROPPED = "K-FAC state in the checkpoint not loaded (no preconditioner given)"
 
+#: The loss's running range (named in the divergence message): a step's loss is out of
+#: range when it is NaN/Inf, or above ``RANGE_FACTOR`` x the median (when > 0) of the
+#: losses of the previous ``RANGE_WINDOW`` steps, once ``RANGE_MIN`` of them are known.
+#: The loss left its range at the first step of the out-of-range steps that lead up to
+#: the divergence (an in-range step ends such a run).
+RANGE_FACTOR = 10.0
+RANGE_WINDOW = 50
+RANGE_MIN = 10
+
 
 class TrainingDiverged(FloatingPointError):
     """The loss, the parameters or the K-FAC/Shampoo statistics became NaN or Inf.
 
     Raised on every rank with the same message, at the same step; nothing was
-    checkpointed after the last good state. ``checkpoint`` is the last good checkpoint
-    (written or resumed from by this run; None if there is none), ``exit_status`` what
-    ``kfac-hpc train`` exits with.
+    checkpointed after the last finite state. ``checkpoint`` is the last finite
+    checkpoint (written or resumed from by this run; None if there is none),
+    ``before_range`` the newest checkpoint on disk taken before the loss left its
+    running range (:data:`RANGE_FACTOR`; None when it did not, or none is kept),
+    ``exit_status`` what ``kfac-hpc train`` exits with.
     """
 
     exit_status = DIVERGED_EXIT_CODE
 
     def __init__(self, message: str, *, step: int, epoch: int,
-                 checkpoint: str | None) -> None:
+                 checkpoint: str | None, before_range: str | None = None) -> None:
         super().__init__(message)
         self.step = step
         self.epoch = epoch
         self.checkpoint = checkpoint
+        self.before_range = before_range
 
 
 def _numerical_errors() -> tuple[type[BaseException], ...]:
@@ -269,6 +283,8 @@ class Trainer:
         self.last_checkpoint: str | None = None  # the last good one (written or resumed)
         self._epoch = 0  # the epoch in progress (0-based)
         self._step_loss: torch.Tensor | None = None  # this rank's loss sum of the step
+        self._losses: deque[float] = deque(maxlen=RANGE_WINDOW)  # finite global losses
+        self._left_range: list[float] | None = None  # [step, loss, median, n] (_track_loss)
         self._reporter: ProgressReporter | None = None  # progress lines without a terminal
         self._numerical = _numerical_errors()
         self._threads_before = torch.get_num_threads()
@@ -548,6 +564,10 @@ class Trainer:
         self.train_time = float(metrics.get("train_time", 0.0))
         self.train_samples = int(metrics.get("train_samples", 0))
         self.epoch_stats = WeightedMean(*metrics.get("epoch_stats", (0.0, 0.0, 0.0)))
+        loss_range = dict(metrics.get("loss_range") or {})
+        self._losses.extend(float(v) for v in loss_range.get("window", ()))
+        left = loss_range.get("left")
+        self._left_range = [float(v) for v in left] if left else None
         if self.scaler is not None and "grad_scaler" in extra:
             self.scaler.load_state_dict(extra["grad_scaler"])
         self._print(f"resumed from {path} at step {self.step} "
@@ -616,7 +636,8 @@ class Trainer:
             "metrics": {"history": self.history, "train_time": self.train_time,
                         "train_samples": self.train_samples,
                         "epoch_stats": [self.epoch_stats.loss_sum, self.epoch_stats.correct,
-                                        self.epoch_stats.count]},
+                                        self.epoch_stats.count],
+                        "loss_range": {"window": list(self._losses), "left": self._left_range}},
             "config": self.cfg.to_dict(),
         }
         if self.scaler is not None:
@@ -624,7 +645,11 @@ class Trainer:
         # Between two inverse updates the preconditioner uses stale decompositions: store
         # them, or a resumed run would recompute them from newer factors (not exact). With
         # an inverse update every step they are recomputed anyway: not worth the bytes.
-        kwargs = {} if self.pre is None else {"store_eigenbases": self.cfg.inv_update_steps > 1}
+        kwargs: dict[str, Any] = ({} if self.pre is None else
+                                  {"store_eigenbases": self.cfg.inv_update_steps > 1})
+        every = self.cfg.checkpoint_keep_every_epochs
+        if every:  # milestones, never rotated away
+            kwargs["keep_every_steps"] = every * self.steps_per_epoch
         try:
             if background:
                 if self._bg is None:
@@ -650,6 +675,7 @@ class Trainer:
         local = self._step_loss
         (loss,) = global_sums(self.aux, [float(local) if local is not None else 0.0])
         if not math.isfinite(loss):
+            self._track_loss(self.step + 1, loss)
             return self._diverged("loss became NaN/Inf", self.step + 1)
         what = "Shampoo" if "Shampoo" in type(exc).__name__ else "K-FAC"
         return self._diverged(f"{what} statistics became NaN/Inf or unusable", self.step + 1,
@@ -668,9 +694,47 @@ class Trainer:
             where = f"none yet in {self.cfg.checkpoint_dir}"
         detail = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
         message = (f"{what} at step {step} (epoch {self._epoch + 1}){detail}; "
-                   f"last good checkpoint: {where}")
-        return TrainingDiverged(message, step=step, epoch=self._epoch + 1,
-                                checkpoint=self.last_checkpoint)
+                   f"last finite checkpoint: {where}")
+        before, clause = self._before_range()
+        return TrainingDiverged(message + clause, step=step, epoch=self._epoch + 1,
+                                checkpoint=self.last_checkpoint, before_range=before)
+
+    def _track_loss(self, step: int, loss: float) -> None:
+        """Follow the running range of the global loss of ``step`` (the same on every
+        rank; definition: :data:`RANGE_FACTOR`)."""
+        window = self._losses
+        median = statistics.median(window) if len(window) >= RANGE_MIN else math.nan
+        out = not math.isfinite(loss) or (median > 0 and loss > RANGE_FACTOR * median)
+        if not out:
+            self._left_range = None
+        elif self._left_range is None:
+            self._left_range = [float(step), loss, median, float(len(window))]
+        if math.isfinite(loss):
+            window.append(loss)
+
+    def _before_range(self) -> tuple[str | None, str]:
+        """The newest checkpoint on disk taken before the loss left its running range
+        and the message's clause naming it; ``(None, "")`` while the loss is in range or
+        without a checkpoint directory (collective: rank 0 lists the directory)."""
+        from kfac_hpc.checkpoint.atomic import list_checkpoints
+        from kfac_hpc.checkpoint.layout import step_of_name
+
+        if self._left_range is None or not self._checkpoints or not self.cfg.checkpoint_dir:
+            return None, ""
+        step, loss, median, n = self._left_range
+        found = None
+        if self.rank == 0:
+            # a checkpoint of step c holds the state that computed the loss of step c + 1
+            before = [p for p in list_checkpoints(self.cfg.checkpoint_dir)
+                      if (s := step_of_name(p.name)) is not None and s + 1 < step]
+            found = str(before[-1]) if before else None
+        found = self.aux.broadcast_object(found, 0)
+        how = ("NaN/Inf" if not math.isfinite(loss) else
+               f"{loss:.4g} > {RANGE_FACTOR:g}x the median {median:.4g} of the previous "
+               f"{int(n)} steps")
+        name = found or "none kept (--checkpoint-keep-every-epochs keeps milestones)"
+        return found, (f"; the loss left its running range at step {int(step)} ({how}); "
+                       f"newest checkpoint before that: {name}")
 
     # ------------------------------------------------------------------ steps
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -936,6 +1000,7 @@ class Trainer:
                     f"ep {epoch + 1}/{cfg.epochs} loss {g_loss / g_n:.3f} "
                     f"acc {100 * g_correct / g_n:.1f}% {1000 * dt:.0f} ms/step "
                     f"{g_n / dt:,.0f} samples/s", refresh=False)
+            self._track_loss(self.step, g_loss / g_n)
             if not math.isfinite(g_loss):  # the global sum: the same verdict on every rank
                 raise self._diverged("loss became NaN/Inf", self.step)
             every = cfg.checkpoint_every_steps
