@@ -18,7 +18,8 @@ Divergence: the global loss of every step (already reduced for the metrics, so
 checking it costs nothing) and every evaluation must be finite; K-FAC's and Shampoo's
 numerical errors (raised alike on every rank) and a checkpoint refused for NaN/Inf
 state end the same way: :class:`TrainingDiverged` on every rank, naming the step,
-the epoch and the last good checkpoint; no checkpoint is written after it
+the epoch, the last finite checkpoint and the newest checkpoint taken before the loss
+left its running range (:data:`RANGE_FACTOR`); no checkpoint is written after it
 (``kfac-hpc train`` exits with :data:`DIVERGED_EXIT_CODE`).
 
 Traffic accounting: ``bytes_per_step`` counts what the training communicator (the
