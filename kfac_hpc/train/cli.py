@@ -5,7 +5,8 @@ Flags override a ``--config`` file, which overrides the defaults (see
 :mod:`kfac_hpc.train.config`). Exit status: 0 on success, 2 for bad input (one message
 on rank 0, every rank exits 2 together), 3 when training diverged (the loss, the
 parameters or K-FAC/Shampoo statistics became NaN/Inf: one message on rank 0 naming
-the step and the last good checkpoint, every rank exits 3 together), 1 when a
+the step, the last finite checkpoint and the newest one taken before the loss left
+its running range, every rank exits 3 together), 1 when a
 checkpoint cannot be written (disk full, ...: one message, every rank exits 1), 4 when
 a rank made no progress for ``--hang-timeout-minutes`` (the watchdog prints that rank's
 stacks and aborts the job), 75 after a preemption checkpoint, or on a preemption signal
