@@ -4,6 +4,8 @@
   warning naming it and how to keep it.
 * ``--checkpoint-keep-every-epochs E``: milestone checkpoints that the rotation of
   ``--checkpoint-keep`` never deletes.
+* ``--checkpoint-keep-best METRIC``: the checkpoint of the best epoch by METRIC, which
+  the rotation never deletes, across a resume too.
 * A diverged run names, besides the last finite checkpoint, the newest one taken before
   the loss left its running range (:data:`kfac_hpc.train.loop.RANGE_FACTOR`).
 """
@@ -152,3 +154,91 @@ def test_divergence_names_the_checkpoint_before_the_blow_up(
 def test_divergence_names_the_checkpoint_before_the_blow_up_on_every_rank(
         comm: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     blow_up_run(comm, Path(comm.broadcast_object(str(tmp_path))), monkeypatch)
+
+
+def test_the_keep_best_option_is_validated() -> None:
+    """--checkpoint-keep-best: one of the documented metrics, with --checkpoint-dir."""
+    from kfac_hpc.train.config import KEEP_BEST_METRICS, ConfigError
+
+    assert set(KEEP_BEST_METRICS) == {"test_acc", "test_loss", "train_loss"}
+    for metric in KEEP_BEST_METRICS:
+        assert TrainConfig(checkpoint_dir="ck", checkpoint_keep_best=metric).problems() == []
+    problems = TrainConfig(checkpoint_dir="ck", checkpoint_keep_best="acc").problems()
+    assert problems == ["--checkpoint-keep-best: unknown value 'acc'; valid: test_acc, "
+                        "test_loss, train_loss" + problems[0].split("train_loss", 1)[1]]
+    assert TrainConfig(checkpoint_keep_best="test_acc").problems() == [
+        "--checkpoint-keep-best: needs --checkpoint-dir"]
+    with pytest.raises(ConfigError, match="--checkpoint-keep-best: unknown value 'accuracy'"):
+        TrainConfig(checkpoint_dir="ck", checkpoint_keep_best="accuracy").validate()
+
+
+def scripted_accuracy(monkeypatch: pytest.MonkeyPatch, accuracies: list[float]) -> None:
+    """Trainer.evaluate reports ``accuracies[epoch]`` (0-based epoch in progress)."""
+    import kfac_hpc.train.loop as loop
+    from kfac_hpc.train.metrics import WeightedMean
+
+    def evaluate(self: Any) -> WeightedMean:
+        return WeightedMean(1.0 - accuracies[self._epoch], 100 * accuracies[self._epoch], 100)
+
+    monkeypatch.setattr(loop.Trainer, "evaluate", evaluate)
+
+
+def best_of(path: Path) -> dict[str, Any]:
+    """The best so far recorded in the metrics of the checkpoint ``path``."""
+    from kfac_hpc import checkpoint
+    from kfac_hpc.models import build_model
+
+    model = build_model("mlp", input_dim=64, num_classes=10)
+    info = checkpoint.load(str(path), model=model, optimizer=None, comm=self_comm(),
+                           restore_rng=False)
+    return dict((info.extra or {})["metrics"]["best"])
+
+
+def keep_best_run(comm: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Accuracy 0.5, 0.9, 0.6, 0.7 over four epochs, a checkpoint every 5 steps, keep 1:
+    the end of epoch 2 (the best) survives the later, worse checkpoints; its value and
+    step are in every later checkpoint's metrics. A resume for two more epochs (0.8,
+    0.95) goes on from that best: 0.8 does not replace it, 0.95 does."""
+    from kfac_hpc.checkpoint import atomic
+    from kfac_hpc.checkpoint.layout import checkpoint_name
+
+    scripted_accuracy(monkeypatch, [0.5, 0.9, 0.6, 0.7, 0.8, 0.95])
+    ck = tmp_path / "ck"
+    opts: dict[str, Any] = {"checkpoint_dir": str(ck), "checkpoint_every_steps": 5,
+                            "checkpoint_keep": 1, "checkpoint_keep_best": "test_acc",
+                            "checkpoint_background": False}
+    result = train(config(tmp_path, comm.size, epochs=4, **opts), comm, verbose=False)
+    per_epoch = result.steps // 4
+    best = ck / checkpoint_name(2 * per_epoch)
+    last = ck / checkpoint_name(4 * per_epoch)
+    names = [p.name for p in atomic.list_checkpoints(ck)]
+    assert names == [best.name, last.name], names
+    if comm.rank == 0:
+        recorded = {"metric": "test_acc", "value": 0.9, "step": 2 * per_epoch,
+                    "checkpoint": best.name}
+        assert best_of(best) == best_of(last) == recorded
+    comm.barrier()
+    # resumed (from the last): epoch 5 at 0.8 is worse than the 0.9 of before the resume
+    cfg = config(tmp_path, comm.size, epochs=6, max_steps=5 * per_epoch, **opts)
+    train(cfg, comm, verbose=False)
+    names = [p.name for p in atomic.list_checkpoints(ck)]
+    assert names == [best.name, checkpoint_name(5 * per_epoch)], names
+    # epoch 6 at 0.95: the new best, which (kept) does not count against the last 1; the
+    # old best goes by the rotation
+    train(config(tmp_path, comm.size, epochs=6, **opts), comm, verbose=False)
+    names = [p.name for p in atomic.list_checkpoints(ck)]
+    periodic = (6 * per_epoch - 1) // 5 * 5
+    assert names == [checkpoint_name(periodic), checkpoint_name(6 * per_epoch)], names
+    if comm.rank == 0:
+        assert best_of(ck / names[1])["value"] == 0.95
+
+
+def test_the_best_checkpoint_survives_rotation_and_resume(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    keep_best_run(self_comm(), tmp_path, monkeypatch)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_best_checkpoint_survives_rotation_and_resume_on_every_rank(
+        comm: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    keep_best_run(comm, Path(comm.broadcast_object(str(tmp_path))), monkeypatch)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 from kfac_hpc.checkpoint.layout import LATEST, TMP_SUFFIX, checkpoint_name, step_of_name
@@ -158,15 +159,16 @@ def milestones(paths: list[Path], every_steps: int | None) -> set[str]:
 
 
 def prune(directory: Path, keep_last: int | None, protect: str | None = None,
-          keep_every_steps: int | None = None) -> list[Path]:
+          keep_every_steps: int | None = None, keep: Iterable[str] = ()) -> list[Path]:
     """Keep ``keep_last`` checkpoints: ``protect`` (the one just written) and the newest
     others by step; delete the rest, except the milestones of ``keep_every_steps``
-    (:func:`milestones`), which are kept besides them and never count against
+    (:func:`milestones`) and the names in ``keep`` (e.g. the best checkpoint by a
+    monitored metric), which are kept besides them and never count against
     ``keep_last``."""
     if keep_last is None or keep_last <= 0:
         return []
     found = list_checkpoints(directory)
-    kept = milestones(found, keep_every_steps)
+    kept = milestones(found, keep_every_steps) | set(keep)
     others = [p for p in found if p.name != protect and p.name not in kept]
     found = [p for p in found if p.name not in kept]
     keep_others = keep_last - (len(others) < len(found))

@@ -73,7 +73,8 @@ class BackgroundSaver:
              extra: dict[str, Any] | None = None, keep_last: int | None = 3,
              store_eigenbases: bool = True, fletcher32: bool = True,
              parallel: bool | None = None, prefetch: bool = False,
-             check_finite: bool = True, keep_every_steps: int | None = None) -> Path | None:
+             check_finite: bool = True, keep_every_steps: int | None = None,
+             keep: tuple[str, ...] = ()) -> Path | None:
         """Start a checkpoint write (collective; arguments as for ``save``).
 
         Waits for the previous write first and raises its failure, if any (on every
@@ -87,7 +88,7 @@ class BackgroundSaver:
                     keep_last=keep_last, store_eigenbases=store_eigenbases,
                     fletcher32=fletcher32, parallel=parallel, prefetch=prefetch,
                     check_finite=check_finite, snapshot=self._buffers)
-        st.keep_every_steps = keep_every_steps
+        st.keep_every_steps, st.keep = keep_every_steps, tuple(keep)
         if st.use_parallel:  # pragma: no cover - needs parallel h5py (collective writes)
             self.last_path = _write_and_agree(self.comm, st)
             return previous

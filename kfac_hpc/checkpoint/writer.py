@@ -537,7 +537,8 @@ def _agree_finite(comm: Communicator, nonfinite: list[str], step: int) -> None:
 
 
 def _commit(tmp: Path, final: Path, is_dir: bool, keep_last: int | None,
-            needed: int, keep_every_steps: int | None = None) -> str | None:
+            needed: int, keep_every_steps: int | None = None,
+            keep: tuple[str, ...] = ()) -> str | None:
     """Rename ``tmp`` to ``final``, then (a directory) point ``latest`` at it and prune.
 
     Returns the error, if any. A pointer that cannot be written takes the new file back
@@ -564,7 +565,7 @@ def _commit(tmp: Path, final: Path, is_dir: bool, keep_last: int | None,
         return problem
     try:
         atomic.prune(final.parent, keep_last, protect=final.name,
-                     keep_every_steps=keep_every_steps)
+                     keep_every_steps=keep_every_steps, keep=keep)
     except OSError as exc:
         return f"{final} was written, but pruning old checkpoints failed: {exc}"
     return None
@@ -582,7 +583,8 @@ def save(directory_or_path: str | os.PathLike[str], *, model: nn.Module, optimiz
          extra: dict[str, Any] | None = None, keep_last: int | None = 3,
          store_eigenbases: bool = True, fletcher32: bool = True,
          parallel: bool | None = None, prefetch: bool = False,
-         check_finite: bool = True, keep_every_steps: int | None = None) -> Path:
+         check_finite: bool = True, keep_every_steps: int | None = None,
+         keep: tuple[str, ...] = ()) -> Path:
     """Write a checkpoint (collective: every rank calls it with its own objects).
 
     ``directory_or_path``: a directory (file ``ckpt_<step>.h5`` in it, then the
@@ -591,6 +593,9 @@ def save(directory_or_path: str | os.PathLike[str], *, model: nn.Module, optimiz
     ``keep_every_steps``: the pruning also keeps, besides the last ``keep_last``, the
     first checkpoint at or after every multiple of this step count (milestones,
     :func:`kfac_hpc.checkpoint.atomic.milestones`; never deleted by the pruning).
+    ``keep``: names of checkpoints in the directory that the pruning never deletes
+    either (e.g. the best by a monitored metric); they do not count against
+    ``keep_last``.
     ``extra``: JSON-able dict that may hold tensors/arrays (stored under ``/train``).
     ``store_eigenbases``: also store the decompositions the preconditioner reports with
     ``state_dict(eigenbases=True)`` (default: a run resumed between two inverse updates
@@ -614,7 +619,7 @@ def save(directory_or_path: str | os.PathLike[str], *, model: nn.Module, optimiz
                 preconditioner=preconditioner, step=step, extra=extra, keep_last=keep_last,
                 store_eigenbases=store_eigenbases, fletcher32=fletcher32, parallel=parallel,
                 prefetch=prefetch, check_finite=check_finite)
-    st.keep_every_steps = keep_every_steps
+    st.keep_every_steps, st.keep = keep_every_steps, tuple(keep)
     return _write_and_agree(comm, st)
 
 
@@ -632,6 +637,7 @@ class _Staged:
     prefetch: bool
     use_parallel: bool
     keep_every_steps: int | None = None
+    keep: tuple[str, ...] = ()
 
 
 def _stage(comm: Communicator, directory_or_path: str | os.PathLike[str], *, model: nn.Module,
@@ -740,7 +746,7 @@ def _write_commit(comm: Communicator, st: _Staged) -> tuple[str | None, str | No
         return None, error
     if error is None:
         error = _commit(st.tmp, st.final, st.is_dir, st.keep_last,
-                        sum(e.nbytes for e in st.plan), st.keep_every_steps)
+                        sum(e.nbytes for e in st.plan), st.keep_every_steps, st.keep)
     if error is not None:
         with contextlib.suppress(OSError):
             st.tmp.unlink()

@@ -54,6 +54,9 @@ DATASETS = ("digits", "cifar10", "imagefolder", "synthetic", "stdlib-text")
 PATH_DATASETS = ("cifar10", "imagefolder")
 DEVICES = ("auto", "cpu", "cuda")
 AMP_DTYPES = ("float16", "bfloat16")
+#: --checkpoint-keep-best: the metrics of an epoch's record it may monitor, and whether
+#: a larger value (+1) or a smaller one (-1) is better.
+KEEP_BEST_METRICS = {"test_acc": 1, "test_loss": -1, "train_loss": -1}
 
 
 # preconditioner keyword -> TrainConfig field, where they differ
@@ -237,6 +240,11 @@ class TrainConfig:
         None, "also keep one checkpoint per N epochs (the first at or after the end of "
         "every N-th epoch): milestones that the rotation of --checkpoint-keep never "
         "deletes", "checkpoint")
+    checkpoint_keep_best: str | None = _opt(
+        None, "also keep the checkpoint of the best epoch by this metric: test_acc "
+        "(highest), test_loss or train_loss (lowest); written at the end of every epoch "
+        "that improves it, never deleted by the rotation of --checkpoint-keep",
+        "checkpoint")
     checkpoint_background: bool = _opt(
         True, "write periodic checkpoints in the background (training stalls only for a "
         "snapshot to host memory; KFAC_HPC_CHECKPOINT_BACKGROUND=0 also turns it off)",
@@ -437,6 +445,11 @@ class TrainConfig:
         if self.checkpoint_keep_every_epochs is not None:
             need(self.checkpoint_keep_every_epochs >= 1, "checkpoint_keep_every_epochs",
                  "must be >= 1")
+        if self.checkpoint_keep_best not in (None, *KEEP_BEST_METRICS):
+            choice("checkpoint_keep_best", list(KEEP_BEST_METRICS))
+        elif self.checkpoint_keep_best is not None:
+            need(self.checkpoint_dir is not None, "checkpoint_keep_best",
+                 "needs --checkpoint-dir")
         need(bool(self.resume), "resume", "must be auto, never or a checkpoint path")
         for sig in self.preempt_signals:
             try:

@@ -50,7 +50,7 @@ from torch import nn
 
 from kfac_hpc.models import build_model
 from kfac_hpc.runtime.watchdog import Watchdog
-from kfac_hpc.train.config import ConfigError, TrainConfig
+from kfac_hpc.train.config import KEEP_BEST_METRICS, ConfigError, TrainConfig
 from kfac_hpc.train.data import DatasetSplits, ShardedLoader, load_dataset, rescaled_batch_size
 from kfac_hpc.train.metrics import (
     TRAFFIC_TAGS,
@@ -286,6 +286,7 @@ class Trainer:
         self._step_loss: torch.Tensor | None = None  # this rank's loss sum of the step
         self._losses: deque[float] = deque(maxlen=RANGE_WINDOW)  # finite global losses
         self._left_range: list[float] | None = None  # [step, loss, median, n] (_track_loss)
+        self._best: dict[str, Any] | None = None  # --checkpoint-keep-best (_keep_best)
         self._reporter: ProgressReporter | None = None  # progress lines without a terminal
         self._numerical = _numerical_errors()
         self._threads_before = torch.get_num_threads()
@@ -569,6 +570,9 @@ class Trainer:
         self._losses.extend(float(v) for v in loss_range.get("window", ()))
         left = loss_range.get("left")
         self._left_range = [float(v) for v in left] if left else None
+        best = metrics.get("best")  # the best so far (a checkpoint of another metric: none)
+        self._best = dict(best) if best and best.get("metric") == cfg.checkpoint_keep_best \
+            else None
         if self.scaler is not None and "grad_scaler" in extra:
             self.scaler.load_state_dict(extra["grad_scaler"])
         self._print(f"resumed from {path} at step {self.step} "
@@ -638,7 +642,8 @@ class Trainer:
                         "train_samples": self.train_samples,
                         "epoch_stats": [self.epoch_stats.loss_sum, self.epoch_stats.correct,
                                         self.epoch_stats.count],
-                        "loss_range": {"window": list(self._losses), "left": self._left_range}},
+                        "loss_range": {"window": list(self._losses), "left": self._left_range},
+                        "best": self._best},
             "config": self.cfg.to_dict(),
         }
         if self.scaler is not None:
@@ -651,6 +656,8 @@ class Trainer:
         every = self.cfg.checkpoint_keep_every_epochs
         if every:  # milestones, never rotated away
             kwargs["keep_every_steps"] = every * self.steps_per_epoch
+        if self._best is not None:  # the best by --checkpoint-keep-best, never rotated away
+            kwargs["keep"] = (self._best["checkpoint"],)
         try:
             if background:
                 if self._bg is None:
@@ -699,6 +706,28 @@ class Trainer:
         before, clause = self._before_range()
         return TrainingDiverged(message + clause, step=step, epoch=self._epoch + 1,
                                 checkpoint=self.last_checkpoint, before_range=before)
+
+    def _keep_best(self, record: dict[str, Any]) -> None:
+        """``--checkpoint-keep-best METRIC``: when the epoch's ``record`` improves the
+        best value of METRIC so far (ties do not), checkpoint this state as the new best.
+
+        The best (metric, value, step, file name) is stored in every checkpoint's
+        metrics, so a resumed run goes on from the best so far; its file is passed to
+        the rotation as kept. Collective (the record's values are global).
+        """
+        metric = self.cfg.checkpoint_keep_best
+        if not metric or not self._checkpoints or not self.cfg.checkpoint_dir:
+            return
+        from kfac_hpc.checkpoint.layout import checkpoint_name
+
+        value = float(record.get(metric, math.nan))
+        sign = KEEP_BEST_METRICS[metric]
+        if not math.isfinite(value) or (self._best is not None
+                                        and sign * value <= sign * float(self._best["value"])):
+            return
+        self._best = {"metric": metric, "value": value, "step": self.step,
+                      "checkpoint": checkpoint_name(self.step)}
+        self.save_checkpoint()
 
     def _track_loss(self, step: int, loss: float) -> None:
         """Follow the running range of the global loss of ``step`` (the same on every
@@ -932,6 +961,7 @@ class Trainer:
                 f"epoch {record['epoch']:g}/{cfg.epochs}  step {self.step}  "
                 f"loss {record['train_loss']:.4f}  acc {100 * record['train_acc']:.2f}%  "
                 f"{test}({record['epoch_time']:.1f} s)", bar)
+            self._keep_best(record)
             if (cfg.target_accuracy is not None and evaluated and last_eval is not None
                     and last_eval.acc >= cfg.target_accuracy):
                 time_to_target, epochs_to_target = record["wall_time"], epoch + 1
