@@ -195,3 +195,36 @@ def test_mpi_plugins_train_and_bad_ones_fail_alike(comm: Any, tmp_path: Path,
         "train_loss"]
     with pytest.raises(ConfigError, match="has no attribute 'missing'"):
         train(TrainConfig(**{**base, "model": f"{EXAMPLE}:missing"}), comm, verbose=False)
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
+def test_ranks_that_train_different_parameters_fail_alike(tmp_path: Path) -> None:
+    """Issue 25's exact case through the driver: a model factory that freezes one layer
+    on rank 1 only (shapes equal). Every rank ends with the same clear error naming the
+    parameters (before: memory corruption, status 134), no rank hangs."""
+    (tmp_path / "freeze_on_one_rank.py").write_text(textwrap.dedent(f"""
+        from mpi4py import MPI
+
+        from {EXAMPLE} import build_model as example_model
+
+
+        def build_model(*, num_classes: int, input_dim: int):
+            model = example_model(num_classes=num_classes, input_dim=input_dim)
+            if MPI.COMM_WORLD.Get_rank() == 1:
+                first = next(model.parameters())
+                first.requires_grad_(False)
+            return model
+    """))
+    env = clean_env()
+    env["PYTHONPATH"] = str(tmp_path) + ":" + env["PYTHONPATH"]
+    p = subprocess.run([str(ROOT / "launch" / "local"), "-n", "2", "--timeout", "200",
+                        sys.executable, "-m", "kfac_hpc", "train",
+                        "--model", "freeze_on_one_rank:build_model",
+                        "--dataset", f"{EXAMPLE}:build_dataset", "--epochs", "1",
+                        "--out", str(tmp_path / "run")],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+                       check=False)
+    out = p.stdout + p.stderr
+    assert p.returncode not in (0, 134, 124, 137), out
+    assert "requires_grad=False" in out, out
+    assert "munmap_chunk" not in out and "free(): invalid" not in out, out
