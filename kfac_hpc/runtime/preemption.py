@@ -19,24 +19,11 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from kfac_hpc.runtime.discovery import time_left
+from kfac_hpc.signals import REQUEUE_EXIT_CODE as REQUEUE_EXIT_CODE  # re-exported
+from kfac_hpc.signals import parse_signal
 
 if TYPE_CHECKING:  # importing the communicator starts MPI: not needed to parse signals
     from kfac_hpc.comm import Communicator
-
-REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "checkpointed, run me again"
-
-
-def parse_signal(name: str | int) -> signal.Signals:
-    """``"USR1"``, ``"SIGUSR1"`` or ``10`` -> ``signal.SIGUSR1``, with a clear error."""
-    if isinstance(name, int):
-        return signal.Signals(name)
-    text = name.upper()
-    text = text if text.startswith("SIG") else "SIG" + text
-    try:
-        return signal.Signals[text]
-    except KeyError:
-        raise ValueError(f"unknown signal {name!r}; use e.g. USR1, USR2 or TERM") from None
-
 
 class PreemptionGuard:
     """Turns signals and the job's time limit into one agreed "stop now" per step.

@@ -33,15 +33,14 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from kfac_hpc.signals import REQUEUE_EXIT_CODE, parse_signal
+
 if TYPE_CHECKING:  # imports torch: not before the start-up signal handlers are in place
     from kfac_hpc.train.config import TrainConfig
 
 __all__ = ["INTERRUPT_EXIT_CODE", "REQUEUE_EXIT_CODE", "StartupSignals", "add_arguments",
            "agree_on_usage", "env_rank", "env_size", "main", "run", "select_device_before_mpi"]
 
-# = kfac_hpc.runtime.preemption.REQUEUE_EXIT_CODE, which is not imported here: that
-# module imports torch, and this one must work before torch and MPI are loaded.
-REQUEUE_EXIT_CODE = 75
 INTERRUPT_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd command
 
 _GROUP_TITLES = {
@@ -149,7 +148,7 @@ class StartupSignals:
         self.signals: list[signal.Signals] = [signal.SIGINT]
         for name in signals:
             try:
-                sig = _signal_of(name)
+                sig = parse_signal(name)
             except ValueError:
                 continue  # reported by the config's validation
             if sig not in self.signals:
@@ -211,17 +210,6 @@ class StartupSignals:
             except (OSError, ValueError):
                 pass
         os._exit(status)  # from any point of the start-up: imports, MPI_Init, parsing
-
-
-def _signal_of(name: str | int) -> signal.Signals:
-    if isinstance(name, int) or name.isdigit():
-        return signal.Signals(int(name))
-    text = name.upper()
-    text = text if text.startswith("SIG") else "SIG" + text
-    try:
-        return signal.Signals[text]
-    except KeyError:
-        raise ValueError(f"unknown signal {name!r}") from None
 
 
 def _rank0_only(parser: argparse.ArgumentParser) -> None:
