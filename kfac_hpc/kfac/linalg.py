@@ -246,6 +246,15 @@ def eigh_clamped(F: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor,
     return evecs.to(dtype), evals.clamp(min=0.0).to(dtype)
 
 
+def _same_kind(tensors: list[Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by shape and dtype (first appearance order): the
+    batches of one solver call each."""
+    groups: dict[tuple[tuple[int, ...], torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((tuple(t.shape), t.dtype), []).append(i)
+    return list(groups.values())
+
+
 def eigh_clamped_many(factors: list[Tensor], dtype: torch.dtype = torch.float32
                       ) -> list[tuple[Tensor, Tensor] | Exception]:
     """:func:`eigh_clamped` of every factor, one batched ``eigh`` per size.
@@ -259,11 +268,8 @@ def eigh_clamped_many(factors: list[Tensor], dtype: torch.dtype = torch.float32
     (each with :func:`eigh_clamped`'s float64 retry); a factor that still fails gets its
     exception in its place of the result, so one bad factor never hides the others.
     """
-    out: list[tuple[Tensor, Tensor] | Exception] = [ValueError("not decomposed")] * len(factors)
-    groups: dict[tuple[tuple[int, ...], torch.dtype], list[int]] = {}
-    for i, f in enumerate(factors):
-        groups.setdefault((tuple(f.shape), f.dtype), []).append(i)
-    for members in groups.values():
+    out: dict[int, tuple[Tensor, Tensor] | Exception] = {}
+    for members in _same_kind(factors):
         if len(members) > 1:
             stacked = torch.stack([factors[i] for i in members])
             try:
@@ -280,7 +286,7 @@ def eigh_clamped_many(factors: list[Tensor], dtype: torch.dtype = torch.float32
                 out[i] = eigh_clamped(factors[i], dtype)
             except Exception as exc:  # reported per factor by the caller
                 out[i] = exc
-    return out
+    return [out[i] for i in range(len(factors))]
 
 
 def refresh_eigenbases(factors: list[Tensor], bases: list[Tensor],
@@ -304,15 +310,12 @@ def refresh_eigenbases(factors: list[Tensor], bases: list[Tensor],
     4608² float32 matrix takes 39 ms on an H200, its ``eigh`` 124 ms). Factors of one
     size and dtype are refreshed as one batch. λ is returned in ascending order.
     """
-    out: list[tuple[Tensor, Tensor]] = [(f, f) for f in factors]  # placeholders
-    # ``(f, f)`` only fills the list; every entry is replaced below
-    groups: dict[tuple[tuple[int, ...], torch.dtype], list[int]] = {}
-    for i, f in enumerate(factors):
-        if bases[i].shape != f.shape:
-            raise ValueError(f"basis of shape {tuple(bases[i].shape)} for a factor of shape "
+    for f, q in zip(factors, bases, strict=True):
+        if q.shape != f.shape:
+            raise ValueError(f"basis of shape {tuple(q.shape)} for a factor of shape "
                              f"{tuple(f.shape)}")
-        groups.setdefault((tuple(f.shape), f.dtype), []).append(i)
-    for members in groups.values():
+    out: dict[int, tuple[Tensor, Tensor]] = {}
+    for members in _same_kind(factors):
         dt = _linalg_dtype(factors[members[0]])
         f = torch.stack([factors[i] for i in members]).to(dt)
         q_prev = torch.stack([bases[i] for i in members]).to(dt).flip(-1)  # largest first
@@ -322,7 +325,7 @@ def refresh_eigenbases(factors: list[Tensor], bases: list[Tensor],
         q, lam = q.to(dtype), lam.to(dtype)
         for j, i in enumerate(members):
             out[i] = (q[j], lam[j])
-    return out
+    return [out[i] for i in range(len(factors))]
 
 
 def precondition_eigen(

@@ -141,12 +141,16 @@ def conflicts(*, strategy: str, grad_worker_fraction: float | None = None,
               low_rank_remainder: str = "mean", stats_precision: str = AUTO,
               precondition_precision: str = AUTO,
               factor_dtype: str | None = None, inv_dtype: str = "float32",
-              eigen_refresh: str = "eigh") -> list[Conflict]:
+              eigen_refresh: str = "eigh", decomposition_lag: int = 0) -> list[Conflict]:
     """Every rule the options break, in a fixed order (empty: compatible).
 
     Dtypes are named without ``torch.`` (``factor_dtype=None``: chosen from the model).
     """
     out: list[Conflict] = []
+    if not _whole(decomposition_lag, 0):
+        out.append(Conflict("decomposition_lag", "must be a whole number of steps >= 0 (0: "
+                                                 "decompositions in the inverse step); got "
+                                                 f"{decomposition_lag!r}"))
     if eigen_refresh not in EIGEN_REFRESHES:
         out.append(Conflict("eigen_refresh", f"must be one of {EIGEN_REFRESHES}; got "
                                              f"{eigen_refresh!r}"))

@@ -207,14 +207,11 @@ class KFACPreconditioner:
                              precondition_precision=precondition_precision,
                              factor_dtype=_dtype_name(factor_dtype),
                              inv_dtype=_dtype_name(inv_dtype) or "float32",
-                             eigen_refresh=eigen_refresh)
+                             eigen_refresh=eigen_refresh,
+                             decomposition_lag=decomposition_lag)
         if problems:
             raise ValueError(f"{problems[0].option} {problems[0].text()}")
         _check_rank_fits(low_rank, low_rank_energy, inv_dtype)
-        if not (isinstance(decomposition_lag, int) and not isinstance(decomposition_lag, bool)
-                and decomposition_lag >= 0):
-            raise ValueError(f"decomposition_lag must be a whole number of steps >= 0 (0: "
-                             f"decompositions in the inverse step), got {decomposition_lag!r}")
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
         if isinstance(skip_layers, str):
@@ -624,11 +621,12 @@ class KFACPreconditioner:
             lambda: self._decompose_all(self._factor_states(local=True), step, failures),
             failures)
 
-    def _factor_states(self, local: bool) -> dict[FactorKey, FactorState]:
-        """The factors this rank decomposes: those it owns (``local=False``) or the
-        local (small) ones of its layers."""
-        return {key: state for key, state in self._factors.items()
-                if self._is_local(key) == local}
+    def _factor_states(self, local: bool, states: Mapping[FactorKey, FactorState] | None = None
+                       ) -> dict[FactorKey, FactorState]:
+        """The factors this rank decomposes (of ``states``, default its running ones):
+        those it owns (``local=False``) or the local (small) ones of its layers."""
+        source = self._factors if states is None else states
+        return {key: state for key, state in source.items() if self._is_local(key) == local}
 
     def _decompose_safely(self, key: FactorKey, state: FactorState, step: int,
                           failures: dict[FactorKey, BaseException],
@@ -640,10 +638,10 @@ class KFACPreconditioner:
         try:
             if isinstance(eigen, Exception):
                 raise eigen
-            return self._decompose(key, state, eigen, step)
+            return self._decompose(key, state, step, eigen)
         except Exception as exc:
             failures[key] = exc
-            return self._decompose(key, FactorState(state.dim), step=step)
+            return self._decompose(key, FactorState(state.dim), step)
 
     def _decompose_all(self, states: Mapping[FactorKey, FactorState], step: int,
                        failures: dict[FactorKey, BaseException]) -> dict[PieceKey, Piece]:
@@ -679,11 +677,10 @@ class KFACPreconditioner:
 
         def compute() -> Decomposed:
             done = Decomposed()
-            done.owned = self._decompose_all(
-                {k_: s for k_, s in snapshot.items() if not self._is_local(k_)}, k,
-                done.failures)
-            done.local = self._decompose_all(
-                {k_: s for k_, s in snapshot.items() if self._is_local(k_)}, k, done.failures)
+            done.owned = self._decompose_all(self._factor_states(False, snapshot), k,
+                                             done.failures)
+            done.local = self._decompose_all(self._factor_states(True, snapshot), k,
+                                             done.failures)
             return done
 
         if self.device.type == "cuda" and self._side_stream is None:
@@ -700,6 +697,12 @@ class KFACPreconditioner:
         assert job is not None
         done = job.result()
         self._install_decompositions(lambda: done.owned, lambda: done.local, done.failures)
+
+    def _cancel_background_decompositions(self) -> None:
+        """Wait for a pending background job, if any, and drop its result."""
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
 
     def _install_decompositions(self, produce: Callable[[], Mapping[PieceKey, Piece]],
                                 local: Callable[[], Mapping[PieceKey, Piece]],
@@ -852,13 +855,11 @@ class KFACPreconditioner:
             [previous[key] for key in refreshed], dtype=self.inv_dtype)))
         return out
 
-    def _decompose(self, key: FactorKey, state: FactorState,
-                   eigen: tuple[Tensor, Tensor] | None = None,
-                   step: int | None = None) -> dict[PieceKey, Piece]:
-        """One factor's decomposition as message pieces (``eigen``: its ``(Q, λ)`` when
-        already computed; ``step``: the inverse step it belongs to, default the current
-        one: it seeds low-rank sketches and picks the damping of inverses)."""
-        step = self.steps if step is None else step
+    def _decompose(self, key: FactorKey, state: FactorState, step: int,
+                   eigen: tuple[Tensor, Tensor] | None = None) -> dict[PieceKey, Piece]:
+        """One factor's decomposition as message pieces (``step``: the inverse step it
+        belongs to, which seeds low-rank sketches and picks the damping of inverses;
+        ``eigen``: its ``(Q, λ)`` when already computed)."""
         if state.average is None:  # never saw statistics: marked invalid, not preconditioned
             return {p: torch.zeros(m, dtype=self.inv_dtype, device=self.device)
                     for p, m in self._decomposition_pieces(key)}
@@ -1083,9 +1084,7 @@ class KFACPreconditioner:
         (the same failure on every rank, nothing half-loaded), and owners of local (small)
         factors send them to the layer's other gradient workers.
         """
-        if self._pending is not None:  # superseded by the loaded state
-            self._pending.cancel()
-            self._pending = None
+        self._cancel_background_decompositions()  # superseded by the loaded state
         factors = state["factors"]
         updates = state.get("factor_updates", {})
         owned = {key.name: s for key, s in self._owned_states().items()}  # by stored name
@@ -1237,9 +1236,7 @@ class KFACPreconditioner:
         The preconditioner can no longer step.
         """
         self.remove_hooks()
-        if self._pending is not None:
-            self._pending.cancel()
-            self._pending = None
+        self._cancel_background_decompositions()
         for sub in {id(c): c for c in (self.worker_comm, self.receiver_comm)}.values():
             if sub is not self.comm:
                 sub.free()

@@ -65,7 +65,8 @@ _KFAC_FIELDS = {"strategy": "kfac_strategy", "overlap": "kfac_overlap",
                 "compute_method": "kfac_compute_method", "stats_precision": "kfac_stats_precision",
                 "precondition_precision": "kfac_precondition_precision",
                 "factor_dtype": "kfac_factor_dtype", "inv_dtype": "kfac_inv_dtype",
-                "eigen_refresh": "kfac_eigen_refresh"}
+                "eigen_refresh": "kfac_eigen_refresh",
+                "decomposition_lag": "kfac_decomposition_lag"}
 
 
 def _kfac_flag(option: str, value: str) -> str:
@@ -407,7 +408,6 @@ class TrainConfig:
                  "must be > 0 (or none to disable)")
             need(self.factor_update_steps >= 1, "factor_update_steps", "must be >= 1")
             need(self.inv_update_steps >= 1, "inv_update_steps", "must be >= 1")
-            need(self.kfac_decomposition_lag >= 0, "kfac_decomposition_lag", "must be >= 0")
             choice("kfac_factor_sync", FACTOR_SYNCS)
             choice("kfac_factor_dtype", ("auto", *DTYPES))
             choice("kfac_inv_dtype", DTYPES)
@@ -423,7 +423,8 @@ class TrainConfig:
                     precondition_precision=self.kfac_precondition_precision,
                     factor_dtype=None if self.kfac_factor_dtype == "auto"
                     else self.kfac_factor_dtype, inv_dtype=self.kfac_inv_dtype,
-                    eigen_refresh=self.kfac_eigen_refresh):
+                    eigen_refresh=self.kfac_eigen_refresh,
+                    decomposition_lag=self.kfac_decomposition_lag):
                 need(False, _KFAC_FIELDS.get(conflict.option, conflict.option),
                      conflict.text(_kfac_flag))
         # distributed / device
