@@ -260,17 +260,20 @@ def eigh_clamped_many(factors: list[Tensor], dtype: torch.dtype = torch.float32
     """:func:`eigh_clamped` of every factor, one batched ``eigh`` per size.
 
     A solver call reads its error flags back to the host (a device sync on a GPU), so
-    factors of the same size and dtype go to ``torch.linalg.eigh`` together: the syncs
-    (and launches) grow with the number of distinct sizes, not of factors. Per matrix
-    the result is the unbatched one (LAPACK solves each matrix of a batch alone; on
-    CUDA, cuSOLVER may pick its batched Jacobi solver for batches of matrices up to
-    32x32, equal to rounding). If a batch fails, its factors are decomposed one by one
+    on the GPU path (:func:`uses_gpu_path`) factors of the same size and dtype go to
+    ``torch.linalg.eigh`` together: the syncs (and launches) grow with the number of
+    distinct sizes, not of factors (cuSOLVER may pick its batched Jacobi solver for
+    batches of matrices up to 32x32: equal to rounding). On the CPU, where a call costs
+    no sync, every factor is solved alone as before: a matrix inside a stacked batch
+    sits at another alignment, which BLAS libraries that choose kernels by alignment
+    (MKL) could answer with other bits, and the world-size invariance is bitwise.
+    If a batch fails, its factors are decomposed one by one
     (each with :func:`eigh_clamped`'s float64 retry); a factor that still fails gets its
     exception in its place of the result, so one bad factor never hides the others.
     """
     out: dict[int, tuple[Tensor, Tensor] | Exception] = {}
     for members in _same_kind(factors):
-        if len(members) > 1:
+        if len(members) > 1 and uses_gpu_path(factors[members[0]].device):
             stacked = torch.stack([factors[i] for i in members])
             try:
                 evals, evecs = torch.linalg.eigh(stacked.to(_linalg_dtype(stacked)))
