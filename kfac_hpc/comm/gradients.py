@@ -112,8 +112,12 @@ class GradientAverager:
     def _post(self, b: int) -> None:
         params = [self.params[i] for i in self.buckets[b]]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flags = torch.tensor([float(p.grad is not None) for p in params],
-                             dtype=self.dtype or params[0].dtype, device=params[0].device)
+        dtype = self.dtype or params[0].dtype
+        if all(p.grad is not None for p in params):  # the usual step: a fill, no copy
+            flags = torch.ones(len(params), dtype=dtype, device=params[0].device)
+        else:
+            flags = torch.tensor([float(p.grad is not None) for p in params], dtype=dtype,
+                                 device=params[0].device)
         self._handles[b] = self.comm.iallreduce(flatten([*grads, flags], self.dtype), "avg")
         self._posted.add(b)
         self._posted_order.append(b)
@@ -131,7 +135,10 @@ class GradientAverager:
             assert handle is not None
             params = [self.params[i] for i in self.buckets[b]]
             flat = handle.wait()
-            flags = flat[flat.numel() - len(params):].tolist()  # > 0: some rank had a grad
+            # the flags (> 0: some rank had a gradient) matter only to a parameter without a
+            # gradient here; read back (a device sync on a GPU) only when there is one
+            flags = flat[flat.numel() - len(params):].tolist() \
+                if any(p.grad is None for p in params) else [1.0] * len(params)
             offset = 0
             for p, flag in zip(params, flags):
                 n = p.numel()
