@@ -19,6 +19,7 @@ from torch import Tensor
 from kfac_hpc.comm import Communicator, Handle, buckets_by_size
 from kfac_hpc.kfac.exchange import MessageLayout, Part, Piece, PieceKey
 from kfac_hpc.kfac.placement import FactorKey
+from kfac_hpc.phases import Traffic
 
 PieceFn = Callable[[FactorKey], dict[PieceKey, Piece]]
 
@@ -62,7 +63,7 @@ class FactorPipeline:
             values.update(pieces(key))
         layout = self.layouts[b]
         flat = layout.pack(values, dtype=self.dtype, device=self.device)
-        with self.comm.stats.tagged("factors"):  # posted from hooks, outside step()
+        with self.comm.stats.tagged(Traffic.FACTORS):  # posted from hooks, outside step()
             self._inflight.append((b, self.comm.ireduce_scatter(flat, layout.counts(), "sum")))
         self._next = b + 1
 

@@ -93,6 +93,7 @@ from kfac_hpc.kfac.placement import (
     work_per_step,
 )
 from kfac_hpc.kfac.shapes import rows_per_sample
+from kfac_hpc.phases import Phase, PhaseTimer, Traffic, timed
 
 if TYPE_CHECKING:
     from kfac_hpc.plan.profile import Profile
@@ -239,6 +240,8 @@ class KFACPreconditioner:
         self.steps = 0
         self._closed = False
         self._checked_hooks = False  # the never-fired warning is given once
+        #: times the phases its methods declare (kfac_hpc.phases), when given one
+        self.phase_timer: PhaseTimer | None = None
 
         model = getattr(model, "module", model) if _is_wrapper(model) else model
         self.kfac_approx = kfac_approx if isinstance(kfac_approx, str) else dict(kfac_approx)
@@ -375,6 +378,7 @@ class KFACPreconditioner:
         self.steps += 1
 
     # ------------------------------------------------------------ factor update
+    @timed(Phase.KFAC_FACTORS)
     def _update_factors(self, k: int) -> None:
         stats = self.capture.stats
         if stats and not any(s.captured for s in stats.values()):
@@ -405,7 +409,7 @@ class KFACPreconditioner:
             # before the factors' reduce-scatter and complete while it runs: one wait for
             # three collectives (the same calls and bytes as one after the other)
             agreement = self._post_ranks_reporting(bool(_nonfinite(local_sums)))
-            with self.comm.stats.tagged("factors"):
+            with self.comm.stats.tagged(Traffic.FACTORS):
                 local_factors = self._post_local_factors(
                     _merge(map(self._wire_pieces, self._local_keys())))
                 if self.pipeline is not None:
@@ -492,7 +496,7 @@ class KFACPreconditioner:
         if self.comm.size == 1:
             return lambda: int(flag)
         count = torch.tensor([int(flag)], dtype=torch.int32, device="cpu")
-        with self.comm.stats.tagged("agreement"):
+        with self.comm.stats.tagged(Traffic.AGREEMENT):
             handle = self.comm.iallreduce(count, "sum")
         return lambda: int(handle.wait()[0])
 
@@ -512,6 +516,7 @@ class KFACPreconditioner:
         """How many ranks pass a true ``flag`` (a host-side allreduce of one integer)."""
         return self._post_ranks_reporting(flag)()
 
+    @timed(Phase.KFAC_FACTORS)
     def _synchronise_local_averages(self) -> None:
         """factor_sync='inverse': owners get ``c·F + mean_r D_r`` (one fused reduce-scatter)."""
         values: dict[PieceKey, Piece] = {}
@@ -523,7 +528,7 @@ class KFACPreconditioner:
             values[PieceKey(key, Part.FACTOR)] = pack_upper(delta) if self.symmetric_packing \
                 else delta
             values[PieceKey(key, Part.COUNT)] = 1.0 if local.updates else 0.0
-        with self.comm.stats.tagged("factors"):
+        with self.comm.stats.tagged(Traffic.FACTORS):
             mine = reduce_scatter_parts(self.comm, self._factor_layout(), values,
                                         self.factor_dtype, self.device)
             mine.update(self._post_local_factors(values)())
@@ -606,6 +611,7 @@ class KFACPreconditioner:
             self.pipeline.progress()
 
     # ----------------------------------------------------------- decompositions
+    @timed(Phase.KFAC_DECOMPOSITIONS)
     def _update_decompositions(self, restore: bool = False) -> None:
         """Owners decompose their factors and broadcast them in the worker group; local
         factors are decomposed by every worker. ``restore``: owners send the loaded
@@ -690,6 +696,7 @@ class KFACPreconditioner:
             stream=self._side_stream if self.device.type == "cuda" else None,
             inputs=[s.average for s in snapshot.values() if s.average is not None])
 
+    @timed(Phase.KFAC_DECOMPOSITIONS)
     def _install_background_decompositions(self) -> None:
         """Wait for the pending background job and install its decompositions (the
         broadcast in the worker group and the failure agreement happen here)."""
@@ -719,7 +726,7 @@ class KFACPreconditioner:
             if restore or not self._is_local(key):
                 parts[self._owner(key) - group * g] += self._decomposition_pieces(key)
 
-        with self.comm.stats.tagged("decompositions"):
+        with self.comm.stats.tagged(Traffic.DECOMPOSITIONS):
             pieces = broadcast_parts(self.worker_comm, MessageLayout.of(parts), produce,
                                      self.inv_dtype, self.device)
         all_pieces: dict[PieceKey, Piece] = {**pieces, **local()}
@@ -875,6 +882,7 @@ class KFACPreconditioner:
         return {PieceKey(key, Part.INV): inv, **valid}
 
     # ------------------------------------------------------------ preconditioning
+    @timed(Phase.KFAC_PRECONDITION)
     def _precondition_my_layers(self, k: int) -> dict[str, Tensor]:
         damping = self.damping(k)
         out: dict[str, Tensor] = {}
@@ -899,6 +907,7 @@ class KFACPreconditioner:
                                              damping, self.precondition_precision)
         return linalg.precondition_inverse(grad, a["inv"], g["inv"], self.precondition_precision)
 
+    @timed(Phase.KFAC_GRADIENTS)
     def _share_preconditioned(self, mine: dict[str, Tensor]) -> dict[str, Tensor]:
         """Gradient workers send preconditioned gradients to their receiver groups."""
         if self.placement.n_groups == 1:
@@ -914,7 +923,7 @@ class KFACPreconditioner:
             values[PieceKey(name, Part.GRADIENT)] = v if v is not None else torch.zeros(
                 curv.g_dim, curv.a_dim, dtype=self.inv_dtype, device=self.device)
             values[PieceKey(name, Part.VALID)] = 1.0 if v is not None else 0.0
-        with self.comm.stats.tagged("gradients"):
+        with self.comm.stats.tagged(Traffic.GRADIENTS):
             pieces = broadcast_parts(self.receiver_comm, MessageLayout.of(parts), lambda: values,
                                      self.inv_dtype, self.device)
         valid = read_scalars(pieces, [PieceKey(name, Part.VALID) for name in self.layers])

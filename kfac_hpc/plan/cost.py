@@ -65,6 +65,7 @@ from kfac_hpc.kfac.placement import (
     work_per_step,
 )
 from kfac_hpc.kfac.shapes import lowrank_precondition_flops, randomized_eigh_flops
+from kfac_hpc.phases import TRAFFIC_TAGS, Traffic
 from kfac_hpc.plan.model_shapes import LayerSpec, ModelSpec
 from kfac_hpc.plan.profile import ComputeRates, Profile
 
@@ -74,7 +75,7 @@ __all__ = ["PHASES", "STRATEGIES", "Distribution", "Estimate", "KFACOptions", "S
 PHASES = ("forward", "backward", "grad avg", "factor stats", "factor comm", "decomposition",
           "decomp bcast", "precondition", "grad bcast", "other")
 AGREEMENT_BYTES = 4  # one int32: how many ranks report a fault
-BYTE_PHASES = ("factors", "decompositions", "gradients", "agreement")
+BYTE_PHASES = TRAFFIC_TAGS  # the library's byte tags (kfac_hpc.phases.Traffic)
 
 # Tensor operations per unit of work (framework overhead = count × op_overhead_s).
 # Counted by reading the library's code paths (not measured); they matter only where
@@ -382,25 +383,25 @@ class Distribution:
             fsize = wire_itemsize(o.factor_dtype, reduction=True)
             rs, ar = self.reduce_numel
             if o.factor_reduction == "allreduce":
-                out.add("factors", (rs + ar) * fsize,
+                out.add(Traffic.FACTORS, (rs + ar) * fsize,
                         len(self.buckets) + bool(ar) if o.overlap else 1)
             else:
                 if o.overlap:
-                    out.add("factors", rs * fsize, len(self.buckets))
+                    out.add(Traffic.FACTORS, rs * fsize, len(self.buckets))
                 else:
-                    out.add("factors", rs * fsize, 1)
+                    out.add(Traffic.FACTORS, rs * fsize, 1)
                 if ar:
-                    out.add("factors", ar * fsize, 1)
+                    out.add(Traffic.FACTORS, ar * fsize, 1)
         isize = wire_itemsize(o.inv_dtype, reduction=False)
         if inverse and self.grad_workers > 1:
             slots = self.slot_numel[self.group_of(rank)]
-            out.add("decompositions", sum(slots) * isize, sum(1 for s in slots if s))
+            out.add(Traffic.DECOMPOSITIONS, sum(slots) * isize, sum(1 for s in slots if s))
         if self.n_groups > 1:
             groups = self.group_grad_numel
-            out.add("gradients", sum(groups) * isize, sum(1 for s in groups if s))
+            out.add(Traffic.GRADIENTS, sum(groups) * isize, sum(1 for s in groups if s))
         for agreed in (factor, inverse):  # KFACPreconditioner._ranks_reporting
             if agreed:
-                out.add("agreement", AGREEMENT_BYTES, 1)
+                out.add(Traffic.AGREEMENT, AGREEMENT_BYTES, 1)
         return out
 
     def mean_traffic(self, rank: int) -> dict[str, float]:

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from kfac_hpc.comm import Communicator, replicas, world
+from kfac_hpc.phases import Phase, PhaseTimer, timed
 from kfac_hpc.shampoo import blocking
 from kfac_hpc.shampoo import hyperparameters as hyper
 from kfac_hpc.shampoo.block_update import (
@@ -141,6 +142,8 @@ class DistributedShampoo(torch.optim.Optimizer):
         self.comm: Communicator = comm if comm is not None else world()
         self._layout: Layout | None = None
         self._steps = 0
+        #: times the phases its methods declare (kfac_hpc.phases), when given one
+        self.phase_timer: PhaseTimer | None = None
         super().__init__(params, defaults)
         if check_replicas:  # different models would gather mismatched directions
             self._check_replicas()
@@ -282,6 +285,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._apply()
         return loss
 
+    @timed(Phase.SHAMPOO_BLOCKS)
     def _update_owned_blocks(self, hypers: list[BlockHyper]) -> Tensor | int:
         """Compute this rank's block directions, hand them to the exchange; return its status.
 
@@ -404,6 +408,7 @@ class DistributedShampoo(torch.optim.Optimizer):
             "Parameters were not updated; check the loss and gradients (lower lr, clip "
             "gradients, raise epsilon) and restore a checkpoint.", affected, mask)
 
+    @timed(Phase.SHAMPOO_APPLY)
     def _apply(self) -> None:
         """``p ← p − lr·d`` for every parameter with a gradient: one ``_foreach_add_`` per
         parameter group over every block's update."""

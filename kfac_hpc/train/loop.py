@@ -49,7 +49,9 @@ import torch
 from torch import nn
 
 from kfac_hpc.models import build_model
+from kfac_hpc.phases import Phase
 from kfac_hpc.runtime.watchdog import Watchdog
+from kfac_hpc.shampoo.optimizer import DistributedShampoo
 from kfac_hpc.train.config import KEEP_BEST_METRICS, ConfigError, TrainConfig
 from kfac_hpc.train.data import DatasetSplits, ShardedLoader, load_dataset, rescaled_batch_size
 from kfac_hpc.train.metrics import (
@@ -323,15 +325,11 @@ class Trainer:
             self.scaler = torch.amp.GradScaler("cuda")
         self.averager, self.averaging = self._agreed(self._build_distributed)
         self.timer = PhaseTimer(self.device)
-        if self.pre is not None:  # K-FAC's phases in the step records
-            self.timer.instrument(self.pre, {
-                "kfac_factors": ["_update_factors", "_synchronise_local_averages"],
-                "kfac_decompositions": ["_update_decompositions"],
-                "kfac_precondition": ["_precondition_my_layers"],
-                "kfac_gradients": ["_share_preconditioned"]})
-        if cfg.optimizer == "shampoo":  # Shampoo's owned blocks and applying the exchange
-            self.timer.instrument(self.opt, {"shampoo_blocks": ["_update_owned_blocks"],
-                                             "shampoo_apply": ["_apply"]})
+        # the library declares its phases (kfac_hpc.phases); the step records read them
+        if self.pre is not None:
+            self.pre.phase_timer = self.timer
+        if isinstance(self.opt, DistributedShampoo):
+            self.opt.phase_timer = self.timer
         self.steps_per_epoch = len(self.train_loader)
         full = self.steps_per_epoch * cfg.epochs
         self.total_steps = min(full, cfg.max_steps) if cfg.max_steps else full
@@ -795,7 +793,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         correct = torch.zeros((), device=self.device, dtype=torch.long)
         timer = self.timer
-        with timer.phase("forward_backward"):
+        with timer.phase(Phase.FORWARD_BACKWARD):
             for i, (xm, ym) in enumerate(zip(x.tensor_split(acc), y.tensor_split(acc))):
                 last = i == acc - 1
                 with self._no_sync(last):
@@ -808,14 +806,14 @@ class Trainer:
                 correct += (out.detach().argmax(1) == ym).sum()
         self._step_loss = loss_sum  # read only if K-FAC or Shampoo fail below
         if self.averager is not None:
-            with timer.phase("grad_sync"):
+            with timer.phase(Phase.GRAD_SYNC):
                 self.averager.synchronize()
         if self.scaler is not None:
             self.scaler.unscale_(self.opt)
         if self.pre is not None:
-            with timer.phase("kfac"):
+            with timer.phase(Phase.KFAC):
                 self.pre.step()
-        with timer.phase("optimizer"):
+        with timer.phase(Phase.OPTIMIZER):
             if self.scaler is not None:
                 self.scaler.step(self.opt)
                 self.scaler.update()

@@ -14,10 +14,11 @@ Files written into the run directory by :class:`MetricsWriter` (rank 0 only):
   ``tensorboard`` package: ``pip install kfac_hpc[tensorboard]``) with the same
   scalars, the JSONL/CSV staying the archive.
 
-Step records carry per-phase times (``time_*``, seconds, see :data:`PHASES`) and
+Step records carry per-phase times (``time_*``, seconds, one per
+:class:`~kfac_hpc.phases.Phase`) and
 the bytes the training communicator sent in the step, per traffic tag
 (``bytes_factors``, ``bytes_decompositions``, ``bytes_gradients``,
-``bytes_agreement``: K-FAC's phases, see :data:`TRAFFIC_TAGS`) and in all
+``bytes_agreement``: one per :class:`~kfac_hpc.phases.Traffic`) and in all
 (``bytes_step``).
 """
 
@@ -25,19 +26,18 @@ from __future__ import annotations
 
 import csv
 import datetime as _dt
-import functools
 import json
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
+from kfac_hpc.phases import PHASES, TRAFFIC_TAGS, PhaseTimer
 from kfac_hpc.units import format_bytes
 
 __all__ = [
@@ -55,19 +55,6 @@ __all__ = [
     "read_jsonl",
     "require_tensorboard",
 ]
-
-#: Phases of a training step timed in the step records (``time_<phase>``, seconds of
-#: rank 0): forward and backward (with K-FAC's overlapped factor reductions), the
-#: gradient averaging, the K-FAC step as a whole and its parts (factor reductions,
-#: eigendecompositions/inverses, preconditioning of the owned layers, sharing of the
-#: preconditioned gradients), the base optimizer step (Shampoo's whole step) and
-#: Shampoo's parts (statistics, roots and directions of the blocks this rank owns;
-#: applying the exchanged directions; the allgather between them is the rest).
-PHASES = ("forward_backward", "grad_sync", "kfac", "kfac_factors", "kfac_decompositions",
-          "kfac_precondition", "kfac_gradients", "optimizer", "shampoo_blocks",
-          "shampoo_apply")
-#: ``comm.traffic()`` tags recorded per step as ``bytes_<tag>``.
-TRAFFIC_TAGS = ("factors", "decompositions", "gradients", "agreement")
 
 STEP_FIELDS = ("step", "epoch", "lr", "loss", "acc", "samples", "step_time", "samples_per_s",
                "wall_time", *(f"time_{p}" for p in PHASES), "bytes_step",
@@ -262,67 +249,6 @@ def require_tensorboard() -> Any:
             "its event files): pip install 'kfac_hpc[tensorboard]' (or pip install "
             f"tensorboard), or leave out --tensorboard ({exc})") from None
     return SummaryWriter
-
-
-class PhaseTimer:
-    """Seconds per phase of the current step (:data:`PHASES`), when ``enabled``.
-
-    ``with timer.phase("optimizer"): ...`` adds the block's wall time; on CUDA the
-    device is synchronised at both ends so that the time is the work's, not the
-    launch's (only while ``enabled``: steps that are not recorded pay nothing).
-    :meth:`instrument` wraps methods of an object (K-FAC's private phases) the same way;
-    a method it does not find is an error (a renamed phase must not vanish silently
-    from the step records).
-    """
-
-    def __init__(self, device: torch.device | None = None) -> None:
-        self.enabled = False
-        self.cuda = device is not None and device.type == "cuda"
-        self.times: dict[str, float] = {}
-
-    def start(self, enabled: bool) -> None:
-        """Begin a step: clear the times, time it only if ``enabled``."""
-        self.enabled = enabled
-        self.times = {}
-
-    def _sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        if not self.enabled:
-            yield
-            return
-        self._sync()
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._sync()
-            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
-
-    def instrument(self, obj: Any, methods: Mapping[str, Sequence[str]]) -> None:
-        """Time ``obj``'s methods: ``{phase: [method names]}``."""
-        for phase_name, names in methods.items():
-            for name in names:
-                original = getattr(obj, name, None)
-                if not callable(original):
-                    raise AttributeError(f"{type(obj).__name__} has no method {name!r} to "
-                                         f"time as phase {phase_name!r}")
-                setattr(obj, name, self._wrapped(phase_name, original))
-
-    def _wrapped(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            with self.phase(name):
-                return fn(*args, **kwargs)
-
-        return timed
-
-    def record(self) -> dict[str, float]:
-        """``{"time_<phase>": seconds}`` of the phases that ran this step."""
-        return {f"time_{p}": self.times[p] for p in PHASES if p in self.times}
 
 
 def _clock(seconds: float) -> str:

@@ -1,0 +1,90 @@
+"""Phases declared in the library: the ``timed`` decorator, the timer, and the phases
+K-FAC's and Shampoo's steps report (the driver's step records read them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kfac_hpc.kfac import KFACPreconditioner
+from kfac_hpc.phases import PHASES, TRAFFIC_TAGS, Phase, PhaseTimer, Traffic, timed
+from kfac_hpc.shampoo import DistributedShampoo
+
+
+class _Worker:
+    def __init__(self) -> None:
+        self.phase_timer: PhaseTimer | None = None
+
+    @timed(Phase.KFAC_FACTORS)
+    def work(self, k: int) -> int:
+        return k + 1
+
+
+def test_timed_methods_report_to_their_objects_timer_only_when_enabled() -> None:
+    worker = _Worker()
+    assert worker.work(1) == 2  # no timer: runs untimed
+    timer = PhaseTimer()
+    worker.phase_timer = timer
+    timer.start(False)
+    assert worker.work(1) == 2 and timer.record() == {}
+    timer.start(True)
+    with timer.phase(Phase.OPTIMIZER):
+        assert worker.work(2) == 3
+    assert set(timer.record()) == {"time_optimizer", "time_kfac_factors"}
+    assert timer.seconds(Phase.KFAC_FACTORS) <= timer.seconds(Phase.OPTIMIZER)
+    assert timer.seconds(Phase.SHAMPOO_APPLY) == 0.0
+    assert _Worker.work.phase is Phase.KFAC_FACTORS  # type: ignore[attr-defined]
+
+
+def test_names_print_as_their_values() -> None:
+    assert f"time_{Phase.KFAC}" == "time_kfac" and str(Traffic.FACTORS) == "factors"
+    assert tuple(p.value for p in Phase) == PHASES and "kfac_factors" in PHASES
+    assert TRAFFIC_TAGS == ("factors", "decompositions", "gradients", "agreement")
+    assert {Traffic.GRADIENTS: 1}["gradients"] == 1  # keys interchangeable with strings
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def _backward(model: nn.Module) -> None:
+    model.zero_grad()
+    model(torch.randn(8, 6)).pow(2).sum().backward()
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_kfac_step_reports_its_declared_phases(lag: int) -> None:
+    model = _model()
+    pre = KFACPreconditioner(model, decomposition_lag=lag, inv_update_steps=2)
+    timer = PhaseTimer()
+    pre.phase_timer = timer
+    kfac_phases = {Phase.KFAC_FACTORS, Phase.KFAC_DECOMPOSITIONS, Phase.KFAC_PRECONDITION,
+                   Phase.KFAC_GRADIENTS}
+    seen = []
+    for step in range(4):
+        _backward(model)
+        timer.start(step != 1)
+        pre.step()
+        seen.append(set(timer.times))
+    pre.close()
+    assert seen[1] == set()  # a step not recorded times nothing
+    # the first step decomposes in place; with a lag the update started at step 2 is
+    # installed at step 3, timed as the decomposition phase there
+    assert seen[0] == kfac_phases
+    assert seen[2] == kfac_phases if lag == 0 else seen[2] == kfac_phases - {
+        Phase.KFAC_DECOMPOSITIONS}
+    assert seen[3] == kfac_phases if lag else seen[3] == kfac_phases - {
+        Phase.KFAC_DECOMPOSITIONS}
+
+
+def test_shampoo_step_reports_its_declared_phases() -> None:
+    model = _model()
+    opt = DistributedShampoo(model.parameters(), lr=0.01)
+    timer = PhaseTimer()
+    opt.phase_timer = timer
+    timer.start(True)
+    _backward(model)
+    opt.step()
+    assert set(timer.times) == {Phase.SHAMPOO_BLOCKS, Phase.SHAMPOO_APPLY}
