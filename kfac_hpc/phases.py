@@ -90,13 +90,15 @@ class PhaseTimer:
     device is synchronised at both ends while enabled (steps that are not recorded pay
     nothing). Nested phases are each timed in full (an outer phase includes its inner
     ones).
-
-    Args:
-        device: The device the timed work runs on; CUDA devices are synchronised around
-            each phase. ``None`` or a CPU device: no synchronisation.
     """
 
     def __init__(self, device: torch.device | None = None) -> None:
+        """Make a disabled timer.
+
+        Args:
+            device: The device the timed work runs on; CUDA devices are synchronised
+                around each phase. ``None`` or a CPU device: no synchronisation.
+        """
         self.enabled = False
         self.cuda = device is not None and device.type == "cuda"
         self.times: dict[Phase, float] = {}
