@@ -52,7 +52,19 @@ class LocalRank:
 
 
 def local_rank_from_environment(env: Mapping[str, str] | None = None) -> LocalRank:
-    """The node-local rank from the launcher's variables (no MPI call, no mpi4py import)."""
+    """Read the node-local rank from the launcher's variables (no MPI call, no mpi4py import).
+
+    Args:
+        env: The environment to read (default ``os.environ``); the first variable of
+            :data:`LOCAL_RANK_VARIABLES` that is set and not blank wins.
+
+    Returns:
+        The rank and the variable it came from; rank 0 and ``variable=None`` when no
+        launcher variable is set (a single process).
+
+    Raises:
+        ValueError: The variable is not an integer or is negative.
+    """
     env = os.environ if env is None else env
     for name, _ in LOCAL_RANK_VARIABLES:
         value = env.get(name)
@@ -80,13 +92,24 @@ def select_device(device: str = "auto", *, local_rank: int | None = None,
         device = kfac_hpc.runtime.select_device()   # before any MPI import
         from kfac_hpc.comm import world              # MPI starts here
 
-    ``device``: ``"auto"`` (a GPU when CUDA is available, else the CPU), ``"cuda"``
-    (a GPU, or :class:`NoCudaDeviceError`) or ``"cpu"``. The GPU is
-    ``cuda:<local rank mod visible GPUs>``: all of a node's GPUs shared by its ranks,
-    or one each when the launcher narrowed ``CUDA_VISIBLE_DEVICES`` per task (e.g.
+    The GPU is ``cuda:<local rank mod visible GPUs>``: all of a node's GPUs shared by its
+    ranks, or one each when the launcher narrowed ``CUDA_VISIBLE_DEVICES`` per task (e.g.
     SLURM ``--gpus-per-task=1``: every rank sees its own GPU as ``cuda:0``).
-    ``local_rank`` overrides the launcher's variables (:func:`local_rank_from_environment`
-    reads ``env``, default ``os.environ``).
+
+    Args:
+        device: ``"auto"`` (a GPU when CUDA is available, else the CPU), ``"cuda"`` (a
+            GPU, or :class:`NoCudaDeviceError`) or ``"cpu"``.
+        local_rank: This process's rank on its node; None reads it from the launcher's
+            variables (:func:`local_rank_from_environment`).
+        env: The environment the launcher's variables are read from (default
+            ``os.environ``).
+
+    Returns:
+        The chosen device, also remembered for :func:`selected_device`.
+
+    Raises:
+        ValueError: ``device`` or ``local_rank`` is not one of the allowed values.
+        NoCudaDeviceError: ``device="cuda"`` and no CUDA device is usable.
     """
     global _selected
     if device not in DEVICE_CHOICES:
@@ -109,7 +132,7 @@ def select_device(device: str = "auto", *, local_rank: int | None = None,
 
 
 def selected_device() -> torch.device | None:
-    """What the last :func:`select_device` call in this process chose (None: no call yet)."""
+    """Return what the last :func:`select_device` call in this process chose (None: no call yet)."""
     return _selected
 
 

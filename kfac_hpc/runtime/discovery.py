@@ -39,7 +39,20 @@ _LAUNCHER_VARIABLES: dict[str, tuple[str, str, tuple[str, ...], tuple[str, ...]]
 
 @dataclass(frozen=True)
 class JobEnvironment:
-    """What a rank knows of the job it belongs to."""
+    """What a rank knows of the job it belongs to.
+
+    Attributes:
+        rank: This process's rank in the job.
+        size: The number of ranks in the job.
+        local_rank: This process's rank on its node.
+        local_size: The number of ranks on this node.
+        nodes: The number of nodes of the job.
+        host: This node's name.
+        source: Where it was read: ``"mpi"``, a launcher (``"openmpi"``, ``"mvapich"``,
+            ``"pmi"``, ``"flux"``, ``"slurm"``) or ``"single"`` (no launcher variables).
+        job_id: SLURM's job id, if any.
+        restart_count: SLURM's restart count of a requeued job (0 on the first run).
+    """
 
     rank: int
     size: int
@@ -53,7 +66,19 @@ class JobEnvironment:
 
 
 def from_environment(env: Mapping[str, str] | None = None) -> JobEnvironment:
-    """The job as the launcher's variables describe it (no MPI call)."""
+    """Describe the job as the launcher's variables do (no MPI call).
+
+    Args:
+        env: The environment to read (default ``os.environ``); the MPI launcher's
+            variables win over SLURM's.
+
+    Returns:
+        The job; a single process (rank 0 of 1, ``source="single"``) when no launcher
+        variables are set.
+
+    Raises:
+        ValueError: A variable is not an integer, or rank and size do not agree.
+    """
     env = os.environ if env is None else env
     for source, (rank_v, size_v, local_vs, local_size_vs) in _LAUNCHER_VARIABLES.items():
         if rank_v in env and size_v in env:
@@ -76,7 +101,18 @@ def from_environment(env: Mapping[str, str] | None = None) -> JobEnvironment:
 
 def from_mpi(comm: Communicator | None = None,
              env: Mapping[str, str] | None = None) -> JobEnvironment:
-    """The job as MPI sees it: world rank/size, local rank from the shared-memory split."""
+    """Describe the job as MPI sees it (local rank from the shared-memory split).
+
+    Collective over ``comm`` (a communicator split and an allreduce); starts MPI if it has
+    not started.
+
+    Args:
+        comm: The communicator (default: the world).
+        env: Where the SLURM job id and restart count are read (default ``os.environ``).
+
+    Returns:
+        The job with ``source="mpi"``.
+    """
     from mpi4py import MPI
 
     from kfac_hpc.comm import world
@@ -96,16 +132,32 @@ def from_mpi(comm: Communicator | None = None,
 
 
 def select_device(local_rank: int, *, prefer_cuda: bool = True) -> torch.device:
-    """``cuda:<local_rank mod visible GPUs>`` (made current) or the CPU.
+    """Return ``cuda:<local_rank mod visible GPUs>`` (made current) or the CPU.
 
     Kept for existing callers; new code calls :func:`kfac_hpc.runtime.select_device`,
     which also reads the local rank from the launcher before MPI starts.
+
+    Args:
+        local_rank: This process's rank on its node.
+        prefer_cuda: Take a GPU when CUDA is available; False: always the CPU.
+
+    Returns:
+        The chosen device.
     """
     return _device.select_device("auto" if prefer_cuda else "cpu", local_rank=local_rank)
 
 
 def time_left(env: Mapping[str, str] | None = None, now: float | None = None) -> float | None:
-    """Seconds until SLURM ends the job (``SLURM_JOB_END_TIME``), or None if unknown."""
+    """Return the seconds until SLURM ends the job (``SLURM_JOB_END_TIME``), or None if unknown.
+
+    Args:
+        env: The environment to read (default ``os.environ``).
+        now: The current UNIX time in seconds (default ``time.time()``).
+
+    Returns:
+        Seconds left (negative once past the end), or None when the variable is unset or
+        not a number.
+    """
     env = os.environ if env is None else env
     end = env.get("SLURM_JOB_END_TIME")
     if not end:
@@ -118,7 +170,17 @@ def time_left(env: Mapping[str, str] | None = None, now: float | None = None) ->
 
 def banner(job: JobEnvironment, *, device: torch.device, mpi_library: str,
            cuda_aware: bool) -> str:
-    """The one-line job description rank 0 prints at start."""
+    """Format the one-line job description rank 0 prints at start.
+
+    Args:
+        job: The job's ranks, nodes, id and restart count.
+        device: This rank's device (``cuda`` devices are counted per node).
+        mpi_library: The MPI library's name and version.
+        cuda_aware: Whether MPI takes CUDA device memory.
+
+    Returns:
+        One line, without a newline.
+    """
     gpus = f"{torch.cuda.device_count()} GPU(s) per node" if device.type == "cuda" else "CPU"
     job_id = f" job {job.job_id}" if job.job_id else ""
     restart = f", restart {job.restart_count}" if job.restart_count else ""
@@ -139,7 +201,7 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
 
 
 def _local_size(env: Mapping[str, str], name: str) -> int:
-    """SLURM writes e.g. ``SLURM_NTASKS_PER_NODE=4`` or ``4(x2)``; take the first count."""
+    """Read a per-node task count, the first of e.g. ``4`` or ``4(x2)`` (SLURM's forms)."""
     value = env.get(name)
     if value is None:
         return 1

@@ -12,7 +12,16 @@ import torch
 
 
 def cuda_detection(run_ompi_info: bool = True) -> dict[str, Any]:
-    """Which MPI calls take CUDA device memory here, the evidence, and the override."""
+    """Detect which MPI calls take CUDA device memory here, with the evidence and the override.
+
+    Args:
+        run_ompi_info: Run Open MPI's ``ompi_info`` when it is found (slow; one rank is
+            enough).
+
+    Returns:
+        The detection as a JSON-ready dict (vendor, aware, source, evidence, per-call
+        table) with ``"override"``, the variable that overrides it.
+    """
     from kfac_hpc.comm import cuda
 
     def ompi_info() -> str | None:
@@ -31,7 +40,16 @@ def cuda_detection(run_ompi_info: bool = True) -> dict[str, Any]:
 
 
 def collect(run_ompi_info: bool = True) -> dict[str, Any]:
-    """Versions, MPI library and CUDA-awareness, ranks and devices of this process."""
+    """Collect versions, MPI library and CUDA-awareness, ranks and devices of this process.
+
+    Collective over the world communicator (a shared-memory split); starts MPI.
+
+    Args:
+        run_ompi_info: Let rank 0 run ``ompi_info`` for the CUDA detection.
+
+    Returns:
+        A JSON-ready dict, one key per fact.
+    """
     import h5py
     import mpi4py
     from mpi4py import MPI
@@ -70,10 +88,23 @@ def collect(run_ompi_info: bool = True) -> dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``kfac-hpc info`` options to ``parser``.
+
+    Args:
+        parser: The subcommand's parser.
+    """
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``kfac-hpc info``: rank 0 prints the facts as a table or as JSON.
+
+    Args:
+        args: The parsed options (``--json``).
+
+    Returns:
+        The exit status (0).
+    """
     info = collect()
     if info["rank"] != 0:
         return 0
@@ -85,7 +116,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_table(info: dict[str, Any]) -> str:
-    """``key  value`` lines; the CUDA detection as its evidence and per-call table."""
+    """Format the facts as ``key  value`` lines, the CUDA detection as evidence and table.
+
+    Args:
+        info: What :func:`collect` returned.
+
+    Returns:
+        The table, lines joined by newlines.
+    """
     flat = {k: v for k, v in info.items() if k != "cuda_detection"}
     width = max(len(k) for k in flat)
     lines = [f"{key:<{width}}  {value}" for key, value in flat.items()]

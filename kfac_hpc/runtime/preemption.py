@@ -26,16 +26,29 @@ if TYPE_CHECKING:  # importing the communicator starts MPI: not needed to parse 
     from kfac_hpc.comm import Communicator
 
 class PreemptionGuard:
-    """Turns signals and the job's time limit into one agreed "stop now" per step.
+    """Turn signals and the job's time limit into one agreed "stop now" per step.
 
-    ``time_margin_s``: stop when SLURM's remaining wall time (``SLURM_JOB_END_TIME``,
-    or ``deadline`` as a UNIX time) falls below this margin.
-    ``check_every``: agree every N steps (the agreement costs one 4-byte allreduce).
+    Use as a context manager (installs and uninstalls the handlers) and ask
+    :meth:`should_stop` at every step boundary.
     """
 
     def __init__(self, comm: Communicator, *, signals: Iterable[str | int] = ("USR1", "TERM"),
                  time_margin_s: float | None = None, deadline: float | None = None,
                  check_every: int = 1, clock: Callable[[], float] = time.time) -> None:
+        """Make a guard; nothing is installed until :meth:`install`.
+
+        Args:
+            comm: The communicator the ranks agree over.
+            signals: Signals to catch, by name (``"USR1"``, ``"SIGTERM"``) or number.
+            time_margin_s: Stop when the job's remaining wall time (``SLURM_JOB_END_TIME``,
+                or ``deadline``) falls below this many seconds; None: no time limit check.
+            deadline: The job's end as a UNIX time, instead of ``SLURM_JOB_END_TIME``.
+            check_every: Agree every N steps (the agreement costs one 4-byte allreduce).
+            clock: Returns the current UNIX time in seconds (tests pass a stand-in).
+
+        Raises:
+            ValueError: ``check_every`` is below 1, or a signal name is unknown.
+        """
         if check_every < 1:
             raise ValueError(f"check_every must be >= 1, got {check_every}")
         self.comm = comm
@@ -50,7 +63,14 @@ class PreemptionGuard:
         self.reason: str | None = None
 
     def install(self) -> PreemptionGuard:
-        """Install the handlers (main thread only); returns self."""
+        """Install the handlers (main thread only).
+
+        Returns:
+            This guard.
+
+        Raises:
+            RuntimeError: Called from a thread other than the main thread.
+        """
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("PreemptionGuard.install() must run in the main thread")
         for sig in self.signals:
@@ -58,30 +78,41 @@ class PreemptionGuard:
         return self
 
     def uninstall(self) -> None:
+        """Restore the handlers that were installed before :meth:`install`."""
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)  # type: ignore[arg-type]
         self._previous.clear()
 
     def ignore_from_now_on(self) -> None:
-        """Ignore the signals for the rest of the process (its last moments: MPI_Finalize,
-        interpreter shutdown), so that a repeated signal cannot kill a rank that has
-        checkpointed and is exiting with the requeue status. Python only restores default
-        handlers at shutdown for signals it was catching, not for ignored ones."""
+        """Ignore the signals for the rest of the process.
+
+        For its last moments (``MPI_Finalize``, interpreter shutdown), so that a repeated
+        signal cannot kill a rank that has checkpointed and is exiting with the requeue
+        status. Python only restores default handlers at shutdown for signals it was
+        catching, not for ignored ones.
+        """
         for sig in self.signals:
             signal.signal(sig, signal.SIG_IGN)
         self._previous.clear()
 
     def __enter__(self) -> PreemptionGuard:
+        """Install the handlers; see :meth:`install`."""
         return self.install()
 
     def __exit__(self, *exc: object) -> None:
+        """Uninstall the handlers; see :meth:`uninstall`."""
         self.uninstall()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received.append(signal.Signals(signum).name)
 
     def local_reason(self) -> str | None:
-        """Why this rank wants to stop, if it does (no communication)."""
+        """Say why this rank wants to stop, if it does (no communication).
+
+        Returns:
+            The first signal received or the wall time left under the margin, as text;
+            None when this rank would go on.
+        """
         if self.received:
             return f"signal {self.received[0]}"
         if self.time_margin_s is not None:
@@ -92,7 +123,18 @@ class PreemptionGuard:
         return None
 
     def should_stop(self, *, force_check: bool = False) -> bool:
-        """At a step boundary: True on every rank if any rank wants to stop (collective)."""
+        """Agree at a step boundary whether to stop: True everywhere if any rank wants to.
+
+        Collective: every rank must call it at the same steps. Sets :attr:`reason` the first time it
+        returns True.
+
+        Args:
+            force_check: Agree now even if this is not a ``check_every``-th call.
+
+        Returns:
+            The same answer on every rank; False without communication on the calls
+            between checks.
+        """
         self._calls += 1
         if not force_check and self._calls % self.check_every:
             return False

@@ -33,25 +33,44 @@ HANG_EXIT_CODE = 4  # "no progress for --hang-timeout-minutes": a crash to the b
 
 
 def mpi_abort(code: int) -> None:
-    """``MPI_Abort`` on the world communicator, without the communicator's lock (the
-    thread that holds it may be the one that hangs)."""
+    """Call ``MPI_Abort`` on the world communicator, without the communicator's lock.
+
+    The thread that holds the lock may be the one that hangs.
+
+    Args:
+        code: The exit status every rank ends with.
+    """
     from mpi4py import MPI
 
     MPI.COMM_WORLD.Abort(code)
 
 
 class Watchdog:
-    """Aborts the job when :meth:`beat` is not called for ``timeout`` seconds.
+    """Abort the job when :meth:`beat` is not called for ``timeout`` seconds.
 
-    Use as a context manager around the training loop. ``poll``: how often the thread
-    looks (default: a tenth of the timeout, at most 10 s). ``abort`` and ``exit`` are
-    what end the job (real ones by default); ``clock`` and ``stream`` are for tests.
+    Use as a context manager around the training loop.
     """
 
     def __init__(self, timeout: float, *, rank: int, abort: Callable[[int], None] = mpi_abort,
                  exit: Callable[[int], None] = os._exit, stream: TextIO | None = None,
                  poll: float | None = None, grace: float = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        """Make a watchdog; its thread starts with :meth:`start`.
+
+        Args:
+            timeout: Seconds without a beat after which the job is aborted (> 0).
+            rank: This process's rank, for the message.
+            abort: Ends the job with a status (default :func:`mpi_abort`).
+            exit: Ends this process if ``abort`` has not returned within ``grace`` seconds
+                (default ``os._exit``).
+            stream: Where the message and the stacks go (default ``sys.stderr``).
+            poll: Seconds between looks (default: a tenth of the timeout, at most 10 s).
+            grace: Seconds ``abort`` is given before ``exit``.
+            clock: Returns a monotonic time in seconds (tests pass a stand-in).
+
+        Raises:
+            ValueError: ``timeout`` is not positive.
+        """
         if not timeout > 0:
             raise ValueError(f"watchdog timeout must be > 0 seconds, got {timeout}")
         self.timeout = float(timeout)
@@ -67,11 +86,20 @@ class Watchdog:
         self.fired = False
 
     def beat(self, doing: str) -> None:
-        """Progress: this rank is now ``doing`` this (e.g. ``"step 120"``)."""
+        """Record progress: this rank is now ``doing`` this (e.g. ``"step 120"``).
+
+        Args:
+            doing: What the rank does now; the message names the last one.
+        """
         self._last = self._clock()
         self._doing = doing
 
     def start(self) -> Watchdog:
+        """Start the watching thread (a daemon), counting from now.
+
+        Returns:
+            This watchdog.
+        """
         self.beat("starting")
         self._thread = threading.Thread(target=self._watch, name="kfac-hpc-watchdog",
                                         daemon=True)
@@ -79,16 +107,19 @@ class Watchdog:
         return self
 
     def stop(self) -> None:
+        """Stop the watching thread and wait for it (unless called from it)."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         self._thread = None
 
     def __enter__(self) -> Watchdog:
+        """Start watching; see :meth:`start`."""
         return self.start()
 
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
                  trace: TracebackType | None) -> None:
+        """Stop watching; see :meth:`stop`."""
         self.stop()
 
     def _watch(self) -> None:
