@@ -71,7 +71,17 @@ CUDA_AWARE_ENV = _cuda.CUDA_AWARE_ENV
 
 
 def mpi_datatype(dtype: torch.dtype) -> Any:
-    """The MPI datatype of a torch dtype (bfloat16 has none: :func:`to_wire` widens it)."""
+    """Return the MPI datatype of a torch dtype (bfloat16 has none: :func:`to_wire` widens it).
+
+    Args:
+        dtype: A torch dtype.
+
+    Returns:
+        The mpi4py datatype.
+
+    Raises:
+        TypeError: ``dtype`` cannot travel over MPI; names the dtypes that can.
+    """
     try:
         return _MPI_TYPES[dtype]
     except KeyError:
@@ -82,25 +92,38 @@ def mpi_datatype(dtype: torch.dtype) -> Any:
 
 
 def mpi_library_cuda_support() -> bool:
-    """What the loaded MPI library says of itself (``MPIX_Query_cuda_support() == 1``)."""
+    """Ask the loaded MPI library whether it supports CUDA (``MPIX_Query_cuda_support() == 1``).
+
+    Returns:
+        True when the library says so at run time.
+    """
     return _cuda.query_cuda_support() == 1
 
 
 def detect_cuda_aware(override: bool | None = None) -> bool:
-    """Whether CUDA buffers may be handed to MPI directly in at least some calls.
+    """Say whether CUDA buffers may be handed to MPI directly in at least some calls.
 
     Order: the explicit ``override``; the environment variable ``KFAC_HPC_CUDA_AWARE``
-    (``0``, ``1`` or ``all``); the evidence (:func:`kfac_hpc.comm.cuda.detect`, which
-    also says *which* calls).
+    (``0``, ``1`` or ``all``); the evidence (:func:`kfac_hpc.comm.cuda.detect`, which also
+    says *which* calls).
+
+    Args:
+        override: True or False decides; None detects.
+
+    Returns:
+        Whether at least one call takes device memory.
     """
     return _cuda.detect(override).aware
 
 
 def mpi_vendor() -> str:
-    """Name of the running MPI implementation, e.g. ``"Open MPI"``, ``"Cray MPICH"``.
+    """Name the running MPI implementation, e.g. ``"Open MPI"``, ``"Cray MPICH"``.
 
     From the library's own version string (the library loaded at run time), else the
     vendor mpi4py was built against.
+
+    Returns:
+        The vendor's name.
     """
     vendor = _cuda.vendor_of(MPI.Get_library_version())
     return vendor if vendor != _cuda.UNKNOWN else str(MPI.get_vendor()[0])
@@ -111,9 +134,18 @@ def as_torch(obj: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
 
     Arrays are wrapped zero-copy. A CuPy array comes through DLPack, which orders the
     array's stream before torch's current stream on its device (so work queued on the
-    array is complete before MPI reads it); results go back the same way. The converter
-    returns ``obj`` itself for the wrapped tensor (in-place results) and a new array of
-    ``obj``'s kind for any other tensor (e.g. a reduce-scatter's result).
+    array is complete before MPI reads it); results go back the same way.
+
+    Args:
+        obj: A torch tensor, a CuPy array (``__cuda_array_interface__``) or a NumPy array.
+
+    Returns:
+        The tensor sharing ``obj``'s memory, and a converter that returns ``obj`` itself
+        for that tensor (in-place results) and a new array of ``obj``'s kind for any other
+        tensor (e.g. a reduce-scatter's result).
+
+    Raises:
+        TypeError: ``obj`` is none of these.
     """
     if isinstance(obj, torch.Tensor):
         return obj, lambda t: t
@@ -151,7 +183,15 @@ def _from_cupy(obj: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
 
 
 def check_device(tensor: torch.Tensor) -> None:
-    """Refuse tensors MPI cannot read: no memory (meta) or an unsupported device."""
+    """Refuse tensors MPI cannot read: no memory (meta) or an unsupported device.
+
+    Args:
+        tensor: The tensor about to be handed to MPI.
+
+    Raises:
+        ValueError: The tensor is on the meta device.
+        TypeError: The tensor is on a device other than the CPU or CUDA.
+    """
     kind = tensor.device.type
     if kind == "meta":
         raise ValueError(
@@ -167,9 +207,14 @@ def check_device(tensor: torch.Tensor) -> None:
 class Wire:
     """The memory MPI touches for one user tensor, and how to bring results back.
 
-    ``ready``: a CUDA event; MPI may touch ``data`` only once it has completed (None:
-    at once). ``pinned``: the pooled host buffer ``data`` lives in when a CUDA tensor
-    is staged; it goes back to the pool on :meth:`land` or :meth:`release`.
+    Attributes:
+        user: The caller's tensor (returned as the result).
+        data: The memory MPI reads and writes.
+        copy_back: Whether results must be copied from ``data`` into ``user``.
+        ready: A CUDA event; MPI may touch ``data`` only once it has completed (None: at
+            once).
+        pinned: The pooled host buffer ``data`` lives in when a CUDA tensor is staged; it
+            goes back to the pool on :meth:`land` or :meth:`release`.
     """
 
     user: torch.Tensor  # the caller's tensor (returned as the result)
@@ -179,7 +224,7 @@ class Wire:
     pinned: staging.PinnedBuffer | None = None
 
     def spec(self) -> list[Any]:
-        """An explicit mpi4py buffer spec: ``[buffer, count, datatype]``."""
+        """Return an explicit mpi4py buffer spec: ``[buffer, count, datatype]``."""
         t = self.data
         address = t.data_ptr() if t.numel() else 0
         buf = MPI.buffer.fromaddress(address, t.numel() * t.element_size())
@@ -187,14 +232,20 @@ class Wire:
 
     @property
     def staged(self) -> bool:
+        """Whether ``data`` is a pinned host copy of a CUDA tensor."""
         return self.pinned is not None
 
     def land(self, divide_by: int = 1) -> torch.Tensor:
-        """Bring the result into the user's tensor; returns it.
+        """Bring the result into the user's tensor.
 
-        ``divide_by`` > 1 divides the result first (an average), in the wire's dtype.
         Staged results go host→device without blocking, on the current stream; every
         conversion after that is queued on the same stream.
+
+        Args:
+            divide_by: When > 1, divide the result first (an average), in the wire's dtype.
+
+        Returns:
+            The user's tensor, holding the result.
         """
         result = self.data
         if self.pinned is not None:
@@ -227,14 +278,23 @@ def to_wire(
 ) -> Wire:
     """Prepare ``tensor`` for MPI.
 
-    ``reduction``: the collective does arithmetic (bf16 is widened to fp32).
-    ``device_ok``: CUDA memory may be handed to MPI directly (else it is staged).
-    ``need_input``: the tensor's current values are sent (False for pure receive buffers).
-    ``pool``: where staging buffers come from (default: the process-wide pool).
-
     Order on CUDA: every conversion is queued on the current stream; then an event is
-    recorded (device-direct) or the pinned copy is queued behind them (staged). The
-    returned wire's ``ready`` event must complete before MPI touches ``data``.
+    recorded (device-direct) or the pinned copy is queued behind them (staged).
+
+    Args:
+        tensor: The caller's tensor.
+        reduction: The collective does arithmetic (bf16 is widened to fp32).
+        device_ok: CUDA memory may be handed to MPI directly (else it is staged).
+        need_input: The tensor's current values are sent (False for pure receive
+            buffers).
+        pool: Where staging buffers come from (default: the process-wide pool).
+
+    Returns:
+        The wire; its ``ready`` event must complete before MPI touches ``data``.
+
+    Raises:
+        TypeError: Not a tensor, or a dtype or device MPI cannot take.
+        ValueError: A tensor on the meta device.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")

@@ -54,7 +54,7 @@ A = TypeVar("A")  # a torch tensor, or a CuPy/NumPy array: results come back as 
 
 
 class Handle(Generic[T]):
-    """A collective in flight. ``wait()`` completes it and returns its result.
+    """A collective in flight; ``wait()`` completes it and returns its result.
 
     A handle whose buffers are still being produced on a CUDA stream is *pending*: its
     MPI call is posted by ``test()`` once the producing work has completed, or by
@@ -63,6 +63,18 @@ class Handle(Generic[T]):
 
     def __init__(self, comm: Communicator | None, start: Callable[[], MPI.Request | None],
                  finish: Callable[[], T], keep: Any, events: Sequence[Any] = ()) -> None:
+        """Wrap a call that ``start`` posts and ``finish`` completes (see :class:`Communicator`).
+
+        Args:
+            comm: The communicator whose queue posts this call in order; None: post when
+                first tested or waited for.
+            start: Posts the MPI call; returns its request, or None for a call that
+                completed when posted.
+            finish: Runs after completion (lands staged data, divides for ``"avg"``);
+                returns the result.
+            keep: Buffers MPI reads or writes, kept alive until completion.
+            events: CUDA events that must complete before the call is posted.
+        """
         self._comm = comm
         self._start = start
         self._request: MPI.Request | None = None
@@ -99,7 +111,13 @@ class Handle(Generic[T]):
         return self._posted
 
     def test(self) -> bool:
-        """True when the operation has completed (posts it if ready; drives MPI progress)."""
+        """Say whether the operation has completed, posting it if its data is ready.
+
+        Drives MPI progress; never blocks on CUDA work.
+
+        Returns:
+            True once the operation has completed.
+        """
         if self._done:
             return True
         if not self._ensure_posted(block=False):
@@ -110,7 +128,11 @@ class Handle(Generic[T]):
             return bool(self._request.Test())
 
     def wait(self) -> T:
-        """Complete the operation (idempotent) and return its result."""
+        """Complete the operation (idempotent) and return its result.
+
+        Returns:
+            The collective's result (the same object on every call).
+        """
         if not self._done:
             self._ensure_posted(block=True)
             if self._request is not None:
@@ -128,11 +150,19 @@ class Handle(Generic[T]):
 
     @property
     def done(self) -> bool:
+        """Whether :meth:`wait` has completed the operation."""
         return self._done
 
 
 def wait_all(handles: Iterable[Handle[Any]]) -> list[Any]:
-    """Wait for every handle, in the order given; return their results."""
+    """Wait for every handle, in the order given.
+
+    Args:
+        handles: Handles of non-blocking calls.
+
+    Returns:
+        Their results, in the same order.
+    """
     return [h.wait() for h in handles]
 
 
@@ -158,18 +188,27 @@ def _displacements(counts: Sequence[int]) -> list[int]:
 class Communicator:
     """Collectives over an ``mpi4py`` communicator (default ``MPI.COMM_WORLD``).
 
-    A world of one process works without ``mpiexec``. ``cuda_aware`` overrides the
-    detection of which calls take CUDA device memory: ``False`` stages every CUDA
-    tensor through host memory, ``True`` trusts the MPI vendor's table, ``"all"``
-    hands device memory to every call; ``None`` (default) reads ``KFAC_HPC_CUDA_AWARE``
-    and then the evidence (:func:`kfac_hpc.comm.cuda.detect`). ``cuda`` passes a ready
-    :class:`~kfac_hpc.comm.cuda.CudaSupport` (sub-communicators inherit their parent's).
-    See the module docstring for the stream rule on CUDA tensors.
+    A world of one process works without ``mpiexec``. See the module docstring for the
+    stream rule on CUDA tensors. Every collective must be called by every rank of the
+    communicator, in the same order.
     """
 
     def __init__(self, mpi_comm: MPI.Comm | None = None, *,
                  cuda_aware: bool | Literal["all"] | None = None, name: str = "world",
                  cuda: CudaSupport | None = None) -> None:
+        """Wrap an MPI communicator.
+
+        Args:
+            mpi_comm: The MPI communicator (default ``MPI.COMM_WORLD``).
+            cuda_aware: Overrides the detection of which calls take CUDA device memory:
+                ``False`` stages every CUDA tensor through host memory, ``True`` trusts the
+                MPI vendor's table, ``"all"`` hands device memory to every call; ``None``
+                reads ``KFAC_HPC_CUDA_AWARE`` and then the evidence
+                (:func:`kfac_hpc.comm.cuda.detect`).
+            name: The name in messages and ``repr``.
+            cuda: A ready :class:`~kfac_hpc.comm.cuda.CudaSupport`, instead of a detection
+                (sub-communicators inherit their parent's).
+        """
         self.mpi: MPI.Comm = mpi_comm if mpi_comm is not None else MPI.COMM_WORLD
         self.rank: int = self.mpi.Get_rank()
         self.size: int = self.mpi.Get_size()
@@ -183,6 +222,7 @@ class Communicator:
         self._pending, self._queue_lock = _queue_of(self.mpi)
 
     def __repr__(self) -> str:
+        """Name the communicator, this rank and the size."""
         return f"Communicator(name={self.name!r}, rank={self.rank}, size={self.size})"
 
     # ------------------------------------------------------------------ helpers
@@ -203,8 +243,11 @@ class Communicator:
         return wire
 
     def _flush(self, upto: Handle[Any] | None = None, block: bool = True) -> None:
-        """Post queued non-blocking calls in order: all of them (``upto=None``) or up to
-        ``upto``; ``block=False`` stops at the first whose CUDA work is not done yet."""
+        """Post queued non-blocking calls in order.
+
+        Posts all of them (``upto=None``) or up to ``upto``; ``block=False`` stops at the
+        first whose CUDA work is not done yet.
+        """
         with self._queue_lock:
             while self._pending:
                 head = self._pending[0]
@@ -237,17 +280,25 @@ class Communicator:
         return handle
 
     def _blocking(self, fn: Callable[[], T]) -> T:
-        """A blocking MPI call made directly (objects, barrier, splits), after the queue."""
+        """Make a blocking MPI call directly (objects, barrier, splits), after the queue."""
         self._flush()
         with threads.mpi_guard():
             return fn()
 
     def pending(self) -> int:
-        """Non-blocking calls queued but not yet posted (waiting for CUDA work)."""
+        """Count the non-blocking calls queued but not yet posted (waiting for CUDA work).
+
+        Returns:
+            The number of queued calls on this MPI communicator.
+        """
         return len(self._pending)
 
     def traffic(self) -> TrafficStats:
-        """Counters of this communicator and every sub-communicator split from it."""
+        """Merge the counters of this communicator and every sub-communicator split from it.
+
+        Returns:
+            A new :class:`TrafficStats`; the communicators' own counters are not changed.
+        """
         return TrafficStats.merged([self.stats, *(c.traffic() for c in self.children)])
 
     def reset_traffic(self) -> None:
@@ -258,11 +309,27 @@ class Communicator:
 
     # ------------------------------------------------------------ allreduce
     def allreduce(self, tensor: A, op: ReduceOp = "sum") -> A:
-        """Reduce ``tensor`` over all ranks, in place; returns it."""
+        """Reduce ``tensor`` over all ranks, in place (collective).
+
+        Args:
+            tensor: A tensor or CuPy/NumPy array; overwritten with the result.
+            op: ``"sum"``, ``"avg"`` (floating point only), ``"max"`` or ``"min"``.
+
+        Returns:
+            ``tensor``, holding the result.
+
+        Raises:
+            ValueError: ``op`` is unknown.
+            TypeError: ``op="avg"`` on an integer tensor.
+        """
         return cast(A, self._allreduce(tensor, op, blocking=True))
 
     def iallreduce(self, tensor: A, op: ReduceOp = "sum") -> Handle[A]:
-        """Non-blocking :meth:`allreduce`."""
+        """Start a non-blocking :meth:`allreduce`; the arguments are the same.
+
+        Returns:
+            A handle whose ``wait()`` returns what :meth:`allreduce` returns.
+        """
         return cast(Handle[A], self._allreduce(tensor, op, blocking=False))
 
     def _allreduce(self, obj: Any, op: ReduceOp, blocking: bool) -> Any:
@@ -280,14 +347,33 @@ class Communicator:
                        out: A | None = None) -> A:
         """Reduce the flat ``tensor`` over ranks; rank r receives ``counts[r]`` elements.
 
-        ``tensor`` holds ``sum(counts)`` elements, rank r's part at offset
-        ``sum(counts[:r])``. Counts may be uneven and zero.
+        Collective.
+
+        Args:
+            tensor: ``sum(counts)`` elements, rank r's part at offset ``sum(counts[:r])``;
+                left unchanged.
+            counts: Elements per rank, one per rank of the communicator; may be uneven and
+                zero.
+            op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
+            out: Receives this rank's ``counts[rank]`` elements (same dtype and device);
+                default a new tensor.
+
+        Returns:
+            This rank's reduced part, flat (``out`` when given).
+
+        Raises:
+            ValueError: The counts do not match the tensor or the communicator, or ``out``
+                has the wrong size, dtype or device.
         """
         return cast(A, self._reduce_scatter(tensor, counts, op, out, blocking=True))
 
     def ireduce_scatter(self, tensor: A, counts: Sequence[int], op: ReduceOp = "sum",
                         out: A | None = None) -> Handle[A]:
-        """Non-blocking :meth:`reduce_scatter`."""
+        """Start a non-blocking :meth:`reduce_scatter`; the arguments are the same.
+
+        Returns:
+            A handle whose ``wait()`` returns what :meth:`reduce_scatter` returns.
+        """
         return cast(Handle[A], self._reduce_scatter(tensor, counts, op, out, blocking=False))
 
     def _reduce_scatter(self, obj: Any, counts: Sequence[int], op: ReduceOp,
@@ -315,11 +401,27 @@ class Communicator:
 
     # ---------------------------------------------------------------- reduce
     def reduce(self, tensor: A, root: int = 0, op: ReduceOp = "sum") -> A:
-        """Reduce onto ``root``, in place there; other ranks' tensors are left unchanged."""
+        """Reduce onto ``root``, in place there; other ranks' tensors stay unchanged (collective).
+
+        Args:
+            tensor: The contribution of this rank; at ``root``, overwritten with the result.
+            root: The rank that receives the result.
+            op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
+
+        Returns:
+            ``tensor``.
+
+        Raises:
+            ValueError: ``root`` is not a rank of this communicator, or ``op`` is unknown.
+        """
         return cast(A, self._reduce(tensor, root, op, blocking=True))
 
     def ireduce(self, tensor: A, root: int = 0, op: ReduceOp = "sum") -> Handle[A]:
-        """Non-blocking :meth:`reduce`."""
+        """Start a non-blocking :meth:`reduce`; the arguments are the same.
+
+        Returns:
+            A handle whose ``wait()`` returns what :meth:`reduce` returns.
+        """
         return cast(Handle[A], self._reduce(tensor, root, op, blocking=False))
 
     def _reduce(self, obj: Any, root: int, op: ReduceOp, blocking: bool) -> Any:
@@ -343,11 +445,24 @@ class Communicator:
 
     # ------------------------------------------------------------- broadcast
     def broadcast(self, tensor: A, root: int = 0) -> A:
-        """Overwrite ``tensor`` on every rank with ``root``'s values; returns it."""
+        """Overwrite ``tensor`` on every rank with ``root``'s values (collective).
+
+        Args:
+            tensor: Same shape and dtype on every rank; read at ``root``, overwritten
+                elsewhere.
+            root: The rank whose values are sent.
+
+        Returns:
+            ``tensor``.
+        """
         return cast(A, self._broadcast(tensor, root, blocking=True))
 
     def ibroadcast(self, tensor: A, root: int = 0) -> Handle[A]:
-        """Non-blocking :meth:`broadcast`."""
+        """Start a non-blocking :meth:`broadcast`; the arguments are the same.
+
+        Returns:
+            A handle whose ``wait()`` returns what :meth:`broadcast` returns.
+        """
         return cast(Handle[A], self._broadcast(tensor, root, blocking=False))
 
     def _broadcast(self, obj: Any, root: int, blocking: bool) -> Any:
@@ -364,15 +479,28 @@ class Communicator:
 
     # ------------------------------------------------------------- allgather
     def allgather(self, tensor: A, out: A | None = None) -> A:
-        """Gather equal-shaped tensors: result has shape ``(size, *tensor.shape)``.
+        """Gather equal-shaped tensors from every rank (collective).
 
-        ``out`` (that shape and dtype) receives the result; reuse it across calls for
-        large messages: a fresh multi-MiB result costs page faults on every call.
+        Args:
+            tensor: This rank's part; the same shape and dtype on every rank.
+            out: Receives the result (shape ``(size, *tensor.shape)``, same dtype and
+                device); reuse it across calls for large messages: a fresh multi-MiB result
+                costs page faults on every call.
+
+        Returns:
+            Shape ``(size, *tensor.shape)``, row r from rank r (``out`` when given).
+
+        Raises:
+            ValueError: ``out`` has the wrong shape, dtype or device.
         """
         return cast(A, self._allgather(tensor, out, blocking=True))
 
     def iallgather(self, tensor: A, out: A | None = None) -> Handle[A]:
-        """Non-blocking :meth:`allgather`."""
+        """Start a non-blocking :meth:`allgather`; the arguments are the same.
+
+        Returns:
+            A handle whose ``wait()`` returns what :meth:`allgather` returns.
+        """
         return cast(Handle[A], self._allgather(tensor, out, blocking=False))
 
     def _allgather(self, obj: Any, out_obj: Any | None, blocking: bool) -> Any:
@@ -399,15 +527,29 @@ class Communicator:
 
     def allgatherv(self, tensor: A, counts: Sequence[int] | None = None,
                    out: A | None = None) -> A:
-        """Gather variable-length flat tensors into one 1-D tensor ordered by rank.
+        """Gather variable-length flat tensors into one 1-D tensor ordered by rank (collective).
 
-        ``counts`` (elements per rank) avoids an extra small allgather to learn them.
+        Args:
+            tensor: This rank's elements (flattened).
+            counts: Elements per rank; None learns them with an extra small allgather.
+            out: Receives the ``sum(counts)`` elements (same dtype and device).
+
+        Returns:
+            A 1-D tensor of ``sum(counts)`` elements (``out`` when given).
+
+        Raises:
+            ValueError: The counts do not match this rank's tensor or the communicator, or
+                ``out`` has the wrong size, dtype or device.
         """
         return cast(A, self._allgatherv(tensor, counts, out, blocking=True))
 
     def iallgatherv(self, tensor: A, counts: Sequence[int] | None = None,
                     out: A | None = None) -> Handle[A]:
-        """Non-blocking :meth:`allgatherv`."""
+        """Start a non-blocking :meth:`allgatherv`; the arguments are the same.
+
+        Returns:
+            A handle whose ``wait()`` returns what :meth:`allgatherv` returns.
+        """
         return cast(Handle[A], self._allgatherv(tensor, counts, out, blocking=False))
 
     def _allgatherv(self, obj: Any, counts: Sequence[int] | None, out_obj: Any | None,
@@ -440,7 +582,13 @@ class Communicator:
 
     # -------------------------------------------------------- point to point
     def send(self, tensor: Any, dest: int, tag: int = 0) -> None:
-        """Blocking send of a tensor to ``dest``."""
+        """Send a tensor to ``dest``, blocking until the buffer may be reused.
+
+        Args:
+            tensor: The data (a tensor or CuPy/NumPy array).
+            dest: The receiving rank.
+            tag: The MPI message tag; the receive must use the same.
+        """
         t, back = as_torch(tensor)
         wire = self._wire(t, "send", reduction=False)
         self._count("send", wire.data.nbytes)
@@ -449,7 +597,16 @@ class Communicator:
                    back)
 
     def recv(self, tensor: A, source: int, tag: int = 0) -> A:
-        """Blocking receive into ``tensor`` from ``source``; returns it."""
+        """Receive into ``tensor`` from ``source``, blocking.
+
+        Args:
+            tensor: Overwritten with the message; its size must match what was sent.
+            source: The sending rank.
+            tag: The MPI message tag the sender used.
+
+        Returns:
+            ``tensor``.
+        """
         t, back = as_torch(tensor)
         wire = self._wire(t, "recv", reduction=False, need_input=False)
         self._count("recv", wire.data.nbytes)
@@ -459,7 +616,15 @@ class Communicator:
 
     # --------------------------------------------------------------- objects
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
-        """Broadcast a picklable object (small metadata) from ``root``."""
+        """Broadcast a picklable object (small metadata) from ``root`` (collective).
+
+        Args:
+            obj: The object at ``root``; ignored elsewhere.
+            root: The sending rank.
+
+        Returns:
+            ``root``'s object (a copy on the other ranks).
+        """
         self._check_root(root)
         payload = pickle.dumps(obj) if self.rank == root else None
         payload = self._blocking(lambda: self.mpi.bcast(payload, root))
@@ -467,27 +632,49 @@ class Communicator:
         return pickle.loads(payload) if self.rank != root else obj
 
     def allgather_object(self, obj: Any) -> list[Any]:
-        """Gather one picklable object per rank, ordered by rank."""
+        """Gather one picklable object per rank (collective).
+
+        Args:
+            obj: This rank's object (small metadata).
+
+        Returns:
+            Every rank's object, ordered by rank.
+        """
         mine = pickle.dumps(obj)
         payloads = self._blocking(lambda: self.mpi.allgather(mine))
         self._count("object", sum(len(p) for p in payloads))
         return [pickle.loads(p) for p in payloads]
 
     def any(self, flag: bool) -> bool:
-        """True on every rank when ``flag`` is true on at least one (allreduce MAX)."""
+        """Agree whether ``flag`` is true on at least one rank (collective, an allreduce MAX).
+
+        Args:
+            flag: This rank's vote.
+
+        Returns:
+            The same answer on every rank.
+        """
         value = torch.tensor([1 if flag else 0], dtype=torch.int32, device="cpu")
         return bool(self.allreduce(value, "max").item())
 
     def agree(self, layout: Any, what: str, *, hint: str = "") -> None:
-        """Raise the same ``ValueError`` on every rank unless every rank passed an equal
-        ``layout`` (compared by the digest of its ``repr``). Collective.
+        """Raise the same ``ValueError`` on every rank unless every rank passed an equal ``layout``.
 
-        The guard of fused reductions: call it once per message layout (the sizes and
-        dtypes of the buffers a structure will post), before MPI sees any of them, so
-        ranks that would post different sizes get one clear error instead of a
-        truncation, corrupted memory or a hang. Costs one 16-byte allreduce (counted as
-        ``"agree"`` in :attr:`stats`); the layouts are gathered only when they differ.
-        Nothing at world size 1.
+        Collective. Layouts are compared by the digest of their ``repr``. The guard of fused
+        reductions: call it once per message layout (the sizes and dtypes of the buffers a
+        structure will post), before MPI sees any of them, so ranks that would post
+        different sizes get one clear error instead of a truncation, corrupted memory or a
+        hang. Costs one 16-byte allreduce (counted as ``"agree"`` in :attr:`stats`); the
+        layouts are gathered only when they differ. Nothing at world size 1.
+
+        Args:
+            layout: This rank's layout; its ``repr`` must be deterministic.
+            what: What the layout describes, for the message.
+            hint: How to fix a disagreement, appended to the message.
+
+        Raises:
+            ValueError: On every rank, when any two ranks' layouts differ; names the ranks
+                that differ from rank 0.
         """
         if self.size == 1:
             return
@@ -507,39 +694,59 @@ class Communicator:
 
     # ----------------------------------------------------------------- misc
     def barrier(self) -> None:
-        """Block until every rank arrives."""
+        """Block until every rank arrives (collective)."""
         self._count("barrier", 0)
         self._blocking(self.mpi.Barrier)
 
     def split(self, color: int, key: int | None = None, name: str | None = None) -> Communicator:
-        """Sub-communicator of the ranks with the same ``color`` (ordered by ``key``)."""
+        """Make the sub-communicator of the ranks with the same ``color`` (collective).
+
+        Args:
+            color: Ranks with equal colors land in one sub-communicator.
+            key: Orders the ranks in it (default: the rank here).
+            name: The sub-communicator's name (default ``"<name>/split<color>"``).
+
+        Returns:
+            The sub-communicator; its traffic counts in this one's :meth:`traffic`.
+        """
         mpi_comm = self._blocking(lambda: self.mpi.Split(color, self.rank if key is None else key))
         child = Communicator(mpi_comm, cuda=self.cuda, name=name or f"{self.name}/split{color}")
         return self._adopt(child)
 
     def _adopt(self, child: Communicator) -> Communicator:
-        """Register a sub-communicator: its traffic shows in :meth:`traffic`, and tags
-        opened on this communicator (``stats.tagged``) apply to its calls too."""
+        """Register a sub-communicator for :meth:`traffic` and this communicator's tags.
+
+        Tags opened on this communicator (``stats.tagged``) apply to its calls too.
+        """
         child.stats.share_tags_with(self.stats)
         self.children.append(child)
         return child
 
     def split_shared(self) -> Communicator:
-        """Sub-communicator of the ranks that share this node's memory (local ranks)."""
+        """Make the sub-communicator of the ranks that share this node's memory (collective).
+
+        Returns:
+            The node's communicator; its rank is the local rank.
+        """
         mpi_comm = self._blocking(
             lambda: self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank))
         child = Communicator(mpi_comm, cuda=self.cuda, name=f"{self.name}/node")
         return self._adopt(child)
 
     def free(self) -> None:
-        """Release a sub-communicator (never the world)."""
+        """Release a sub-communicator (never the world); posts its queued calls first."""
         if self.mpi not in (MPI.COMM_WORLD, MPI.COMM_SELF):
             self._flush()
             _forget_queue(self.mpi)
             self.mpi.Free()
 
     def abort(self, message: str, code: int = 1) -> None:
-        """Print ``message`` with this rank's number and abort every rank of the job."""
+        """Print ``message`` with this rank's number and abort every rank of the job.
+
+        Args:
+            message: What went wrong, printed to standard error.
+            code: The exit status of the job.
+        """
         import sys
 
         print(f"[rank {self.rank}] {message}", file=sys.stderr, flush=True)

@@ -74,7 +74,17 @@ OPEN_MPI_UCX_EXTRA = NONBLOCKING_MOVEMENT
 
 @dataclass(frozen=True)
 class CudaSupport:
-    """What this process's MPI library does with CUDA device memory, and why we think so."""
+    """What this process's MPI library does with CUDA device memory, and why we think so.
+
+    Attributes:
+        vendor: The MPI implementation (:func:`vendor_of`).
+        aware: The library takes device memory in at least some calls.
+        device_calls: Calls that get device memory; the rest are staged.
+        source: ``"detected"``, or the override that decided (``"KFAC_HPC_CUDA_AWARE=1"``,
+            ...).
+        evidence: What was looked at and what it said, one line each.
+        library: The first line of the library's version string.
+    """
 
     vendor: str
     aware: bool  # the library takes device memory in at least some calls
@@ -84,26 +94,38 @@ class CudaSupport:
     library: str = ""
 
     def device_ok(self, call: str) -> bool:
-        """Whether ``call`` (e.g. ``"iallreduce"``) may be handed device memory."""
+        """Say whether ``call`` (e.g. ``"iallreduce"``) may be handed device memory.
+
+        Args:
+            call: One of :data:`CALLS`.
+
+        Returns:
+            True when the call takes device memory here.
+
+        Raises:
+            ValueError: ``call`` is not one of :data:`CALLS`.
+        """
         if call not in CALLS:
             raise ValueError(f"unknown MPI call {call!r}; use one of {', '.join(CALLS)}")
         return call in self.device_calls
 
     @property
     def staged_calls(self) -> tuple[str, ...]:
+        """The calls that stage CUDA tensors through host memory, in :data:`CALLS` order."""
         return tuple(c for c in CALLS if c not in self.device_calls)
 
     def table(self) -> dict[str, str]:
-        """``{call: "device" | "staged"}`` for every call, in a fixed order."""
+        """Return ``{call: "device" | "staged"}`` for every call, in a fixed order."""
         return {c: "device" if c in self.device_calls else "staged" for c in CALLS}
 
     def summary(self) -> str:
-        """One line: vendor, verdict and how it was reached."""
+        """Describe in one line the vendor, the verdict and how it was reached."""
         verdict = ("CUDA-aware for " + ", ".join(c for c in CALLS if c in self.device_calls)
                    if self.aware else "not CUDA-aware (CUDA tensors staged through host memory)")
         return f"{self.vendor}: {verdict} [{self.source}]"
 
     def as_dict(self) -> dict[str, object]:
+        """Return the detection as a JSON-ready dict (vendor, verdict, evidence, table)."""
         return {"vendor": self.vendor, "aware": self.aware, "source": self.source,
                 "library": self.library, "evidence": list(self.evidence),
                 "table": self.table()}
@@ -111,13 +133,30 @@ class CudaSupport:
     @staticmethod
     def staged(vendor: str = UNKNOWN, source: str = "forced", library: str = "",
                evidence: tuple[str, ...] = ()) -> CudaSupport:
-        """Every call staged (a CPU-only or non-CUDA-aware library)."""
+        """Make a support that stages every call (a CPU-only or non-CUDA-aware library).
+
+        Args:
+            vendor: The MPI implementation.
+            source: What decided.
+            library: The library's version line.
+            evidence: What was looked at.
+
+        Returns:
+            A support with ``aware=False`` and no device calls.
+        """
         return CudaSupport(vendor, False, frozenset(), source, evidence, library)
 
 
 # ------------------------------------------------------------------ inputs
 def vendor_of(library_version: str) -> str:
-    """The MPI implementation named by ``MPI_Get_library_version``'s text."""
+    """Name the MPI implementation from ``MPI_Get_library_version``'s text.
+
+    Args:
+        library_version: The library's version string.
+
+    Returns:
+        One of the vendor constants; :data:`UNKNOWN` when none matches.
+    """
     text = library_version.lower()
     if "cray mpich" in text:
         return CRAY_MPICH
@@ -133,7 +172,7 @@ def vendor_of(library_version: str) -> str:
 
 
 def read_maps() -> str:
-    """This process's memory map (the shared libraries it has loaded); '' if unreadable."""
+    """Read this process's memory map (the shared libraries it has loaded); '' if unreadable."""
     try:
         return Path("/proc/self/maps").read_text()
     except OSError:
@@ -141,7 +180,14 @@ def read_maps() -> str:
 
 
 def loaded_libraries(maps: str) -> list[str]:
-    """Paths of the shared objects in a ``/proc/<pid>/maps`` text, each once, in order."""
+    """List the shared objects in a ``/proc/<pid>/maps`` text, each once, in order.
+
+    Args:
+        maps: The text of a maps file.
+
+    Returns:
+        Absolute paths of the ``.so`` files.
+    """
     seen: dict[str, None] = {}
     for line in maps.splitlines():
         parts = line.split(maxsplit=5)
@@ -156,10 +202,16 @@ _SONAMES = ("libmpi.so.40", "libmpi.so.12", "libmpi_cray.so.12", "libmpich.so.12
 
 
 def query_cuda_support(maps: str | None = None) -> int | None:
-    """``MPIX_Query_cuda_support()`` of the loaded MPI library; None where it lacks it.
+    """Call ``MPIX_Query_cuda_support()`` of the loaded MPI library.
 
-    The library is found among the loaded shared objects (``RTLD_NOLOAD``: nothing new
-    is loaded). Call after MPI is initialised (importing ``mpi4py.MPI`` does that).
+    The library is found among the loaded shared objects (``RTLD_NOLOAD``: nothing new is
+    loaded). Call after MPI is initialised (importing ``mpi4py.MPI`` does that).
+
+    Args:
+        maps: A ``/proc/self/maps`` text (default: read it now).
+
+    Returns:
+        What the function returns (1: supported), or None where the library lacks it.
     """
     paths = [p for p in loaded_libraries(read_maps() if maps is None else maps)
              if _MPI_LIBRARY.search(p) and "gtl" not in p]
@@ -176,13 +228,21 @@ def query_cuda_support(maps: str | None = None) -> int | None:
 
 
 def library_version() -> str:
+    """Return ``MPI_Get_library_version()`` without trailing NUL characters (starts MPI)."""
     from mpi4py import MPI
 
     return str(MPI.Get_library_version()).replace("\x00", "")
 
 
 def find_ompi_info(maps: str) -> str | None:
-    """``ompi_info`` next to the loaded ``libmpi`` (``<prefix>/bin``), else on PATH."""
+    """Find ``ompi_info`` next to the loaded ``libmpi`` (``<prefix>/bin``), else on PATH.
+
+    Args:
+        maps: A ``/proc/self/maps`` text.
+
+    Returns:
+        The executable's path, or None when there is none.
+    """
     for path in loaded_libraries(maps):
         if re.search(r"/libmpi\.so", path):
             candidate = Path(path).parent.parent / "bin" / "ompi_info"
@@ -192,7 +252,14 @@ def find_ompi_info(maps: str) -> str | None:
 
 
 def run_ompi_info(executable: str) -> str:
-    """``ompi_info --parsable --all`` (for ``kfac-hpc info``; never in a training run)."""
+    """Run ``ompi_info --parsable --all`` (for ``kfac-hpc info``; never in a training run).
+
+    Args:
+        executable: The path of ``ompi_info``.
+
+    Returns:
+        Its standard output (30 s at most).
+    """
     proc = subprocess.run([executable, "--parsable", "--all"], capture_output=True, text=True,
                           timeout=30, check=False)
     return proc.stdout
@@ -208,7 +275,17 @@ def _falsy(value: str | None) -> bool:
 
 
 def parse_override(value: str | bool | None) -> str | None:
-    """``None`` (detect), ``"0"``, ``"1"`` or ``"all"`` from an override value."""
+    """Read an override value as ``None`` (detect), ``"0"``, ``"1"`` or ``"all"``.
+
+    Args:
+        value: A bool, a text such as ``"1"``, ``"off"`` or ``"all"``, or None.
+
+    Returns:
+        The normalised override.
+
+    Raises:
+        ValueError: The text is none of the accepted values; names them.
+    """
     if value is None:
         return None
     if isinstance(value, bool):
@@ -226,7 +303,7 @@ def parse_override(value: str | bool | None) -> str | None:
 
 
 def ucx_tls_allows_cuda(tls: str) -> bool:
-    """Whether a ``UCX_TLS`` value keeps the CUDA transports (``^a,b`` excludes a and b)."""
+    """Say whether a ``UCX_TLS`` value keeps the CUDA transports (``^a,b`` excludes a and b)."""
     text = tls.strip().lower()
     if text.startswith("^"):
         return not ({"cuda", "cuda_copy"} & {t.strip() for t in text[1:].split(",")})
@@ -235,7 +312,7 @@ def ucx_tls_allows_cuda(tls: str) -> bool:
 
 
 def _ucx_cuda(libraries: list[str], env: Mapping[str, str]) -> tuple[bool, list[str]]:
-    """Whether UCX's CUDA transport is in use (Open MPI's path for non-blocking movement)."""
+    """Say whether UCX's CUDA transport is in use (Open MPI's path for non-blocking movement)."""
     cuda_tl = [p for p in libraries if re.search(r"/libuct_cuda[^/]*\.so", p)]
     notes = []
     if cuda_tl:
@@ -329,15 +406,27 @@ def detect(override: str | bool | None = None, *,
            query: int | Callable[[], int | None] | None = None,
            maps: str | Callable[[], str] = read_maps,
            ompi_info: str | Callable[[], str | None] | None = None) -> CudaSupport:
-    """What the MPI library of this process does with CUDA device memory.
+    """Find out what the MPI library of this process does with CUDA device memory.
 
-    ``override`` (``Communicator(cuda_aware=...)``) comes first, then the environment
-    variable ``KFAC_HPC_CUDA_AWARE``, then the evidence. Every input can be injected
-    (a value, or a function producing it): ``env`` (default ``os.environ``),
-    ``library`` (``MPI_Get_library_version``), ``query`` (``MPIX_Query_cuda_support()``
-    via ctypes; a function returning None fakes a library without it), ``maps``
-    (``/proc/self/maps``) and ``ompi_info`` (``ompi_info --parsable --all``; not run
-    unless given: it forks).
+    ``override`` comes first, then the environment variable ``KFAC_HPC_CUDA_AWARE``, then
+    the evidence. Every input can be injected (a value, or a function producing it), so
+    tests fake each vendor on a CPU machine.
+
+    Args:
+        override: ``Communicator(cuda_aware=...)``: a bool, ``"0"``, ``"1"``, ``"all"``,
+            or None to go on to the environment.
+        env: The environment (default ``os.environ``).
+        library: ``MPI_Get_library_version``'s text.
+        query: ``MPIX_Query_cuda_support()`` (default via ctypes); a function returning
+            None fakes a library without it.
+        maps: ``/proc/self/maps``.
+        ompi_info: ``ompi_info --parsable --all`` output; not run unless given (it forks).
+
+    Returns:
+        The vendor, the verdict, the calls that take device memory and the evidence.
+
+    Raises:
+        ValueError: The override or ``KFAC_HPC_CUDA_AWARE`` has a value not understood.
     """
     env = os.environ if env is None else env
     library_text = library() if callable(library) else library

@@ -31,22 +31,24 @@ class StreamHandle:
 
     Holds the torch stream it came from, so the CuPy stream that keeps this handle
     (``Stream.from_external`` keeps a reference) keeps the torch stream alive too.
-
-    Args:
-        owner: The torch stream (anything with an integer ``cuda_stream``).
     """
 
     def __init__(self, owner: TorchStream) -> None:
+        """Read the stream's handle and keep the stream.
+
+        Args:
+            owner: The torch stream (anything with an integer ``cuda_stream``).
+        """
         self.owner = owner
         self.ptr = int(owner.cuda_stream)
 
     def __cuda_stream__(self) -> tuple[int, int]:
-        """The CUDA stream protocol: ``(version 0, cudaStream_t as int)``."""
+        """Return ``(version 0, cudaStream_t as int)``: the CUDA stream protocol."""
         return (0, self.ptr)
 
 
 def external_stream(cupy: Any, stream: TorchStream) -> Any:
-    """A CuPy stream on the CUDA stream of ``stream`` (a torch stream), not owned by CuPy.
+    """Make a CuPy stream on the CUDA stream of ``stream`` (a torch stream), not owned by CuPy.
 
     Uses ``cupy.cuda.Stream.from_external`` where it exists (CuPy >= 14) and
     ``cupy.cuda.ExternalStream`` before (deprecated from CuPy 14 on). Call it with the

@@ -11,7 +11,17 @@ from kfac_hpc.comm.communicator import Communicator, Handle, ReduceOp
 
 
 def flatten(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Concatenate the tensors' elements into one 1-D tensor (a copy)."""
+    """Concatenate the tensors' elements into one 1-D tensor (a copy).
+
+    Args:
+        tensors: Tensors of any shapes, on one device.
+        dtype: The result's dtype (default: the first tensor's; float32 when there are
+            none).
+
+    Returns:
+        A 1-D tensor of the tensors' elements, in order (empty on the CPU when there are
+        no tensors).
+    """
     if not tensors:
         return torch.empty(0, dtype=dtype or torch.float32, device="cpu")
     dtype = dtype or tensors[0].dtype
@@ -19,7 +29,15 @@ def flatten(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -
 
 
 def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    """Copy consecutive slices of ``flat`` back into ``tensors`` (their shapes and dtypes)."""
+    """Copy consecutive slices of ``flat`` back into ``tensors`` (their shapes and dtypes).
+
+    Args:
+        flat: A 1-D tensor, e.g. from :func:`flatten`.
+        tensors: Overwritten in order.
+
+    Raises:
+        ValueError: ``flat`` holds more elements than the tensors.
+    """
     offset = 0
     with torch.no_grad():
         for t in tensors:
@@ -31,7 +49,7 @@ def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
 
 
 def triu_count(n: int) -> int:
-    """Elements of the upper triangle (diagonal included) of an ``n x n`` matrix."""
+    """Count the elements of the upper triangle (diagonal included) of an ``n x n`` matrix."""
     return n * (n + 1) // 2
 
 
@@ -43,7 +61,17 @@ def _upper_indices(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Te
 
 
 def pack_upper(matrix: torch.Tensor) -> torch.Tensor:
-    """The upper triangle (row-major, diagonal included) of a square matrix, 1-D."""
+    """Return the upper triangle (row-major, diagonal included) of a square matrix, 1-D.
+
+    Args:
+        matrix: A square 2-D matrix (read as symmetric).
+
+    Returns:
+        ``n * (n + 1) / 2`` elements.
+
+    Raises:
+        ValueError: The matrix is not square.
+    """
     n = matrix.shape[-1]
     if matrix.dim() != 2 or matrix.shape[0] != n:
         raise ValueError(f"pack_upper needs a square matrix, got shape {tuple(matrix.shape)}")
@@ -52,7 +80,19 @@ def pack_upper(matrix: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_upper(packed: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rebuild the symmetric ``n x n`` matrix from :func:`pack_upper`'s output."""
+    """Rebuild the symmetric ``n x n`` matrix from :func:`pack_upper`'s output.
+
+    Args:
+        packed: ``n * (n + 1) / 2`` elements.
+        n: The matrix's order.
+        out: Receives the matrix (default a new one).
+
+    Returns:
+        The symmetric matrix (``out`` when given).
+
+    Raises:
+        ValueError: ``packed`` has the wrong number of elements.
+    """
     if packed.numel() != triu_count(n):
         raise ValueError(f"{packed.numel()} elements cannot be the upper triangle of {n}x{n}")
     if out is None:
@@ -66,8 +106,20 @@ def unpack_upper(packed: torch.Tensor, n: int, out: torch.Tensor | None = None) 
 
 
 def buckets_by_size(sizes_bytes: Sequence[int], cap_bytes: int) -> list[list[int]]:
-    """Group consecutive items into buckets of at most ``cap_bytes`` (an item larger than
-    the cap gets a bucket of its own). Returns lists of item indices, in order."""
+    """Group consecutive items into buckets of at most ``cap_bytes``.
+
+    An item larger than the cap gets a bucket of its own.
+
+    Args:
+        sizes_bytes: The items' sizes in bytes, in order.
+        cap_bytes: The most bytes in a bucket (> 0).
+
+    Returns:
+        Lists of item indices, in order.
+
+    Raises:
+        ValueError: ``cap_bytes`` is not positive.
+    """
     if cap_bytes <= 0:
         raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
     buckets: list[list[int]] = []
@@ -87,17 +139,26 @@ def buckets_by_size(sizes_bytes: Sequence[int], cap_bytes: int) -> list[list[int
 class FusedAllreduce:
     """Allreduce a list of tensors as few fused messages (each at most ``cap_mb``).
 
-    ``start()`` posts non-blocking reductions; ``wait()`` completes them and writes
-    the results back into the original tensors. The first ``start()`` is collective
-    beyond the reductions: the ranks agree on the message sizes (one 16-byte allreduce,
+    ``start()`` posts non-blocking reductions; ``wait()`` completes them and writes the
+    results back into the original tensors. The first ``start()`` is collective beyond
+    the reductions: the ranks agree on the message sizes (one 16-byte allreduce,
     :meth:`~kfac_hpc.comm.Communicator.agree`) and every rank raises the same
-    ``ValueError`` where they differ, before MPI sees any buffer; later starts reuse
-    the agreement (the sizes are fixed at construction).
+    ``ValueError`` where they differ, before MPI sees any buffer; later starts reuse the
+    agreement (the sizes are fixed at construction).
     """
 
     def __init__(self, comm: Communicator, tensors: Sequence[torch.Tensor], *,
                  op: ReduceOp = "avg", cap_mb: float = 25.0,
                  dtype: torch.dtype | None = None) -> None:
+        """Group the tensors into messages; nothing is sent until :meth:`start`.
+
+        Args:
+            comm: The communicator to reduce over.
+            tensors: Reduced in place; the same sizes, in the same order, on every rank.
+            op: The reduction (default ``"avg"``).
+            cap_mb: The most MiB in one message.
+            dtype: The dtype the messages travel in (default: each group's first tensor's).
+        """
         self.comm, self.tensors, self.op = comm, list(tensors), op
         self.dtype = dtype
         sizes = [t.numel() * (dtype.itemsize if dtype else t.element_size()) for t in tensors]
@@ -106,11 +167,19 @@ class FusedAllreduce:
         self._agreed = False
 
     def layout(self) -> list[tuple[int, str]]:
-        """Elements and dtype of each fused message, in posting order."""
+        """List the elements and dtype of each fused message, in posting order."""
         return [(sum(self.tensors[i].numel() for i in group),
                  str(self.dtype or self.tensors[group[0]].dtype)) for group in self.groups]
 
     def start(self) -> FusedAllreduce:
+        """Post the fused non-blocking reductions (collective; the first call also agrees on sizes).
+
+        Returns:
+            This object, to chain ``.wait()``.
+
+        Raises:
+            ValueError: On every rank, when the ranks' message layouts differ (first call).
+        """
         if not self._agreed:
             self.comm.agree(self.layout(), "the fused allreduce's messages (elements, dtype)",
                             hint="pass tensors of the same sizes, in the same order, and the "
@@ -122,6 +191,11 @@ class FusedAllreduce:
         return self
 
     def wait(self) -> list[torch.Tensor]:
+        """Complete the reductions and write the results into the tensors.
+
+        Returns:
+            The tensors, holding the reduced values.
+        """
         for group, handle in self._inflight:
             unflatten_into(handle.wait(), [self.tensors[i] for i in group])
         self._inflight.clear()

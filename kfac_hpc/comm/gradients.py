@@ -53,6 +53,21 @@ class GradientAverager:
 
     def __init__(self, model: nn.Module, comm: Communicator, *, bucket_cap_mb: float = 25.0,
                  dtype: torch.dtype | None = None, check_replicas: bool = True) -> None:
+        """Bucket the model's trainable parameters and install the gradient hooks (collective).
+
+        Args:
+            model: The model; every trainable parameter must be on one device.
+            comm: The communicator to average over.
+            bucket_cap_mb: The most MiB in one bucket's message.
+            dtype: The dtype gradients travel in (default: each bucket's parameters' dtype).
+            check_replicas: Check that every rank holds the same parameters (names, shapes,
+                dtypes, which ones train, values) along with the bucket layout; False agrees
+                on the layout only.
+
+        Raises:
+            ValueError: On every rank, when the ranks' models or bucket layouts differ, or
+                when the parameters are on more than one device.
+        """
         self.comm = comm
         self.params = [p for p in model.parameters() if p.requires_grad][::-1]
         sizes = [p.numel() * (dtype.itemsize if dtype else p.element_size()) for p in self.params]
@@ -124,7 +139,11 @@ class GradientAverager:
         self._next += 1
 
     def synchronize(self) -> None:
-        """Complete the averaging of every gradient (call after backward, before step)."""
+        """Complete the averaging of every gradient (collective; after backward, before step).
+
+        Parameters without a gradient anywhere keep ``grad=None``; a parameter with a gradient
+        on some rank gets the average on every rank.
+        """
         if self.comm.size == 1:
             return
         order = self._order if self._order is not None else list(range(len(self.buckets)))
@@ -155,14 +174,18 @@ class GradientAverager:
         self._posted_order = []
 
     def _agree_on_order(self) -> list[int]:
-        """The completion order of this step if every rank saw the same, else index order."""
+        """Return this step's completion order if every rank saw the same, else index order."""
         mine = self._completed + [b for b in range(len(self.buckets)) if b not in self._completed]
         orders = self.comm.allgather_object(mine)
         return mine if all(o == mine for o in orders) else list(range(len(self.buckets)))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (no communication) inside this block."""
+        """Accumulate gradients locally (no communication) inside this block.
+
+        Yields:
+            Nothing; hooks send nothing until the block ends.
+        """
         previous, self._enabled = self._enabled, False
         try:
             yield
@@ -170,5 +193,6 @@ class GradientAverager:
             self._enabled = previous
 
     def remove(self) -> None:
+        """Remove the gradient hooks from the parameters."""
         for h in self._hooks:
             h.remove()

@@ -35,28 +35,37 @@ __all__ = ["check_replicas", "replica_check_bytes"]
 
 
 def replica_check_bytes(param_tensors: int) -> list[int]:
-    """Bytes of each call :func:`check_replicas` makes when the ranks agree (the planner's
-    prediction): structure allreduce, values broadcast, outcome allreduce."""
+    """Predict the bytes of each call :func:`check_replicas` makes when the ranks agree.
+
+    The planner's prediction: structure allreduce, values broadcast, outcome allreduce.
+
+    Args:
+        param_tensors: The number of parameter tensors checked.
+
+    Returns:
+        Bytes per call, in call order.
+    """
     return [16, 16 * param_tensors, 4]
 
 
 def check_replicas(named_parameters: Iterable[tuple[str, Tensor]], comm: Communicator, *,
                    settings: Mapping[str, Any] | None = None, what: str = "model") -> None:
-    """Raise the same ``ValueError`` on every rank unless all ranks hold parameters of the
-    same names, shapes, dtypes and ``requires_grad``, with equal values (a checksum, 1e-9
+    """Raise the same ``ValueError`` on every rank unless all ranks hold the same parameters.
+
+    Same names, shapes, dtypes and ``requires_grad``, equal values (a checksum, 1e-9
     relative), and equal ``settings`` (compared exactly). Collective; nothing at world
     size 1.
 
     Args:
         named_parameters: ``(name, parameter)`` pairs, e.g. ``model.named_parameters()``.
-        comm: the ranks that must agree.
-        settings: anything else that must be equal on every rank (compared by ``repr``
+        comm: The ranks that must agree.
+        settings: Anything else that must be equal on every rank (compared by ``repr``
             in the digest, by ``==`` for the message), e.g. the layout of the messages
             the caller will post.
-        what: what the parameters belong to, for the message.
+        what: What the parameters belong to, for the message.
 
     Raises:
-        ValueError: on every rank, naming the ranks and parameters or settings that
+        ValueError: On every rank, naming the ranks and parameters or settings that
             differ from rank 0's, and the fix.
     """
     if comm.size == 1:
@@ -136,8 +145,7 @@ def _raise_structure(comm: Communicator, structure: Structure, settings: dict[st
 
 
 def _structure_difference(theirs: Structure, base: Structure) -> tuple[str, bool]:
-    """The difference of ``theirs`` from ``base`` in words, and whether it is only in
-    which parameters train."""
+    """Say how ``theirs`` differs from ``base``, and whether only in which parameters train."""
     mine = {n: (s, d) for n, s, d, _ in theirs}
     ref = {n: (s, d) for n, s, d, _ in base}
     extra = [n for n in mine if n not in ref][:3]

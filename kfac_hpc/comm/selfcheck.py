@@ -51,7 +51,18 @@ CPU = torch.device("cpu")
 
 def rank_values(rank: int, n: int, dtype: torch.dtype, salt: int = 0,
                 device: torch.device = CPU) -> torch.Tensor:
-    """Rank ``rank``'s ``n`` input values: integers in [-4, 4], exact in every dtype."""
+    """Make rank ``rank``'s ``n`` input values: integers in [-4, 4], exact in every dtype.
+
+    Args:
+        rank: The rank whose values these are.
+        n: How many values.
+        dtype: Their dtype.
+        salt: Varies the values between calls of one check.
+        device: Where the tensor is made.
+
+    Returns:
+        A 1-D tensor of ``n`` values.
+    """
     return torch.from_numpy(_values(rank, n, salt)).to(device=device, dtype=dtype)
 
 
@@ -68,7 +79,15 @@ def _sum_over_ranks(size: int, n: int, salt: int) -> np.ndarray:
 
 
 def uneven_counts(size: int, scale: int) -> list[int]:
-    """Element counts per rank, uneven and with zeros: ``[s, 0, s+2, s+3, 0, ...]``."""
+    """Return element counts per rank, uneven and with zeros: ``[s, 0, s+2, s+3, 0, ...]``.
+
+    Args:
+        size: The number of ranks.
+        scale: The base count ``s``.
+
+    Returns:
+        One count per rank.
+    """
     return [0 if r % 3 == 1 else scale + r for r in range(size)]
 
 
@@ -102,20 +121,36 @@ CheckFn = Callable[[Communicator, torch.dtype], "str | None"]  # device bound (f
 
 
 class _Findings:
-    """The first problem a check finds. Checks never stop early: every rank must make
-    the same collective calls, whatever it found, or the others would wait forever."""
+    """The first problem a check finds.
+
+    Checks never stop early: every rank must make the same collective calls, whatever it
+    found, or the others would wait forever.
+    """
 
     def __init__(self) -> None:
         self.first: str | None = None
 
     def note(self, context: str, problem: str | None) -> None:
+        """Remember ``problem`` (with its context) if it is the first one."""
         if problem is not None and self.first is None:
             self.first = f"{context}: {problem}"
 
 
 def check_allreduce(comm: Communicator, dtype: torch.dtype, op: ReduceOp = "sum",
                     device: torch.device = CPU) -> str | None:
-    """In-place allreduce of every shape, plus a non-contiguous (transposed) tensor."""
+    """Check in-place allreduce of every shape, plus a non-contiguous (transposed) tensor.
+
+    Collective: every rank runs it with the same arguments.
+
+    Args:
+        comm: The ranks to check.
+        dtype: The dtype of the tensors.
+        op: The reduction to check.
+        device: Where the tensors live.
+
+    Returns:
+        The first problem this rank saw, in words, or None.
+    """
     found = _Findings()
     cases = [(shape, False) for shape in CHECK_SHAPES] + [((5, 3), True)]
     for salt, (shape, transposed) in enumerate(cases):
@@ -138,7 +173,18 @@ def check_allreduce(comm: Communicator, dtype: torch.dtype, op: ReduceOp = "sum"
 
 def check_reduce_scatter(comm: Communicator, dtype: torch.dtype,
                          device: torch.device = CPU) -> str | None:
-    """Reduce-scatter with uneven counts, zeros included; sum, and avg once."""
+    """Check reduce-scatter with uneven counts, zeros included; sum, and avg once.
+
+    Collective: every rank runs it with the same arguments.
+
+    Args:
+        comm: The ranks to check.
+        dtype: The dtype of the tensors.
+        device: Where the tensors live.
+
+    Returns:
+        The first problem this rank saw, in words, or None.
+    """
     found = _Findings()
     for salt, scale in enumerate(UNEVEN_SCALES):
         counts = uneven_counts(comm.size, scale)
@@ -154,13 +200,24 @@ def check_reduce_scatter(comm: Communicator, dtype: torch.dtype,
 
 
 def reduce_root(size: int) -> int:
-    """The root for reduce: rank 1 (a non-zero root) when there is one."""
+    """Return the root for reduce: rank 1 (a non-zero root) when there is one."""
     return 1 if size > 1 else 0
 
 
 def check_reduce(comm: Communicator, dtype: torch.dtype,
                  device: torch.device = CPU) -> str | None:
-    """Reduce onto a non-zero root; the other ranks' tensors stay unchanged."""
+    """Check reduce onto a non-zero root; the other ranks' tensors stay unchanged.
+
+    Collective: every rank runs it with the same arguments.
+
+    Args:
+        comm: The ranks to check.
+        dtype: The dtype of the tensors.
+        device: Where the tensors live.
+
+    Returns:
+        The first problem this rank saw, in words, or None.
+    """
     found = _Findings()
     root = reduce_root(comm.size)
     for salt, shape in enumerate(CHECK_SHAPES):
@@ -175,7 +232,18 @@ def check_reduce(comm: Communicator, dtype: torch.dtype,
 
 def check_broadcast(comm: Communicator, dtype: torch.dtype,
                     device: torch.device = CPU) -> str | None:
-    """Broadcast from the last rank overwrites every rank's tensor."""
+    """Check that broadcast from the last rank overwrites every rank's tensor.
+
+    Collective: every rank runs it with the same arguments.
+
+    Args:
+        comm: The ranks to check.
+        dtype: The dtype of the tensors.
+        device: Where the tensors live.
+
+    Returns:
+        The first problem this rank saw, in words, or None.
+    """
     found = _Findings()
     root = comm.size - 1
     for salt, shape in enumerate(CHECK_SHAPES):
@@ -190,7 +258,18 @@ def check_broadcast(comm: Communicator, dtype: torch.dtype,
 
 def check_allgather(comm: Communicator, dtype: torch.dtype,
                     device: torch.device = CPU) -> str | None:
-    """Allgather of equal shapes: result ``(size, *shape)`` ordered by rank."""
+    """Check allgather of equal shapes: result ``(size, *shape)`` ordered by rank.
+
+    Collective: every rank runs it with the same arguments.
+
+    Args:
+        comm: The ranks to check.
+        dtype: The dtype of the tensors.
+        device: Where the tensors live.
+
+    Returns:
+        The first problem this rank saw, in words, or None.
+    """
     found = _Findings()
     for salt, shape in enumerate(CHECK_SHAPES):
         n = int(np.prod(shape))
@@ -203,7 +282,18 @@ def check_allgather(comm: Communicator, dtype: torch.dtype,
 
 def check_allgatherv(comm: Communicator, dtype: torch.dtype,
                      device: torch.device = CPU) -> str | None:
-    """Allgatherv with uneven counts (zeros included), counts given and learned."""
+    """Check allgatherv with uneven counts (zeros included), counts given and learned.
+
+    Collective: every rank runs it with the same arguments.
+
+    Args:
+        comm: The ranks to check.
+        dtype: The dtype of the tensors.
+        device: Where the tensors live.
+
+    Returns:
+        The first problem this rank saw, in words, or None.
+    """
     found = _Findings()
     for salt, scale in enumerate(UNEVEN_SCALES):
         counts = uneven_counts(comm.size, scale)
@@ -218,7 +308,18 @@ def check_allgatherv(comm: Communicator, dtype: torch.dtype,
 
 def check_nonblocking(comm: Communicator, dtype: torch.dtype,
                       device: torch.device = CPU) -> str | None:
-    """Seven non-blocking collectives in flight at once, completed in reverse order."""
+    """Check seven non-blocking collectives in flight at once, completed in reverse order.
+
+    Collective: every rank runs it with the same arguments.
+
+    Args:
+        comm: The ranks to check.
+        dtype: The dtype of the tensors.
+        device: Where the tensors live.
+
+    Returns:
+        The first problem this rank saw, in words, or None.
+    """
     size, rank, n = comm.size, comm.rank, 1000
     counts = uneven_counts(size, 300)
     root = reduce_root(size)
@@ -256,7 +357,18 @@ def check_nonblocking(comm: Communicator, dtype: torch.dtype,
 
 def check_split(comm: Communicator, dtype: torch.dtype,
                 device: torch.device = CPU) -> str | None:
-    """Allreduce on sub-communicators of the even and the odd ranks."""
+    """Check allreduce on sub-communicators of the even and the odd ranks.
+
+    Collective: every rank runs it with the same arguments.
+
+    Args:
+        comm: The ranks to check.
+        dtype: The dtype of the tensors.
+        device: Where the tensors live.
+
+    Returns:
+        The first problem this rank saw, in words, or None.
+    """
     found = _Findings()
     sub = comm.split(comm.rank % 2, name="selfcheck/parity")
     try:
@@ -273,7 +385,16 @@ def check_split(comm: Communicator, dtype: torch.dtype,
 
 def checks(dtypes: Sequence[torch.dtype] = CHECK_DTYPES, size: int = 1,
            device: torch.device = CPU) -> Iterator[tuple[str, torch.dtype, CheckFn]]:
-    """Every (name, dtype, check) of the self-check on ``device``, in order."""
+    """List every (name, dtype, check) of the self-check on ``device``, in order.
+
+    Args:
+        dtypes: The dtypes to check each collective in.
+        size: The number of ranks (which checks apply and how they are set up).
+        device: Where the tensors live.
+
+    Yields:
+        ``(name, dtype, check)``; ``check(comm)`` runs it.
+    """
     root, last = reduce_root(size), size - 1
     on = functools.partial
     for dtype in dtypes:
@@ -299,9 +420,11 @@ class CheckResult:
 
     @property
     def ok(self) -> bool:
+        """Whether no rank failed."""
         return not self.failed_ranks
 
     def line(self) -> str:
+        """Format the outcome as one line: name, dtype, and the failing ranks with their problem."""
         dtype = str(self.dtype).removeprefix("torch.")
         text = f"{'PASS' if self.ok else 'FAIL'}  {dtype:<9} {self.name}"
         if not self.ok:
@@ -312,9 +435,18 @@ class CheckResult:
 def run_one(comm: Communicator, name: str, dtype: torch.dtype, check: CheckFn) -> CheckResult:
     """Run one check on every rank and agree on its outcome (raw mpi4py allgather).
 
-    An exception counts as a failure of that rank. A rank that raises before a
-    collective the others entered would leave them waiting: run under a launcher
-    timeout (``launch/local --timeout``) on suspect systems.
+    An exception counts as a failure of that rank. A rank that raises before a collective
+    the others entered would leave them waiting: run under a launcher timeout
+    (``launch/local --timeout``) on suspect systems.
+
+    Args:
+        comm: The ranks to check (collective).
+        name: The check's name.
+        dtype: The dtype it runs in.
+        check: The check.
+
+    Returns:
+        The outcome, the same on every rank.
     """
     try:
         detail = check(comm, dtype)
@@ -326,7 +458,16 @@ def run_one(comm: Communicator, name: str, dtype: torch.dtype, check: CheckFn) -
 
 
 def check_traffic_consistent(comm: Communicator) -> CheckResult:
-    """The traffic counters are identical on every rank (they count whole collectives)."""
+    """Check that the traffic counters are identical on every rank (collective).
+
+    They count whole collectives, so any difference is a counting bug.
+
+    Args:
+        comm: The communicator whose counters are compared.
+
+    Returns:
+        The outcome, the same on every rank.
+    """
     snapshots = comm.mpi.allgather(comm.traffic().snapshot())
     failed = [r for r, s in enumerate(snapshots) if s != snapshots[0]]
     detail = f"rank 0 {snapshots[0]} vs rank {failed[0]} {snapshots[failed[0]]}" if failed else ""
@@ -336,8 +477,18 @@ def check_traffic_consistent(comm: Communicator) -> CheckResult:
 def run_checks(comm: Communicator, dtypes: Sequence[torch.dtype] = CHECK_DTYPES,
                report: Callable[[CheckResult], None] | None = None,
                device: torch.device = CPU, label: str = "") -> list[CheckResult]:
-    """Run every check (see :func:`checks`) on ``device``; ``report`` sees each result as
-    it lands; ``label`` is appended to the check names."""
+    """Run every check (see :func:`checks`) on ``device`` (collective).
+
+    Args:
+        comm: The ranks to check.
+        dtypes: The dtypes to check each collective in.
+        report: Sees each result as it lands.
+        device: Where the tensors live.
+        label: Appended to the check names.
+
+    Returns:
+        Every outcome, in order, the same on every rank.
+    """
     results = []
     for name, dtype, check in checks(dtypes, comm.size, device):
         results.append(run_one(comm, name + label, dtype, check))
@@ -359,22 +510,37 @@ class Samples:
 
     @property
     def median(self) -> float:
+        """The median seconds per call."""
         return float(np.median(self.seconds))
 
 
 def time_calls(calls: Mapping[str, Callable[[], object]], mpi_comm: MPI.Comm, *, repeat: int,
                sample_s: float = 2e-3, max_inner: int = 64, warmup: int = 1,
                inner_groups: Sequence[Collection[str]] | None = None) -> dict[str, Samples]:
-    """Seconds per call of each entry of ``calls``: ``repeat`` samples each.
+    """Time the seconds per call of each entry of ``calls``: ``repeat`` samples each.
 
     A sample times a batch of back-to-back calls after a barrier and its value is the
     slowest rank's. A batch lasts about ``sample_s`` (at most ``max_inner`` calls), as
     measured by a few single calls after ``warmup`` calls; the entries of one of
-    ``inner_groups`` (default: all entries form one group) use the same batch length,
-    the shortest of theirs, so the barrier's exit skew weighs on them alike. Samples
-    of the entries are interleaved in an order rotated every round (a, b, c; b, c, a;
-    ...), so that drift of a shared machine, and what one call leaves behind in caches
-    and progress engines, hit all alike. Every rank must pass the same calls in the same order.
+    ``inner_groups`` use the same batch length, the shortest of theirs, so the barrier's
+    exit skew weighs on them alike. Samples of the entries are interleaved in an order
+    rotated every round (a, b, c; b, c, a; ...), so that drift of a shared machine, and
+    what one call leaves behind in caches and progress engines, hit all alike.
+
+    Collective: every rank must pass the same calls in the same order.
+
+    Args:
+        calls: Zero-argument calls by name.
+        mpi_comm: The MPI communicator for the barriers and the max over ranks.
+        repeat: Samples per entry.
+        sample_s: The target length of one sample, in seconds.
+        max_inner: The most calls in one sample.
+        warmup: Calls of each entry before measuring.
+        inner_groups: Entries that share a batch length (default: all entries form one
+            group).
+
+    Returns:
+        The samples of each entry, by name.
     """
     names = list(calls)
     probe = np.empty(len(names))
@@ -413,17 +579,27 @@ def time_calls(calls: Mapping[str, Callable[[], object]], mpi_comm: MPI.Comm, *,
 
 
 def block_elements(nbytes: int, dtype: torch.dtype = torch.float32) -> int:
-    """Elements of ``dtype`` in a block of ``nbytes`` (at least one)."""
+    """Count the elements of ``dtype`` in a block of ``nbytes`` (at least one)."""
     return max(1, nbytes // dtype.itemsize)
 
 
 def communicator_op(comm: Communicator, collective: str, nbytes: int,
                     dtype: torch.dtype = torch.float32,
                     device: torch.device = CPU) -> Callable[[], object]:
-    """A zero-argument call of one Communicator collective on a block of ``nbytes``.
+    """Make a zero-argument call of one Communicator collective on a block of ``nbytes``.
 
     Buffers are zeros on ``device``, allocated once (repeated sums stay finite);
     broadcast is from rank 0; reduce-scatter gives every rank an equal block.
+
+    Args:
+        comm: The communicator.
+        collective: One of :data:`COLLECTIVES`.
+        nbytes: The block's size in bytes.
+        dtype: The block's dtype.
+        device: Where the buffers live.
+
+    Returns:
+        The call; every rank must make it together.
     """
     n = block_elements(nbytes, dtype)
 
@@ -462,7 +638,18 @@ class Timing:
 def time_collectives(comm: Communicator, sizes: Sequence[int], repeat: int,
                      report: Callable[[str], None] | None = None,
                      device: torch.device = CPU) -> list[Timing]:
-    """Median time per call of every collective of :data:`COLLECTIVES` at ``sizes``."""
+    """Time every collective of :data:`COLLECTIVES` at ``sizes`` (collective).
+
+    Args:
+        comm: The ranks to time over.
+        sizes: Block sizes in bytes.
+        repeat: Samples per collective and size.
+        report: Sees a line of progress per size.
+        device: Where the buffers live.
+
+    Returns:
+        The median time per call of each collective at each size.
+    """
     out = []
     for nbytes in sizes:
         calls = {c: communicator_op(comm, c, nbytes, device=device) for c in COLLECTIVES}
@@ -479,7 +666,17 @@ _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 
 
 
 def parse_size(text: str) -> int:
-    """Bytes of ``"8"``, ``"8B"``, ``"4K"``, ``"64KiB"``, ``"1M"``, ``"2GiB"`` (binary units)."""
+    """Read a size: ``"8"``, ``"8B"``, ``"4K"``, ``"64KiB"``, ``"1M"``, ``"2GiB"`` (binary units).
+
+    Args:
+        text: The size.
+
+    Returns:
+        Bytes.
+
+    Raises:
+        argparse.ArgumentTypeError: The text is not a size.
+    """
     match = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
     unit = match.group(2).upper() if match else None
     if match is None or unit not in _UNITS:
@@ -488,7 +685,7 @@ def parse_size(text: str) -> int:
 
 
 def format_bytes(n: float) -> str:
-    """``8 B``, ``64 KiB``, ``1.5 MiB``."""
+    """Format a byte count as ``8 B``, ``64 KiB``, ``1.5 MiB``."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if n == int(n) else f"{n:.1f} {unit}"
@@ -497,7 +694,7 @@ def format_bytes(n: float) -> str:
 
 
 def timing_table(timings: Sequence[Timing]) -> str:
-    """Rows: sizes; columns: each collective's µs per call and GB/s."""
+    """Format the timings: rows are sizes; columns each collective's µs per call and GB/s."""
     sizes = sorted({t.nbytes for t in timings})
     names = [c for c in COLLECTIVES if any(t.collective == c for t in timings)]
     by = {(t.collective, t.nbytes): t for t in timings}
@@ -511,7 +708,7 @@ def timing_table(timings: Sequence[Timing]) -> str:
 
 
 def traffic_table(comm: Communicator) -> str:
-    """This rank's traffic counters, one line per collective kind."""
+    """Format this rank's traffic counters, one line per collective kind."""
     snap = comm.traffic().snapshot()
     if not snap:
         return "  (nothing counted: a world of one rank sends nothing)"
@@ -522,6 +719,11 @@ def traffic_table(comm: Communicator) -> str:
 
 # ----------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``kfac-hpc selfcheck`` options to ``parser``.
+
+    Args:
+        parser: The subcommand's parser.
+    """
     parser.add_argument("--sizes", nargs="+", type=parse_size, metavar="SIZE",
                         default=list(DEFAULT_SIZES),
                         help="block sizes to time (bytes; K/M suffixes), default 8 1K 64K 1M 4M")
@@ -536,7 +738,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Check every collective, time them, print on rank 0; 0 only if all ranks passed."""
+    """Check every collective, time them, and print on rank 0 (collective).
+
+    Args:
+        args: The parsed options.
+
+    Returns:
+        The exit status: 0 only if all ranks passed every check.
+    """
     install_abort_on_error()
     torch.set_num_threads(1)
     begin = time.perf_counter()

@@ -26,7 +26,7 @@ DEFAULT_MAX_CACHED_BYTES = 2 << 30
 
 
 def size_class(nbytes: int) -> int:
-    """Bytes of the pooled buffer that holds ``nbytes`` (a power of two, at least 512)."""
+    """Return the bytes of the pooled buffer for ``nbytes`` (a power of two, at least 512)."""
     return max(MIN_CLASS_BYTES, 1 << max(nbytes - 1, 0).bit_length())
 
 
@@ -44,7 +44,12 @@ class PinnedBuffer:
     released: bool = False
 
     def release(self, event: Any | None = None) -> None:
-        """Give the buffer back; ``event``: the CUDA event of the last copy that uses it."""
+        """Give the buffer back to its pool.
+
+        Args:
+            event: The CUDA event of the last copy that uses it; the buffer is reused only
+                after it has completed (None: at once).
+        """
         if not self.released:
             self.released = True
             self.pool._give_back(self.base, event)
@@ -68,7 +73,15 @@ class PinnedPool:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def acquire(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> PinnedBuffer:
-        """A host buffer for a tensor of ``shape`` and ``dtype`` (contiguous view)."""
+        """Lend a host buffer for a tensor of ``shape`` and ``dtype``.
+
+        Args:
+            shape: The tensor's shape.
+            dtype: The tensor's dtype.
+
+        Returns:
+            The buffer, whose ``tensor`` is a contiguous view of that shape and dtype.
+        """
         numel = 1
         for s in shape:
             numel *= int(s)
@@ -100,9 +113,11 @@ class PinnedPool:
 
     @property
     def cached_bytes(self) -> int:
+        """Bytes of free buffers kept for reuse."""
         return self._cached
 
     def clear(self) -> None:
+        """Drop every free buffer (lent ones come back as usual)."""
         with self._lock:
             self._free.clear()
             self._cached = 0
@@ -113,7 +128,7 @@ _pool_lock = threading.Lock()
 
 
 def pinned_pool() -> PinnedPool:
-    """The process-wide pool of staging buffers."""
+    """Return the process-wide pool of staging buffers."""
     global _pool
     with _pool_lock:
         if _pool is None:
@@ -125,7 +140,7 @@ _side_streams: dict[int, Any] = {}
 
 
 def side_stream(device: torch.device) -> Any:
-    """The stream staging copies of ``device`` run on (one per device, made once)."""
+    """Return the stream staging copies of ``device`` run on (one per device, made once)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _pool_lock:
         stream = _side_streams.get(index)
@@ -135,7 +150,7 @@ def side_stream(device: torch.device) -> Any:
 
 
 def record_event(stream: Any) -> Any:
-    """A CUDA event recorded on ``stream`` now."""
+    """Record a CUDA event on ``stream`` now and return it."""
     event = torch.cuda.Event()
     event.record(stream)
     return event
@@ -143,11 +158,19 @@ def record_event(stream: Any) -> Any:
 
 def stage_out(data: torch.Tensor, pool: PinnedPool,
               need_input: bool) -> tuple[PinnedBuffer, Any | None]:
-    """A pinned copy of the device tensor ``data`` and the event after which it is valid.
+    """Copy the device tensor ``data`` into pinned host memory, with the event marking the end.
 
     The copy runs on the side stream after everything already queued on the current
     stream (the producer of ``data``); ``data`` is marked as used by the side stream so
     the caching allocator does not hand its memory out before the copy has read it.
+
+    Args:
+        data: A contiguous CUDA tensor.
+        pool: Where the host buffer comes from.
+        need_input: Copy the values (False: a receive buffer, no copy, no event).
+
+    Returns:
+        The pinned buffer and the copy's event (None when nothing was copied).
     """
     pinned = pool.acquire(data.shape, data.dtype)
     if not need_input or data.numel() == 0:
@@ -163,7 +186,15 @@ def stage_out(data: torch.Tensor, pool: PinnedPool,
 
 
 def land_in(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
-    """``host`` copied to ``device`` (non-blocking, current stream) and the copy's event."""
+    """Copy ``host`` to ``device`` (non-blocking, on the current stream).
+
+    Args:
+        host: A host tensor, usually pinned.
+        device: The destination device.
+
+    Returns:
+        The device tensor and the copy's event (after which ``host`` may be reused).
+    """
     out = torch.empty(host.shape, dtype=host.dtype, device=device)
     out.copy_(host, non_blocking=True)
     return out, record_event(torch.cuda.current_stream(device))
@@ -173,7 +204,14 @@ _warned = threading.Event()
 
 
 def warn_staging_once(call: str, nbytes: int, why: str, staged_calls: tuple[str, ...]) -> None:
-    """Say once per process (loudly on world rank 0) that CUDA tensors go through host memory."""
+    """Say once per process (loudly on world rank 0) that CUDA tensors go through host memory.
+
+    Args:
+        call: The call that staged first.
+        nbytes: Its message size.
+        why: Why it is staged.
+        staged_calls: Every call that stages here.
+    """
     if _warned.is_set():
         return
     _warned.set()

@@ -35,7 +35,12 @@ class TrafficStats:
     _tag_stack: list[str] = field(default_factory=list, repr=False)
 
     def record(self, kind: str, nbytes: int) -> None:
-        """Add one call of ``kind`` carrying ``nbytes`` bytes."""
+        """Add one call of ``kind`` carrying ``nbytes`` bytes, to its kind and to every open tag.
+
+        Args:
+            kind: The collective kind, e.g. ``"allreduce"``.
+            nbytes: The message size (see the class docstring for which size).
+        """
         with self._lock:
             count = self.kinds.setdefault(kind, KindCount())
             count.calls += 1
@@ -50,24 +55,36 @@ class TrafficStats:
         self._tag_stack = parent._tag_stack
 
     def tagged(self, tag: str) -> _Tag:
-        """Context manager attributing the calls made inside it to ``tag`` as well."""
+        """Attribute the calls made inside a ``with`` block to ``tag`` as well.
+
+        Args:
+            tag: The phase's name; nested equal tags count a call once.
+
+        Returns:
+            The context manager.
+        """
         return _Tag(self, tag)
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of every call, all kinds together."""
         return sum(c.bytes for c in self.kinds.values())
 
     @property
     def total_calls(self) -> int:
+        """Calls of every kind together."""
         return sum(c.calls for c in self.kinds.values())
 
     def bytes_of(self, kind: str) -> int:
+        """Return the bytes of the calls of ``kind`` (0 when none was made)."""
         return self.kinds.get(kind, KindCount()).bytes
 
     def calls_of(self, kind: str) -> int:
+        """Return the number of calls of ``kind`` (0 when none was made)."""
         return self.kinds.get(kind, KindCount()).calls
 
     def tag_bytes(self, tag: str) -> int:
+        """Return the bytes of the calls made inside ``tag`` blocks (0 when none was made)."""
         return self.tags.get(tag, KindCount()).bytes
 
     def reset(self) -> None:
@@ -77,7 +94,7 @@ class TrafficStats:
             self.tags.clear()
 
     def snapshot(self) -> dict[str, dict[str, int]]:
-        """A plain copy: ``{kind: {"calls": n, "bytes": b}}`` plus ``"tag:<name>"`` entries."""
+        """Copy the counters: ``{kind: {"calls": n, "bytes": b}}``, and ``"tag:<name>"`` too."""
         with self._lock:
             out = {k: {"calls": c.calls, "bytes": c.bytes} for k, c in self.kinds.items()}
             out.update(
@@ -87,7 +104,14 @@ class TrafficStats:
 
     @staticmethod
     def merged(stats: Iterable[TrafficStats]) -> TrafficStats:
-        """Sum of several counters (e.g. a communicator and its sub-communicators)."""
+        """Sum several counters (e.g. a communicator and its sub-communicators).
+
+        Args:
+            stats: The counters to add.
+
+        Returns:
+            A new counter; the inputs are not changed.
+        """
         total = TrafficStats()
         for s in stats:
             for kind, c in s.kinds.items():
@@ -102,6 +126,7 @@ class TrafficStats:
 
 
 class _Tag:
+    """The context of :meth:`TrafficStats.tagged`: the tag is open inside it."""
     def __init__(self, stats: TrafficStats, tag: str) -> None:
         self.stats, self.tag = stats, tag
 

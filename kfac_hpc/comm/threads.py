@@ -34,7 +34,7 @@ _provided: int | None = None
 
 
 def provided_level() -> int:
-    """The thread level the MPI library provides (``MPI_Query_thread``, asked once)."""
+    """Return the thread level the MPI library provides (``MPI_Query_thread``, asked once)."""
     global _provided
     if _provided is None:
         _provided = int(MPI.Query_thread())
@@ -42,6 +42,7 @@ def provided_level() -> int:
 
 
 def level_name(level: int) -> str:
+    """Name an MPI thread level, e.g. ``"MPI_THREAD_SERIALIZED"`` (the number when unknown)."""
     return _LEVEL_NAMES.get(level, str(level))
 
 
@@ -54,7 +55,15 @@ def _advice(level: int, what: str) -> str:
 
 
 def require_hook_level(level: int | None = None, what: str = "MPI is called from hooks") -> None:
-    """Raise :class:`ThreadLevelError` unless hooks may call MPI (SERIALIZED or higher)."""
+    """Raise :class:`ThreadLevelError` unless hooks may call MPI (SERIALIZED or higher).
+
+    Args:
+        level: The thread level to judge (default: the library's).
+        what: What calls MPI from hooks, for the message.
+
+    Raises:
+        ThreadLevelError: The level is below ``MPI_THREAD_SERIALIZED``; says how to fix it.
+    """
     level = provided_level() if level is None else level
     if level < NEEDED_FOR_HOOKS:
         raise ThreadLevelError(_advice(level, what))
@@ -62,7 +71,17 @@ def require_hook_level(level: int | None = None, what: str = "MPI is called from
 
 @contextlib.contextmanager
 def mpi_guard(level: int | None = None) -> Iterator[None]:
-    """Wrap one MPI call: serialised under SERIALIZED, refused off the main thread below."""
+    """Wrap one MPI call: serialised under SERIALIZED, refused off the main thread below.
+
+    Args:
+        level: The thread level (default: the library's).
+
+    Yields:
+        Nothing; the MPI call runs inside the block.
+
+    Raises:
+        ThreadLevelError: Below SERIALIZED, on a thread other than the main thread.
+    """
     level = provided_level() if level is None else level
     if level >= MPI.THREAD_MULTIPLE:
         yield
