@@ -71,12 +71,41 @@ def resolve_auto(
     low_rank_min_dim: int = DEFAULT_LOW_RANK_MIN_DIM,
     low_rank_remainder: str = "mean",
 ) -> tuple[str, float | None, Estimate | None, list[Estimate]]:
-    """``(strategy, grad_worker_fraction, chosen estimate, all estimates)`` for ``model``.
+    """Choose the strategy and gradient-worker fraction for ``model`` with the planner.
 
-    World size 1: ``("comm-opt", None, None, [])`` (every strategy is the same there).
-    ``profile``: a :class:`Profile`, a JSON path or bundled name; default
-    :func:`~kfac_hpc.plan.profile.load_profile` ``(None)``. ``memory_budget`` (bytes
-    per rank) defaults to the profile's memory per rank.
+    A pure function of its arguments: every rank makes the same choice without
+    communicating. World size 1 gives ``("comm-opt", None, None, [])`` (every strategy
+    is the same there).
+
+    Args:
+        model: The model whose K-FAC layers are placed.
+        world_size: The number of ranks.
+        profile: A :class:`Profile`, a JSON path or a bundled name; default
+            :func:`~kfac_hpc.plan.profile.load_profile` ``(None)``.
+        skip_layers: Names or types of layers left out of K-FAC, as the preconditioner's.
+        compute_method: ``"eigen"`` or ``"inverse"``, as the preconditioner's.
+        symmetric_packing: The preconditioner's option of that name.
+        overlap: The preconditioner's option of that name.
+        bucket_cap_mb: The preconditioner's option of that name, in MiB.
+        factor_sync: The preconditioner's option of that name.
+        local_decomposition_threshold: The preconditioner's option of that name.
+        factor_update_steps: The preconditioner's schedule; a callable is read at step 0.
+        inv_update_steps: The preconditioner's schedule; a callable is read at step 0.
+        factor_dtype: The dtype factors are kept in (default: the preconditioner's).
+        inv_dtype: The dtype decompositions are kept in.
+        memory_budget: Bytes per rank a plan may use (default: the profile's memory per
+            rank).
+        input_shape: One rank's input batch shape ``(batch, *sample)``; None assumes one
+            row per sample and a batch of 32.
+        kfac_approx: The preconditioner's option of that name.
+        low_rank: The preconditioner's option of that name.
+        low_rank_energy: The preconditioner's option of that name.
+        low_rank_min_dim: The preconditioner's option of that name.
+        low_rank_remainder: The preconditioner's option of that name.
+
+    Returns:
+        ``(strategy, grad_worker_fraction, chosen estimate, all estimates)``; the
+        fraction is None except for ``"hybrid-opt"``.
     """
     if world_size == 1:
         return "comm-opt", None, None, []

@@ -54,8 +54,18 @@ QUICK_DECOMP_SIZES = (16, 64, 256)
 
 
 def fit_alpha_beta(kind: str, p: int, samples: Sequence[tuple[float, float]]) -> LinkCost:
-    """α, β of ``t = a·α + b·n·β`` (ring coefficients at ``p``) from ``(bytes, seconds)``,
-    least squares on relative error, both kept >= 0."""
+    """Fit α and β of ``t = a·α + b·n·β`` (ring coefficients at ``p``) to timings.
+
+    Least squares on the relative error; both are kept >= 0.
+
+    Args:
+        kind: The collective, one of :data:`~kfac_hpc.plan.collectives.COLLECTIVES`.
+        p: The number of ranks the samples were measured on.
+        samples: ``(bytes, seconds)`` per call.
+
+    Returns:
+        α (s/message) and β (s/byte), with the ring algorithm.
+    """
     _, c = coefficients(kind, p, "ring")
     n = np.array([s[0] for s in samples], dtype=float)
     t = np.array([s[1] for s in samples], dtype=float)
@@ -70,7 +80,17 @@ def fit_alpha_beta(kind: str, p: int, samples: Sequence[tuple[float, float]]) ->
 
 def measure_network(comm: Communicator, sizes: Sequence[int], repeat: int
                     ) -> tuple[dict[str, LinkCost], list[dict[str, Any]]]:
-    """Fitted α–β per collective and the raw samples (bytes in the counters' convention)."""
+    """Measure and fit α–β per collective (collective over ``comm``).
+
+    Args:
+        comm: The ranks to measure on.
+        sizes: Block sizes in bytes.
+        repeat: Samples per collective and size.
+
+    Returns:
+        The fitted cost per collective, and the raw samples (bytes in the counters'
+        convention).
+    """
     from kfac_hpc.comm.selfcheck import communicator_op, time_calls
 
     raw: list[dict[str, Any]] = []
@@ -88,14 +108,15 @@ def measure_network(comm: Communicator, sizes: Sequence[int], repeat: int
 
 def _slowest(mpi: MPI.Comm, fn: Callable[[], object], repeat: int, inner: int = 0,
              sample_s: float = 0.05) -> float:
-    """Seconds per call with every rank calling at once: each rank's mean over
-    ``repeat`` samples (after a barrier), then the slowest rank's.
+    """Time the seconds per call with every rank calling at once.
 
-    A sample repeats the call for at least ``sample_s`` seconds (``inner=0``; the count
-    agreed over ranks), so that time-sharing of oversubscribed cores averages out as in
-    a real step. The mean, not the median: a training step is a sum of many calls and
-    pays its share of descheduled time; per-sample maxima over ranks would instead
-    charge every call the worst rank's hiccup."""
+    Each rank takes its mean over ``repeat`` samples (after a barrier), then the slowest
+    rank's mean is the result. A sample repeats the call for at least ``sample_s``
+    seconds (``inner=0``; the count agreed over ranks), so that time-sharing of
+    oversubscribed cores averages out as in a real step. The mean, not the median: a
+    training step is a sum of many calls and pays its share of descheduled time;
+    per-sample maxima over ranks would instead charge every call the worst rank's hiccup.
+    """
     fn()
     if inner <= 0:
         t0 = time.perf_counter()
@@ -114,8 +135,17 @@ def _slowest(mpi: MPI.Comm, fn: Callable[[], object], repeat: int, inner: int = 
 
 
 def measure_sync(mpi: MPI.Comm, repeat: int) -> float:
-    """Seconds a blocking collective costs beyond its α–β time when ranks come to it
-    from computation (scheduling and arrival skew; large on oversubscribed nodes)."""
+    """Measure what a blocking collective costs beyond α–β when ranks reach it from computation.
+
+    Scheduling and arrival skew; large on oversubscribed nodes. Collective over ``mpi``.
+
+    Args:
+        mpi: The ranks to measure on.
+        repeat: Samples.
+
+    Returns:
+        Seconds per collective call (0 on one rank).
+    """
     if mpi.Get_size() == 1:
         return 0.0
     x = torch.randn(192, 192)
@@ -145,7 +175,11 @@ def _spd(n: int) -> torch.Tensor:
 
 
 def probe_net() -> tuple[nn.Module, tuple[int, ...]]:
-    """The small conv net whose forward+backward rate calibrates ``train_flops``."""
+    """Build the small conv net whose forward+backward rate calibrates ``train_flops``.
+
+    Returns:
+        The model and its input batch shape.
+    """
     torch.manual_seed(0)
     net = nn.Sequential(
         nn.Conv2d(16, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
@@ -157,7 +191,19 @@ def probe_net() -> tuple[nn.Module, tuple[int, ...]]:
 
 def measure_compute(mpi: MPI.Comm, decomp_sizes: Sequence[int], repeat: int,
                     report: Callable[[str], None] = lambda _: None) -> ComputeRates:
-    """Compute rates of one rank with every rank of ``mpi`` working at the same time."""
+    """Measure the compute rates of one rank with every rank of ``mpi`` working at the same time.
+
+    Collective over ``mpi`` (the slowest rank's times count).
+
+    Args:
+        mpi: The ranks that work at once.
+        decomp_sizes: Matrix orders at which eigh and inverse are timed.
+        repeat: Samples per measurement.
+        report: Sees a line of progress per measurement.
+
+    Returns:
+        The rates; ``overlap_efficiency`` is 0 (not measured).
+    """
     from kfac_hpc.kfac import linalg
     from kfac_hpc.plan.model_shapes import model_spec
 
@@ -233,6 +279,11 @@ def measure_compute(mpi: MPI.Comm, decomp_sizes: Sequence[int], repeat: int,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``kfac-hpc calibrate`` options to ``parser``.
+
+    Args:
+        parser: The subcommand's parser.
+    """
     parser.add_argument("--out", type=Path, default=Path("kfac-hpc-profile.json"),
                         help="profile file to write (default ./kfac-hpc-profile.json)")
     parser.add_argument("--name", default=None,
@@ -251,6 +302,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``kfac-hpc calibrate``: measure this machine and write (or merge) a profile on rank 0.
+
+    Collective over the world.
+
+    Args:
+        args: The parsed options.
+
+    Returns:
+        The exit status (0).
+    """
     from kfac_hpc.comm import install_abort_on_error
 
     install_abort_on_error()

@@ -18,10 +18,17 @@ DEFAULTS = KFACOptions()
 
 
 def hybrid_fractions(world: int, limit: int = 6) -> list[float]:
-    """Gradient-worker fractions ``g/P`` strictly between MEM-OPT and COMM-OPT.
+    """List the gradient-worker fractions ``g/P`` strictly between MEM-OPT and COMM-OPT.
 
-    ``g`` runs over the divisors of ``P`` in ``(1, P)``; at most ``limit`` of them,
-    spread evenly on a log scale.
+    ``g`` runs over the divisors of ``P`` in ``(1, P)``; at most ``limit`` of them, spread
+    evenly on a log scale.
+
+    Args:
+        world: The number of ranks ``P``.
+        limit: The most fractions returned.
+
+    Returns:
+        Fractions, ascending.
     """
     divisors = [g for g in range(2, world) if world % g == 0]
     if len(divisors) > limit:
@@ -33,12 +40,25 @@ def hybrid_fractions(world: int, limit: int = 6) -> list[float]:
 def candidates(world: int, base: KFACOptions = DEFAULTS, *,
                strategies: Sequence[str] = STRATEGIES, vary_options: bool = True,
                local_thresholds: Sequence[int] = ()) -> list[KFACOptions]:
-    """Configurations to compare on ``world`` ranks.
+    """List the configurations to compare on ``world`` ranks.
 
     Every strategy (hybrid-opt at each of :func:`hybrid_fractions`), and unless
     ``vary_options`` is false every valid combination of ``symmetric_packing``,
-    ``overlap`` and (when inverses are rarer than factor updates) ``factor_sync``, and
-    the given local-decomposition thresholds. ``base`` supplies everything else.
+    ``overlap`` and (when inverses are rarer than factor updates) ``factor_sync``, and the
+    given local-decomposition thresholds.
+
+    Args:
+        world: The number of ranks.
+        base: Supplies every option not varied.
+        strategies: The strategies to compare.
+        vary_options: Also vary packing, overlap and ``factor_sync``.
+        local_thresholds: Further ``local_decomposition_threshold`` values to try.
+
+    Returns:
+        The valid configurations.
+
+    Raises:
+        ValueError: A strategy is unknown.
     """
     out: list[KFACOptions] = []
     thresholds = list(dict.fromkeys([base.local_decomposition_threshold, *local_thresholds]))
@@ -72,7 +92,7 @@ def candidates(world: int, base: KFACOptions = DEFAULTS, *,
 
 
 def baselines(base: KFACOptions = DEFAULTS) -> dict[str, KFACOptions]:
-    """The published systems expressed in the model (planner-only where marked).
+    """Express the published systems in the model (planner-only where marked).
 
     * ``D-KFAC``: factors allreduced to every rank (planner-only), decompositions placed
       by LPT and broadcast once all are computed, no pipelining, full matrices;
@@ -81,6 +101,12 @@ def baselines(base: KFACOptions = DEFAULTS) -> dict[str, KFACOptions]:
     * ``SPD-KFAC``: D-KFAC with pipelined, fused, upper-triangle factor allreduces and
       factors below 1400 decomposed on every rank (planner-only allreduce);
     * ``DP-KFAC``: owners build their layers' factors from their own batch (= dp-kfac).
+
+    Args:
+        base: Supplies the options the systems do not fix.
+
+    Returns:
+        The options of each system, by name.
     """
     common = replace(base, grad_worker_fraction=None, factor_sync="step")
     return {
@@ -107,13 +133,24 @@ class Choice:
     fits_budget: bool
 
     def fits(self, e: Estimate) -> bool:
+        """Say whether the estimate's peak memory fits the budget (always, without one)."""
         return self.budget is None or e.memory_peak <= self.budget
 
 
 def choose(estimates: Sequence[Estimate], budget: int | None = None) -> Choice:
-    """The fastest estimate whose peak memory fits ``budget`` (the smallest if none fits).
+    """Pick the fastest estimate whose peak memory fits ``budget`` (the smallest if none fits).
 
     Ties keep the order given (so the result is the same on every rank).
+
+    Args:
+        estimates: The candidates' estimates, all at one world size.
+        budget: Peak bytes per rank allowed; None: no limit.
+
+    Returns:
+        The choice, with every estimate fastest first.
+
+    Raises:
+        ValueError: There are no estimates.
     """
     if not estimates:
         raise ValueError("nothing to choose from")
@@ -127,7 +164,22 @@ def plan(model: ModelSpec, worlds: Sequence[int], batch: int, profile: Profile,
          base: KFACOptions = DEFAULTS, *, strategies: Sequence[str] = STRATEGIES,
          vary_options: bool = True, local_thresholds: Sequence[int] = (),
          budget: int | None = None) -> list[Choice]:
-    """Estimate every candidate at every world size and choose (see :func:`choose`)."""
+    """Estimate every candidate at every world size and choose (see :func:`choose`).
+
+    Args:
+        model: The model's K-FAC layers and parameters.
+        worlds: World sizes to plan for.
+        batch: Samples per rank.
+        profile: The machine's network and compute parameters.
+        base: Supplies every option not varied.
+        strategies: The strategies to compare.
+        vary_options: Also vary packing, overlap and ``factor_sync``.
+        local_thresholds: Further ``local_decomposition_threshold`` values to try.
+        budget: Peak bytes per rank allowed; None: no limit.
+
+    Returns:
+        One choice per world size, in order.
+    """
     out = []
     for world in worlds:
         configs = candidates(world, base, strategies=strategies, vary_options=vary_options,

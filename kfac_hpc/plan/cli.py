@@ -37,7 +37,17 @@ _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB"
 
 
 def parse_bytes(text: str) -> int:
-    """``"16GiB"``, ``"512M"``, ``"1e9"`` -> bytes."""
+    """Read a byte count such as ``"16GiB"``, ``"512M"`` or ``"1e9"``.
+
+    Args:
+        text: The size.
+
+    Returns:
+        Bytes.
+
+    Raises:
+        argparse.ArgumentTypeError: The text is not a size.
+    """
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
     if m is None or m.group(2).upper() not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 16GiB, 512MB)")
@@ -55,10 +65,19 @@ _BUILTIN: dict[str, tuple[dict[str, object], tuple[int, ...]]] = {
 
 
 def builtin_model(name: str) -> tuple[nn.Module, tuple[int, ...]]:
-    """A model of the training driver's zoo with its usual sizes, and its input shape.
+    """Build a model of the training driver's zoo with its usual sizes, and its input shape.
 
-    ``resnet50``: ImageNet (1000 classes, 3x224x224); CIFAR ResNets: 10 classes,
-    3x32x32; ``mlp``: 64 inputs, hidden (256, 128), 10 classes (the benchmarks' MLP).
+    ``resnet50``: ImageNet (1000 classes, 3x224x224); CIFAR ResNets: 10 classes, 3x32x32;
+    ``mlp``: 64 inputs, hidden (256, 128), 10 classes (the benchmarks' MLP).
+
+    Args:
+        name: The model's name.
+
+    Returns:
+        The model and one sample's shape.
+
+    Raises:
+        ValueError: The planner has no defaults for ``name``; names those it has.
     """
     from kfac_hpc.models import build_model
 
@@ -70,6 +89,11 @@ def builtin_model(name: str) -> tuple[nn.Module, tuple[int, ...]]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``kfac-hpc plan`` options to ``parser``.
+
+    Args:
+        parser: The subcommand's parser.
+    """
     parser.add_argument("--model", default="resnet50",
                         help="model of the training driver's zoo: resnet50 (ImageNet), "
                              "resnet20/32/56 (CIFAR), mlp (default resnet50)")
@@ -130,6 +154,14 @@ def _table(rows: list[list[str]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``kfac-hpc plan``: print the estimated configurations per world size and the pick.
+
+    Args:
+        args: The parsed options.
+
+    Returns:
+        The exit status: 0, or 2 for a bad profile, model or option.
+    """
     try:
         profile = load_profile(args.profile)
         model, shape = builtin_model(args.model)

@@ -77,10 +77,23 @@ ALGORITHMS = ("auto", "ring", "tree", "rabenseifner")
 
 def coefficients(kind: str, p: int, algorithm: str = "auto", nbytes: float = 0.0,
                  alpha: float = 0.0, beta: float = 0.0) -> tuple[str, Coefficients]:
-    """The algorithm used for ``kind`` on ``p`` ranks and its coefficients.
+    """Return the algorithm used for ``kind`` on ``p`` ranks and its coefficients.
 
-    ``algorithm="auto"`` picks the cheapest for the given message and link; a named
-    algorithm a collective lacks (``rabenseifner`` outside allreduce) falls back to ring.
+    Args:
+        kind: The collective, one of :data:`COLLECTIVES`.
+        p: The number of ranks (>= 1).
+        algorithm: A name of :data:`ALGORITHMS`; ``"auto"`` picks the cheapest for the
+            given message and link; a named algorithm a collective lacks
+            (``rabenseifner`` outside allreduce) falls back to ring.
+        nbytes: The message size, for ``"auto"``.
+        alpha: Seconds per message, for ``"auto"``.
+        beta: Seconds per byte, for ``"auto"``.
+
+    Returns:
+        The algorithm's name and its latency and bandwidth coefficients.
+
+    Raises:
+        ValueError: ``kind`` or ``algorithm`` is unknown, or ``p`` is below 1.
     """
     if p < 1:
         raise ValueError(f"p must be >= 1, got {p}")
@@ -104,7 +117,7 @@ class LinkCost:
     algorithm: str = "auto"
 
     def time(self, kind: str, nbytes: float, p: int) -> float:
-        """Seconds for one ``kind`` call of ``nbytes`` on ``p`` ranks (0 on one rank)."""
+        """Return the seconds for one ``kind`` call of ``nbytes`` on ``p`` ranks (0 on one rank)."""
         if p <= 1:
             return 0.0
         _, c = coefficients(kind, p, self.algorithm, nbytes, self.alpha, self.beta)
@@ -113,12 +126,34 @@ class LinkCost:
 
 def collective_time(kind: str, nbytes: float, p: int, alpha: float, beta: float,
                     algorithm: str = "auto") -> float:
-    """Seconds for one collective call (see the module table)."""
+    """Return the seconds for one collective call (see the module table).
+
+    Args:
+        kind: The collective.
+        nbytes: The message size in the counters' convention.
+        p: The number of ranks.
+        alpha: Seconds per message.
+        beta: Seconds per byte.
+        algorithm: The algorithm's name, or ``"auto"``.
+
+    Returns:
+        Seconds (0 on one rank).
+    """
     return LinkCost(alpha, beta, algorithm).time(kind, nbytes, p)
 
 
 def wire_bytes(kind: str, nbytes: float, p: int, algorithm: str = "ring") -> float:
-    """Bytes one rank sends for a call under ``algorithm`` (the β term's volume)."""
+    """Return the bytes one rank sends for a call under ``algorithm`` (the β term's volume).
+
+    Args:
+        kind: The collective.
+        nbytes: The message size in the counters' convention.
+        p: The number of ranks.
+        algorithm: The algorithm's name.
+
+    Returns:
+        Bytes (0 on one rank).
+    """
     if p <= 1:
         return 0.0
     _, c = coefficients(kind, p, algorithm)

@@ -100,8 +100,18 @@ MODEL_STATE_COPIES = 3  # weights + gradients + momentum (memory budget)
 
 
 def wire_itemsize(dtype: str | torch.dtype, reduction: bool) -> int:
-    """Bytes per element on the wire: bf16 (and fp16 without an MPI type) is reduced in
-    fp32 and moved as raw 16-bit words (:mod:`kfac_hpc.comm.buffers`)."""
+    """Return the bytes per element on the wire.
+
+    bf16 (and fp16 without an MPI type) is reduced in fp32 and moved as raw 16-bit words
+    (:mod:`kfac_hpc.comm.buffers`).
+
+    Args:
+        dtype: A torch dtype or its name (``"bfloat16"``).
+        reduction: The collective does arithmetic.
+
+    Returns:
+        Bytes per element.
+    """
     dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if dt in WIDENED_DTYPES:
         return 4 if reduction else 2
@@ -145,7 +155,7 @@ class KFACOptions:
     pipelined_broadcasts: bool = True
 
     def problem(self) -> str | None:
-        """Why the preconditioner would reject these options, or ``None``."""
+        """Say why the preconditioner would reject these options, or return ``None``."""
         if self.strategy not in STRATEGIES:
             return f"unknown strategy {self.strategy!r}"
         if self.kfac_approx not in APPROXIMATIONS:
@@ -162,7 +172,7 @@ class KFACOptions:
         return f"{problems[0].option} {problems[0].text()}" if problems else None
 
     def label(self) -> str:
-        """Short name, e.g. ``hybrid-opt(1/2)+pack+overlap``."""
+        """Return a short name, e.g. ``hybrid-opt(1/2)+pack+overlap``."""
         name = self.strategy
         if self.strategy == "hybrid-opt" and self.grad_worker_fraction is not None:
             name += f"({_fraction_text(self.grad_worker_fraction)})"
@@ -178,7 +188,7 @@ class KFACOptions:
         return "+".join([name, *[e for e in extras if e]])
 
     def preconditioner_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of ``KFACPreconditioner`` for these options."""
+        """Return the keyword arguments of ``KFACPreconditioner`` for these options."""
         if self.factor_reduction != "reduce_scatter" or not self.pipelined_broadcasts:
             raise ValueError("factor_reduction='allreduce' and pipelined_broadcasts=False "
                              "are planner-only baselines")
@@ -199,6 +209,7 @@ class KFACOptions:
         return kw
 
     def to_json(self) -> dict[str, Any]:
+        """Return the options as a JSON-ready dict (field names as keys)."""
         return asdict(self)
 
 
@@ -216,9 +227,11 @@ class StepTraffic:
 
     @property
     def total(self) -> int:
+        """Bytes of every phase together."""
         return sum(self.bytes.values())
 
     def add(self, phase: str, nbytes: int, calls: int = 1) -> None:
+        """Add ``calls`` calls carrying ``nbytes`` bytes in all to ``phase``."""
         self.bytes[phase] += nbytes
         self.calls[phase] += calls
 
@@ -233,6 +246,18 @@ class Distribution:
 
     def __init__(self, model: ModelSpec, options: KFACOptions, world: int,
                  batch: int | None = None) -> None:
+        """Place the model's factors and layers as the preconditioner would.
+
+        Args:
+            model: The model's K-FAC layers and parameters.
+            options: The preconditioner settings.
+            world: The number of ranks (>= 1).
+            batch: Samples per rank; with a model probed at an input shape, DP-KFAC layers
+                are placed by statistics + decomposition work.
+
+        Raises:
+            ValueError: The preconditioner would reject ``options``, or ``world`` is below 1.
+        """
         problem = options.problem()
         if problem is not None:
             raise ValueError(problem)
@@ -264,18 +289,21 @@ class Distribution:
     # -------------------------------------------------------------- structure
     @property
     def n_groups(self) -> int:
+        """The number of gradient-worker groups."""
         return self.placement.n_groups
 
     def factors(self) -> Iterator[tuple[LayerSpec, str]]:
-        """Every factor, in model order."""
+        """Yield every factor as ``(layer, "A" | "G")``, in model order."""
         for layer in self.model.layers:
             for f in FACTORS:
                 yield layer, f
 
     def is_local(self, layer: LayerSpec, f: str) -> bool:
+        """Say whether factor ``f`` of ``layer`` is decomposed on every rank (no owner)."""
         return FactorKey(layer.name, f) in self.placement.local_factors
 
     def wire_numel(self, n: int) -> int:
+        """Return the elements an ``n x n`` factor puts on the wire (its triangle when packed)."""
         return triu_count(n) if self.options.symmetric_packing else n * n
 
     @cached_property
@@ -300,20 +328,20 @@ class Distribution:
         return [sum(numel[i] for i in g) for g in groups]
 
     def low_rank_cap(self, n: int) -> int | None:
-        """The eigenpairs an ``n x n`` factor keeps at most (``None``: full decomposition)."""
+        """Return the most eigenpairs an ``n x n`` factor keeps (``None``: all of them)."""
         o = self.options
         return low_rank_cap(n, o.low_rank, o.low_rank_min_dim) if o.compute_method == "eigen" \
             else None
 
     def decomposition_numel(self, n: int) -> int:
-        """Elements of one factor's decomposition message piece, ``#valid`` included."""
+        """Count the elements of one factor's decomposition message piece, ``#valid`` included."""
         cap = self.low_rank_cap(n)
         if cap is not None:
             return cap * n + cap + 3  # Q (column-major, cap columns), λ, ρ, rank, #valid
         return n * n + n + 1 if self.options.compute_method == "eigen" else n * n + 1
 
     def decomposition_state_numel(self, n: int) -> int:
-        """Elements of one held decomposition (``memory_bytes()``; low rank: at the cap)."""
+        """Count the elements of one held decomposition (``memory_bytes()``; low rank: the cap)."""
         cap = self.low_rank_cap(n)
         if cap is not None:
             return cap * n + cap + 1  # Q (n x k), λ, ρ
@@ -341,22 +369,26 @@ class Distribution:
         return out
 
     def group_of(self, rank: int) -> int:
+        """Return the gradient-worker group of ``rank``."""
         return self.placement.worker_group_of_rank(rank)
 
     # -------------------------------------------------------------- schedule
     def is_factor_step(self, step: int) -> bool:
+        """Say whether factors are updated at ``step`` (0-based)."""
         return step % self.options.factor_update_steps == 0
 
     def is_inverse_step(self, step: int) -> bool:
+        """Say whether decompositions are recomputed at ``step`` (0-based; always at step 0)."""
         return step == 0 or step % self.options.inv_update_steps == 0
 
     def reduces_factors(self, step: int) -> bool:
+        """Say whether factors travel at ``step`` (depends on the strategy and ``factor_sync``)."""
         return reduces_factors(self.options.strategy, self.options.factor_sync,
                                factor_step=self.is_factor_step(step),
                                inverse_step=self.is_inverse_step(step))
 
     def period(self) -> list[tuple[bool, bool]]:
-        """(factor step, inverse step) of every step of one steady-state period."""
+        """List (factor step, inverse step) of every step of one steady-state period."""
         f, i = self.options.factor_update_steps, self.options.inv_update_steps
         length = math.lcm(f, i)
         if length > 100_000:
@@ -365,13 +397,31 @@ class Distribution:
 
     # -------------------------------------------------------------- bytes
     def step_traffic(self, step: int, rank: int) -> StepTraffic:
-        """Exactly what rank ``rank``'s counters gain in step ``step`` (0-based)."""
+        """Return exactly what rank ``rank``'s counters gain in step ``step`` (0-based).
+
+        Args:
+            step: The step, counted from 0.
+            rank: The rank.
+
+        Returns:
+            Bytes and calls by phase.
+        """
         return self.kind_traffic(self.is_factor_step(step), self.is_inverse_step(step),
                                  rank, reduce=self.reduces_factors(step))
 
     def kind_traffic(self, factor: bool, inverse: bool, rank: int,
                      reduce: bool | None = None) -> StepTraffic:
-        """Traffic of a step that does (or not) factor and inverse updates."""
+        """Return the traffic of a step that does (or not) factor and inverse updates.
+
+        Args:
+            factor: A factor step.
+            inverse: An inverse step.
+            rank: The rank whose counters are predicted.
+            reduce: Whether factors travel (default: whenever ``factor``).
+
+        Returns:
+            Bytes and calls by phase.
+        """
         out = StepTraffic()
         o, p = self.options, self.world
         if p == 1:
@@ -405,7 +455,7 @@ class Distribution:
         return out
 
     def mean_traffic(self, rank: int) -> dict[str, float]:
-        """Bytes per step on ``rank`` by phase, averaged over the update schedule."""
+        """Return the bytes per step on ``rank`` by phase, averaged over the update schedule."""
         period = self.period()
         total = dict.fromkeys(BYTE_PHASES, 0.0)
         for factor, inverse in period:
@@ -415,11 +465,17 @@ class Distribution:
 
     # -------------------------------------------------------------- memory
     def memory(self, rank: int) -> dict[str, int]:
-        """K-FAC state bytes on ``rank`` once every factor has been updated.
+        """Return the K-FAC state bytes on ``rank`` once every factor has been updated.
 
         ``factors`` and ``decompositions`` are what ``KFACPreconditioner.memory_bytes()``
-        reports; ``local averages`` (``factor_sync="inverse"``, between synchronisations)
-        and ``transient`` (batch-factor sums and message buffers at their peak) come on top.
+        reports; ``local averages`` (``factor_sync="inverse"``, between synchronisations) and
+        ``transient`` (batch-factor sums and message buffers at their peak) come on top.
+
+        Args:
+            rank: The rank.
+
+        Returns:
+            Bytes by kind.
         """
         o, pl = self.options, self.placement
         fb, ib = _itemsize(o.factor_dtype), _itemsize(o.inv_dtype)
@@ -448,10 +504,21 @@ class Distribution:
 
 
 def construction_traffic(model: ModelSpec, options: KFACOptions, world: int) -> StepTraffic:
-    """The constructor's replica check (:func:`kfac_hpc.comm.replicas.check_replicas`):
-    a structure digest, the parameter checksums and the outcome; with
-    ``check_replicas=False`` the layout agreement only
-    (:meth:`kfac_hpc.comm.Communicator.agree`, 16 bytes); nothing at world size 1."""
+    """Predict the traffic of the preconditioner's constructor.
+
+    The replica check (:func:`kfac_hpc.comm.replicas.check_replicas`): a structure
+    digest, the parameter checksums and the outcome; with ``check_replicas=False`` the
+    layout agreement only (:meth:`kfac_hpc.comm.Communicator.agree`, 16 bytes); nothing
+    at world size 1.
+
+    Args:
+        model: The model's parameters.
+        options: The preconditioner settings (``check_replicas``).
+        world: The number of ranks.
+
+    Returns:
+        Bytes and calls under ``"construction"``.
+    """
     out = StepTraffic(bytes={"construction": 0}, calls={"construction": 0})
     if world > 1:
         for nbytes in replica_check_bytes(model.param_tensors) if options.check_replicas \
@@ -479,22 +546,27 @@ class Estimate:
 
     @property
     def total_s(self) -> float:
+        """Seconds per iteration, every phase together."""
         return sum(self.time.values())
 
     @property
     def kfac_bytes(self) -> float:
+        """K-FAC bytes per rank per step, every phase together."""
         return sum(self.bytes_per_step.values())
 
     @property
     def memory_state(self) -> int:
+        """Bytes of K-FAC state per rank: factors, decompositions and local averages."""
         return self.memory["factors"] + self.memory["decompositions"] + self.memory[
             "local averages"]
 
     @property
     def memory_peak(self) -> int:
+        """Peak bytes per rank: K-FAC state, transient buffers, weights, gradients and momentum."""
         return self.memory_state + self.memory["transient"] + self.model_bytes
 
     def to_json(self) -> dict[str, Any]:
+        """Return the estimate as a JSON-ready dict, the derived totals included."""
         return {"model": self.model, "options": self.options.to_json(),
                 "label": self.options.label(), "world": self.world, "batch": self.batch,
                 "profile": self.profile, "time_s": self.time, "total_s": self.total_s,
@@ -540,7 +612,19 @@ def _grad_buckets(model: ModelSpec, cap_mb: float = 25.0) -> list[int]:
 
 def estimate_sgd(model: ModelSpec, world: int, batch: int, profile: Profile,
                  leaf_modules: int | None = None) -> dict[str, float]:
-    """Seconds per iteration of plain data-parallel SGD (S-SGD), by phase."""
+    """Estimate the seconds per iteration of plain data-parallel SGD (S-SGD), by phase.
+
+    Args:
+        model: The model's layers and parameters.
+        world: The number of ranks.
+        batch: Samples per rank.
+        profile: The machine's network and compute parameters.
+        leaf_modules: The number of leaf modules, each charged its framework overhead
+            (default: the model's own count).
+
+    Returns:
+        Seconds by phase.
+    """
     prof = profile.at(world)
     leaves = leaf_modules if leaf_modules is not None else model.leaf_modules
     t = _training_terms(model, batch, world, prof, leaves)
@@ -552,7 +636,7 @@ def estimate_sgd(model: ModelSpec, world: int, batch: int, profile: Profile,
 
 def estimate(model: ModelSpec, options: KFACOptions, world: int, batch: int,
              profile: Profile, leaf_modules: int | None = None) -> Estimate:
-    """Predicted iteration of K-FAC with ``options`` on ``world`` ranks, ``batch`` per rank.
+    """Predict an iteration of K-FAC with ``options`` on ``world`` ranks, ``batch`` per rank.
 
     Terms (``b`` batch, ``R = b·rows`` rows of a layer, ``n`` factor dimension, ``P``
     ranks, compute rates from the profile; phase = slowest rank unless said otherwise):
@@ -577,6 +661,22 @@ def estimate(model: ModelSpec, options: KFACOptions, world: int, batch: int,
 
     Every term adds ``op_overhead_s`` per tensor operation and every collective call
     ``sync_overhead_s``.
+
+    Args:
+        model: The model's K-FAC layers and parameters.
+        options: The preconditioner settings.
+        world: The number of ranks.
+        batch: Samples per rank.
+        profile: The machine's network and compute parameters.
+        leaf_modules: The number of leaf modules, each charged its framework overhead
+            (default: the model's own count).
+
+    Returns:
+        Seconds per iteration by phase, bytes per step, construction bytes and memory
+        per rank.
+
+    Raises:
+        ValueError: The preconditioner would reject ``options``.
     """
     ctx = _Context.of(model, options, world, batch, profile, leaf_modules)
     # one step of the preconditioner, phase by phase (KFACPreconditioner.step())
@@ -614,8 +714,11 @@ def estimate(model: ModelSpec, options: KFACOptions, world: int, batch: int,
 # ------------------------------------------------------------ estimate: the steps
 @dataclass(frozen=True)
 class _Context:
-    """What every step of :func:`estimate` reads: the model, the options, who owns what
-    (:class:`Distribution`), the profile at this world size and the shared training terms."""
+    """What every step of :func:`estimate` reads.
+
+    The model, the options, who owns what (:class:`Distribution`), the profile at this
+    world size and the shared training terms.
+    """
 
     model: ModelSpec
     options: KFACOptions
@@ -642,7 +745,7 @@ class _Context:
         return self.prof.compute
 
     def captured_by(self, rank: int) -> list[LayerSpec]:
-        """Layers whose statistics ``rank`` computes (all; DP-KFAC: the owner's)."""
+        """List the layers whose statistics ``rank`` computes (all; DP-KFAC: the owner's)."""
         if sends_factors(self.options.strategy):
             return list(self.model.layers)
         pl = self.dist.placement
@@ -650,8 +753,10 @@ class _Context:
 
 
 def _factor_statistics_s(ctx: _Context) -> float:
-    """Hooks: ``2R(a² + g²)`` GEMM flops, the row copies, Conv2d's patch matrix and the
-    sums of micro-batch factors, on the slowest rank (ranks differ only under DP-KFAC)."""
+    """Price the hooks: ``2R(a² + g²)`` GEMM flops, row copies, patches, micro-batch sums.
+
+    The slowest rank's (ranks differ only under DP-KFAC).
+    """
     c, fb, batch = ctx.c, ctx.fb, ctx.batch
 
     reduce = ctx.options.kfac_approx == "reduce"
@@ -676,18 +781,22 @@ def _factor_statistics_s(ctx: _Context) -> float:
 
 
 def _local_folds_s(ctx: _Context) -> float:
-    """``factor_sync="inverse"``: fold each batch factor into the local average
-    (:class:`kfac_hpc.kfac.factor_sync.LocalAverage`)."""
+    """Price ``factor_sync="inverse"``: fold each batch factor into the local average.
+
+    See :class:`kfac_hpc.kfac.factor_sync.LocalAverage`.
+    """
     c, layers = ctx.c, ctx.model.layers
     return (sum(RUNNING_AVERAGE_PASSES * (s.a_dim ** 2 + s.g_dim ** 2) * ctx.fb for s in layers)
             / c.mem_bandwidth + len(FACTORS) * len(layers) * _OPS["fold"] * c.op_overhead_s)
 
 
 def _factor_reduction_s(ctx: _Context, hidden_behind: float) -> float:
-    """The factor messages of :meth:`Distribution.kind_traffic` (reduce-scatter, or
-    buckets with ``overlap``; local factors: one allreduce), each ``α–β`` priced, plus
-    packing them; with ``overlap`` ``overlap_efficiency · hidden_behind`` is hidden
-    (never less than the last bucket)."""
+    """Price the factor messages of :meth:`Distribution.kind_traffic`.
+
+    The reduce-scatter, or buckets with ``overlap``; local factors: one allreduce; each
+    ``α–β`` priced, plus packing them. With ``overlap`` ``overlap_efficiency ·
+    hidden_behind`` is hidden (never less than the last bucket).
+    """
     o, d, c, world, prof = ctx.options, ctx.dist, ctx.c, ctx.world, ctx.prof
     if world == 1 or not sends_factors(o.strategy):
         return 0.0
@@ -715,8 +824,10 @@ def _factor_reduction_s(ctx: _Context, hidden_behind: float) -> float:
 
 
 def _running_averages_s(ctx: _Context) -> float:
-    """Owners (and holders of local replicas; every rank with ``allreduce``) update
-    ``F ← ρF + (1−ρ)B``: the slowest rank."""
+    """Price ``F ← ρF + (1−ρ)B`` on the slowest rank.
+
+    Owners update it, and holders of local replicas (every rank with ``allreduce``).
+    """
     o, d, c = ctx.options, ctx.dist, ctx.c
     pl = d.placement
 
@@ -735,8 +846,11 @@ def _running_averages_s(ctx: _Context) -> float:
 
 
 def _decompositions_s(ctx: _Context) -> list[float]:
-    """Per rank: its decompositions (owned non-local factors, and the local factors of
-    its worker group), each priced by the profile's eigh/inverse table."""
+    """Price each rank's decompositions and return the per-rank seconds.
+
+    Owned non-local factors, and the local factors of its worker group, each priced by
+    the profile's eigh/inverse table.
+    """
     o, d, c = ctx.options, ctx.dist, ctx.c
     pl = d.placement
 
@@ -756,10 +870,13 @@ def _decompositions_s(ctx: _Context) -> list[float]:
 
 
 def _decomposition_s(c: ComputeRates, n: int, method: str, cap: int | None) -> float:
-    """One decomposition: the profile's eigh/inverse table; a low-rank factor's sketch
-    (:func:`~kfac_hpc.kfac.shapes.randomized_eigh_flops` at the GEMM rate, an optimistic
-    bound: its QRs run slower; the energy rule priced at its cap) unless ``randomized_eigh``
-    falls back to the exact ``eigh`` there."""
+    """Price one decomposition by the profile's eigh/inverse table.
+
+    A low-rank factor's sketch is priced by
+    :func:`~kfac_hpc.kfac.shapes.randomized_eigh_flops` at the GEMM rate (an optimistic
+    bound: its QRs run slower; the energy rule priced at its cap) unless
+    ``randomized_eigh`` falls back to the exact ``eigh`` there.
+    """
     if cap is not None and sketches(n, cap):
         return randomized_eigh_flops(n, cap) / c.gemm_flops
     return c.decomposition_s(n, method)
@@ -770,7 +887,8 @@ def _decomposition_broadcasts_s(ctx: _Context, compute: Sequence[float]) -> floa
 
     Each worker group's network serves its roots in the order they finish (pipelined,
     weight ``overlap_efficiency``; the preconditioner posts the receives before
-    computing), else after the slowest rank, one after the other (serial)."""
+    computing), else after the slowest rank, one after the other (serial).
+    """
     o, d, c, ib = ctx.options, ctx.dist, ctx.c, ctx.ib
     if ctx.world == 1 or d.grad_workers == 1:
         return 0.0
@@ -793,9 +911,11 @@ def _decomposition_broadcasts_s(ctx: _Context, compute: Sequence[float]) -> floa
 
 
 def _precondition_s(ctx: _Context) -> float:
-    """Gradient workers precondition their group's layers: eigen ``4(g²a + ga²)``,
-    inverse ``2(g²a + ga²)`` GEMM flops per layer, a layer with a low-rank factor
-    :func:`~kfac_hpc.kfac.shapes.lowrank_precondition_flops`; the slowest group."""
+    """Price preconditioning on the slowest gradient-worker group.
+
+    Eigen ``4(g²a + ga²)``, inverse ``2(g²a + ga²)`` GEMM flops per layer, a layer with
+    a low-rank factor :func:`~kfac_hpc.kfac.shapes.lowrank_precondition_flops`.
+    """
     o, c, ib = ctx.options, ctx.c, ctx.ib
     pl = ctx.dist.placement
 
@@ -820,8 +940,10 @@ def _precondition_s(ctx: _Context) -> float:
 
 
 def _gradient_broadcasts_s(ctx: _Context) -> float:
-    """Preconditioned gradients to the receiver groups (one broadcast per non-empty
-    group, summed), plus packing and unpacking them."""
+    """Price the preconditioned gradients' broadcasts to the receiver groups.
+
+    One broadcast per non-empty group, summed, plus packing and unpacking them.
+    """
     d, c, ib = ctx.dist, ctx.c, ctx.ib
     if ctx.world == 1 or d.n_groups == 1:
         return 0.0
@@ -834,8 +956,11 @@ def _gradient_broadcasts_s(ctx: _Context) -> float:
 
 
 def _other_s(ctx: _Context) -> float:
-    """KL clipping and ``.grad`` writes (``KL_CLIP_PASSES`` fp32 passes over the K-FAC
-    weights) and the optimizer's update (``OPTIMIZER_PASSES`` over every parameter)."""
+    """Price KL clipping, ``.grad`` writes and the optimizer's update.
+
+    ``KL_CLIP_PASSES`` fp32 passes over the K-FAC weights, and ``OPTIMIZER_PASSES`` over
+    every parameter.
+    """
     c, model = ctx.c, ctx.model
     return (KL_CLIP_PASSES * model.kfac_param_numel * FP32_BYTES / c.mem_bandwidth
             + len(model.layers) * _OPS["other_layer"] * c.op_overhead_s
@@ -846,8 +971,11 @@ def _other_s(ctx: _Context) -> float:
 def _schedule_average(ctx: _Context, *, stats: float, folds: float, reduction: float,
                       averages: float, decompose: float, decomp_bcast: float
                       ) -> dict[str, float]:
-    """Seconds per iteration by phase: the factor/inverse terms weighted by how often
-    they run over one period of the schedule (:meth:`Distribution.period`)."""
+    """Average the seconds per iteration by phase over one period of the schedule.
+
+    The factor/inverse terms are weighted by how often they run
+    (:meth:`Distribution.period`).
+    """
     o = ctx.options
     period = ctx.dist.period()
     t = dict.fromkeys(PHASES, 0.0)

@@ -38,6 +38,7 @@ class LayerSpec:
         return self.g_dim * self.a_dim
 
     def dim(self, factor: str) -> int:
+        """Return the dimension of factor ``"A"`` (``a_dim``) or ``"G"`` (``g_dim``)."""
         return self.a_dim if factor == "A" else self.g_dim
 
 
@@ -54,6 +55,7 @@ class ModelSpec:
 
     @property
     def kfac_param_numel(self) -> int:
+        """Elements of every K-FAC layer's gradient matrix together."""
         return sum(layer.grad_numel for layer in self.layers)
 
 
@@ -65,11 +67,18 @@ def _registered(model: nn.Module, skip: Sequence[str]) -> list[tuple[str, nn.Mod
 
 def model_spec(model: nn.Module, *, input_shape: Sequence[int] | None = None,
                skip_layers: Sequence[str] = (), name: str | None = None) -> ModelSpec:
-    """The K-FAC layers of ``model`` (a DDP wrapper is looked through).
+    """Describe the K-FAC layers of ``model`` (a DDP wrapper is looked through).
 
-    ``input_shape`` is one sample's shape (e.g. ``(3, 224, 224)``); without it every
-    layer has one row per sample (enough for communication and memory, which do not
-    depend on the batch).
+    Args:
+        model: The model.
+        input_shape: One sample's shape (e.g. ``(3, 224, 224)``), for a shape probe;
+            without it every layer has one row per sample (enough for communication and
+            memory, which do not depend on the batch).
+        skip_layers: Names or types of layers left out of K-FAC, as the preconditioner's.
+        name: The model's name in reports (default: its class name).
+
+    Returns:
+        The layers in registration order, with the parameter counts.
     """
     from torch.nn.parallel import DistributedDataParallel
 

@@ -81,18 +81,34 @@ class ComputeRates:
         return self.im2col_bandwidth or self.mem_bandwidth / 4
 
     def decomposition_s(self, n: int, method: str) -> float:
-        """Seconds for one eigendecomposition (``"eigen"``) or inverse of ``n x n``."""
+        """Return the seconds for one eigendecomposition (``"eigen"``) or inverse of ``n x n``.
+
+        Interpolated log-log in the measured table, ``∝ n³`` above the largest size and
+        ``∝ n`` below the smallest.
+
+        Args:
+            n: The matrix's order.
+            method: ``"eigen"``, or anything else for an inverse.
+
+        Returns:
+            Seconds (0 for ``n <= 0``).
+
+        Raises:
+            ValueError: The table for ``method`` is empty.
+        """
         table = self.eigh if method == "eigen" else self.inverse
         return _interpolate(table, n)
 
     @staticmethod
     def from_json(data: Mapping[str, Any]) -> ComputeRates:
+        """Read rates from :meth:`to_json`'s form."""
         d = dict(data)
         for key in ("eigh", "inverse"):
             d[key] = tuple((int(n), float(t)) for n, t in sorted(d[key]))
         return ComputeRates(**d)
 
     def to_json(self) -> dict[str, Any]:
+        """Return the rates as a JSON-ready dict (tables as lists of ``[n, seconds]``)."""
         d = asdict(self)
         d["eigh"] = [list(p) for p in self.eigh]
         d["inverse"] = [list(p) for p in self.inverse]
@@ -132,13 +148,26 @@ class Profile:
     measured_at_ranks: int | None = None
 
     def link(self, kind: str) -> LinkCost:
+        """Return the α–β cost of collective ``kind``.
+
+        Raises:
+            ValueError: The profile has no entry for ``kind``.
+        """
         try:
             return self.network[kind]
         except KeyError:
             raise ValueError(f"profile {self.name!r} has no network entry for {kind!r}") from None
 
     def at(self, ranks: int) -> Profile:
-        """This profile with the ``by_ranks`` entry for ``ranks`` applied (see module doc)."""
+        """Apply the ``by_ranks`` entry for ``ranks`` (see the module docstring).
+
+        Args:
+            ranks: The world size.
+
+        Returns:
+            This profile with the entry of the largest measured world size not above
+            ``ranks`` (the smallest if none) merged in; itself when there are none.
+        """
         if not self.by_ranks:
             return self
         keys = sorted(self.by_ranks)
@@ -156,6 +185,7 @@ class Profile:
 
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> dict[str, Any]:
+        """Return the profile as a JSON-ready dict (:meth:`from_json` reads it back)."""
         return {
             "name": self.name,
             "description": self.description,
@@ -169,6 +199,18 @@ class Profile:
 
     @staticmethod
     def from_json(data: Mapping[str, Any]) -> Profile:
+        """Read a profile from :meth:`to_json`'s form.
+
+        Args:
+            data: The parsed JSON.
+
+        Returns:
+            The profile.
+
+        Raises:
+            ValueError: The network lacks a collective.
+            KeyError: A required key is missing.
+        """
         network = {k: _link(v) for k, v in data["network"].items()}
         missing = [k for k in COLLECTIVES if k not in network]
         if missing:
@@ -185,6 +227,14 @@ class Profile:
         )
 
     def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the profile as JSON, making missing folders.
+
+        Args:
+            path: The file to write.
+
+        Returns:
+            The path written.
+        """
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
@@ -210,15 +260,23 @@ def _jsonable_entry(entry: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def bundled_profiles() -> list[str]:
-    """Names of the profiles shipped with the package."""
+    """List the names of the profiles shipped with the package."""
     return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
 
 
 def load_profile(spec: str | os.PathLike[str] | Profile | None = None) -> Profile:
-    """A profile from a :class:`Profile`, a JSON path, or a bundled name.
+    """Load a profile from a :class:`Profile`, a JSON path, or a bundled name.
 
-    ``None``: the file named by ``$KFAC_HPC_PLAN_PROFILE`` if set, else the bundled
-    ``a100-ib200`` profile.
+    Args:
+        spec: The profile; ``None``: the file named by ``$KFAC_HPC_PLAN_PROFILE`` if set,
+            else the bundled ``a100-ib200`` profile.
+
+    Returns:
+        The profile.
+
+    Raises:
+        FileNotFoundError: No such file and no bundled profile of that name.
+        ValueError: The file is not a valid profile.
     """
     if isinstance(spec, Profile):
         return spec
@@ -238,5 +296,5 @@ def load_profile(spec: str | os.PathLike[str] | Profile | None = None) -> Profil
 
 
 def default_profile() -> Profile:
-    """The profile ``strategy="auto"`` uses when none is given."""
+    """Return the profile ``strategy="auto"`` uses when none is given."""
     return load_profile(None)
