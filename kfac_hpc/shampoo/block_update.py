@@ -79,7 +79,15 @@ class BlockHyper:
 
     @staticmethod
     def from_group(group: dict[str, Any], max_consecutive_root_failures: int) -> BlockHyper:
-        """The hyper-parameters of ``group``."""
+        """Read the hyper-parameters of ``group``.
+
+        Args:
+            group: A parameter group of the optimizer.
+            max_consecutive_root_failures: The optimizer's limit, not a group setting.
+
+        Returns:
+            The hyper-parameters a block step reads.
+        """
         beta1, beta2 = group["betas"]
         return BlockHyper(
             float(beta1), float(beta2), group["epsilon"], group["momentum"], group["nesterov"],
@@ -89,7 +97,16 @@ class BlockHyper:
             group["use_bias_correction"], max_consecutive_root_failures)
 
     def recomputes_roots(self, step: int, has_roots: bool) -> bool:
-        """Whether a block at ``step`` (after this step) recomputes its roots."""
+        """Say whether a block at ``step`` (after this step) recomputes its roots.
+
+        Args:
+            step: The block's step count after this step.
+            has_roots: Whether the block has roots already.
+
+        Returns:
+            From ``start_preconditioning_step`` on: True every ``precondition_frequency``
+            steps, and whenever the block has no roots yet.
+        """
         start, freq = self.start_preconditioning_step, self.precondition_frequency
         return step >= start and ((step - start) % freq == 0 or not has_roots)
 
@@ -120,13 +137,13 @@ class RunStep:
 
     def rows(self, key: str, item_shape: tuple[int, ...] | None = None,
              factor: bool = False) -> Tensor:
-        """The run's stacked state ``key`` (block-shaped unless ``item_shape``)."""
+        """Return the run's stacked state ``key`` (block-shaped unless ``item_shape``)."""
         dtype = self.factor_dtype if factor else self.grad.dtype
         shape = self.run.stack.shape if item_shape is None else item_shape
         return self.run.rows(key, shape, dtype, self.grad.device)
 
     def factors(self, kind: str = "factor") -> list[Tensor]:
-        """The stacked ``factor_<i>`` (or ``root_<i>``) of every dimension."""
+        """Return the stacked ``factor_<i>`` (or ``root_<i>``) of every dimension."""
         return [self.rows(f"{kind}_{i}", (d, d), factor=True)
                 for i, d in enumerate(self.run.stack.shape)]
 
@@ -139,9 +156,11 @@ def _present(values: Sequence[Tensor | None]) -> list[Tensor]:
 
 
 def _stacked(views: Sequence[Tensor]) -> Tensor:
-    """``views`` stacked along a new first dimension, contiguous (so that ``_foreach``
-    calls over them keep their fused path on a GPU); a view, not a copy, for one
-    contiguous tensor."""
+    """Stack ``views`` along a new first dimension, contiguous.
+
+    So that ``_foreach`` calls over them keep their fused path on a GPU; a view, not a
+    copy, for one contiguous tensor.
+    """
     if len(views) == 1:
         return views[0].contiguous().unsqueeze(0)
     return torch.stack(list(views))
@@ -153,11 +172,14 @@ def start_runs(runs: Sequence[Run], grads: Sequence[Sequence[Tensor]],
     """Advance the runs' step counters and stack their gradients (step 1).
 
     Args:
-        runs: the runs of one parameter group.
-        grads: per run, its blocks' gradient views.
-        params: per run, its blocks' parameter views.
-        hp: the group's hyper-parameters.
-        factor_dtype: dtype of factors and roots.
+        runs: The runs of one parameter group.
+        grads: Per run, its blocks' gradient views.
+        params: Per run, its blocks' parameter views.
+        hp: The group's hyper-parameters.
+        factor_dtype: Dtype of factors and roots.
+
+    Returns:
+        One step record per run, in order.
     """
     for run in runs:
         for state in run.states:
@@ -172,7 +194,12 @@ def start_runs(runs: Sequence[Run], grads: Sequence[Sequence[Tensor]],
 
 
 def update_statistics(steps: Sequence[RunStep], hp: BlockHyper) -> None:
-    """Factors, their finiteness flags, grafting moments and filtered gradients (2-4)."""
+    """Update factors, their finiteness flags, grafting moments and filtered gradients (2-4).
+
+    Args:
+        steps: The runs' step records; updated in place.
+        hp: The group's hyper-parameters.
+    """
     for st in steps:
         factors = st.factors()
         accumulate_factors(factors, st.grad.to(st.factor_dtype), hp.beta2)
@@ -195,7 +222,15 @@ def update_statistics(steps: Sequence[RunStep], hp: BlockHyper) -> None:
 
 
 def root_requests(st: RunStep, hp: BlockHyper) -> list[RootRequest]:
-    """The root computations of a run (step 5), one request per dimension."""
+    """List the root computations of a run (step 5), one request per dimension.
+
+    Args:
+        st: The run's step record.
+        hp: The group's hyper-parameters.
+
+    Returns:
+        One request per dimension of the run's blocks.
+    """
     t = st.run.step
     correction = 1.0 - hp.beta2**t if hp.use_bias_correction and hp.beta2 < 1.0 else 1.0
     order = len(st.run.stack.shape)
@@ -203,8 +238,15 @@ def root_requests(st: RunStep, hp: BlockHyper) -> list[RootRequest]:
 
 
 def install_roots(st: RunStep, results: Sequence[RootResult], hp: BlockHyper) -> None:
-    """Keep a run's new roots; count failures (a failed block keeps its previous roots,
-    the identity before its first success); note blocks that failed too often."""
+    """Keep a run's new roots, count failures and note blocks that failed too often.
+
+    A failed block keeps its previous roots (the identity before its first success).
+
+    Args:
+        st: The run's step record; ``root_failures`` is updated.
+        results: The results of :func:`root_requests`' requests, in order.
+        hp: The group's hyper-parameters.
+    """
     failed = [any(flags) for flags in zip(*(r.failed for r in results))]
     fresh = ["root_0" not in state for state in st.run.states]
     for rows, result in zip(st.factors("root"), results):
@@ -223,7 +265,15 @@ def install_roots(st: RunStep, results: Sequence[RootResult], hp: BlockHyper) ->
 
 
 def directions(steps: Sequence[RunStep], hp: BlockHyper) -> list[Tensor]:
-    """The runs' final directions (steps 6-8), in the parameters' dtype."""
+    """Compute the runs' final directions (steps 6-8), in the parameters' dtype.
+
+    Args:
+        steps: The runs' step records.
+        hp: The group's hyper-parameters.
+
+    Returns:
+        One batch ``(n, *shape)`` per run.
+    """
     filtered = _present([st.filtered for st in steps])
     moments = [st.second_moment for st in steps if st.second_moment is not None]
     grafted = graft.directions(

@@ -25,8 +25,15 @@ __all__ = ["BlockSpec", "block_param", "merge_dims", "split_dim"]
 def merge_dims(shape: Sequence[int], max_dim: int) -> tuple[int, ...]:
     """Merge consecutive dimensions while their product is ``<= max_dim``.
 
-    Dimensions of size 1 are dropped; a 0-d or all-ones shape gives ``(1,)``.
-    A dimension larger than ``max_dim`` stays as it is (it is split into blocks later).
+    Dimensions of size 1 are dropped; a 0-d or all-ones shape gives ``(1,)``. A dimension
+    larger than ``max_dim`` stays as it is (it is split into blocks later).
+
+    Args:
+        shape: The parameter's shape.
+        max_dim: The largest merged dimension.
+
+    Returns:
+        The merged shape.
     """
     if max_dim < 1:
         raise ValueError(f"max_dim must be >= 1, got {max_dim}")
@@ -50,7 +57,7 @@ def merge_dims(shape: Sequence[int], max_dim: int) -> tuple[int, ...]:
 
 
 def split_dim(dim: int, max_dim: int) -> list[int]:
-    """Sizes of the chunks of a dimension: ``max_dim`` each, the remainder last."""
+    """Return the sizes of the chunks of a dimension: ``max_dim`` each, the remainder last."""
     full, rest = divmod(dim, max_dim)
     return [max_dim] * full + ([rest] if rest else [])
 
@@ -72,10 +79,12 @@ class BlockSpec:
 
     @property
     def order(self) -> int:
+        """The number of dimensions of the block (one factor each)."""
         return len(self.shape)
 
     @property
     def numel(self) -> int:
+        """Elements of the block."""
         return math.prod(self.shape)
 
     @property
@@ -90,7 +99,16 @@ class BlockSpec:
 
 
 def block_param(name: str, shape: Sequence[int], max_dim: int) -> list[BlockSpec]:
-    """The blocks of a parameter named ``name`` of ``shape`` (empty if it has no elements)."""
+    """Split a parameter into its blocks (empty if it has no elements).
+
+    Args:
+        name: The parameter's name.
+        shape: Its shape.
+        max_dim: The largest block side.
+
+    Returns:
+        The blocks, in the merged view's row-major tile order.
+    """
     if math.prod(shape) == 0:
         return []
     merged = merge_dims(shape, max_dim)

@@ -36,27 +36,37 @@ _MEANINGS = {
 class ShampooNumericalError(FloatingPointError):
     """A block's statistics, root or update became unusable.
 
-    ``blocks`` lists ``(parameter name, block index)`` of the affected blocks; the
-    optimizer state should be considered lost (restore a checkpoint).
+    The optimizer state should be considered lost (restore a checkpoint).
+
+    Attributes:
+        blocks: ``(parameter name, block index)`` of the affected blocks.
+        status: The status bit mask (see :func:`describe_status`).
     """
 
     def __init__(self, message: str, blocks: Sequence[tuple[str, int]], status: int) -> None:
+        """Record the affected blocks and the status.
+
+        Args:
+            message: What happened and what to do.
+            blocks: ``(parameter name, block index)`` of the affected blocks.
+            status: The status bit mask.
+        """
         super().__init__(message)
         self.blocks = list(blocks)
         self.status = status
 
 
 def describe_status(status: int) -> str:
-    """Human-readable meaning of a status bit mask."""
+    """Describe a status bit mask in words."""
     parts = [text for bit, text in _MEANINGS.items() if status & bit]
     return "; ".join(parts) if parts else "no failure"
 
 
 def nonfinite_marks(x: Tensor) -> Tensor:
-    """``(n,)`` on ``x``'s device: 0 where a row of ``x`` ``(n, m)`` is finite, NaN else.
+    """Mark each row of ``x`` ``(n, m)``: 0 where it is finite, else NaN; ``(n,)`` on its device.
 
     ``x·0`` is exactly 0 where ``x`` is finite and NaN where it is ±Inf or NaN, so a row
-    of ``x·0`` sums to exactly 0 iff the row is finite: two kernels (``isfinite`` alone
-    is four), no host synchronisation. Marks add up: a sum of marks is 0 iff all are.
+    of ``x·0`` sums to exactly 0 iff the row is finite: two kernels (``isfinite`` alone is
+    four), no host synchronisation. Marks add up: a sum of marks is 0 iff all are.
     """
     return x.mul(0).sum(dim=1)

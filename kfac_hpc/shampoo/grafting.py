@@ -35,13 +35,20 @@ GRAFTING_KINDS = ("sgd", "adagrad", "rmsprop", "adam")
 
 
 def uses_second_moment(kind: str | None) -> bool:
-    """Whether the method keeps a per-element second moment."""
+    """Say whether the grafting method ``kind`` keeps a per-element second moment."""
     return kind in ("adagrad", "rmsprop", "adam")
 
 
 def update_second_moments(kind: str | None, moments: list[Tensor], grads: list[Tensor],
                           beta2: float) -> None:
-    """Accumulate ``grad²`` into each of ``moments`` in place (one ``_foreach`` call each)."""
+    """Accumulate ``grad²`` into each of ``moments`` in place (one ``_foreach`` call each).
+
+    Args:
+        kind: The grafting method.
+        moments: The second moments, updated in place.
+        grads: The gradients, shaped like ``moments``.
+        beta2: The second-moment β (1: a plain sum, AdaGrad).
+    """
     if kind == "adagrad":
         torch._foreach_addcmul_(moments, grads, grads)
     elif kind in ("rmsprop", "adam"):
@@ -52,16 +59,19 @@ def update_second_moments(kind: str | None, moments: list[Tensor], grads: list[T
 def directions(kind: str | None, filtered: list[Tensor], moments: list[Tensor],
                epsilon: float, beta2: float, steps: list[int],
                bias_correction: bool) -> list[Tensor]:
-    """The grafting method's directions (new tensors for adaptive kinds).
+    """Compute the grafting method's directions (new tensors for adaptive kinds).
 
     Args:
-        kind: the grafting method.
-        filtered: the β1-filtered gradients.
-        moments: their second moments (ignored unless the kind uses them).
-        epsilon: the method's ε.
-        beta2: its second-moment β.
-        steps: per tensor, its step count (for Adam's bias correction).
-        bias_correction: whether Adam's bias correction applies.
+        kind: The grafting method.
+        filtered: The β1-filtered gradients.
+        moments: Their second moments (ignored unless the kind uses them).
+        epsilon: The method's ε.
+        beta2: Its second-moment β.
+        steps: Per tensor, its step count (for Adam's bias correction).
+        bias_correction: Whether Adam's bias correction applies.
+
+    Returns:
+        One direction per filtered gradient.
     """
     if not uses_second_moment(kind):
         return list(filtered)
@@ -79,12 +89,13 @@ def _row_norms(batches: list[Tensor]) -> Tensor:
 
 
 def rescale_to(directions: list[Tensor], targets: list[Tensor]) -> None:
-    """Scale each block (row) of each batch of ``directions`` in place to the norm of the
-    same row of ``targets``: ``d ← d·‖t‖/‖d‖`` (0 where ``d`` is zero); no host sync.
+    """Scale each block (row) of ``directions`` in place to the norm of the same row of ``targets``.
+
+    ``d ← d·‖t‖/‖d‖`` (0 where ``d`` is zero); no host sync.
 
     Args:
-        directions: batches ``(n, …)``, scaled in place.
-        targets: batches of the same shapes.
+        directions: Batches ``(n, …)``, scaled in place.
+        targets: Batches of the same shapes.
     """
     target, source = _row_norms(targets), _row_norms(directions)
     ratio = torch.where(source > 0, target / source, 0.0)

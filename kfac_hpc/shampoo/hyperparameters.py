@@ -40,7 +40,19 @@ def _real(name: str, value: Any, allowed: str) -> float:
 
 
 def validate_int(name: str, value: Any, minimum: int) -> int:
-    """An ``int`` (not bool) ``>= minimum``."""
+    """Check that ``value`` is an ``int`` (not bool) ``>= minimum``.
+
+    Args:
+        name: The option's name, for the message.
+        value: The value given.
+        minimum: The smallest allowed value.
+
+    Returns:
+        ``value`` as an int.
+
+    Raises:
+        ValueError: It is not such an int.
+    """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise _fail(name, value, f"an integer >= {minimum}")
     return int(value)
@@ -60,7 +72,14 @@ def _check_bool(name: str, value: Any) -> None:
 
 
 def validate_group(group: dict[str, Any]) -> None:
-    """Check every hyper-parameter of a parameter group (or of the defaults)."""
+    """Check every hyper-parameter of a parameter group (or of the defaults).
+
+    Args:
+        group: The group's settings.
+
+    Raises:
+        ValueError: A value is out of range; names it and what is allowed.
+    """
     lr = _real("lr", group["lr"], "a number >= 0")
     if lr < 0:
         raise _fail("lr", group["lr"], "a number >= 0")
@@ -94,7 +113,19 @@ def validate_group(group: dict[str, Any]) -> None:
 
 
 def validate_dtype(name: str, value: Any, allowed: tuple[torch.dtype, ...]) -> torch.dtype:
-    """One of ``allowed`` torch dtypes."""
+    """Check that ``value`` is one of the ``allowed`` torch dtypes.
+
+    Args:
+        name: The option's name, for the message.
+        value: The value given.
+        allowed: The allowed dtypes.
+
+    Returns:
+        ``value``.
+
+    Raises:
+        ValueError: It is not one of them.
+    """
     if not isinstance(value, torch.dtype) or value not in allowed:
         raise _fail(name, value, ", ".join(str(d) for d in allowed))
     return value

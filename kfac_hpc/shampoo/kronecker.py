@@ -24,7 +24,7 @@ __all__ = ["accumulate_factors", "diagonal_marks", "mode_matrices", "preconditio
 
 
 def mode_matrices(blocks: Tensor, i: int) -> Tensor:
-    """``X_(i)`` of every block of a batch ``(n, d_1, …, d_k)``: shape ``(n, d_i, -1)``."""
+    """Return ``X_(i)`` of every block of a batch ``(n, d_1, …, d_k)``: shape ``(n, d_i, -1)``."""
     n, d = blocks.shape[0], blocks.shape[i + 1]
     return blocks.movedim(i + 1, 1).reshape(n, d, -1)
 
@@ -48,12 +48,11 @@ def accumulate_factors(factors: Sequence[Tensor], blocks: Tensor, beta2: float) 
 
 
 def diagonal_marks(factors: Sequence[Tensor]) -> Tensor:
-    """``(n,)``: 0 where every diagonal entry of a block's factors is finite, else NaN
-    (:func:`~kfac_hpc.shampoo.errors.nonfinite_marks`).
+    """Mark each block: 0 where every diagonal entry of its factors is finite, else NaN; ``(n,)``.
 
-    A NaN/Inf anywhere in a gradient reaches the diagonals (sums of squares), so
-    checking them is exact and costs O(d) instead of O(d²); the result stays on the
-    device (no host synchronisation).
+    See :func:`~kfac_hpc.shampoo.errors.nonfinite_marks`. A NaN/Inf anywhere in a
+    gradient reaches the diagonals (sums of squares), so checking them is exact and costs
+    O(d) instead of O(d²); the result stays on the device (no host synchronisation).
     """
     diagonals = [f.diagonal(dim1=1, dim2=2) for f in factors]
     return nonfinite_marks(diagonals[0] if len(diagonals) == 1 else torch.cat(diagonals, dim=1))

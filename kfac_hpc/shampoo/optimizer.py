@@ -63,39 +63,10 @@ _INT_KEYS = ("step", "root_failures")
 class DistributedShampoo(torch.optim.Optimizer):
     """Blocked Shampoo with grafting, distributed over MPI ranks by block.
 
-    Args:
-        params: ``model.named_parameters()`` (names become the state keys), an
-            iterable of tensors (named ``"param_<i>"`` by their position over all
-            groups, in order), or parameter groups (dicts) of either kind.
-        lr: learning rate.
-        betas: ``(β1, β2)``: β1 filters the gradient (0: off), β2 is the factors'
-            running-average coefficient (1: plain sum, as in AdaGrad-style Shampoo).
-        epsilon: added to the factors' eigenvalues before the root.
-        momentum, nesterov: heavy-ball / Nesterov momentum on the final direction.
-        weight_decay, decoupled_weight_decay: decay added to the direction after
-            preconditioning (decoupled, AdamW-style) or to the gradient (L2).
-        max_preconditioner_dim: largest block side; read when a group is added.
-        precondition_frequency: steps between root recomputations.
-        start_preconditioning_step: first step (1-based) that uses Shampoo's direction;
-            earlier steps use the grafting direction alone.
-        grafting: ``"sgd"``, ``"adagrad"``, ``"rmsprop"``, ``"adam"`` or ``None``.
-        grafting_epsilon, grafting_beta2: the grafting method's ε and second-moment β.
-        use_bias_correction: Adam-style bias correction of β1, β2 and Adam grafting.
-        comm: the :class:`~kfac_hpc.comm.Communicator` (default: the world).
-        factor_dtype: dtype of factors and roots (float32 or float64).
-        communication_dtype: dtype of the gathered directions (float16, bfloat16,
-            float32, float64); every rank, the owner included, applies the
-            rounded values, so parameters stay identical across ranks.
-        max_consecutive_root_failures: a block whose roots fail this many times in a
-            row raises :class:`~kfac_hpc.shampoo.errors.ShampooNumericalError`.
-        check_replicas: check, collectively, that every rank holds the same parameters
-            (names, shapes, values) and settings; one ``ValueError`` on every rank
-            otherwise (different models would gather mismatched directions).
-
-    ``step()`` expects ``.grad`` already averaged over ranks and identical on every
-    rank; a parameter whose ``.grad`` is ``None`` is skipped (no state change, no
-    update). Every rank must call ``step()`` and ``state_dict()`` (collectives) —
-    also ranks that own no block.
+    ``step()`` expects ``.grad`` already averaged over ranks and identical on every rank;
+    a parameter whose ``.grad`` is ``None`` is skipped (no state change, no update). Every
+    rank must call ``step()`` and ``state_dict()`` (collectives), also ranks that own no
+    block.
     """
 
     def __init__(
@@ -121,6 +92,46 @@ class DistributedShampoo(torch.optim.Optimizer):
         max_consecutive_root_failures: int = 5,
         check_replicas: bool = True,
     ) -> None:
+        """Split the parameters into blocks and assign every block an owner rank.
+
+        Collective: ranks agree on the parameters and settings (``check_replicas``).
+
+        Args:
+            params: ``model.named_parameters()`` (names become the state keys), an iterable
+                of tensors (named ``"param_<i>"`` by their position over all groups, in
+                order), or parameter groups (dicts) of either kind.
+            lr: Learning rate.
+            betas: ``(β1, β2)``: β1 filters the gradient (0: off), β2 is the factors'
+                running-average coefficient (1: plain sum, as in AdaGrad-style Shampoo).
+            epsilon: Added to the factors' eigenvalues before the root.
+            momentum: Heavy-ball momentum on the final direction (0: off).
+            nesterov: Nesterov momentum instead of heavy-ball.
+            weight_decay: Decay coefficient (0: off).
+            decoupled_weight_decay: Add the decay to the direction after preconditioning
+                (AdamW-style); False adds it to the gradient (L2).
+            max_preconditioner_dim: Largest block side; read when a group is added.
+            precondition_frequency: Steps between root recomputations.
+            start_preconditioning_step: First step (1-based) that uses Shampoo's direction;
+                earlier steps use the grafting direction alone.
+            grafting: ``"sgd"``, ``"adagrad"``, ``"rmsprop"``, ``"adam"`` or ``None``.
+            grafting_epsilon: The grafting method's ε.
+            grafting_beta2: The grafting method's second-moment β.
+            use_bias_correction: Adam-style bias correction of β1, β2 and Adam grafting.
+            comm: The :class:`~kfac_hpc.comm.Communicator` (default: the world).
+            factor_dtype: Dtype of factors and roots (float32 or float64).
+            communication_dtype: Dtype of the gathered directions (float16, bfloat16,
+                float32, float64); every rank, the owner included, applies the rounded
+                values, so parameters stay identical across ranks.
+            max_consecutive_root_failures: A block whose roots fail this many times in a row
+                raises :class:`~kfac_hpc.shampoo.errors.ShampooNumericalError`.
+            check_replicas: Check, collectively, that every rank holds the same parameters
+                (names, shapes, values) and settings; one ``ValueError`` on every rank
+                otherwise (different models would gather mismatched directions).
+
+        Raises:
+            ValueError: A hyper-parameter is out of range, a parameter name repeats, a
+                parameter has an unsupported dtype or another device, or the ranks differ.
+        """
         defaults = dict(
             lr=lr, betas=betas, epsilon=epsilon, momentum=momentum, nesterov=nesterov,
             weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
@@ -151,8 +162,18 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ structure
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group. After construction this is collective (all ranks must call it):
-        block ownership is recomputed and the existing state moves to its new owners."""
+        """Add a parameter group.
+
+        After construction this is collective (all ranks must call it): block ownership is
+        recomputed and the existing state moves to its new owners.
+
+        Args:
+            param_group: A dict with ``"params"`` (named or plain tensors) and any
+                hyper-parameters that differ from the defaults.
+
+        Raises:
+            ValueError: A hyper-parameter is out of range or a parameter is unsupported.
+        """
         if getattr(self, "_layout", None) is None:  # during __init__
             super().add_param_group(param_group)
             hyper.validate_group(self.param_groups[-1])
@@ -245,13 +266,26 @@ class DistributedShampoo(torch.optim.Optimizer):
         return self._layout
 
     def block_owners(self) -> dict[tuple[str, int], int]:
-        """Owner rank of every block, keyed ``(parameter name, block index)``."""
+        """Return the owner rank of every block, keyed ``(parameter name, block index)``."""
         return {b.key: r for b, r in zip(self.layout.blocks, self.layout.owners)}
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One optimisation step (collective: every rank must call it)."""
+        """Take one optimisation step (collective: every rank must call it).
+
+        Args:
+            closure: Re-evaluates the model and returns the loss (run with gradients
+                enabled).
+
+        Returns:
+            The closure's loss, or None without a closure.
+
+        Raises:
+            ValueError: A parameter has a sparse gradient.
+            ShampooNumericalError: On every rank, when a block's statistics, roots or update
+                became unusable on any rank; nothing is applied then.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -373,8 +407,11 @@ class DistributedShampoo(torch.optim.Optimizer):
         return status
 
     def _hand_over(self, st: RunStep, direction: Tensor) -> tuple[Tensor, Tensor]:
-        """Give a run's directions to the exchange; per block, whether its statistics and
-        its direction (as it travels) are finite (marks: 0 if so, else NaN)."""
+        """Give a run's directions to the exchange; return their finiteness marks.
+
+        Per block, whether its statistics and its direction (as it travels) are finite
+        (marks: 0 if so, else NaN).
+        """
         exchange = self._exchange
         sent = exchange.put(st.run, direction)
         update_marks = nonfinite_marks(sent)
@@ -410,8 +447,10 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     @timed(Phase.SHAMPOO_APPLY)
     def _apply(self) -> None:
-        """``p ← p − lr·d`` for every parameter with a gradient: one ``_foreach_add_`` per
-        parameter group over every block's update."""
+        """Apply ``p ← p − lr·d`` for every parameter with a gradient.
+
+        One ``_foreach_add_`` per parameter group over every block's update.
+        """
         for group in self.param_groups:
             targets: list[Tensor] = []
             updates: list[Tensor] = []
@@ -421,8 +460,10 @@ class DistributedShampoo(torch.optim.Optimizer):
             _foreach_add_(targets, updates, -group["lr"])
 
     def _collect_update(self, p: Tensor, targets: list[Tensor], updates: list[Tensor]) -> None:
-        """Append ``p``'s parts and their updates (per block, or assembled whole where ``p``
-        is not contiguous and has several blocks)."""
+        """Append ``p``'s parts and their updates.
+
+        Per block, or assembled whole where ``p`` is not contiguous and has several blocks.
+        """
         indices = self._blocks_of[p]
         parts = [self._exchange.update(i, p.dtype) for i in indices]
         if len(indices) == 1:
@@ -453,19 +494,28 @@ class DistributedShampoo(torch.optim.Optimizer):
         return out
 
     def local_state_dict(self) -> dict[str, Any]:
-        """:meth:`state_dict` holding only this rank's blocks (copies on their devices;
-        local, no collective). :meth:`load_state_dict` of it on the same number of
-        ranks restores this rank (checkpoint loads keep it for a rollback)."""
+        """Return a :meth:`state_dict` holding only this rank's blocks (local, no collective).
+
+        The tensors are copies on their devices. :meth:`load_state_dict` of it on the same
+        number of ranks restores this rank (checkpoint loads keep it for a rollback).
+        """
         return self._assemble_state_dict(lambda: {
             key: {k: v.detach().clone() if isinstance(v, Tensor) else v
                   for k, v in state.items()}
             for key, state in self._local_states()})
 
     def checkpoint_load_rank(self, key_path: tuple[Any, ...]) -> int | None:
-        """The rank that owns, in this optimizer's layout, the block whose saved state
-        is at ``key_path = ("state", param_name, block_index)`` (None elsewhere): a
-        checkpoint load reads each block's state on its owner only, for any number of
-        ranks at save time."""
+        """Return the rank that owns, in this optimizer's layout, the block saved at ``key_path``.
+
+        A checkpoint load reads each block's state on its owner only, for any number of
+        ranks at save time.
+
+        Args:
+            key_path: ``("state", param_name, block_index)``.
+
+        Returns:
+            The owner's rank, or None for any other path.
+        """
         if len(key_path) != 3 or key_path[0] != "state":
             return None
         try:
@@ -494,7 +544,7 @@ class DistributedShampoo(torch.optim.Optimizer):
             self.state[p][spec.index] = state
 
     def state_dict(self) -> dict[str, Any]:
-        """The whole optimizer state, keyed by parameter name and block index.
+        """Return the whole optimizer state, keyed by parameter name and block index.
 
         Collective (every rank must call it); every rank returns the same dict::
 
@@ -506,19 +556,25 @@ class DistributedShampoo(torch.optim.Optimizer):
                         "block_shapes": [[...], ...]}},
              "param_groups": [{hyper-parameters..., "params": [param_name, ...]}]}
 
-        Tensors are CPU copies; blocks that never took a step have no entry. The
-        world size appears nowhere: the dict loads on any number of ranks.
+        Tensors are CPU copies; blocks that never took a step have no entry. The world size
+        appears nowhere: the dict loads on any number of ranks.
+
+        Returns:
+            The state dict.
         """
         return self._assemble_state_dict(self._gather_states)
 
     def checkpoint_state_dict(self) -> dict[str, Any]:
-        """:meth:`state_dict` for streaming checkpoint writers (collective, metadata only).
+        """Return a :meth:`state_dict` for streaming checkpoint writers (collective, metadata only).
 
         The same dict on every rank, except that each rank holds only the tensors of the
         blocks it owns (its live tensors, not copies); the others are
-        :class:`~kfac_hpc.shampoo.state_io.RemoteTensor` placeholders naming the owner,
-        shape and dtype. A writer receives them from their owners one at a time, so no
-        rank materialises the whole state; the file is that of :meth:`state_dict`.
+        :class:`~kfac_hpc.shampoo.state_io.RemoteTensor` placeholders naming the owner, shape
+        and dtype. A writer receives them from their owners one at a time, so no rank
+        materialises the whole state; the file is that of :meth:`state_dict`.
+
+        Returns:
+            The state dict with placeholders.
         """
         return self._assemble_state_dict(
             lambda: describe_block_states(self.comm, self._local_states()))
@@ -557,9 +613,16 @@ class DistributedShampoo(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a :meth:`state_dict` saved on any number of ranks (local, no collective).
 
-        Checks that the format, the parameter names per group and the block shapes
-        match this optimizer; restores the groups' hyper-parameters and the state of
-        the blocks this rank owns.
+        Checks that the format, the parameter names per group and the block shapes match
+        this optimizer; restores the groups' hyper-parameters and the state of the blocks
+        this rank owns.
+
+        Args:
+            state_dict: What :meth:`state_dict` (or a checkpoint reader) returned.
+
+        Raises:
+            ValueError: The dict is not a Shampoo state dict of this version, or does not
+                match this optimizer's parameters or blocks; names the difference.
         """
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             changed = pre_hook(self, state_dict)
@@ -624,8 +687,12 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     # ---------------------------------------------------------- inspection
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds, by kind: factors, roots, grafting, filtered_grad,
-        momentum, and the two gather buffers."""
+        """Count the bytes this rank holds, by kind.
+
+        Returns:
+            Bytes of ``factors``, ``roots``, ``grafting``, ``filtered_grad``, ``momentum``
+            and ``buffers`` (the two gather buffers).
+        """
         kinds = {"factors": 0, "roots": 0, "grafting": 0, "filtered_grad": 0, "momentum": 0}
         names = {"factor_": "factors", "root_": "roots", "second_moment": "grafting",
                  "filtered_grad": "filtered_grad", "momentum_buffer": "momentum"}
@@ -649,9 +716,12 @@ def _stacks(layout: Layout, owned: list[int], kinds: list[Any]) -> list[BlockSta
 
 
 def _foreach_add_(targets: list[Tensor], updates: list[Tensor], alpha: float) -> None:
-    """``t ← t + alpha·u`` for every pair: one fused call for the contiguous pairs (a GPU
-    falls back to a kernel per tensor for a whole list holding one strided tensor), one
-    for the rest (blocks that are column slices of their parameter)."""
+    """Apply ``t ← t + alpha·u`` for every pair, contiguous pairs and the rest in two calls.
+
+    One fused call for the contiguous pairs (a GPU falls back to a kernel per tensor for
+    a whole list holding one strided tensor), one for the rest (blocks that are column
+    slices of their parameter).
+    """
     dense = [t.is_contiguous() and u.is_contiguous() for t, u in zip(targets, updates)]
     for keep in (True, False):
         pairs = [(t, u) for t, u, d in zip(targets, updates, dense) if d == keep]
@@ -670,8 +740,10 @@ def _block_index(key: Any) -> int:
 
 
 def _normalise_states(state: dict[str, Any]) -> dict[tuple[str, int], BlockState]:
-    """``{name: {index: block_state}}`` → ``{(name, index): block_state}`` with tensors
-    (numpy arrays accepted) and Python ints for the counters."""
+    """Turn ``{name: {index: block_state}}`` into ``{(name, index): block_state}``.
+
+    Tensors (numpy arrays accepted) and Python ints for the counters.
+    """
     out: dict[tuple[str, int], BlockState] = {}
     for name, per_block in state.items():
         for index, block_state in per_block.items():

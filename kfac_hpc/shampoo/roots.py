@@ -39,8 +39,11 @@ def _root_from(eigenvalues: Tensor, eigenvectors: Tensor, p: float, epsilon: flo
 
 
 def _finite(eigenvalues: Tensor, root: Tensor) -> Tensor:
-    """Per matrix: non-finite eigenvectors make the root non-finite (the scale is finite
-    and positive), a +Inf eigenvalue would not (its scale is 0), so check both."""
+    """Mark per matrix whether both its eigenvalues and its root are finite.
+
+    Non-finite eigenvectors make the root non-finite (the scale is finite and positive),
+    a +Inf eigenvalue would not (its scale is 0), so check both.
+    """
     return eigenvalues.isfinite().all(dim=-1) & root.isfinite().flatten(-2).all(dim=-1)
 
 
@@ -56,10 +59,21 @@ def _eigh_root(matrix: Tensor, p: float, epsilon: float) -> Tensor | None:
 
 
 def inverse_root(matrix: Tensor, p: float, epsilon: float) -> Tensor:
-    """``(matrix + epsilon·I)^(-1/p)`` of a symmetric PSD matrix, in ``matrix``'s dtype.
+    """Compute ``(matrix + epsilon·I)^(-1/p)`` of a symmetric PSD matrix, in ``matrix``'s dtype.
 
-    Only the lower triangle is read. Tries ``matrix``'s dtype, then float64; raises
-    :class:`RootComputationError` when both fail.
+    Only the lower triangle is read. Tries ``matrix``'s dtype, then float64.
+
+    Args:
+        matrix: A square matrix.
+        p: The root's order (the result is the ``-1/p`` power).
+        epsilon: Added to the eigenvalues.
+
+    Returns:
+        The inverse root, a new matrix.
+
+    Raises:
+        ValueError: The matrix is not square.
+        RootComputationError: The eigendecomposition failed in both dtypes.
     """
     if matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1]:
         raise ValueError(f"inverse_root needs a square matrix, got shape {tuple(matrix.shape)}")
@@ -76,8 +90,10 @@ def inverse_root(matrix: Tensor, p: float, epsilon: float) -> Tensor:
 
 @dataclass(frozen=True)
 class RootRequest:
-    """Stacked factors ``(n, d, d)`` whose roots ``(F / correction + εI)^(-1/p)`` are
-    wanted; non-finite entries count as 0 (their statistics are reported failed)."""
+    """Stacked factors ``(n, d, d)`` whose roots ``(F / correction + εI)^(-1/p)`` are wanted.
+
+    Non-finite entries count as 0 (their statistics are reported failed).
+    """
 
     factors: Tensor
     correction: float
@@ -87,8 +103,10 @@ class RootRequest:
 
 @dataclass(frozen=True)
 class RootResult:
-    """The roots ``(n, d, d)`` of a request and, per matrix, whether it failed (then its
-    root is meaningless)."""
+    """The roots ``(n, d, d)`` of a request and, per matrix, whether it failed.
+
+    A failed matrix's root is meaningless.
+    """
 
     roots: Tensor
     failed: list[bool]
@@ -115,8 +133,10 @@ def _segments(requests: Sequence[RootRequest], key: Callable[[RootRequest], Hash
 
 
 def _prepared(requests: Sequence[RootRequest]) -> Tensor:
-    """The requests' factors stacked, divided by their corrections, non-finite entries
-    zeroed (the eigensolver must not see them): a new tensor."""
+    """Stack the requests' factors, divided by their corrections, non-finite entries zeroed.
+
+    The eigensolver must not see them; a new tensor.
+    """
     pieces = []
     for _, members in _segments(requests, lambda r: r.correction):
         joined = _cat([r.factors for r in members])
@@ -127,9 +147,11 @@ def _prepared(requests: Sequence[RootRequest]) -> Tensor:
 
 def _batched_roots(matrices: Tensor, requests: Sequence[RootRequest]
                    ) -> tuple[Tensor, Tensor] | None:
-    """The roots of the stacked ``matrices`` by one ``eigh`` and, per matrix, a mark: 0
-    if its eigenvalues and root are finite, else NaN (on the device); None if the
-    eigensolver raised."""
+    """Compute the roots of the stacked ``matrices`` by one ``eigh``, with a mark per matrix.
+
+    The mark is 0 if its eigenvalues and root are finite, else NaN (on the device); None
+    if the eigensolver raised.
+    """
     try:
         eigenvalues, eigenvectors = torch.linalg.eigh(matrices)
     except RuntimeError:  # any matrix failing fails the batch: redone one by one
@@ -150,14 +172,16 @@ class _SizeGroup:
         self.marks: Tensor | None = None
 
     def decompose(self) -> None:
-        """The roots of every matrix and their finiteness marks (on the device)."""
+        """Compute the roots of every matrix and their finiteness marks (on the device)."""
         computed = _batched_roots(self.matrices, self.requests)
         if computed is not None:
             self.roots, self.marks = computed
 
     def results(self, finite: list[bool]) -> list[RootResult]:
-        """Per request, its roots; matrices not ``finite`` (all where the eigensolver
-        raised) are redone one by one."""
+        """Return per request its roots, redoing one by one the matrices not ``finite``.
+
+        All of them where the eigensolver raised.
+        """
         roots = self.roots if self.roots is not None else torch.empty_like(self.matrices)
         failed: set[int] = set()
         out = []

@@ -46,6 +46,7 @@ class RemoteTensor:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the tensor it stands for."""
         n = 1
         for d in self.shape:
             n *= int(d)
@@ -54,9 +55,18 @@ class RemoteTensor:
 
 def describe_block_states(comm: Communicator, local: Iterable[tuple[Key, dict[str, Any]]]
                           ) -> dict[Key, dict[str, Any]]:
-    """Every block's state on every rank, tensors of other ranks' blocks replaced by
-    :class:`RemoteTensor` (collective; metadata only). This rank's tensors are its live
-    ones (not copies). Blocks come in the order of :func:`gather_block_states`."""
+    """Describe every block's state on every rank, other ranks' tensors as :class:`RemoteTensor`.
+
+    Collective; metadata only. This rank's tensors are its live ones (not copies). Blocks
+    come in the order of :func:`gather_block_states`.
+
+    Args:
+        comm: The ranks that hold the blocks.
+        local: This rank's ``(key, state)`` pairs.
+
+    Returns:
+        Every block's state, by key, the same keys on every rank.
+    """
     mine: dict[Key, dict[str, Any]] = {}
     meta: list[tuple[Key, list[tuple[Any, ...]]]] = []
     for key, state in local:
@@ -87,7 +97,15 @@ def describe_block_states(comm: Communicator, local: Iterable[tuple[Key, dict[st
 
 def gather_block_states(comm: Communicator,
                         local: Iterable[tuple[Key, dict[str, Any]]]) -> dict[Key, dict[str, Any]]:
-    """Every rank's block states, on every rank (collective: all ranks must call it)."""
+    """Gather every rank's block states onto every rank (collective: all ranks must call it).
+
+    Args:
+        comm: The ranks that hold the blocks.
+        local: This rank's ``(key, state)`` pairs.
+
+    Returns:
+        Every block's state, by key, with tensors on the CPU.
+    """
     meta: list[tuple[Key, list[tuple[Any, ...]]]] = []
     chunks: list[Tensor] = []
     for key, state in local:
