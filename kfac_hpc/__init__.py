@@ -30,6 +30,17 @@ _SUBPACKAGES = ("runtime",)  # importable without starting MPI
 
 
 def __getattr__(name: str) -> Any:
+    """Import a top-level name on first use (PEP 562).
+
+    Args:
+        name: The attribute asked for.
+
+    Returns:
+        The class or subpackage, now cached in the module.
+
+    Raises:
+        AttributeError: ``kfac_hpc`` has no such name.
+    """
     import importlib
 
     if name in _LAZY:

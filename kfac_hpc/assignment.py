@@ -14,7 +14,7 @@ K = TypeVar("K", bound=Hashable)
 
 
 def cubic_cost(dim: int) -> float:
-    """Cost of an eigendecomposition or inverse of a ``dim x dim`` matrix (∝ n³)."""
+    """Return the cost of an eigendecomposition or inverse of a ``dim x dim`` matrix (∝ n³)."""
     return float(dim) ** 3
 
 
@@ -24,11 +24,23 @@ def lpt_assign(
     *,
     initial_load: Sequence[float] | None = None,
 ) -> dict[K, int]:
-    """Longest-processing-time-first assignment of items to ``n_workers`` workers.
+    """Assign items to ``n_workers`` workers, longest processing time first.
 
     Items are taken in order of decreasing cost (ties broken by their position in
-    ``costs``, so the result depends only on the input order, never on hashing); each
-    goes to the least-loaded worker (ties: the lowest worker index). Deterministic.
+    ``costs``, so the result depends only on the input order, never on hashing); each goes
+    to the least-loaded worker (ties: the lowest worker index). Deterministic.
+
+    Args:
+        costs: Each item's cost, as a mapping or ``(item, cost)`` pairs.
+        n_workers: The number of workers (>= 1).
+        initial_load: Each worker's load before the assignment (default zeros).
+
+    Returns:
+        The worker index of every item.
+
+    Raises:
+        ValueError: ``n_workers`` is below 1, a cost is negative or not a number, or
+            ``initial_load`` has the wrong length.
     """
     if n_workers < 1:
         raise ValueError(f"n_workers must be >= 1, got {n_workers}")

@@ -29,6 +29,15 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser(names: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """Build the ``kfac-hpc`` parser.
+
+    Args:
+        names: Subcommands whose options are added (their modules are imported); None:
+            all of them.
+
+    Returns:
+        The parser, with every subcommand listed.
+    """
     parser = argparse.ArgumentParser(
         prog="kfac-hpc",
         description="Distributed K-FAC and Shampoo for PyTorch over MPI.",
@@ -42,6 +51,17 @@ def build_parser(names: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``kfac-hpc`` command.
+
+    For ``train``, preemption signals are caught from the start (before torch and MPI
+    load).
+
+    Args:
+        argv: The arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: the subcommand's, or 2 without one.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     if command == "train":  # a job: catch preemption signals before torch and MPI load

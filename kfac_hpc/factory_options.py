@@ -36,7 +36,7 @@ class _Mismatch(Exception):
 
 def coerce_options(fn: Callable[..., Any], options: Mapping[str, Any],
                    flag: str = "--model-options") -> dict[str, Any]:
-    """``options`` converted to the types ``fn``'s parameters declare.
+    """Convert ``options`` to the types ``fn``'s parameters declare.
 
     Args:
         fn: The factory whose keyword parameters receive ``options``.
@@ -73,7 +73,7 @@ def coerce_options(fn: Callable[..., Any], options: Mapping[str, Any],
 
 
 def describe_type(hint: Any) -> str:
-    """An annotation in words, e.g. ``int or a sequence of int`` for ``Sequence[int]``."""
+    """Describe an annotation in words, e.g. ``int or a sequence of int`` for ``Sequence[int]``."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is type(None):
         return "null"

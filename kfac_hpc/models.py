@@ -47,10 +47,16 @@ _COMMON_ARGS = ("num_classes", "in_channels", "image_size", "input_dim")
 
 
 def register_model(name: str) -> Callable[[ModelBuilder], ModelBuilder]:
-    """Decorator adding a builder to the registry under ``name``.
+    """Make a decorator that adds a builder to the registry under ``name``.
 
     A builder takes the keyword arguments ``num_classes``, ``in_channels``,
     ``image_size``, ``input_dim`` plus its own keyword-only options.
+
+    Args:
+        name: The name :func:`build_model` accepts.
+
+    Returns:
+        The decorator; it returns the builder unchanged.
     """
 
     def wrap(fn: ModelBuilder) -> ModelBuilder:
@@ -63,7 +69,7 @@ def register_model(name: str) -> Callable[[ModelBuilder], ModelBuilder]:
 
 
 def model_names() -> list[str]:
-    """Sorted names accepted by :func:`build_model`."""
+    """List the names accepted by :func:`build_model`, sorted."""
     return sorted(_REGISTRY)
 
 
@@ -125,6 +131,13 @@ class MLP(nn.Sequential):
     """Flatten, then Linear-ReLU blocks of widths ``hidden``, then a Linear classifier."""
 
     def __init__(self, input_dim: int, hidden: Sequence[int], num_classes: int) -> None:
+        """Build the layers.
+
+        Args:
+            input_dim: Input features (after flattening).
+            hidden: Widths of the hidden layers, in order (may be empty).
+            num_classes: Outputs of the classifier.
+        """
         layers: list[nn.Module] = [nn.Flatten()]
         width = input_dim
         for h in hidden:
@@ -181,6 +194,14 @@ class BasicBlock(nn.Module):
     expansion = 1
 
     def __init__(self, cin: int, width: int, stride: int = 1) -> None:
+        """Build the block.
+
+        Args:
+            cin: Input channels.
+            width: Output channels.
+            stride: Stride of the first conv (2 halves the resolution); a 1x1 projection
+                shortcut is added when the shape changes.
+        """
         super().__init__()
         self.conv1 = _conv3x3(cin, width, stride)
         self.bn1 = nn.BatchNorm2d(width)
@@ -190,9 +211,11 @@ class BasicBlock(nn.Module):
         self.shortcut = _projection(cin, width, stride)
 
     def last_bn(self) -> nn.BatchNorm2d:
+        """Return the BatchNorm before the residual sum (zeroed by ``zero_init_residual``)."""
         return self.bn2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Map ``(b, cin, h, w)`` to ``(b, width, h / stride, w / stride)``."""
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
         identity = x if self.shortcut is None else self.shortcut(x)
@@ -205,6 +228,14 @@ class Bottleneck(nn.Module):
     expansion = 4
 
     def __init__(self, cin: int, width: int, stride: int = 1) -> None:
+        """Build the block.
+
+        Args:
+            cin: Input channels.
+            width: Channels of the inner 3x3 conv; the output has ``4 * width``.
+            stride: Stride of the 3x3 conv (2 halves the resolution); a 1x1 projection
+                shortcut is added when the shape changes.
+        """
         super().__init__()
         cout = width * self.expansion
         self.conv1 = _conv1x1(cin, width)
@@ -217,9 +248,11 @@ class Bottleneck(nn.Module):
         self.shortcut = _projection(cin, cout, stride)
 
     def last_bn(self) -> nn.BatchNorm2d:
+        """Return the BatchNorm before the residual sum (zeroed by ``zero_init_residual``)."""
         return self.bn3
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Map ``(b, cin, h, w)`` to ``(b, 4 * width, h / stride, w / stride)``."""
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.relu(self.bn2(self.conv2(out)))
         out = self.bn3(self.conv3(out))
@@ -241,6 +274,19 @@ class ResNet(nn.Module):
         num_classes: int,
         zero_init_residual: bool = False,
     ) -> None:
+        """Build the network; convs get Kaiming-normal weights, BatchNorms ones and zeros.
+
+        Args:
+            block: The residual block class.
+            depths: Blocks per stage.
+            widths: Width per stage (the block's ``width``); every stage after the first
+                halves the resolution.
+            stem: The input layers.
+            stem_channels: Channels the stem outputs.
+            num_classes: Outputs of the classifier.
+            zero_init_residual: Zero the last BatchNorm of every block, so each block starts
+                as the identity.
+        """
         super().__init__()
         self.stem = stem
         stages: list[nn.Module] = []
@@ -271,6 +317,7 @@ class ResNet(nn.Module):
                     nn.init.zeros_(m.last_bn().weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Map images ``(b, c, h, w)`` to logits ``(b, num_classes)``."""
         x = self.stages(self.stem(x))
         return self.fc(torch.flatten(self.pool(x), 1))
 
@@ -360,6 +407,15 @@ class CausalSelfAttention(nn.Module):
     """
 
     def __init__(self, dim: int, heads: int) -> None:
+        """Build the four projections.
+
+        Args:
+            dim: Model width; a multiple of ``heads``.
+            heads: Attention heads.
+
+        Raises:
+            ValueError: ``dim`` is not a multiple of ``heads``.
+        """
         super().__init__()
         if dim % heads:
             raise ValueError(f"gpt dim ({dim}) must be a multiple of heads ({heads})")
@@ -370,6 +426,7 @@ class CausalSelfAttention(nn.Module):
         self.out = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Map ``(b, T, dim)`` to ``(b, T, dim)``; a position attends to itself and earlier ones."""
         b, t, d = x.shape
         h = self.heads
 
@@ -385,6 +442,13 @@ class TransformerBlock(nn.Module):
     """Pre-LayerNorm block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))`` (GELU MLP)."""
 
     def __init__(self, dim: int, heads: int, mlp_ratio: int) -> None:
+        """Build the block.
+
+        Args:
+            dim: Model width.
+            heads: Attention heads (a divisor of ``dim``).
+            mlp_ratio: Hidden width of the MLP as a multiple of ``dim``.
+        """
         super().__init__()
         self.ln1 = nn.LayerNorm(dim)
         self.attn = CausalSelfAttention(dim, heads)
@@ -394,14 +458,17 @@ class TransformerBlock(nn.Module):
         self.proj = nn.Linear(mlp_ratio * dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Map ``(b, T, dim)`` to ``(b, T, dim)``."""
         x = x + self.attn(self.ln1(x))
         return x + self.proj(self.act(self.fc(self.ln2(x))))
 
 
 class GPT(nn.Module):
-    """Decoder-only language model: token + positional ``nn.Embedding``, pre-LN blocks,
-    final LayerNorm, ``nn.Linear`` head. Input: token indices ``(b, T)`` (int64, ``T`` ≤
-    ``context``); output: logits ``(b, T, vocab)`` for the next token at each position.
+    """Decoder-only language model: token and positional embeddings, pre-LN blocks, a head.
+
+    Token + positional ``nn.Embedding``, pre-LN blocks, final LayerNorm, ``nn.Linear``
+    head. Input: token indices ``(b, T)`` (int64, ``T`` ≤ ``context``); output: logits
+    ``(b, T, vocab)`` for the next token at each position.
 
     The positional embedding is looked up with positions expanded to ``(b, T)``, so K-FAC
     sees one row per (example, position) for it as for the token embedding. LayerNorm
@@ -410,6 +477,16 @@ class GPT(nn.Module):
 
     def __init__(self, vocab: int, context: int, dim: int, depth: int, heads: int,
                  mlp_ratio: int) -> None:
+        """Build the model; linear and embedding weights are drawn from N(0, 0.02²), biases zero.
+
+        Args:
+            vocab: Vocabulary size (inputs and outputs).
+            context: The longest sequence.
+            dim: Model width.
+            depth: Transformer blocks.
+            heads: Attention heads per block.
+            mlp_ratio: Hidden width of each MLP as a multiple of ``dim``.
+        """
         super().__init__()
         self.context = context
         self.tok = nn.Embedding(vocab, dim)
@@ -425,6 +502,11 @@ class GPT(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Map token indices ``(b, T)`` to next-token logits ``(b, T, vocab)``.
+
+        Raises:
+            ValueError: ``T`` exceeds the context.
+        """
         idx = idx.long()
         b, t = idx.shape
         if t > self.context:
@@ -449,8 +531,11 @@ def _gpt(
     mlp_ratio: int = 4,
     context: int | None = None,
 ) -> nn.Module:
-    """Small decoder-only transformer; ``num_classes`` is the vocabulary (256: bytes),
-    ``input_dim`` the sequence length (the default ``context``)."""
+    """Build a small decoder-only transformer.
+
+    ``num_classes`` is the vocabulary (256: bytes), ``input_dim`` the sequence length
+    (the default ``context``).
+    """
     ctx = context if context is not None else input_dim
     if ctx is None or ctx < 1:
         raise ValueError("gpt needs a context length (context=, or input_dim = sequence length)")

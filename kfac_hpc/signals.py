@@ -16,8 +16,17 @@ REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "checkpointed (or nothing to save yet), r
 
 
 def parse_signal(name: str | int) -> signal.Signals:
-    """``"USR1"``, ``"SIGUSR1"``, ``"10"`` or ``10`` -> ``signal.SIGUSR1``, with a clear
-    error naming the value."""
+    """Read a signal given as ``"USR1"``, ``"SIGUSR1"``, ``"10"`` or ``10``.
+
+    Args:
+        name: A signal name (with or without ``SIG``, any case) or number.
+
+    Returns:
+        The signal, e.g. ``signal.SIGUSR1``.
+
+    Raises:
+        ValueError: The name is not a signal; names the value.
+    """
     if isinstance(name, int) or name.isdigit():
         return signal.Signals(int(name))
     text = name.upper()
