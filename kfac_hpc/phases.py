@@ -138,7 +138,7 @@ class PhaseTimer:
             self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - t0
 
     def seconds(self, phase: Phase) -> float:
-        """Seconds spent in ``phase`` this step (0.0 if it did not run).
+        """Return the seconds spent in ``phase`` this step (0.0 if it did not run).
 
         Args:
             phase: The phase asked for.
@@ -149,7 +149,7 @@ class PhaseTimer:
         return self.times.get(phase, 0.0)
 
     def record(self) -> dict[str, float]:
-        """The step's times as record fields.
+        """Return the step's times as record fields.
 
         Returns:
             ``{"time_<phase>": seconds}`` for the phases that ran this step.

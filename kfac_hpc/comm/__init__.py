@@ -44,7 +44,7 @@ _world: Communicator | None = None
 
 
 def world() -> Communicator:
-    """The process-wide communicator over ``MPI.COMM_WORLD`` (created on first use)."""
+    """Return the process-wide communicator over ``MPI.COMM_WORLD`` (created on first use)."""
     global _world
     if _world is None:
         _world = Communicator()

@@ -45,22 +45,26 @@ DEFAULT_PROFILE = "a100-ib200"
 class ComputeRates:
     """Compute speed of one rank.
 
-    ``train_flops``: effective flop/s of forward+backward counted over the K-FAC layers
-    (convolutions and linear layers; the rest of the network is folded into the rate).
-    ``gemm_flops``: matrix products (factor statistics, preconditioning).
-    ``mem_bandwidth``: bytes/s of elementwise work (running averages, packing, copies).
-    ``op_overhead_s``: framework time per tensor operation (Python, dispatch, launch).
-    ``overlap_efficiency``: fraction (0..1) of the compute that communication started
-    from hooks can hide behind (``overlap=True``, gradient averaging).
-    ``im2col_bandwidth``: bytes/s of the patch matrix (unfold) a Conv2d's A needs.
-    ``module_overhead_s``: framework time of one leaf module's forward + backward beyond
-    its FLOPs (3 ``op_overhead_s`` if unset); ``param_overhead_s``: optimizer time per
-    parameter tensor (3 ``op_overhead_s`` if unset). ``sync_overhead_s``: what each
-    blocking collective costs beyond α–β when ranks reach it from computation
-    (arrival skew, scheduling; large where ranks share cores).
-    ``eigh`` / ``inverse``: ``[n, seconds]`` measured for one ``n x n`` decomposition;
-    interpolated log-log in between, ``∝ n³`` above the largest size and ``∝ n`` below
-    the smallest.
+    Attributes:
+        train_flops: Effective flop/s of forward+backward counted over the K-FAC layers
+            (convolutions and linear layers; the rest of the network is folded into the
+            rate).
+        gemm_flops: Flop/s of matrix products (factor statistics, preconditioning).
+        mem_bandwidth: Bytes/s of elementwise work (running averages, packing, copies).
+        op_overhead_s: Framework time per tensor operation (Python, dispatch, launch).
+        eigh: ``[n, seconds]`` measured for one ``n x n`` eigendecomposition;
+            interpolated log-log in between, ``∝ n³`` above the largest size and ``∝ n``
+            below the smallest.
+        inverse: ``[n, seconds]`` of one ``n x n`` inverse, read as ``eigh``.
+        overlap_efficiency: Fraction (0..1) of the compute that communication started
+            from hooks can hide behind (``overlap=True``, gradient averaging).
+        im2col_bandwidth: Bytes/s of the patch matrix (unfold) a Conv2d's A needs (0:
+            ``mem_bandwidth / 4``).
+        module_overhead_s: Framework time of one leaf module's forward + backward beyond
+            its FLOPs (0: 3 ``op_overhead_s``).
+        param_overhead_s: Optimizer time per parameter tensor (0: 3 ``op_overhead_s``).
+        sync_overhead_s: What each blocking collective costs beyond α–β when ranks reach
+            it from computation (arrival skew, scheduling; large where ranks share cores).
     """
 
     train_flops: float

@@ -30,7 +30,7 @@ def mode_matrices(blocks: Tensor, i: int) -> Tensor:
 
 
 def accumulate_factors(factors: Sequence[Tensor], blocks: Tensor, beta2: float) -> None:
-    """``F_i ← β2·F_i + (1-β2)·X_(i) X_(i)ᵀ`` in place, one batched GEMM per factor.
+    """Update ``F_i ← β2·F_i + (1-β2)·X_(i) X_(i)ᵀ`` in place, one batched GEMM per factor.
 
     ``β2 = 1`` is the plain sum ``F_i ← F_i + X_(i) X_(i)ᵀ``. The scaling is fused into
     the GEMM (``baddbmm``), so ``F_i`` is read and written once; compared with a
@@ -59,7 +59,7 @@ def diagonal_marks(factors: Sequence[Tensor]) -> Tensor:
 
 
 def precondition(blocks: Tensor, roots: Sequence[Tensor]) -> Tensor:
-    """``X ×_1 R_1 ×_2 R_2 …`` for every block ``X`` of a batch ``(n, d_1, …, d_k)``.
+    """Compute ``X ×_1 R_1 ×_2 R_2 …`` for every block ``X`` of a batch ``(n, d_1, …, d_k)``.
 
     Args:
         blocks: the batch.

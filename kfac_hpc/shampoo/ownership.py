@@ -27,7 +27,15 @@ __all__ = ["Layout", "assign_owners"]
 
 
 def assign_owners(blocks: Sequence[BlockSpec], world_size: int) -> dict[tuple[str, int], int]:
-    """Owner rank of every block (LPT by cost, deterministic; ties by position)."""
+    """Assign every block an owner rank (LPT by cost, deterministic; ties by position).
+
+    Args:
+        blocks: Every block, in global order.
+        world_size: The number of ranks.
+
+    Returns:
+        The owner of every block, keyed ``(parameter name, block index)``.
+    """
     return lpt_assign([(b.key, b.cost) for b in blocks], world_size)
 
 
@@ -45,7 +53,7 @@ class Layout:
     @staticmethod
     def build(blocks: Sequence[BlockSpec], world_size: int,
               kinds: Sequence[Hashable] | None = None) -> Layout:
-        """The layout of ``blocks`` (global order) over ``world_size`` ranks.
+        """Lay out ``blocks`` (global order) over ``world_size`` ranks.
 
         Args:
             blocks: every block, in global order.
@@ -78,20 +86,20 @@ class Layout:
         return sum(self.counts)
 
     def owned(self, rank: int) -> list[int]:
-        """Indices (into :attr:`blocks`) of the blocks ``rank`` owns, in global order."""
+        """List the indices (into :attr:`blocks`) of the blocks ``rank`` owns, in global order."""
         return [i for i, r in enumerate(self.owners) if r == rank]
 
     def span(self, i: int) -> slice:
-        """Where block ``i``'s update lies in the gathered buffer."""
+        """Return where block ``i``'s update lies in the gathered buffer."""
         return slice(self.offsets[i], self.offsets[i] + self.blocks[i].numel)
 
     def local_span(self, i: int) -> slice:
-        """Where block ``i``'s update lies in its owner's send buffer."""
+        """Return where block ``i``'s update lies in its owner's send buffer."""
         start = self.offsets[i] - self.status_offsets[self.owners[i]]
         return slice(start, start + self.blocks[i].numel)
 
     def load(self) -> list[float]:
-        """Total cost per rank (for inspection)."""
+        """Return the total cost per rank (for inspection)."""
         loads = [0.0] * self.world_size
         for b, r in zip(self.blocks, self.owners):
             loads[r] += b.cost

@@ -198,7 +198,7 @@ class _SizeGroup:
 
 
 def inverse_roots(requests: Sequence[RootRequest]) -> list[RootResult]:
-    """:func:`inverse_root` of every matrix of every request, batched by size and dtype.
+    """Compute :func:`inverse_root` of every matrix of every request, batched by size and dtype.
 
     One ``torch.linalg.eigh`` per distinct (size, dtype, device) over all requests, one
     host read for the finiteness of all results; matrices that failed (and all those of

@@ -55,7 +55,7 @@ class BlockStack:
 
     def rows(self, key: str, states: Sequence[BlockState], start: int,
              item_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-        """Rows ``start:start + len(states)`` of the stacked ``key``, bound to ``states``.
+        """Return rows ``start:start + len(states)`` of the stacked ``key``, bound to ``states``.
 
         Args:
             key: the state key.
@@ -90,7 +90,7 @@ class BlockStack:
         state[key] = row
 
     def tensors(self) -> dict[str, Tensor]:
-        """The stacked tensors, by key (for inspection)."""
+        """Return the stacked tensors, by key (for inspection)."""
         return dict(self._tensors)
 
 
@@ -124,7 +124,7 @@ class Run:
 
     def rows(self, key: str, item_shape: tuple[int, ...], dtype: torch.dtype,
              device: torch.device) -> Tensor:
-        """The run's rows of the stacked ``key`` (see :meth:`BlockStack.rows`)."""
+        """Return the run's rows of the stacked ``key`` (see :meth:`BlockStack.rows`)."""
         return self.stack.rows(key, self.states, self.start, item_shape, dtype, device)
 
 
