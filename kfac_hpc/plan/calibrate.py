@@ -42,6 +42,7 @@ from mpi4py import MPI
 from torch import nn
 
 from kfac_hpc.comm import Communicator
+from kfac_hpc.files import write_text_atomic
 from kfac_hpc.plan.collectives import COLLECTIVES, LinkCost, coefficients
 from kfac_hpc.plan.profile import ComputeRates, Profile, load_profile
 
@@ -357,7 +358,7 @@ def run(args: argparse.Namespace) -> int:
             raw_path = args.out.with_suffix(f".n{size}.samples.json")
             import json
 
-            raw_path.write_text(json.dumps(raw, indent=1) + "\n")
+            write_text_atomic(raw_path, json.dumps(raw, indent=1) + "\n")
         say(f"wrote {args.out} (world size {size})")
     comm.mpi.Barrier()
     return 0

@@ -23,6 +23,7 @@ from typing import Any
 
 from torch import nn
 
+from kfac_hpc.files import write_text_atomic
 from kfac_hpc.kfac.options import DEFAULT_LOW_RANK_MIN_DIM
 from kfac_hpc.plan.choose import baselines, plan
 from kfac_hpc.plan.cost import PHASES, STRATEGIES, Estimate, KFACOptions, estimate, estimate_sgd
@@ -221,6 +222,6 @@ def run(args: argparse.Namespace) -> int:
                               "baselines": extra})
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1) + "\n")
+        write_text_atomic(args.json, json.dumps(out, indent=1) + "\n")
         print(f"\nwrote {args.json}")
     return 0

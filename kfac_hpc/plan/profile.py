@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kfac_hpc.files import write_text_atomic
 from kfac_hpc.plan.collectives import COLLECTIVES, LinkCost
 
 __all__ = ["PROFILE_DIR", "ComputeRates", "Profile", "bundled_profiles", "default_profile",
@@ -231,7 +232,7 @@ class Profile:
         )
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the profile as JSON, making missing folders.
+        """Write the profile as JSON, atomically, making missing folders.
 
         Args:
             path: The file to write.
@@ -239,10 +240,7 @@ class Profile:
         Returns:
             The path written.
         """
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
-        return path
+        return write_text_atomic(path, json.dumps(self.to_json(), indent=1) + "\n")
 
 
 def _link(value: Mapping[str, Any] | LinkCost) -> LinkCost:
