@@ -20,24 +20,37 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 import torch
 from torch import nn
 
 from kfac_hpc.checkpoint import devices, rng, tree
+from kfac_hpc.checkpoint.contracts import (
+    CheckpointOptimizer,
+    CheckpointPreconditioner,
+    ShardedState,
+)
 from kfac_hpc.checkpoint.errors import CheckpointError
 from kfac_hpc.checkpoint.finite import checked, nonfinite_count
 from kfac_hpc.checkpoint.layout import KFAC, MODEL, OPTIMIZER, RNG, TRAIN, escape
 from kfac_hpc.checkpoint.routing import EVERY_RANK, Plan, fetcher
-from kfac_hpc.checkpoint.state import TORCH_LAYOUT, ShardedState, torch_state_from_names, unwrap
+from kfac_hpc.checkpoint.state import (
+    TORCH_LAYOUT,
+    torch_layout,
+    torch_state_from_names,
+    unwrap,
+)
 from kfac_hpc.checkpoint.writer import factor_path, kfac_rank_group
+from kfac_hpc.kfac.state import KFACStateDict
 
 if TYPE_CHECKING:
     from kfac_hpc.comm import Communicator
 
 __all__ = ["ORDER", "Ready", "apply", "prepare"]
+
+_T = TypeVar("_T")
 
 #: The order in which sections are applied (and restored in reverse).
 ORDER = ("kfac", "optimizer", "model", "rng")
@@ -61,7 +74,8 @@ def _kind(t: torch.Tensor) -> str:
 
 # ------------------------------------------------------------------ prepare
 def prepare(comm: Communicator, plan: Plan, staged: dict[str, np.ndarray], model: nn.Module,
-            optimizer: Any, preconditioner: Any) -> Ready:
+            optimizer: CheckpointOptimizer | None,
+            preconditioner: CheckpointPreconditioner | None) -> Ready:
     """Build what each section loads, on its target device; problems are agreed on."""
     ready = Ready()
     problems: list[str] = []
@@ -71,9 +85,9 @@ def prepare(comm: Communicator, plan: Plan, staged: dict[str, np.ndarray], model
             if bad:
                 problems.append(f"dataset {p} holds NaN/Inf ({bad} of {arr.size} values): "
                                 "written by a run that had diverged; load an earlier checkpoint")
-    builders: dict[str, Callable[[], Any]] = {
+    builders: dict[str, Callable[[], object]] = {
         "kfac": lambda: _kfac_state(comm, plan, staged, model),
-        "optimizer": lambda: _optimizer_state(comm, plan, staged, model, optimizer),
+        "optimizer": lambda: _optimizer_state(comm, plan, staged, model, _given(optimizer)),
         "model": lambda: _model_state(plan, staged, model, problems),
         "rng": lambda: _rng_state(comm, plan, staged, problems),
     }
@@ -112,25 +126,35 @@ def _model_state(plan: Plan, staged: dict[str, np.ndarray], model: nn.Module,
     return sd
 
 
+def _given(obj: _T | None) -> _T:
+    """``obj``, which the plan holds a section for (so it was given)."""
+    assert obj is not None, "a section was planned for an object that was not given"
+    return obj
+
+
 def _optimizer_state(comm: Communicator, plan: Plan, staged: dict[str, np.ndarray],
-                     model: nn.Module, optimizer: Any) -> Any:
+                     model: nn.Module, optimizer: CheckpointOptimizer) -> Any:
+    """The optimizer's ``state_dict`` for this rank, each tensor on its device."""
     attrs = plan.groups[f"/{OPTIMIZER}"]
     skip = None
     if isinstance(optimizer, ShardedState):  # other ranks' parts were routed to them
+        sharded = optimizer
+
         def skip(key_path: tree.KeyPath) -> bool:
-            rank = optimizer.checkpoint_load_rank(key_path)
+            rank = sharded.checkpoint_load_rank(key_path)
             return rank is not None and rank != comm.rank
     saved = tree.decode(json.loads(attrs["structure"]), fetcher(plan, staged, f"/{OPTIMIZER}"),
                         skip)
-    if attrs["layout"] == TORCH_LAYOUT:
-        sd, _ = torch_state_from_names(optimizer, model, saved, set(plan.skip_optimizer_state),
+    torch_opt = torch_layout(optimizer)
+    if attrs["layout"] == TORCH_LAYOUT and torch_opt is not None:  # the plan checked both
+        sd, _ = torch_state_from_names(torch_opt, model, saved, set(plan.skip_optimizer_state),
                                        strict=False)
-        return devices.place_torch_optimizer(optimizer, sd)
+        return devices.place_torch_optimizer(torch_opt, sd)
     return devices.place_generic_optimizer(model, saved)
 
 
 def _kfac_state(comm: Communicator, plan: Plan, staged: dict[str, np.ndarray],
-                model: nn.Module) -> dict[str, Any]:
+                model: nn.Module) -> KFACStateDict:
     """The preconditioner's ``state_dict`` for this rank, on the model's device."""
     attrs = plan.groups[f"/{KFAC}"]
     table = json.loads(attrs["factors"])
@@ -144,19 +168,22 @@ def _kfac_state(comm: Communicator, plan: Plan, staged: dict[str, np.ndarray],
                 factors[key] = fetch(p[1:])
             elif p.startswith(prefix + "_") and "/" not in p[len(prefix) + 1:]:
                 eigen.setdefault(key, {})[p[len(prefix) + 1:]] = fetch(p[1:])
-    state: dict[str, Any] = {
+    state: KFACStateDict = {
         "step": int(attrs["step"]), "factors": factors,
         "factor_updates": {k: int(v["updates"]) for k, v in table.items()},
         "config": json.loads(attrs["config"])}
     if eigen:
         state["eigenbases"] = eigen
     src = plan.kfac_source.get(comm.rank, plan.kfac_source.get(EVERY_RANK))
-    if src is not None:
+    if src is not None:  # the entries rank src's state_dict() had besides these (history, ...)
         group = kfac_rank_group(src)
         others = tree.decode(json.loads(plan.groups[group]["structure"]),
                              fetcher(plan, staged, group))
-        state.update({k: v for k, v in others.items() if k not in state})
-    return dict(devices.to_device(state, devices.model_device(model)))
+        # KFACStateDict names the entries every preconditioner has; a preconditioner's
+        # own entries come back as they were saved, next to them
+        state = cast("KFACStateDict", {**state, **{k: v for k, v in others.items()
+                                                   if k not in state}})
+    return cast("KFACStateDict", devices.to_device(state, devices.model_device(model)))
 
 
 def _rng_state(comm: Communicator, plan: Plan, staged: dict[str, np.ndarray],
@@ -172,24 +199,23 @@ def _rng_state(comm: Communicator, plan: Plan, staged: dict[str, np.ndarray],
 
 
 # ------------------------------------------------------------------ apply
-def apply(comm: Communicator, plan: Plan, ready: Ready, model: nn.Module, optimizer: Any,
-          preconditioner: Any, strict: bool) -> list[str]:
+def apply(comm: Communicator, plan: Plan, ready: Ready, model: nn.Module,
+          optimizer: CheckpointOptimizer | None,
+          preconditioner: CheckpointPreconditioner | None, strict: bool) -> list[str]:
     """Apply every prepared section, or (a failure on any rank) none: returns them."""
     net = unwrap(model)
     sections = [s for s in ORDER if s in ready.sections]
 
-    def take(section: str) -> Any:
+    def take(section: str) -> object:
         if section == "kfac":
-            try:
-                return preconditioner.state_dict(eigenbases=True)
-            except TypeError:
-                return preconditioner.state_dict()
+            return _given(preconditioner).state_dict(eigenbases=True)
         if section == "optimizer":
-            sd = (optimizer.local_state_dict() if isinstance(optimizer, ShardedState)
-                  else optimizer.state_dict())
-            if isinstance(sd, dict) and isinstance(sd.get("state"), dict):
+            opt = _given(optimizer)
+            sd = opt.local_state_dict() if isinstance(opt, ShardedState) else opt.state_dict()
+            state = sd.get("state")
+            if isinstance(state, dict):
                 sd = {**sd, "state": {k: dict(v) if isinstance(v, dict) else v
-                                      for k, v in sd["state"].items()}}
+                                      for k, v in state.items()}}
             return sd
         if section == "model":  # on the host (a meta tensor has no data to copy)
             return {k: v.detach().clone() if v.is_meta else v.detach().to("cpu", copy=True)
@@ -198,9 +224,9 @@ def apply(comm: Communicator, plan: Plan, ready: Ready, model: nn.Module, optimi
 
     def put(section: str, value: Any, restoring: bool = False) -> None:
         if section == "kfac":
-            preconditioner.load_state_dict(value)
+            _given(preconditioner).load_state_dict(value)
         elif section == "optimizer":
-            optimizer.load_state_dict(value)
+            _given(optimizer).load_state_dict(value)
         elif section == "model" and restoring:
             _copy_back(net, value)
         elif section == "model":

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from kfac_hpc.checkpoint.contracts import CheckpointOptimizer, CheckpointPreconditioner
 from kfac_hpc.checkpoint.writer import (
     _stage,
     _Staged,
@@ -69,7 +70,8 @@ class BackgroundSaver:
         return self._thread is not None
 
     def save(self, directory_or_path: str | os.PathLike[str], *, model: nn.Module,
-             optimizer: Any, preconditioner: Any = None, step: int,
+             optimizer: CheckpointOptimizer | None,
+             preconditioner: CheckpointPreconditioner | None = None, step: int,
              extra: dict[str, Any] | None = None, keep_last: int | None = 3,
              store_eigenbases: bool = True, fletcher32: bool = True,
              parallel: bool | None = None, prefetch: bool = False,

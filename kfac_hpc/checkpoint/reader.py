@@ -37,7 +37,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from kfac_hpc.checkpoint import apply, atomic, tree
+from kfac_hpc.checkpoint import apply, atomic, contracts, tree
+from kfac_hpc.checkpoint.contracts import (
+    CheckpointOptimizer,
+    CheckpointPreconditioner,
+    ShardedState,
+)
 from kfac_hpc.checkpoint.errors import CheckpointError
 from kfac_hpc.checkpoint.layout import (
     KFAC,
@@ -52,8 +57,8 @@ from kfac_hpc.checkpoint.layout import (
 from kfac_hpc.checkpoint.routing import EVERY_RANK, Plan, Route
 from kfac_hpc.checkpoint.state import (
     TORCH_LAYOUT,
-    ShardedState,
     optimizer_layout,
+    torch_layout,
     torch_state_from_names,
     unwrap,
 )
@@ -95,7 +100,9 @@ class _Placeholder:
 
 # ----------------------------------------------------------------- phase 1
 def _check(path: str, f: h5py.File, info: FileInfo, comm: Communicator, model: nn.Module,
-           optimizer: Any, preconditioner: Any, strict: bool, restore_rng: bool) -> Plan:
+           optimizer: CheckpointOptimizer | None,
+           preconditioner: CheckpointPreconditioner | None, strict: bool,
+           restore_rng: bool) -> Plan:
     """Compare the file with the live objects (rank 0) and route every dataset."""
     manifest = info.manifest
     mismatches: list[str] = []
@@ -147,10 +154,11 @@ def _check(path: str, f: h5py.File, info: FileInfo, comm: Communicator, model: n
             ok = False
         if ok and attrs is not None:
             structure = json.loads(attrs["structure"])
-            if attrs.get("layout") == TORCH_LAYOUT:
+            torch_opt = torch_layout(optimizer)
+            if attrs.get("layout") == TORCH_LAYOUT and torch_opt is not None:  # checked above
                 saved = tree.decode(structure, lambda _: _Placeholder())
                 skip_state = sorted(bad_shape)
-                _, problems = torch_state_from_names(optimizer, model, saved, set(skip_state),
+                _, problems = torch_state_from_names(torch_opt, model, saved, set(skip_state),
                                                      strict=False)
                 mismatches += problems
             # a sharded optimizer's parts go to their owners now (any saved rank count)
@@ -383,8 +391,10 @@ def _locate(directory_or_path: str | os.PathLike[str]) -> Path:
     return path
 
 
-def load(directory_or_path: str | os.PathLike[str], *, model: nn.Module, optimizer: Any,
-         preconditioner: Any = None, comm: Communicator | None = None, strict: bool = True,
+def load(directory_or_path: str | os.PathLike[str], *, model: nn.Module,
+         optimizer: CheckpointOptimizer | None,
+         preconditioner: CheckpointPreconditioner | None = None,
+         comm: Communicator | None = None, strict: bool = True,
          read_mode: Literal["root", "owners", "all"] = "owners",
          restore_rng: bool = True) -> LoadInfo:
     """Load a checkpoint (collective) into live objects; a directory means its latest.
@@ -405,6 +415,8 @@ def load(directory_or_path: str | os.PathLike[str], *, model: nn.Module, optimiz
     if read_mode not in ("root", "owners", "all"):
         raise ValueError(f"read_mode must be 'root', 'owners' or 'all', got {read_mode!r}")
     comm = resolve_comm(comm, preconditioner)
+    contracts.agree(comm, contracts.problems(optimizer=optimizer, preconditioner=preconditioner),
+                    "checkpoint load")
     plan: Plan | None = None
     f: h5py.File | None = None
     error: CheckpointError | None = None

@@ -8,35 +8,35 @@
 * Any other optimizer (e.g. ``kfac_hpc.shampoo.DistributedShampoo``) is *generic*:
   its ``state_dict()`` is stored as it is and handed back to its ``load_state_dict()``.
   A generic optimizer whose state is spread over the ranks implements
-  :class:`ShardedState`: a load then reads each part of the state on the rank that
-  owns it now (never the whole state on every rank) and keeps only this rank's part
-  for a rollback.
+  :class:`~kfac_hpc.checkpoint.contracts.ShardedState`: a load then reads each part of
+  the state on the rank that owns it now (never the whole state on every rank) and
+  keeps only this rank's part for a rollback.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch import nn
 
+from kfac_hpc.checkpoint.contracts import CheckpointOptimizer, ShardedState
+
+__all__ = [
+    "GENERIC_LAYOUT",
+    "TORCH_LAYOUT",
+    "ShardedState",
+    "group_param_names",
+    "optimizer_layout",
+    "torch_layout",
+    "torch_state_by_name",
+    "torch_state_from_names",
+    "unwrap",
+]
+
 TORCH_LAYOUT = "torch"
 GENERIC_LAYOUT = "generic"
-
-
-@runtime_checkable
-class ShardedState(Protocol):
-    """An optimizer whose ranks each hold part of its ``state_dict()``."""
-
-    def checkpoint_load_rank(self, key_path: tuple[Any, ...]) -> int | None:
-        """The rank that loads the saved entry at ``key_path`` (dict keys from the root of
-        ``state_dict()``, e.g. ``("state", name, block)``) and everything under it; None:
-        not decided at this entry (deeper entries are asked; every rank if none says)."""
-
-    def local_state_dict(self) -> dict[str, Any]:
-        """This rank's part of ``state_dict()`` (no collective): ``load_state_dict`` of it
-        on the same ranks restores this rank."""
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -48,13 +48,34 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def optimizer_layout(optimizer: Any) -> str:
-    """``"torch"`` for optimizers that keep torch's state_dict layout, else ``"generic"``."""
+def torch_layout(optimizer: CheckpointOptimizer) -> torch.optim.Optimizer | None:
+    """Return ``optimizer`` if it keeps torch's ``state_dict`` layout, else None.
+
+    Args:
+        optimizer: Any optimizer handed to ``save``/``load``.
+
+    Returns:
+        The optimizer, typed as a ``torch.optim.Optimizer``, when it is one whose
+        ``state_dict`` and ``load_state_dict`` are torch's own; None otherwise.
+    """
     if isinstance(optimizer, torch.optim.Optimizer) and (
             type(optimizer).state_dict is torch.optim.Optimizer.state_dict
             and type(optimizer).load_state_dict is torch.optim.Optimizer.load_state_dict):
-        return TORCH_LAYOUT
-    return GENERIC_LAYOUT
+        return optimizer
+    return None
+
+
+def optimizer_layout(optimizer: CheckpointOptimizer) -> str:
+    """Return how ``optimizer``'s state is stored.
+
+    Args:
+        optimizer: Any optimizer handed to ``save``/``load``.
+
+    Returns:
+        ``"torch"`` for optimizers that keep torch's state_dict layout (see
+        :func:`torch_layout`), else ``"generic"``.
+    """
+    return TORCH_LAYOUT if torch_layout(optimizer) is not None else GENERIC_LAYOUT
 
 
 def _names_by_id(model: nn.Module) -> dict[int, str]:

@@ -21,9 +21,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from kfac_hpc.checkpoint.contracts import RemoteLeaf
 from kfac_hpc.checkpoint.layout import escape, torch_dtype
 
-Leaf = torch.Tensor | np.ndarray
+#: What :func:`encode` stores as a dataset: a tensor, an array, or a placeholder for a
+#: tensor another rank holds and sends (streaming saves).
+Leaf = torch.Tensor | np.ndarray | RemoteLeaf
 
 
 class UnsupportedValue(TypeError):
@@ -72,7 +75,7 @@ def encode(obj: Any, where: str = "") -> tuple[Any, list[tuple[str, Leaf]]]:
                 raise UnsupportedValue(f"{where}/{name(path)}: sparse tensors are not supported")
             leaves.append((name(path), o))
             return {"tensor": name(path)}
-        if hasattr(o, "remote_owner"):  # held by another rank (streaming saves): a tensor
+        if isinstance(o, RemoteLeaf):  # held by another rank (streaming saves): a tensor
             leaves.append((name(path), o))
             return {"tensor": name(path)}
         if isinstance(o, np.ndarray):
@@ -104,6 +107,26 @@ def encode(obj: Any, where: str = "") -> tuple[Any, list[tuple[str, Leaf]]]:
                                "(use tensors, arrays, numbers, strings, None, dicts, lists)")
 
     return enc(obj, []), leaves
+
+
+def held(path: str, leaf: Leaf) -> torch.Tensor | np.ndarray:
+    """Return ``leaf`` if this rank holds its data.
+
+    Args:
+        path: Where the leaf is stored (for the message).
+        leaf: A leaf of :func:`encode`.
+
+    Returns:
+        The tensor or array.
+
+    Raises:
+        UnsupportedValue: ``leaf`` is a placeholder of another rank's tensor, which only
+            an optimizer's ``checkpoint_state_dict()`` may hold.
+    """
+    if isinstance(leaf, RemoteLeaf):
+        raise UnsupportedValue(f"{path}: a placeholder of rank {leaf.remote_owner}'s tensor "
+                               "(only an optimizer's checkpoint_state_dict() may hold them)")
+    return leaf
 
 
 KeyPath = tuple[Any, ...]  # dict keys from the root of a structure to one entry

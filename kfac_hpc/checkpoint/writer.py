@@ -36,6 +36,7 @@ import os
 import platform
 import queue
 import threading
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +47,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from kfac_hpc.checkpoint import atomic, rng, storage, tree
+from kfac_hpc.checkpoint import atomic, contracts, rng, storage, tree
+from kfac_hpc.checkpoint.contracts import (
+    CheckpointOptimizer,
+    CheckpointPreconditioner,
+    RemoteLeaf,
+    StreamingState,
+)
 from kfac_hpc.checkpoint.errors import CheckpointError, NonFiniteStateError
 from kfac_hpc.checkpoint.finite import all_finite
 from kfac_hpc.checkpoint.layout import (
@@ -72,11 +79,12 @@ from kfac_hpc.checkpoint.layout import (
     walk,
 )
 from kfac_hpc.checkpoint.state import (
-    TORCH_LAYOUT,
     optimizer_layout,
+    torch_layout,
     torch_state_by_name,
     unwrap,
 )
+from kfac_hpc.kfac.state import KFACStateDict
 
 if TYPE_CHECKING:
     from kfac_hpc.comm import Communicator
@@ -113,10 +121,22 @@ def kfac_rank_group(rank: int) -> str:
     return f"/{KFAC}/@rank_{rank}"
 
 
-def resolve_comm(comm: Communicator | None, preconditioner: Any) -> Communicator:
+def resolve_comm(comm: Communicator | None,
+                 preconditioner: CheckpointPreconditioner | None) -> Communicator:
+    """Return the communicator of a save or load.
+
+    Args:
+        comm: The one given, if any.
+        preconditioner: The preconditioner given, if any.
+
+    Returns:
+        ``comm`` if given, else the preconditioner's (when it follows
+        :class:`~kfac_hpc.checkpoint.contracts.CheckpointPreconditioner`), else the
+        world communicator.
+    """
     if comm is not None:
         return comm
-    if preconditioner is not None and getattr(preconditioner, "comm", None) is not None:
+    if isinstance(preconditioner, CheckpointPreconditioner):
         return preconditioner.comm
     from kfac_hpc.comm import world
 
@@ -178,16 +198,17 @@ class _Prepared:
     nonfinite: list[str] = field(default_factory=list)  # datasets holding NaN/Inf
 
 
-def _prepare(comm: Communicator, model: nn.Module, optimizer: Any, preconditioner: Any,
-             step: int, extra: dict[str, Any] | None, store_eigenbases: bool,
-             opt_sd: Any, pre_sd: dict[str, Any] | None, defer: bool,
+def _prepare(comm: Communicator, model: nn.Module, optimizer: CheckpointOptimizer | None,
+             preconditioner: CheckpointPreconditioner | None, step: int,
+             extra: dict[str, Any] | None, store_eigenbases: bool,
+             opt_sd: Mapping[str, object] | None, pre_sd: KFACStateDict | None, defer: bool,
              check_finite: bool = True, streaming: bool = False) -> _Prepared:
     rank = comm.rank
     defer = defer and rank == 0  # rank 0 writes: its digests overlap with the writes
     p = _Prepared()
     bad = p.nonfinite if check_finite else None
     # ---- K-FAC factors this rank owns (sent to the writer in factor-key order)
-    if pre_sd is not None:
+    if preconditioner is not None and pre_sd is not None:
         eig = pre_sd.get("eigenbases") or {}
         for key in preconditioner.factor_keys():
             if key not in pre_sd["factor_updates"]:
@@ -199,15 +220,16 @@ def _prepare(comm: Communicator, model: nn.Module, optimizer: Any, preconditione
                 _add(p.entries, p.local, factor_path(key), rank, pre_sd["factors"][key],
                      {"key": key, "updates": p.factors[key]["updates"], "owner": rank}, defer,
                      bad)
-            for part, value in sorted((eig.get(key) or {}).items()):
-                _add(p.entries, p.local, f"{factor_path(key)}_{escape(part)}", rank, value,
+            for part, tensor in sorted((eig.get(key) or {}).items()):
+                _add(p.entries, p.local, f"{factor_path(key)}_{escape(part)}", rank, tensor,
                      {"key": key, "eigen": part}, defer, bad)
         others = {k: v for k, v in pre_sd.items() if k not in KFAC_ENTRIES}
         if others:
             group = kfac_rank_group(rank)
             p.kfac_structure, leaves = tree.encode(others, group)
-            for rel, value in leaves:
-                _add(p.entries, p.local, f"{group}/{rel}", rank, value, nonfinite=bad)
+            for rel, leaf in leaves:
+                path = f"{group}/{rel}"
+                _add(p.entries, p.local, path, rank, tree.held(path, leaf), nonfinite=bad)
     # ---- this rank's RNG states
     arrays, p.rng_attrs = rng.capture()
     for name, arr in arrays.items():
@@ -216,7 +238,7 @@ def _prepare(comm: Communicator, model: nn.Module, optimizer: Any, preconditione
         if streaming and opt_sd is not None:  # this rank's optimizer blocks, sent first
             own: list[Entry] = []
             for rel, value in tree.encode(opt_sd, f"/{OPTIMIZER}")[1]:
-                if not hasattr(value, "remote_owner"):
+                if not isinstance(value, RemoteLeaf):
                     _add(own, p.local, f"/{OPTIMIZER}/{rel}", rank, value, nonfinite=bad)
             p.entries = own + p.entries
         return p
@@ -230,15 +252,16 @@ def _prepare(comm: Communicator, model: nn.Module, optimizer: Any, preconditione
     for name in names:
         _add(head, p.local, f"/{MODEL}/{escape(name)}", 0, msd[name], defer_digest=defer,
              nonfinite=bad)
-    if optimizer is not None:
-        layout = optimizer_layout(optimizer)
-        state = torch_state_by_name(optimizer, model, opt_sd) if layout == TORCH_LAYOUT \
+    if optimizer is not None and opt_sd is not None:
+        torch_opt = torch_layout(optimizer)
+        state = torch_state_by_name(torch_opt, model, opt_sd) if torch_opt is not None \
             else opt_sd
         structure, leaves = tree.encode(state, f"/{OPTIMIZER}")
-        p.groups.append((f"/{OPTIMIZER}", {"layout": layout, "class": type(optimizer).__name__,
+        p.groups.append((f"/{OPTIMIZER}", {"layout": optimizer_layout(optimizer),
+                                           "class": type(optimizer).__name__,
                                            "structure": to_json(structure)}))
         for rel, value in leaves:
-            if hasattr(value, "remote_owner"):  # streaming: its owner sends it (see _plan)
+            if isinstance(value, RemoteLeaf):  # streaming: its owner sends it (see _plan)
                 head.append(Entry(f"/{OPTIMIZER}/{rel}", int(value.remote_owner),
                                   tuple(value.shape), "|u1", {"remote": True}))
                 continue
@@ -248,10 +271,11 @@ def _prepare(comm: Communicator, model: nn.Module, optimizer: Any, preconditione
     if extra is not None:
         structure, leaves = tree.encode(extra, f"/{TRAIN}")
         p.groups.append((f"/{TRAIN}", {"structure": to_json(structure)}))
-        for rel, value in leaves:
-            _add(tail, p.local, f"/{TRAIN}/{rel}", 0, value)
+        for rel, leaf in leaves:
+            path = f"/{TRAIN}/{rel}"
+            _add(tail, p.local, path, 0, tree.held(path, leaf))
     p.entries = head + p.entries + tail
-    config = (pre_sd or {}).get("config", {})
+    config = pre_sd.get("config", {}) if pre_sd is not None else {}
     strategy = config.get("strategy", "none") if isinstance(config, dict) else "none"
     p.root = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "step": int(step),
@@ -263,9 +287,9 @@ def _prepare(comm: Communicator, model: nn.Module, optimizer: Any, preconditione
     return p
 
 
-def _plan(comm: Communicator, mine: _Prepared, preconditioner: Any,
-          pre_sd: dict[str, Any] | None, everything: bool) -> tuple[list[Entry], _Prepared,
-                                                                   str | None]:
+def _plan(comm: Communicator, mine: _Prepared, preconditioner: CheckpointPreconditioner | None,
+          pre_sd: KFACStateDict | None, everything: bool) -> tuple[list[Entry], _Prepared,
+                                                                    str | None]:
     """The global dataset order (identical on every rank that builds it).
 
     Rank 0's replicated datasets first, then factors in key order (each factor, then
@@ -300,7 +324,7 @@ def _plan(comm: Communicator, mine: _Prepared, preconditioner: Any,
             e = got
         plan.append(e)
     groups = list(head_tail.groups)
-    if pre_sd is not None:
+    if preconditioner is not None and pre_sd is not None:
         factors: dict[str, dict[str, Any]] = {}
         by_key: dict[str, list[Entry]] = {}
         for rank_entries, f, _, _ in gathered:
@@ -506,23 +530,6 @@ def _write_parallel(comm: Communicator, plan: list[Entry], prep: _Prepared,
     return error
 
 
-def _preconditioner_state(preconditioner: Any, store_eigenbases: bool) -> dict[str, Any]:
-    """``state_dict(eigenbases=store_eigenbases)``; with ``False``, a preconditioner
-    without that argument gives its plain ``state_dict()`` minus any eigenbases."""
-    if store_eigenbases:
-        try:
-            return dict(preconditioner.state_dict(eigenbases=True))
-        except TypeError as exc:
-            raise RuntimeError(f"eigenbases=True is not supported ({exc}); pass "
-                               "store_eigenbases=False") from exc
-    try:
-        return dict(preconditioner.state_dict(eigenbases=False))
-    except TypeError:
-        sd = dict(preconditioner.state_dict())
-    sd.pop("eigenbases", None)
-    return sd
-
-
 def _agree_finite(comm: Communicator, nonfinite: list[str], step: int) -> None:
     """Raise the same NonFiniteStateError on every rank when any rank found NaN/Inf."""
     found = comm.allgather_object(nonfinite[:1])
@@ -578,8 +585,10 @@ def _target(path: Path, step: int) -> tuple[Path, bool]:
     return path / checkpoint_name(step), True
 
 
-def save(directory_or_path: str | os.PathLike[str], *, model: nn.Module, optimizer: Any,
-         preconditioner: Any = None, step: int, comm: Communicator | None = None,
+def save(directory_or_path: str | os.PathLike[str], *, model: nn.Module,
+         optimizer: CheckpointOptimizer | None,
+         preconditioner: CheckpointPreconditioner | None = None, step: int,
+         comm: Communicator | None = None,
          extra: dict[str, Any] | None = None, keep_last: int | None = 3,
          store_eigenbases: bool = True, fletcher32: bool = True,
          parallel: bool | None = None, prefetch: bool = False,
@@ -641,7 +650,9 @@ class _Staged:
 
 
 def _stage(comm: Communicator, directory_or_path: str | os.PathLike[str], *, model: nn.Module,
-           optimizer: Any, preconditioner: Any, step: int, extra: dict[str, Any] | None,
+           optimizer: CheckpointOptimizer | None,
+           preconditioner: CheckpointPreconditioner | None, step: int,
+           extra: dict[str, Any] | None,
            keep_last: int | None, store_eigenbases: bool, fletcher32: bool,
            parallel: bool | None, prefetch: bool, check_finite: bool,
            snapshot: dict[str, np.ndarray] | None = None) -> _Staged:
@@ -652,6 +663,8 @@ def _stage(comm: Communicator, directory_or_path: str | os.PathLike[str], *, mod
     written; the dict keeps those buffers (by dataset path) for the next snapshot,
     which then copies into memory already mapped (no page faults).
     """
+    contracts.agree(comm, contracts.problems(optimizer=optimizer, preconditioner=preconditioner),
+                    "checkpoint save")
     step = int(step)
     use_parallel = (bool(h5py.get_config().mpi) and comm.size > 1) if parallel is None \
         else parallel
@@ -659,21 +672,24 @@ def _stage(comm: Communicator, directory_or_path: str | os.PathLike[str], *, mod
         raise CheckpointError("parallel=True needs h5py built with MPI (parallel HDF5); "
                               "this h5py is serial")
     error: str | None = None
-    opt_sd = pre_sd = None
+    opt_sd: Mapping[str, object] | None = None
+    pre_sd: KFACStateDict | None = None
     # Streaming (serial HDF5): an optimizer whose state is sharded over the ranks
     # (DistributedShampoo) reports placeholders for other ranks' blocks, whose owners
     # send them to rank 0 one at a time, instead of gathering everything everywhere.
-    streaming = (not use_parallel and optimizer is not None
-                 and callable(getattr(optimizer, "checkpoint_state_dict", None)))
+    streamer = optimizer if not use_parallel and isinstance(optimizer, StreamingState) \
+        else None
     # Collective state_dict() calls first (DistributedShampoo's is a collective).
     try:
-        if optimizer is not None:
-            opt_sd = optimizer.checkpoint_state_dict() if streaming else optimizer.state_dict()
+        if streamer is not None:
+            opt_sd = streamer.checkpoint_state_dict()
+        elif optimizer is not None:
+            opt_sd = optimizer.state_dict()
     except Exception as exc:
         error = f"optimizer.state_dict(): {exc}"
     try:
         if preconditioner is not None:
-            pre_sd = _preconditioner_state(preconditioner, store_eigenbases)
+            pre_sd = preconditioner.state_dict(eigenbases=store_eigenbases)
     except Exception as exc:
         error = error or f"preconditioner.state_dict(): {exc}"
     prep = _Prepared()
@@ -681,7 +697,7 @@ def _stage(comm: Communicator, directory_or_path: str | os.PathLike[str], *, mod
         try:
             prep = _prepare(comm, model, optimizer, preconditioner, step, extra,
                             store_eigenbases, opt_sd, pre_sd, defer=not use_parallel,
-                            check_finite=check_finite, streaming=streaming)
+                            check_finite=check_finite, streaming=streamer is not None)
         except Exception as exc:  # agreed below: no rank may be left in a collective
             error = f"{type(exc).__name__}: {exc}" if not isinstance(
                 exc, tree.UnsupportedValue | ValueError) else str(exc)

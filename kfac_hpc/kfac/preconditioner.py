@@ -93,6 +93,7 @@ from kfac_hpc.kfac.placement import (
     work_per_step,
 )
 from kfac_hpc.kfac.shapes import rows_per_sample
+from kfac_hpc.kfac.state import KFACStateDict
 from kfac_hpc.phases import Phase, PhaseTimer, Traffic, timed
 
 if TYPE_CHECKING:
@@ -1004,7 +1005,7 @@ class KFACPreconditioner:
         ``{"inv"}``), by factor name."""
         return {key.name: parts for key, parts in self._decompositions.items()}
 
-    def state_dict(self, eigenbases: bool = True) -> dict[str, Any]:
+    def state_dict(self, eigenbases: bool = True) -> KFACStateDict:
         """Step counter, config and the factors this rank owns (keyed by name).
 
         ``eigenbases`` (default) adds the owned factors' current decompositions
@@ -1023,7 +1024,7 @@ class KFACPreconditioner:
             self._synchronise_local_averages()
         if self._pending is not None:  # installed now, in the saving run as in the resumed
             self._install_background_decompositions()
-        state: dict[str, Any] = {
+        state: KFACStateDict = {
             "step": self.steps,
             "factors": {k.name: s.average for k, s in self._owned_states().items()
                         if s.average is not None},
@@ -1086,7 +1087,7 @@ class KFACPreconditioner:
     def _owned_states(self) -> dict[FactorKey, FactorState]:
         return {k: s for k, s in self._factors.items() if self._owner(k) == self.comm.rank}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: KFACStateDict) -> None:
         """Take the factors this rank owns from ``state`` (which may hold more).
 
         Collective (every rank calls it): ranks agree on errors before anything changes

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import StateDict
 
 from kfac_hpc.comm import Communicator, replicas, world
 from kfac_hpc.phases import Phase, PhaseTimer, timed
@@ -50,6 +51,7 @@ from kfac_hpc.shampoo.exchange import make_exchange
 from kfac_hpc.shampoo.ownership import Layout
 from kfac_hpc.shampoo.roots import inverse_roots
 from kfac_hpc.shampoo.stacks import BlockStack, Run, runs_of
+from kfac_hpc.shampoo.state import BlockShapes, ShampooStateDict
 from kfac_hpc.shampoo.state_io import describe_block_states, gather_block_states
 
 __all__ = ["STATE_DICT_FORMAT", "STATE_DICT_VERSION", "DistributedShampoo"]
@@ -493,7 +495,7 @@ class DistributedShampoo(torch.optim.Optimizer):
                 out.append((spec.key, state))
         return out
 
-    def local_state_dict(self) -> dict[str, Any]:
+    def local_state_dict(self) -> ShampooStateDict:
         """Return a :meth:`state_dict` holding only this rank's blocks (local, no collective).
 
         The tensors are copies on their devices. :meth:`load_state_dict` of it on the same
@@ -543,7 +545,9 @@ class DistributedShampoo(torch.optim.Optimizer):
                 state[key] = value
             self.state[p][spec.index] = state
 
-    def state_dict(self) -> dict[str, Any]:
+    # torch types state_dict() as dict[str, Any]; this is that dict with its keys named
+    # (a TypedDict, which mypy does not count as a dict[str, Any])
+    def state_dict(self) -> ShampooStateDict:  # type: ignore[override]
         """Return the whole optimizer state, keyed by parameter name and block index.
 
         Collective (every rank must call it); every rank returns the same dict::
@@ -564,7 +568,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         """
         return self._assemble_state_dict(self._gather_states)
 
-    def checkpoint_state_dict(self) -> dict[str, Any]:
+    def checkpoint_state_dict(self) -> ShampooStateDict:
         """Return a :meth:`state_dict` for streaming checkpoint writers (collective, metadata only).
 
         The same dict on every rank, except that each rank holds only the tensors of the
@@ -580,12 +584,12 @@ class DistributedShampoo(torch.optim.Optimizer):
             lambda: describe_block_states(self.comm, self._local_states()))
 
     def _assemble_state_dict(self, collect: Callable[[], dict[tuple[str, int], BlockState]]
-                             ) -> dict[str, Any]:
+                             ) -> ShampooStateDict:
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         gathered = collect()
         state: dict[str, dict[int, BlockState]] = {}
-        blocks: dict[str, dict[str, Any]] = {}
+        blocks: dict[str, BlockShapes] = {}
         for spec in self.layout.blocks:
             if spec.key in gathered:
                 state.setdefault(spec.param_name, {})[spec.index] = gathered[spec.key]
@@ -600,14 +604,15 @@ class DistributedShampoo(torch.optim.Optimizer):
             packed = {k: v for k, v in group.items() if k not in ("params", "param_names")}
             packed["params"] = list(names)
             groups.append(packed)
-        result: dict[str, Any] = {
+        result: ShampooStateDict = {
             "format": STATE_DICT_FORMAT, "format_version": STATE_DICT_VERSION,
             "steps": self._steps, "state": state, "blocks": blocks, "param_groups": groups,
         }
         for post_hook in self._optimizer_state_dict_post_hooks.values():
-            changed = post_hook(self, result)
+            # torch's hooks take and return its untyped StateDict (a hook may change it)
+            changed = post_hook(self, cast("StateDict", result))
             if changed is not None:
-                result = changed
+                result = cast("ShampooStateDict", changed)
         return result
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
