@@ -76,7 +76,24 @@ def _kind(t: torch.Tensor) -> str:
 def prepare(comm: Communicator, plan: Plan, staged: dict[str, np.ndarray], model: nn.Module,
             optimizer: CheckpointOptimizer | None,
             preconditioner: CheckpointPreconditioner | None) -> Ready:
-    """Build what each section loads, on its target device; problems are agreed on."""
+    """Build what each section loads, on its target device (collective).
+
+    Args:
+        comm: The ranks of the load.
+        plan: What rank 0 decided (:func:`kfac_hpc.checkpoint.reader.load`).
+        staged: The datasets this rank received, by path.
+        model: The live model.
+        optimizer: The live optimizer, if the load has one.
+        preconditioner: The live preconditioner, if the load has one.
+
+    Returns:
+        Every planned section's state and the decoded ``extra``.
+
+    Raises:
+        CheckpointError: On every rank, when a problem was found on any rank (a dtype
+            that does not fit, NaN/Inf, a bad RNG state, no device memory); nothing has
+            been changed.
+    """
     ready = Ready()
     problems: list[str] = []
     for p, arr in staged.items():
@@ -111,8 +128,11 @@ def prepare(comm: Communicator, plan: Plan, staged: dict[str, np.ndarray], model
 
 def _model_state(plan: Plan, staged: dict[str, np.ndarray], model: nn.Module,
                  problems: list[str]) -> dict[str, torch.Tensor]:
-    """Each entry in the dtype of the live entry it replaces; ``load_state_dict`` copies
-    it into that entry, on its device (no second copy of the model on the device)."""
+    """Build the model's state, each entry in the dtype of the live entry it replaces.
+
+    ``load_state_dict`` copies each into that entry, on its device (no second copy of
+    the model on the device).
+    """
     fetch = fetcher(plan, staged, f"/{MODEL}")
     live = unwrap(model).state_dict()
     sd: dict[str, torch.Tensor] = {}
@@ -202,7 +222,24 @@ def _rng_state(comm: Communicator, plan: Plan, staged: dict[str, np.ndarray],
 def apply(comm: Communicator, plan: Plan, ready: Ready, model: nn.Module,
           optimizer: CheckpointOptimizer | None,
           preconditioner: CheckpointPreconditioner | None, strict: bool) -> list[str]:
-    """Apply every prepared section, or (a failure on any rank) none: returns them."""
+    """Apply every prepared section, or (a failure on any rank) none (collective).
+
+    Args:
+        comm: The ranks of the load.
+        plan: What rank 0 decided.
+        ready: What :func:`prepare` built.
+        model: The live model.
+        optimizer: The live optimizer, if the load has one.
+        preconditioner: The live preconditioner, if the load has one.
+        strict: Load the model strictly (unless the plan found mismatches).
+
+    Returns:
+        The sections applied, in :data:`ORDER`.
+
+    Raises:
+        CheckpointError: On every rank, when applying failed on any rank; what was
+            applied has been put back (the message says if that failed too).
+    """
     net = unwrap(model)
     sections = [s for s in ORDER if s in ready.sections]
 
@@ -264,8 +301,10 @@ def apply(comm: Communicator, plan: Plan, ready: Ready, model: nn.Module,
 
 
 def _copy_back(net: nn.Module, snapshot: dict[str, torch.Tensor]) -> None:
-    """Write the snapshot's bytes back into the model's own tensors (no load hooks: they
-    may be what failed)."""
+    """Write the snapshot's bytes back into the model's own tensors.
+
+    No load hooks run: they may be what failed.
+    """
     live = net.state_dict(keep_vars=True)
     if live.keys() != snapshot.keys():
         net.load_state_dict(snapshot)

@@ -38,12 +38,23 @@ __all__ = [
 
 
 def tmp_path(final: Path) -> Path:
-    """Where ``final`` is written before it is committed."""
+    """Return where ``final`` is written before it is committed.
+
+    Args:
+        final: The file's final path.
+
+    Returns:
+        ``final`` with the ``.tmp`` suffix added.
+    """
     return final.with_name(final.name + TMP_SUFFIX)
 
 
 def fsync_file(path: Path) -> None:
-    """Flush ``path``'s data and metadata to stable storage."""
+    """Flush ``path``'s data and metadata to stable storage.
+
+    Args:
+        path: The file.
+    """
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -52,7 +63,11 @@ def fsync_file(path: Path) -> None:
 
 
 def fsync_dir(directory: Path) -> None:
-    """Make renames and deletions in ``directory`` durable (no-op where unsupported)."""
+    """Make renames and deletions in ``directory`` durable (no-op where unsupported).
+
+    Args:
+        directory: The directory.
+    """
     try:
         fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError:
@@ -66,14 +81,27 @@ def fsync_dir(directory: Path) -> None:
 
 
 def commit(tmp: Path, final: Path) -> None:
-    """fsync ``tmp``, atomically rename it to ``final``, fsync the directory."""
+    """Fsync ``tmp``, atomically rename it to ``final``, fsync the directory.
+
+    Args:
+        tmp: The complete file, under its temporary name.
+        final: Its name once committed (replaced if it exists).
+    """
     fsync_file(tmp)
     os.replace(tmp, final)
     fsync_dir(final.parent)
 
 
 def write_pointer(directory: Path, target: str) -> None:
-    """Atomically make ``directory/latest`` name ``target`` (a file name in ``directory``)."""
+    """Atomically make ``directory/latest`` name ``target``.
+
+    Args:
+        directory: The checkpoint directory.
+        target: A file name in ``directory``.
+
+    Raises:
+        OSError: The pointer could not be written (the previous one is kept).
+    """
     final = directory / LATEST
     tmp = tmp_path(final)
     try:
@@ -90,7 +118,14 @@ def write_pointer(directory: Path, target: str) -> None:
 
 
 def read_pointer(directory: Path) -> str | None:
-    """The file name ``directory/latest`` names, or None."""
+    """Return the file name ``directory/latest`` names.
+
+    Args:
+        directory: The checkpoint directory.
+
+    Returns:
+        The name, or None when there is no usable pointer.
+    """
     try:
         text = (Path(directory) / LATEST).read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError):
@@ -101,7 +136,14 @@ def read_pointer(directory: Path) -> str | None:
 
 
 def list_checkpoints(directory: str | os.PathLike[str]) -> list[Path]:
-    """Complete checkpoints in ``directory`` (``ckpt_<step>.h5``), oldest step first."""
+    """List the complete checkpoints in ``directory`` (``ckpt_<step>.h5``).
+
+    Args:
+        directory: The checkpoint directory.
+
+    Returns:
+        Their paths, oldest step first (empty when the directory cannot be read).
+    """
     directory = Path(directory)
     try:
         names = os.listdir(directory)
@@ -112,8 +154,14 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> list[Path]:
 
 
 def candidates(directory: str | os.PathLike[str]) -> list[Path]:
-    """The checkpoints of ``directory`` in the order a resume tries them: the one
-    ``latest`` names, then the others newest step first."""
+    """List the checkpoints of ``directory`` in the order a resume tries them.
+
+    Args:
+        directory: The checkpoint directory.
+
+    Returns:
+        The one ``latest`` names, then the others newest step first.
+    """
     directory = Path(directory)
     pointed = read_pointer(directory)
     order = list(reversed(list_checkpoints(directory)))
@@ -123,12 +171,20 @@ def candidates(directory: str | os.PathLike[str]) -> list[Path]:
 
 
 def latest(directory: str | os.PathLike[str], *, valid: bool = False) -> Path | None:
-    """The checkpoint ``directory/latest`` names, or None when there is none.
+    """Return the checkpoint ``directory/latest`` names.
 
     Without a usable pointer (never written, or naming a deleted file) the newest
     ``ckpt_<step>.h5`` is returned: such a file is always complete (see the module
-    docstring). ``valid=True`` returns the newest checkpoint that passes
-    :func:`kfac_hpc.checkpoint.verify_file` instead (reads every checkpoint it tries).
+    docstring).
+
+    Args:
+        directory: The checkpoint directory.
+        valid: Return the newest checkpoint that passes
+            :func:`kfac_hpc.checkpoint.verify_file` instead (reads every checkpoint it
+            tries).
+
+    Returns:
+        The checkpoint's path, or None when there is none.
     """
     order = candidates(directory)
     if not valid:
@@ -142,9 +198,19 @@ def latest(directory: str | os.PathLike[str], *, valid: bool = False) -> Path | 
 
 
 def milestones(paths: list[Path], every_steps: int | None) -> set[str]:
-    """Names of the milestone checkpoints among ``paths``: for every ``k >= 1`` the one
-    of the smallest step in ``[k * every_steps, (k + 1) * every_steps)`` (the first
-    checkpoint at or after every ``every_steps``-th step). None or 0: none."""
+    """Name the milestone checkpoints among ``paths``.
+
+    A milestone is, for every ``k >= 1``, the checkpoint of the smallest step in
+    ``[k * every_steps, (k + 1) * every_steps)`` (the first checkpoint at or after every
+    ``every_steps``-th step).
+
+    Args:
+        paths: Checkpoint files.
+        every_steps: The milestone spacing in steps; None or 0: no milestones.
+
+    Returns:
+        The milestones' file names.
+    """
     if not every_steps or every_steps <= 0:
         return set()
     first: dict[int, tuple[int, str]] = {}
@@ -160,11 +226,22 @@ def milestones(paths: list[Path], every_steps: int | None) -> set[str]:
 
 def prune(directory: Path, keep_last: int | None, protect: str | None = None,
           keep_every_steps: int | None = None, keep: Iterable[str] = ()) -> list[Path]:
-    """Keep ``keep_last`` checkpoints: ``protect`` (the one just written) and the newest
-    others by step; delete the rest, except the milestones of ``keep_every_steps``
-    (:func:`milestones`) and the names in ``keep`` (e.g. the best checkpoint by a
-    monitored metric), which are kept besides them and never count against
-    ``keep_last``."""
+    """Keep the last ``keep_last`` checkpoints of ``directory`` and delete the others.
+
+    The kept ones are ``protect`` (the one just written) and the newest others by step.
+    The milestones of ``keep_every_steps`` (:func:`milestones`) and the names in
+    ``keep`` are kept besides them and never count against ``keep_last``.
+
+    Args:
+        directory: The checkpoint directory.
+        keep_last: How many to keep; None or 0 keeps all.
+        protect: The name of the checkpoint just written.
+        keep_every_steps: Milestone spacing in steps (None: no milestones).
+        keep: Names never deleted (e.g. the best checkpoint by a monitored metric).
+
+    Returns:
+        The deleted files.
+    """
     if keep_last is None or keep_last <= 0:
         return []
     found = list_checkpoints(directory)
@@ -183,7 +260,12 @@ def prune(directory: Path, keep_last: int | None, protect: str | None = None,
 
 
 def remove_stale_tmp(directory: Path, keep: Path | None = None) -> None:
-    """Delete leftovers of interrupted saves (``ckpt_*.h5.tmp``, ``latest.tmp``)."""
+    """Delete leftovers of interrupted saves (``ckpt_*.h5.tmp``, ``latest.tmp``).
+
+    Args:
+        directory: The checkpoint directory.
+        keep: A temporary file to leave (one being written).
+    """
     try:
         names = os.listdir(directory)
     except OSError:

@@ -29,6 +29,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from torch import nn
 
 from kfac_hpc.checkpoint.contracts import CheckpointOptimizer, CheckpointPreconditioner
@@ -51,6 +52,11 @@ class BackgroundSaver:
     """Background checkpoint writes over ``comm`` (construct on every rank together)."""
 
     def __init__(self, comm: Communicator | None = None) -> None:
+        """Make the saver (collective: it duplicates ``comm`` for the writer thread).
+
+        Args:
+            comm: The ranks that save together (default: the world).
+        """
         from kfac_hpc.comm import Communicator
 
         self.comm = resolve_comm(comm, None)
@@ -61,7 +67,7 @@ class BackgroundSaver:
         self._thread: threading.Thread | None = None
         self._staged: _Staged | None = None
         self._result: tuple[str | None, str | None] = (None, None)
-        self._buffers: dict[str, Any] = {}  # snapshot memory, reused by the next save
+        self._buffers: dict[str, np.ndarray] = {}  # snapshot memory, reused by the next save
         self.last_path: Path | None = None  # the last completed background checkpoint
 
     @property
@@ -77,12 +83,34 @@ class BackgroundSaver:
              parallel: bool | None = None, prefetch: bool = False,
              check_finite: bool = True, keep_every_steps: int | None = None,
              keep: tuple[str, ...] = ()) -> Path | None:
-        """Start a checkpoint write (collective; arguments as for ``save``).
+        """Start a checkpoint write (collective).
 
         Waits for the previous write first and raises its failure, if any (on every
         rank). Errors found before writing (NaN/Inf, no room, ...) are raised at once.
-        Returns the previous write's path (None if there was none); the new file's
-        path is known once :meth:`wait` returns.
+        The new file's path is known once :meth:`wait` returns.
+
+        Args:
+            directory_or_path: As for :func:`~kfac_hpc.checkpoint.save`.
+            model: As for ``save``.
+            optimizer: As for ``save``.
+            preconditioner: As for ``save``.
+            step: As for ``save``.
+            extra: As for ``save``.
+            keep_last: As for ``save``.
+            store_eigenbases: As for ``save``.
+            fletcher32: As for ``save``.
+            parallel: As for ``save`` (parallel HDF5 writes in the foreground).
+            prefetch: As for ``save``.
+            check_finite: As for ``save``.
+            keep_every_steps: As for ``save``.
+            keep: As for ``save``.
+
+        Returns:
+            The previous write's path (None if there was none).
+
+        Raises:
+            TypeError: As ``save`` (an object lacking a member of its protocol).
+            CheckpointError: The previous write failed, or this one cannot start.
         """
         previous = self.wait()
         st = _stage(self.comm, directory_or_path, model=model, optimizer=optimizer,
@@ -109,8 +137,14 @@ class BackgroundSaver:
             self._result = (None, f"background write: {type(exc).__name__}: {exc}")
 
     def wait(self) -> Path | None:
-        """Wait for the write in flight (collective) and return its path (None if none
-        was in flight); its failure is raised as the same CheckpointError on every rank."""
+        """Wait for the write in flight (collective).
+
+        Returns:
+            Its path (None if none was in flight).
+
+        Raises:
+            CheckpointError: The write failed (the same error on every rank).
+        """
         if self._thread is None:
             return None
         self._thread.join()
@@ -126,8 +160,11 @@ class BackgroundSaver:
         return st.final
 
     def close(self) -> None:
-        """Release the duplicate communicator (after :meth:`wait`). A write still in
-        flight (an error path) is abandoned: its ``.tmp`` file is never committed."""
+        """Release the duplicate communicator (after :meth:`wait`).
+
+        A write still in flight (an error path) is abandoned: its ``.tmp`` file is never
+        committed.
+        """
         if self._thread is not None and self._thread.is_alive():
             return  # the daemon thread may still use the communicator
         if self._wire is not None and self._wire.mpi is not None:

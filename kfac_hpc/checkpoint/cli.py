@@ -32,6 +32,11 @@ from kfac_hpc.units import format_bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``inspect`` and ``verify`` actions to the ``kfac-hpc ckpt`` parser.
+
+    Args:
+        parser: The ``ckpt`` command's parser.
+    """
     sub = parser.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
     p = sub.add_parser("inspect", help="what a checkpoint holds (layers, factor shapes, owners)",
                        description="Show what a checkpoint holds, read from the file.")
@@ -58,7 +63,16 @@ def _files(path: str, every: bool) -> list[Path]:
 
 
 def summarize(info: FileInfo, file_bytes: int) -> dict[str, Any]:
-    """A JSON-able description of a checkpoint, from its header only."""
+    """Describe a checkpoint from its header only.
+
+    Args:
+        info: The file's header (:func:`~kfac_hpc.checkpoint.verify.read_header`).
+        file_bytes: The file's size.
+
+    Returns:
+        A JSON-able description: step, world size, versions, bytes per section, the
+        model and optimizer classes, K-FAC factors by layer, RNG and ``extra``.
+    """
     root = info.root
     sizes: dict[str, list[int]] = {}
     for p, m in info.manifest.items():
@@ -112,6 +126,12 @@ def summarize(info: FileInfo, file_bytes: int) -> dict[str, Any]:
     return out
 
 
+def _factor_cell(f: dict[str, Any]) -> str:
+    """A factor's shape for the table, ``*`` marking one not stored (``-``: absent)."""
+    shape = "x".join(str(d) for d in f.get("shape", [])) or "-"
+    return shape + ("" if f.get("stored", False) else "*")
+
+
 def _print_summary(s: dict[str, Any], problems: Sequence[str]) -> None:
     print(f"{s['path']}  ({format_bytes(s['file_bytes'])}, format version {s['format_version']})")
     print(f"  step {s['step']}  world size {s['world_size']}  strategy {s['strategy']}  "
@@ -136,9 +156,7 @@ def _print_summary(s: dict[str, Any], problems: Sequence[str]) -> None:
         print(f"    {'layer':<{width}}  {'A':>12}  {'G':>12}  {'updates':>8}  owners(A,G)")
         for name, fs in k["layers"].items():
             a, g = fs.get("A", {}), fs.get("G", {})
-            shp = lambda f: "x".join(str(d) for d in f.get("shape", [])) or "-"
-            mark = lambda f: "" if f.get("stored", False) else "*"
-            print(f"    {name:<{width}}  {shp(a) + mark(a):>12}  {shp(g) + mark(g):>12}  "
+            print(f"    {name:<{width}}  {_factor_cell(a):>12}  {_factor_cell(g):>12}  "
                   f"{a.get('updates', '-'):>8}  {a.get('owner', '-')},{g.get('owner', '-')}")
         if any(not f.get("stored", True) for fs in k["layers"].values() for f in fs.values()):
             print("    (* not stored: no update yet)")
@@ -202,6 +220,14 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``kfac-hpc ckpt inspect`` or ``kfac-hpc ckpt verify``.
+
+    Args:
+        args: The parsed arguments (:func:`add_arguments`).
+
+    Returns:
+        The exit status: 0 when every checkpoint named is fine, 1 otherwise.
+    """
     if args.ckpt_command == "inspect":
         return _inspect(args)
     return _verify(args)

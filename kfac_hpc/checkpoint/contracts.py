@@ -63,26 +63,54 @@ class CheckpointPreconditioner(Protocol):
         ...
 
     def factor_keys(self) -> Sequence[str]:
-        """Return every factor's name, in the same order on every rank."""
+        """List the factors.
+
+        Returns:
+            Every factor's name, in the same order on every rank.
+        """
         ...
 
     def factor_owner(self, key: str, /) -> int:
-        """Return the rank that holds factor ``key`` under the current world size."""
+        """Say which rank holds a factor.
+
+        Args:
+            key: A factor name.
+
+        Returns:
+            The rank that holds factor ``key`` under the current world size (a load
+            sends it there).
+        """
         ...
 
     def factor_shape(self, key: str, /) -> tuple[int, ...]:
-        """Return the shape of factor ``key``."""
+        """Give a factor's shape.
+
+        Args:
+            key: A factor name.
+
+        Returns:
+            Its shape (a load refuses a file whose factor differs).
+        """
         ...
 
     def state_dict(self, *, eigenbases: bool) -> KFACStateDict:
-        """Return this rank's state; ``eigenbases``: with the owned decompositions.
+        """Return this rank's state (may be collective: every rank calls it).
 
-        May be collective: every rank calls it.
+        Args:
+            eigenbases: Include the owned factors' current decompositions (False: none).
+
+        Returns:
+            The factors this rank owns and the rest of its state.
         """
         ...
 
     def load_state_dict(self, state: KFACStateDict, /) -> None:
-        """Take this rank's part of ``state`` (collective: every rank calls it)."""
+        """Take this rank's part of ``state`` (collective: every rank calls it).
+
+        Args:
+            state: A state of this rank, as :meth:`state_dict` returned it here or on
+                another number of ranks, with every factor this rank owns.
+        """
         ...
 
 
@@ -95,11 +123,19 @@ class CheckpointOptimizer(Protocol):
     """
 
     def state_dict(self) -> Mapping[str, object]:
-        """Return the optimizer's state (may be collective: every rank calls it)."""
+        """Return the optimizer's state (may be collective: every rank calls it).
+
+        Returns:
+            Nested dicts, lists and tuples of tensors, arrays and scalars.
+        """
         ...
 
     def load_state_dict(self, state_dict: StateDict, /) -> None:
-        """Restore a state returned by :meth:`state_dict`."""
+        """Restore a state.
+
+        Args:
+            state_dict: A state :meth:`state_dict` returned (read back from a file).
+        """
         ...
 
 
@@ -108,19 +144,24 @@ class ShardedState(Protocol):
     """An optimizer whose ranks each hold part of its ``state_dict()``."""
 
     def checkpoint_load_rank(self, key_path: KeyPath, /) -> int | None:
-        """Return the rank that loads the saved entry at ``key_path``.
+        """Say which rank loads a saved entry.
 
-        ``key_path`` holds the dict keys from the root of ``state_dict()``, e.g.
-        ``("state", name, block)``; that rank loads the entry and everything under it.
-        None: not decided at this entry (deeper entries are asked; every rank loads it
-        if none says).
+        Args:
+            key_path: The dict keys from the root of ``state_dict()`` to the entry,
+                e.g. ``("state", name, block)``.
+
+        Returns:
+            The rank that loads the entry and everything under it; None: not decided at
+            this entry (deeper entries are asked; every rank loads it if none says).
         """
         ...
 
     def local_state_dict(self) -> Mapping[str, object]:
         """Return this rank's part of ``state_dict()`` (no collective).
 
-        ``load_state_dict`` of it on the same ranks restores this rank.
+        Returns:
+            A state whose ``load_state_dict`` on the same ranks restores this rank (a
+            load keeps it to roll back).
         """
         ...
 
@@ -130,10 +171,12 @@ class StreamingState(Protocol):
     """An optimizer that describes its sharded state for a streaming save."""
 
     def checkpoint_state_dict(self) -> Mapping[str, object]:
-        """Return ``state_dict()`` with other ranks' tensors as :class:`RemoteLeaf`.
+        """Describe ``state_dict()`` without gathering it (collective, metadata only).
 
-        Collective, metadata only: the same dict on every rank, except that each rank
-        holds its own tensors in place; their owners send them to the writer.
+        Returns:
+            The same dict on every rank, except that each rank holds its own tensors in
+            place and :class:`RemoteLeaf` placeholders for the others' (their owners
+            send them to the writer).
         """
         ...
 

@@ -31,7 +31,14 @@ __all__ = ["model_device", "place_generic_optimizer", "place_torch_optimizer", "
 
 
 def model_device(model: nn.Module) -> torch.device:
-    """The device of the model's parameters (its buffers' without parameters; else CPU)."""
+    """Return the device of the model's parameters.
+
+    Args:
+        model: The model (wrapped or not).
+
+    Returns:
+        Its parameters' device (its buffers' without parameters; else the CPU).
+    """
     net = unwrap(model)
     for t in (*net.parameters(), *net.buffers()):
         return t.device
@@ -39,8 +46,16 @@ def model_device(model: nn.Module) -> torch.device:
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
-    """``obj`` with every tensor in nested dicts, lists and tuples moved to ``device``
-    (dtypes kept; containers rebuilt, everything else as it is)."""
+    """Move every tensor in nested dicts, lists and tuples to ``device``.
+
+    Args:
+        obj: A tensor, or nested containers of them and other values.
+        device: The target device.
+
+    Returns:
+        ``obj`` with containers rebuilt and tensors moved (dtypes kept); everything
+        else as it is.
+    """
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if isinstance(obj, dict):
@@ -54,8 +69,16 @@ def to_device(obj: Any, device: torch.device) -> Any:
 
 def place_torch_optimizer(optimizer: torch.optim.Optimizer,
                           sd: Mapping[str, Any]) -> dict[str, Any]:
-    """A torch optimizer ``state_dict`` (indices as keys) with each parameter's state on
-    that parameter's device (``step`` as torch keeps it; see the module docstring)."""
+    """Place a torch optimizer's ``state_dict`` on its parameters' devices.
+
+    Args:
+        optimizer: The live optimizer.
+        sd: A ``state_dict`` for it (indices as keys).
+
+    Returns:
+        ``sd`` with each parameter's state on that parameter's device (``step`` as
+        torch keeps it; see the module docstring).
+    """
     params: dict[int, tuple[torch.Tensor, bool]] = {}
     index = 0
     for group in optimizer.param_groups:
@@ -75,8 +98,16 @@ def place_torch_optimizer(optimizer: torch.optim.Optimizer,
 
 
 def place_generic_optimizer(model: nn.Module, saved: Any) -> Any:
-    """A generic optimizer ``state_dict`` with ``state[<parameter name>]`` on that
-    parameter's device and every other tensor on :func:`model_device`."""
+    """Place a generic optimizer's ``state_dict`` on the model's devices.
+
+    Args:
+        model: The model whose parameters the optimizer updates.
+        saved: The decoded state dict.
+
+    Returns:
+        ``saved`` with ``state[<parameter name>]`` on that parameter's device and every
+        other tensor on :func:`model_device`.
+    """
     device = model_device(model)
     if not isinstance(saved, dict):
         return to_device(saved, device)

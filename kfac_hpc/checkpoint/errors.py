@@ -1,5 +1,10 @@
-"""The exceptions of :mod:`kfac_hpc.checkpoint`: :class:`CheckpointError` and its
-:class:`NonFiniteStateError` (a diverged run's state, refused by ``save``)."""
+"""The exceptions of :mod:`kfac_hpc.checkpoint`.
+
+:class:`CheckpointError` and its :class:`NonFiniteStateError` (a diverged run's state,
+refused by ``save``). An object handed to ``save`` or ``load`` that does not follow its
+protocol (:mod:`kfac_hpc.checkpoint.contracts`) is a ``TypeError`` instead: no other
+checkpoint can fix that.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,13 @@ class CheckpointError(RuntimeError):
     """
 
     def __init__(self, message: str, problems: Sequence[str] = (), path: str | None = None) -> None:
+        """Make the error.
+
+        Args:
+            message: What failed.
+            problems: Every problem found, one line each.
+            path: The checkpoint file, if one is concerned.
+        """
         self.problems = list(problems)
         self.path = path
         super().__init__(_format(message, self.problems))
@@ -29,6 +41,14 @@ class NonFiniteStateError(CheckpointError):
     """
 
     def __init__(self, message: str, tensor: str, rank: int, path: str | None = None) -> None:
+        """Make the error.
+
+        Args:
+            message: What was refused.
+            tensor: The first dataset holding NaN/Inf.
+            rank: The rank that holds it.
+            path: The checkpoint file, if one is concerned.
+        """
         super().__init__(message, path=path)
         self.tensor = tensor
         self.rank = rank

@@ -20,12 +20,26 @@ CHECKED = (MODEL, OPTIMIZER, KFAC)
 
 
 def checked(path: str) -> bool:
-    """Whether the dataset at ``path`` must be finite."""
+    """Say whether the dataset at ``path`` must be finite.
+
+    Args:
+        path: A dataset path in a checkpoint file.
+
+    Returns:
+        True for model, optimizer and K-FAC datasets.
+    """
     return path.startswith(tuple(f"/{s}/" for s in CHECKED))
 
 
 def all_finite(value: Any) -> bool:
-    """False for a floating (or complex) tensor or array holding NaN or Inf."""
+    """Say whether ``value`` holds no NaN or Inf.
+
+    Args:
+        value: A tensor, an array or anything else (always finite).
+
+    Returns:
+        False for a floating (or complex) tensor or array holding NaN or Inf.
+    """
     if isinstance(value, np.ndarray):
         if value.dtype.kind not in "fc" or value.size == 0:
             return True
@@ -45,7 +59,15 @@ def all_finite(value: Any) -> bool:
 
 
 def nonfinite_count(arr: np.ndarray, torch_dtype: str | None) -> int:
-    """NaN/Inf elements of a dataset as stored (``torch_dtype``: its attribute, if any)."""
+    """Count the NaN/Inf elements of a dataset as stored.
+
+    Args:
+        arr: The dataset's data.
+        torch_dtype: Its ``torch_dtype`` attribute, if any.
+
+    Returns:
+        How many elements are NaN or Inf.
+    """
     value: Any = arr if torch_dtype is None else storage_to_tensor(arr, torch_dtype)
     if all_finite(value):
         return 0

@@ -55,7 +55,14 @@ DIGEST_ALGORITHM = "crc32"
 
 
 def escape(name: str) -> str:
-    """A dict key or parameter name as one HDF5 link name (``/`` and ``%`` escaped)."""
+    """Turn a dict key or parameter name into one HDF5 link name.
+
+    Args:
+        name: The name.
+
+    Returns:
+        ``name`` with ``/`` and ``%`` escaped (``"%"`` for the empty name).
+    """
     if name == "":
         return "%"
     out = name.replace("%", "%25").replace("/", "%2F")
@@ -63,22 +70,44 @@ def escape(name: str) -> str:
 
 
 def unescape(link: str) -> str:
-    """Inverse of :func:`escape`."""
+    """Invert :func:`escape`.
+
+    Args:
+        link: An HDF5 link name.
+
+    Returns:
+        The name it stands for.
+    """
     return "" if link == "%" else urllib.parse.unquote(link)
 
 
 # ------------------------------------------------------------------ dtypes
 def c_order(arr: np.ndarray) -> np.ndarray:
-    """``arr`` in C order, shape kept (unlike ``np.ascontiguousarray`` for 0-d arrays)."""
+    """Return ``arr`` in C order (copied only if it is not).
+
+    Args:
+        arr: An array (or anything ``np.asarray`` takes).
+
+    Returns:
+        The array, shape kept (unlike ``np.ascontiguousarray`` for 0-d arrays).
+    """
     arr = np.asarray(arr)
     return arr if arr.flags.c_contiguous else arr.copy(order="C")
 
 
 def tensor_to_storage(t: torch.Tensor) -> tuple[np.ndarray, str]:
-    """A CPU, C-contiguous NumPy view of ``t`` and its torch dtype name.
+    """Turn a tensor into the NumPy array stored for it.
 
     Dtypes NumPy lacks (bfloat16, float8, ...) are stored as unsigned integers of the
     same width (their exact bits); the ``torch_dtype`` attribute says how to view them.
+    Which dtypes NumPy takes is torch's to say (``Tensor.numpy`` raises ``TypeError``
+    for the others), so the conversion is tried and the bits stored when it is refused.
+
+    Args:
+        t: The tensor (any device).
+
+    Returns:
+        A CPU, C-contiguous NumPy view of ``t`` and its torch dtype name.
     """
     t = t.detach()
     if t.device.type != "cpu":
@@ -94,7 +123,17 @@ def tensor_to_storage(t: torch.Tensor) -> tuple[np.ndarray, str]:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """``"float32"`` -> ``torch.float32`` (ValueError for an unknown name)."""
+    """Look a torch dtype up by name.
+
+    Args:
+        name: E.g. ``"float32"`` (a ``"torch."`` prefix is allowed).
+
+    Returns:
+        The dtype, e.g. ``torch.float32``.
+
+    Raises:
+        ValueError: ``name`` is no torch dtype.
+    """
     dtype = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown torch dtype {name!r}")
@@ -106,17 +145,26 @@ ALIGNMENT = 64
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype[Any] | str) -> np.ndarray:
-    """An uninitialised C-order array in memory torch allocated (so aligned to
-    :data:`ALIGNMENT` bytes, as a live tensor is); :func:`storage_to_tensor` takes it
-    without a copy. The reader reads datasets into such arrays."""
+    """Make an uninitialised C-order array in memory torch allocated.
+
+    Such memory is aligned to :data:`ALIGNMENT` bytes, as a live tensor is;
+    :func:`storage_to_tensor` takes the array without a copy. The reader reads datasets
+    into such arrays.
+
+    Args:
+        shape: The array's shape.
+        dtype: Its NumPy dtype.
+
+    Returns:
+        The array.
+    """
     dt = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
     return torch.empty(nbytes, dtype=torch.uint8, device="cpu").numpy().view(dt).reshape(shape)
 
 
 def storage_to_tensor(arr: np.ndarray, name: str) -> torch.Tensor:
-    """Inverse of :func:`tensor_to_storage`: a writable, contiguous tensor aligned as
-    torch aligns the tensors it allocates (:data:`ALIGNMENT` bytes).
+    """Invert :func:`tensor_to_storage`.
 
     A restored tensor must be laid out like the live one it replaces: a CPU BLAS may
     choose its kernel by its operands' alignment (MKL does, unless ``MKL_CBWR`` pins
@@ -124,6 +172,14 @@ def storage_to_tensor(arr: np.ndarray, name: str) -> torch.Tensor:
     buffer in NumPy's memory could round differently from the run that saved. ``arr``
     is taken without a copy when it is writable, C-ordered and aligned (an
     :func:`aligned_empty` array), and copied into such memory otherwise.
+
+    Args:
+        arr: The stored array.
+        name: The tensor's torch dtype name.
+
+    Returns:
+        A writable, contiguous tensor aligned as torch aligns the tensors it allocates
+        (:data:`ALIGNMENT` bytes).
     """
     arr = np.asarray(arr)
     if not (arr.flags.c_contiguous and arr.flags.writeable
@@ -138,12 +194,27 @@ def storage_to_tensor(arr: np.ndarray, name: str) -> torch.Tensor:
 
 # ------------------------------------------------------------------ digests
 def digest(arr: np.ndarray) -> str:
-    """``"crc32:<8 hex digits>"`` of the array's bytes in C order."""
+    """Compute the digest of an array's bytes in C order.
+
+    Args:
+        arr: The array.
+
+    Returns:
+        ``"crc32:<8 hex digits>"``.
+    """
     arr = c_order(arr)
     return f"{DIGEST_ALGORITHM}:{zlib.crc32(arr.data if arr.size else b'') & 0xFFFFFFFF:08x}"
 
 
 def text_digest(text: str) -> str:
+    """Compute the digest of a text (UTF-8).
+
+    Args:
+        text: The text.
+
+    Returns:
+        ``"crc32:<8 hex digits>"``.
+    """
     return f"{DIGEST_ALGORITHM}:{zlib.crc32(text.encode()) & 0xFFFFFFFF:08x}"
 
 
@@ -158,9 +229,15 @@ def _canonical(value: Any) -> Any:
 
 
 def canonical_attrs(objects: Iterator[tuple[str, Any]]) -> str:
-    """One JSON text of every attribute of ``(path, h5py object)`` pairs, sorted.
+    """Write every attribute of some HDF5 objects as one canonical JSON text.
 
     The root's ``attrs_digest`` is left out (it is the digest of this text).
+
+    Args:
+        objects: ``(path, h5py object)`` pairs (:func:`walk`).
+
+    Returns:
+        The JSON text, keys sorted.
     """
     out: dict[str, dict[str, Any]] = {}
     for path, obj in objects:
@@ -171,7 +248,14 @@ def canonical_attrs(objects: Iterator[tuple[str, Any]]) -> str:
 
 
 def walk(f: Any) -> Iterator[tuple[str, Any]]:
-    """``("/", root)`` then every group and dataset of an open h5py file, by path."""
+    """Walk an open h5py file.
+
+    Args:
+        f: The file.
+
+    Yields:
+        ``("/", root)``, then every group and dataset as ``(path, object)``, by path.
+    """
     yield "/", f
     items: list[tuple[str, Any]] = []
     f.visititems(lambda name, obj: items.append(("/" + name, obj)))
@@ -181,8 +265,17 @@ def walk(f: Any) -> Iterator[tuple[str, Any]]:
 # ------------------------------------------------------------------ storage
 def chunk_shape(shape: Sequence[int], itemsize: int,
                 target: int = CHUNK_BYTES) -> tuple[int, ...] | None:
-    """Chunks of about ``target`` bytes (leading dimensions split first), or None for
-    contiguous storage (scalars, empty and small datasets)."""
+    """Choose the chunk shape of a dataset.
+
+    Args:
+        shape: The dataset's shape.
+        itemsize: Bytes per element.
+        target: Bytes per chunk to aim at.
+
+    Returns:
+        Chunks of about ``target`` bytes (leading dimensions split first), or None for
+        contiguous storage (scalars, empty and small datasets).
+    """
     numel = math.prod(shape)
     if not shape or numel == 0 or numel * itemsize < CHUNK_MIN_BYTES:
         return None
@@ -194,17 +287,38 @@ def chunk_shape(shape: Sequence[int], itemsize: int,
 
 
 def to_json(value: Any) -> str:
-    """Compact JSON (non-JSON values shown by ``repr``)."""
+    """Write ``value`` as compact JSON, keys sorted.
+
+    Args:
+        value: A JSON-able value (others are written by ``repr``).
+
+    Returns:
+        The JSON text.
+    """
     return json.dumps(value, sort_keys=True, default=repr)
 
 
 def checkpoint_name(step: int) -> str:
-    """File name of the checkpoint of ``step`` in a checkpoint directory."""
+    """Name the checkpoint file of ``step`` in a checkpoint directory.
+
+    Args:
+        step: The training step.
+
+    Returns:
+        ``ckpt_<step, 8 digits>.h5``.
+    """
     return f"{PREFIX}{step:08d}{SUFFIX}"
 
 
 def step_of_name(name: str) -> int | None:
-    """Inverse of :func:`checkpoint_name` (None for other names)."""
+    """Invert :func:`checkpoint_name`.
+
+    Args:
+        name: A file name.
+
+    Returns:
+        The step, or None for a name that is not a checkpoint's.
+    """
     if not (name.startswith(PREFIX) and name.endswith(SUFFIX)):
         return None
     core = name[len(PREFIX):-len(SUFFIX)]

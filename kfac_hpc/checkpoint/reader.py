@@ -318,8 +318,10 @@ def _stage_root(comm: Communicator, plan: Plan, f: h5py.File | None,
 
 
 class _Checks:
-    """CRC-32 checks run in a thread (zlib releases the GIL) while the next dataset is
-    read or received."""
+    """CRC-32 checks run in a thread while the next dataset is read or received.
+
+    zlib releases the GIL, so a check overlaps the next read.
+    """
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-check")
@@ -397,20 +399,38 @@ def load(directory_or_path: str | os.PathLike[str], *, model: nn.Module,
          comm: Communicator | None = None, strict: bool = True,
          read_mode: Literal["root", "owners", "all"] = "owners",
          restore_rng: bool = True) -> LoadInfo:
-    """Load a checkpoint (collective) into live objects; a directory means its latest.
+    """Load a checkpoint into live objects (collective: every rank calls it).
 
-    Raises :class:`CheckpointError` on every rank, with the same message, when the file
-    is missing, damaged, of a newer format, holds NaN/Inf in its training state, or
-    (``strict=True``) does not match the model, optimizer or preconditioner; nothing is
-    loaded then. Loading is all or nothing: a section that fails to apply on any rank
-    puts back what was applied (see :mod:`kfac_hpc.checkpoint.apply`). Tensors go to the
-    live objects' devices (:mod:`kfac_hpc.checkpoint.devices`). ``strict=False`` loads
-    what matches (a mismatched preconditioner is left as it is) and lists the rest in
-    ``LoadInfo.mismatches``. ``read_mode``: ``"owners"`` (default: rank 0 reads and
-    broadcasts replicated state, each rank reads its own factors and RNG state),
-    ``"root"`` (rank 0 reads everything and broadcasts / sends it; one file open) or
-    ``"all"`` (every rank reads all it needs, replicated state included). Returns a
-    :class:`LoadInfo`.
+    Loading is all or nothing: a section that fails to apply on any rank puts back what
+    was applied (see :mod:`kfac_hpc.checkpoint.apply`). Tensors go to the live objects'
+    devices (:mod:`kfac_hpc.checkpoint.devices`).
+
+    Args:
+        directory_or_path: A checkpoint file, or a directory (its latest checkpoint).
+        model: The model (a DDP / DataParallel wrapper is unwrapped).
+        optimizer: The optimizer, or None (its state in the file is not loaded).
+        preconditioner: The K-FAC preconditioner, if any.
+        comm: The ranks (default: the preconditioner's, else the world).
+        strict: Refuse a file that does not match the model, optimizer or
+            preconditioner. False loads what matches (a mismatched preconditioner is
+            left as it is) and lists the rest in ``LoadInfo.mismatches``.
+        read_mode: ``"owners"``: rank 0 reads and broadcasts replicated state, each
+            rank reads its own factors and RNG state. ``"root"``: rank 0 reads
+            everything and broadcasts / sends it (one file open). ``"all"``: every rank
+            reads all it needs, replicated state included.
+        restore_rng: Restore the RNG states (when the world size allows; see the module
+            docstring).
+
+    Returns:
+        What was loaded, the file's step and world size, the decoded ``extra``.
+
+    Raises:
+        ValueError: An unknown ``read_mode``.
+        TypeError: On every rank, when the optimizer or preconditioner of some rank
+            lacks a member of its protocol (:mod:`kfac_hpc.checkpoint.contracts`).
+        CheckpointError: On every rank, with the same message, when the file is
+            missing, damaged, of a newer format, holds NaN/Inf in its training state, or
+            (``strict=True``) does not match the live objects; nothing is loaded then.
     """
     if read_mode not in ("root", "owners", "all"):
         raise ValueError(f"read_mode must be 'root', 'owners' or 'all', got {read_mode!r}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -19,12 +19,19 @@ import torch
 
 __all__ = ["capture", "check", "restore", "same_state"]
 
+#: ``torch.cuda.is_initialized``, typed (torch leaves it unannotated).
+_cuda_initialized: Callable[[], bool] = torch.cuda.is_initialized
+
 
 def capture() -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """This process's RNG states: (arrays, attributes)."""
+    """Capture this process's RNG states.
+
+    Returns:
+        ``(arrays, attributes)``, as stored under ``/rng/rank_<r>``.
+    """
     arrays: dict[str, np.ndarray] = {"torch_cpu": torch.get_rng_state().numpy().copy()}
     attrs: dict[str, Any] = {}
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    cuda = torch.cuda.is_available() and _cuda_initialized()
     states = torch.cuda.get_rng_state_all() if cuda else []
     for i, s in enumerate(states):
         arrays[f"cuda_{i}"] = s.cpu().numpy().copy()
@@ -44,7 +51,15 @@ _ATTRS = ("numpy_algorithm", "numpy_pos", "numpy_has_gauss", "numpy_cached_gauss
 
 
 def check(arrays: Mapping[str, np.ndarray], attrs: Mapping[str, Any]) -> list[str]:
-    """What would make :func:`restore` fail (checked before anything is applied)."""
+    """Say what would make :func:`restore` fail (checked before anything is applied).
+
+    Args:
+        arrays: Saved RNG arrays.
+        attrs: Their attributes.
+
+    Returns:
+        The problems found (empty: restorable).
+    """
     problems = [f"RNG state: attribute {a} is missing" for a in _ATTRS if a not in attrs]
     want = {"torch_cpu": (torch.get_rng_state().numel(), "u1"), "numpy_keys": (624, "u4"),
             "python_state": (625, "i8")}
@@ -59,7 +74,15 @@ def check(arrays: Mapping[str, np.ndarray], attrs: Mapping[str, Any]) -> list[st
 
 
 def restore(arrays: Mapping[str, np.ndarray], attrs: Mapping[str, Any]) -> list[str]:
-    """Set this process's RNG states; returns what was restored (and what was not)."""
+    """Set this process's RNG states.
+
+    Args:
+        arrays: Saved RNG arrays.
+        attrs: Their attributes.
+
+    Returns:
+        What was restored (and what was not), one entry per generator.
+    """
     done = []
     torch.set_rng_state(torch.from_numpy(np.ascontiguousarray(arrays["torch_cpu"]).copy()))
     done.append("torch")
@@ -86,7 +109,15 @@ def restore(arrays: Mapping[str, np.ndarray], attrs: Mapping[str, Any]) -> list[
 
 def same_state(a: tuple[Mapping[str, np.ndarray], Mapping[str, Any]],
                b: tuple[Mapping[str, np.ndarray], Mapping[str, Any]]) -> bool:
-    """True when two captured states are identical."""
+    """Say whether two captured states are identical.
+
+    Args:
+        a: One state, as :func:`capture` returns it.
+        b: The other.
+
+    Returns:
+        True when every array and attribute is equal.
+    """
     if set(a[0]) != set(b[0]) or dict(a[1]) != dict(b[1]):
         return False
     return all(np.array_equal(a[0][k], b[0][k]) for k in a[0])

@@ -27,6 +27,7 @@ class Route:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the dataset's data."""
         return int(np.dtype(self.dtype).itemsize * int(np.prod(self.shape, dtype=np.int64)))
 
 
@@ -50,7 +51,17 @@ class Plan:
 
 
 def fetcher(plan: Plan, staged: dict[str, np.ndarray], prefix: str) -> Callable[[str], Any]:
-    """``rel -> tensor`` (an array for datasets stored from NumPy) under ``prefix``."""
+    """Make the ``fetch`` of :func:`~kfac_hpc.checkpoint.tree.decode` for staged data.
+
+    Args:
+        plan: The load's plan (it knows which datasets hold torch dtypes).
+        staged: The datasets this rank staged, by path.
+        prefix: The group the structure's relative paths start from.
+
+    Returns:
+        ``fetch(rel)``: the tensor (an array for datasets stored from NumPy) at
+        ``prefix/rel``, as a new object.
+    """
     def fetch(rel: str) -> Any:
         p = f"{prefix}/{rel}"
         name = plan.torch_dtypes.get(p)

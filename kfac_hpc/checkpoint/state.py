@@ -40,7 +40,14 @@ GENERIC_LAYOUT = "generic"
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The module inside a DDP / DataParallel wrapper (the model itself otherwise)."""
+    """Return the module inside a DDP / DataParallel wrapper.
+
+    Args:
+        model: A model, wrapped or not.
+
+    Returns:
+        The innermost wrapped module (the model itself when it is not wrapped).
+    """
     from torch.nn.parallel import DataParallel, DistributedDataParallel
 
     while isinstance(model, DistributedDataParallel | DataParallel):
@@ -83,16 +90,33 @@ def _names_by_id(model: nn.Module) -> dict[int, str]:
 
 
 def group_param_names(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[list[str | None]]:
-    """Model names of every group's parameters (None for one the model lacks)."""
+    """Name every parameter of every group of ``optimizer`` by the model.
+
+    Args:
+        optimizer: A torch optimizer.
+        model: The model whose parameters it updates (wrapped or not).
+
+    Returns:
+        Per group, the model's name of each parameter (None for one the model lacks).
+    """
     names = _names_by_id(model)
     return [[names.get(id(p)) for p in group["params"]] for group in optimizer.param_groups]
 
 
 def torch_state_by_name(optimizer: torch.optim.Optimizer, model: nn.Module,
                         sd: Mapping[str, Any]) -> dict[str, Any]:
-    """A torch optimizer ``state_dict`` with parameter indices replaced by names.
+    """Key a torch optimizer's ``state_dict`` by parameter name.
 
-    Raises ValueError when the optimizer holds a parameter that is not the model's.
+    Args:
+        optimizer: The optimizer.
+        model: The model whose parameters it updates.
+        sd: ``optimizer.state_dict()``.
+
+    Returns:
+        ``sd`` with parameter indices replaced by the model's parameter names.
+
+    Raises:
+        ValueError: The optimizer holds a parameter that is not the model's.
     """
     index_to_name: dict[int, str] = {}
     for g, (saved, names) in enumerate(zip(sd["param_groups"],
@@ -111,12 +135,22 @@ def torch_state_by_name(optimizer: torch.optim.Optimizer, model: nn.Module,
 def torch_state_from_names(optimizer: torch.optim.Optimizer, model: nn.Module,
                            saved: Mapping[str, Any], skip: set[str],
                            strict: bool) -> tuple[dict[str, Any], list[str]]:
-    """Inverse of :func:`torch_state_by_name` against the live optimizer.
+    """Invert :func:`torch_state_by_name` against the live optimizer.
 
-    Returns the ``state_dict`` to load and the problems found. Parameter groups are
-    matched by position and must hold the same names (in any order); with
-    ``strict=False`` a group that differs keeps its live hyper-parameters and every
-    parameter present in both keeps its saved state (except names in ``skip``).
+    Parameter groups are matched by position and must hold the same names (in any
+    order); with ``strict=False`` a group that differs keeps its live hyper-parameters
+    and every parameter present in both keeps its saved state (except names in
+    ``skip``).
+
+    Args:
+        optimizer: The live optimizer.
+        model: The model whose parameters it updates.
+        saved: A state dict keyed by names, as :func:`torch_state_by_name` made it.
+        skip: Parameter names whose saved state is left out.
+        strict: Return nothing to load when a problem is found.
+
+    Returns:
+        The ``state_dict`` to load (indices as keys) and the problems found.
     """
     live = optimizer.state_dict()
     live_names = group_param_names(optimizer, model)

@@ -40,6 +40,11 @@ class GuardedFile(io.RawIOBase):
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
+        """Create (or truncate) the file and start its write-back thread.
+
+        Args:
+            path: The file to write.
+        """
         super().__init__()
         self.path = Path(path)
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -54,23 +59,44 @@ class GuardedFile(io.RawIOBase):
 
     # ---- what h5py's fileobj driver calls
     def readable(self) -> bool:
+        """Return True: h5py reads back what it wrote."""
         return True
 
     def writable(self) -> bool:
+        """Return True."""
         return True
 
     def seekable(self) -> bool:
+        """Return True."""
         return True
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        """Move the position (beyond the end is allowed, as for a file).
+
+        Args:
+            offset: Bytes from ``whence``.
+            whence: ``os.SEEK_SET``, ``os.SEEK_CUR`` or ``os.SEEK_END``.
+
+        Returns:
+            The new position.
+        """
         base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._size}[whence]
         self._pos = base + offset
         return self._pos
 
     def tell(self) -> int:
+        """Return the position."""
         return self._pos
 
     def readinto(self, buffer: Any) -> int:
+        """Read at the position into ``buffer`` (nothing after a failed write).
+
+        Args:
+            buffer: A writable buffer.
+
+        Returns:
+            The bytes read.
+        """
         view = memoryview(buffer).cast("B")
         data = os.pread(self.fd, view.nbytes, self._pos) if self.error is None else b""
         view[:len(data)] = data
@@ -78,6 +104,14 @@ class GuardedFile(io.RawIOBase):
         return len(data)
 
     def write(self, buffer: Any) -> int:
+        """Write ``buffer`` at the position; never raises (see :attr:`error`).
+
+        Args:
+            buffer: The bytes to write.
+
+        Returns:
+            Their count, also after a failure (so that HDF5 goes on and closes cleanly).
+        """
         view = memoryview(buffer).cast("B")
         n = view.nbytes
         if self.error is None:
@@ -100,6 +134,14 @@ class GuardedFile(io.RawIOBase):
         return n
 
     def truncate(self, size: int | None = None) -> int:
+        """Set the file's size; never raises (see :attr:`error`).
+
+        Args:
+            size: The new size (default: the position).
+
+        Returns:
+            The new size.
+        """
         size = self._pos if size is None else int(size)
         if self.error is None:
             try:
@@ -122,6 +164,7 @@ class GuardedFile(io.RawIOBase):
                 self._fail(exc)
 
     def close(self) -> None:
+        """Stop the write-back thread and close the file (idempotent)."""
         if self.closed:
             return
         self._todo.put(False)
@@ -143,7 +186,14 @@ class GuardedFile(io.RawIOBase):
 
 
 def free_bytes(directory: str | os.PathLike[str]) -> int | None:
-    """Bytes an unprivileged user may still write in ``directory`` (None if unknown)."""
+    """Return the bytes an unprivileged user may still write in ``directory``.
+
+    Args:
+        directory: A directory.
+
+    Returns:
+        The free bytes, or None when the file system does not say.
+    """
     try:
         st = os.statvfs(directory)
     except (OSError, AttributeError):
@@ -156,9 +206,17 @@ _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 def space_problem(directory: Path, needed: int, exc: OSError | None = None,
                   written: int | None = None, name: str | None = None) -> str:
-    """One message for a checkpoint that does not fit (or failed to write) in ``directory``.
+    """Word one message for a checkpoint that does not fit (or failed to write).
 
-    ``exc`` None: the pre-check found less free space than the data needs.
+    Args:
+        directory: Where the checkpoint goes.
+        needed: Bytes of its data.
+        exc: The write's error; None: the pre-check found less free space than needed.
+        written: Bytes written before the error, if known.
+        name: The file being written, if any.
+
+    Returns:
+        The message: what happened, the free space, and what to do about it.
     """
     free = free_bytes(directory)
     have = "unknown free space" if free is None else f"{format_bytes(free)} free"

@@ -63,7 +63,19 @@ def _decode_key(key: Any) -> Any:
 
 
 def encode(obj: Any, where: str = "") -> tuple[Any, list[tuple[str, Leaf]]]:
-    """The JSON structure of ``obj`` and its ``(relative path, tensor or array)`` leaves."""
+    """Split ``obj`` into a JSON structure and its tensors.
+
+    Args:
+        obj: Nested dicts, lists and tuples of tensors, arrays and scalars.
+        where: Where ``obj`` is stored (for messages).
+
+    Returns:
+        The structure and its ``(relative path, leaf)`` pairs, in order.
+
+    Raises:
+        UnsupportedValue: ``obj`` holds something that cannot be stored (the message
+            names where).
+    """
     leaves: list[tuple[str, Leaf]] = []
 
     def name(path: list[str]) -> str:
@@ -134,10 +146,20 @@ KeyPath = tuple[Any, ...]  # dict keys from the root of a structure to one entry
 
 def decode(structure: Any, fetch: Callable[[str], Any],
            skip: Callable[[KeyPath], bool] | None = None) -> Any:
-    """Rebuild the object; ``fetch(path)`` returns the tensor (or array) under ``path``.
+    """Rebuild the object :func:`encode` split.
 
-    ``skip(key_path)``: dict entries for which it is true are left out, and their leaves
-    never fetched (state another rank loads, see :func:`leaf_routes`)."""
+    Args:
+        structure: The JSON structure.
+        fetch: ``fetch(path)`` returns the tensor (or array) stored under ``path``.
+        skip: Dict entries for whose key path it is true are left out, and their
+            leaves never fetched (state another rank loads, see :func:`leaf_routes`).
+
+    Returns:
+        The object.
+
+    Raises:
+        ValueError: The structure is malformed.
+    """
     def dec(node: Any, keys: KeyPath) -> Any:
         (kind, value), = node.items()
         if kind == "tensor":
@@ -169,9 +191,18 @@ def decode(structure: Any, fetch: Callable[[str], Any],
 
 def leaf_routes(structure: Any, rank_of: Callable[[KeyPath], int | None] | None = None
                 ) -> list[tuple[str, int | None]]:
-    """``(dataset path, rank)`` of every leaf, in order: the rank ``rank_of`` names for
-    the outermost dict entry above the leaf for which it names one, None (every rank)
-    where it names none (or without ``rank_of``)."""
+    """Say which rank loads each leaf of a structure.
+
+    Args:
+        structure: The JSON structure of :func:`encode`.
+        rank_of: Names the rank that loads the entry at a key path, or None (not
+            decided there).
+
+    Returns:
+        ``(dataset path, rank)`` of every leaf, in order: the rank ``rank_of`` names for
+        the outermost dict entry above the leaf for which it names one; None (every
+        rank) where it names none, or without ``rank_of``.
+    """
     routes: list[tuple[str, int | None]] = []
 
     def walk(node: Any, keys: KeyPath, rank: int | None) -> None:
@@ -191,5 +222,12 @@ def leaf_routes(structure: Any, rank_of: Callable[[KeyPath], int | None] | None 
 
 
 def leaf_paths(structure: Any) -> list[str]:
-    """Relative dataset paths referenced by a structure, in order."""
+    """List the relative dataset paths a structure references.
+
+    Args:
+        structure: The JSON structure of :func:`encode`.
+
+    Returns:
+        The paths, in order.
+    """
     return [path for path, _ in leaf_routes(structure)]

@@ -56,16 +56,36 @@ class FileInfo:
 
     @property
     def step(self) -> int:
+        """The step the checkpoint was written at (-1 if unknown)."""
         return int(self.root.get("step", -1))
 
     @property
     def world_size(self) -> int:
+        """The number of ranks that wrote it (0 if unknown)."""
         return int(self.root.get("world_size", 0))
 
     def group(self, name: str) -> dict[str, Any] | None:
+        """Return the attributes of section ``name`` (e.g. ``"kfac"``), None if absent.
+
+        Args:
+            name: A section (top-level group) name.
+
+        Returns:
+            Its attributes, or None when the file has no such section.
+        """
         return self.groups.get(f"/{name}")
 
     def json_attr(self, group: str, name: str, default: Any = None) -> Any:
+        """Return a JSON attribute of a section, decoded.
+
+        Args:
+            group: The section name.
+            name: The attribute.
+            default: What to return when the attribute (or section) is absent.
+
+        Returns:
+            The decoded value, or ``default``.
+        """
         attrs = self.groups.get(f"/{group}") or {}
         return json.loads(attrs[name]) if name in attrs else default
 
@@ -93,7 +113,18 @@ def _plain(value: Any) -> Any:
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> h5py.File:
-    """Open read-only, turning every way of not being an HDF5 file into a clear error."""
+    """Open a checkpoint file read-only.
+
+    Args:
+        path: The file.
+
+    Returns:
+        The open file.
+
+    Raises:
+        CheckpointError: Every way of not being a readable HDF5 file (missing, a
+            directory, empty, not HDF5, truncated, damaged), with a clear message.
+    """
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint", path=str(path))
@@ -120,10 +151,19 @@ def open_checkpoint(path: str | os.PathLike[str]) -> h5py.File:
 
 
 def read_header(f: h5py.File, path: str) -> tuple[FileInfo, list[str]]:
-    """Root attributes, manifest and section attributes, and the structural problems.
+    """Read the root attributes, the manifest and the section attributes.
 
-    Raises CheckpointError at once for a file that is not a kfac_hpc checkpoint or has
-    a format version this code cannot read.
+    Args:
+        f: The open file.
+        path: Its path (for messages).
+
+    Returns:
+        The header and the structural problems found (missing or unexpected datasets,
+        digests differing from the manifest, edited attributes).
+
+    Raises:
+        CheckpointError: The file is not a kfac_hpc checkpoint or has a format version
+            this code cannot read.
     """
     root = {k: _plain(v) for k, v in f.attrs.items()}
     if root.get("format") != FORMAT:
@@ -176,12 +216,23 @@ def read_header(f: h5py.File, path: str) -> tuple[FileInfo, list[str]]:
 
 
 def read_chunks(d: h5py.Dataset) -> np.ndarray:
-    """A dataset's data; chunked fletcher32-only datasets are read chunk by chunk without
-    the filter (HDF5's fletcher32 re-check is skipped: the caller checks the CRC-32,
-    which covers the same bytes), about 2.5x faster than a filtered read.
+    """Read a dataset's data.
 
-    Numeric data is read into memory torch allocated (:func:`aligned_empty`), so the
-    tensors made from it are aligned like live ones without another copy."""
+    Chunked fletcher32-only datasets are read chunk by chunk without the filter
+    (HDF5's fletcher32 re-check is skipped: the caller checks the CRC-32, which covers
+    the same bytes), about 2.5x faster than a filtered read. Numeric data is read into
+    memory torch allocated (:func:`aligned_empty`), so the tensors made from it are
+    aligned like live ones without another copy.
+
+    Args:
+        d: The dataset.
+
+    Returns:
+        Its data.
+
+    Raises:
+        OSError: A chunk has an unexpected size or filter mask (damage).
+    """
     if d.shape is None or d.dtype.kind not in "biufc":
         return np.asarray(d[()])
     out = aligned_empty(d.shape, d.dtype)
@@ -207,7 +258,16 @@ def read_chunks(d: h5py.Dataset) -> np.ndarray:
 
 
 def read_dataset(f: h5py.File, path: str, want_digest: str) -> tuple[np.ndarray | None, str | None]:
-    """Read a dataset and check it: (array, None) or (None, problem)."""
+    """Read a dataset and check its digest.
+
+    Args:
+        f: The open file.
+        path: The dataset's path.
+        want_digest: Its digest from the manifest.
+
+    Returns:
+        ``(array, None)``, or ``(None, problem)`` when it cannot be read or differs.
+    """
     try:
         arr = np.asarray(f[path][()])
         got = digest(arr)
@@ -220,7 +280,14 @@ def read_dataset(f: h5py.File, path: str, want_digest: str) -> tuple[np.ndarray 
 
 
 def describe(exc: BaseException) -> str:
-    """An exception raised while reading damaged bytes, as one line for a report."""
+    """Word an exception raised while reading damaged bytes as one line for a report.
+
+    Args:
+        exc: The exception.
+
+    Returns:
+        Its type and message on one line.
+    """
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 

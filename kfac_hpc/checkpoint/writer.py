@@ -108,16 +108,31 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the dataset's data."""
         return int(np.dtype(self.dtype).itemsize * int(np.prod(self.shape, dtype=np.int64)))
 
 
 def factor_path(key: str) -> str:
-    """Dataset path of factor ``key``: ``"layer1.0.conv1/A"`` -> ``/kfac/layer1.0.conv1/A``."""
+    """Return the dataset path of factor ``key``.
+
+    Args:
+        key: A factor name, e.g. ``"layer1.0.conv1/A"``.
+
+    Returns:
+        E.g. ``/kfac/layer1.0.conv1/A`` (each part escaped).
+    """
     return f"/{KFAC}/" + "/".join(escape(p) for p in key.split("/"))
 
 
 def kfac_rank_group(rank: int) -> str:
-    """Group of rank ``rank``'s other K-FAC entries (``@`` keeps it apart from layers)."""
+    """Return the group of rank ``rank``'s other K-FAC entries.
+
+    Args:
+        rank: The rank that saved them.
+
+    Returns:
+        ``/kfac/@rank_<rank>`` (``@`` keeps it apart from layers).
+    """
     return f"/{KFAC}/@rank_{rank}"
 
 
@@ -144,7 +159,16 @@ def resolve_comm(comm: Communicator | None,
 
 
 def agree(comm: Communicator, error: str | None, what: str) -> None:
-    """Raise the same CheckpointError on every rank when ``error`` is set on any rank."""
+    """Raise the same CheckpointError on every rank when ``error`` is set on any rank.
+
+    Args:
+        comm: The ranks (collective).
+        error: This rank's error, if any.
+        what: The operation, for the message.
+
+    Raises:
+        CheckpointError: Listing every rank's error, on every rank.
+    """
     errors = comm.allgather_object(error)
     bad = [(r, e) for r, e in enumerate(errors) if e]
     if bad:
@@ -457,8 +481,11 @@ def _write_serial(comm: Communicator, plan: list[Entry], prep: _Prepared, tmp: P
 
 
 class _Receiver:
-    """Remote datasets in plan order; with ``prefetch`` the next one arrives (in a
-    thread) while the current one is written, so at most two are held at once."""
+    """Remote datasets in plan order.
+
+    With ``prefetch`` the next one arrives (in a thread) while the current one is
+    written, so at most two are held at once.
+    """
 
     def __init__(self, comm: Communicator, entries: list[Entry], prefetch: bool) -> None:
         self._comm = comm
@@ -596,32 +623,50 @@ def save(directory_or_path: str | os.PathLike[str], *, model: nn.Module,
          keep: tuple[str, ...] = ()) -> Path:
     """Write a checkpoint (collective: every rank calls it with its own objects).
 
-    ``directory_or_path``: a directory (file ``ckpt_<step>.h5`` in it, then the
-    ``latest`` pointer, then pruning to the last ``keep_last``; None or 0 keeps all) or
-    a ``.h5`` file path (written atomically; no pointer, no pruning).
-    ``keep_every_steps``: the pruning also keeps, besides the last ``keep_last``, the
-    first checkpoint at or after every multiple of this step count (milestones,
-    :func:`kfac_hpc.checkpoint.atomic.milestones`; never deleted by the pruning).
-    ``keep``: names of checkpoints in the directory that the pruning never deletes
-    either (e.g. the best by a monitored metric); they do not count against
-    ``keep_last``.
-    ``extra``: JSON-able dict that may hold tensors/arrays (stored under ``/train``).
-    ``store_eigenbases``: also store the decompositions the preconditioner reports with
-    ``state_dict(eigenbases=True)`` (default: a run resumed between two inverse updates
-    then continues bitwise; False halves the K-FAC part of the file, and they are
-    recomputed from the factors on load).
-    ``fletcher32``: HDF5's per-chunk checksum on datasets >= 16 KiB (CRC-32 digests are
-    always stored and verified). ``parallel``: use parallel HDF5 when h5py has it
-    (default: when available and more than one rank). ``prefetch``: rank 0 receives
-    the next factor while writing the current one (faster; then it holds two
-    remote factors at a time instead of one). ``check_finite``: refuse model, optimizer
-    and K-FAC state holding NaN or Inf (:class:`NonFiniteStateError`, raised before
-    anything is written or pruned). Returns the file's path on every rank.
-
     Every failure raises :class:`CheckpointError` on every rank, with the same message;
     the temporary file is then removed and earlier checkpoints and ``latest`` are as
     they were. A checkpoint that does not fit in the free space is refused before it
     is written; a disk that fills up while writing ends the same way.
+
+    Args:
+        directory_or_path: A directory (file ``ckpt_<step>.h5`` in it, then the
+            ``latest`` pointer, then pruning to the last ``keep_last``) or a ``.h5``
+            file path (written atomically; no pointer, no pruning).
+        model: The model (a DDP / DataParallel wrapper is unwrapped).
+        optimizer: The optimizer, or None (no optimizer state).
+        preconditioner: The K-FAC preconditioner, if any.
+        step: The training step (names the file in a directory).
+        comm: The ranks (default: the preconditioner's, else the world).
+        extra: A JSON-able dict that may hold tensors and arrays (the driver's state,
+            stored under ``/train``).
+        keep_last: Checkpoints the pruning keeps in a directory; None or 0 keeps all.
+        store_eigenbases: Also store the decompositions the preconditioner reports with
+            ``state_dict(eigenbases=True)``: a run resumed between two inverse updates
+            then continues bitwise. False halves the K-FAC part of the file; they are
+            then recomputed from the factors on load.
+        fletcher32: HDF5's per-chunk checksum on datasets >= 16 KiB (CRC-32 digests
+            are always stored and verified).
+        parallel: Use parallel HDF5 (default: when h5py has it and there is more than
+            one rank).
+        prefetch: Rank 0 receives the next factor while writing the current one
+            (faster; it then holds two remote factors at a time instead of one).
+        check_finite: Refuse model, optimizer and K-FAC state holding NaN or Inf
+            (before anything is written or pruned).
+        keep_every_steps: The pruning also keeps the first checkpoint at or after every
+            multiple of this step count (milestones,
+            :func:`kfac_hpc.checkpoint.atomic.milestones`; never deleted by it).
+        keep: Names of checkpoints in the directory that the pruning never deletes
+            either (e.g. the best by a monitored metric); they do not count against
+            ``keep_last``.
+
+    Returns:
+        The file's path, on every rank.
+
+    Raises:
+        TypeError: On every rank, when the optimizer or preconditioner of some rank
+            lacks a member of its protocol (:mod:`kfac_hpc.checkpoint.contracts`).
+        NonFiniteStateError: State holding NaN or Inf (``check_finite``).
+        CheckpointError: Any other failure.
     """
     comm = resolve_comm(comm, preconditioner)
     st = _stage(comm, directory_or_path, model=model, optimizer=optimizer,
