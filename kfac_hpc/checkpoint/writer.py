@@ -151,7 +151,7 @@ def resolve_comm(comm: Communicator | None,
     """
     if comm is not None:
         return comm
-    if isinstance(preconditioner, CheckpointPreconditioner):
+    if isinstance(preconditioner, CheckpointPreconditioner) and preconditioner.comm is not None:
         return preconditioner.comm
     from kfac_hpc.comm import world
 
