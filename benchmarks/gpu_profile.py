@@ -18,7 +18,7 @@ stem), 1000 classes, one fixed synthetic batch, fp32 model, one process
 * ``schedule``: mean ms per iteration over two whole inverse periods of a real schedule
   (``--schedule F I``, default (1,10)) with each ``decomposition_lag`` of ``--lags``
   (decompositions in a worker thread on a side stream), against SGD.
-* ``decompositions``: one inverse update (``_update_decompositions``) against the bare
+* ``decompositions``: one inverse update (``pre.decomps.update``) against the bare
   solver calls on the same factors: ``torch.linalg.eigh`` one factor at a time and
   batched by size (``linalg.eigh_clamped_many``), and batched for the same factors plus
   a large multiple of the identity (eigh's time depends on the spectrum); per size,
@@ -210,7 +210,7 @@ def decompositions_section(device: torch.device, batch: tuple[Tensor, Tensor],
         trainer.run("fi")
     pre = trainer.pre
     assert pre is not None
-    update = [timed(lambda: pre._update_decompositions(), device) for _ in range(3)]
+    update = [timed(lambda: pre.decomps.update(pre.steps), device) for _ in range(3)]
     factors = [s.average for s in pre.factors.values() if s.average is not None]
 
     def one_by_one() -> None:

@@ -65,6 +65,11 @@ class Phase(_Name):
     """Factor update: statistics to their owners, running averages."""
     KFAC_DECOMPOSITIONS = "kfac_decompositions"
     """Inverse update: decompositions computed (or installed) and broadcast."""
+    KFAC_DECOMPOSE = "kfac_decompose"
+    """Computing this rank's decompositions in the step (inside ``kfac_decompositions``;
+    background ones, ``decomposition_lag``, are not timed)."""
+    KFAC_AVERAGES = "kfac_averages"
+    """Folding statistics into the running or local averages (inside ``kfac_factors``)."""
     KFAC_PRECONDITION = "kfac_precondition"
     """Preconditioning of the layers this rank is a gradient worker of."""
     KFAC_GRADIENTS = "kfac_gradients"

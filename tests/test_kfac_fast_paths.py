@@ -7,7 +7,7 @@
   path);
 * :meth:`LayerCurvature.grad_dot` against ``inner64(v, grad_matrix(v.dtype))`` on real
   ``.grad`` fields (Linear, Conv2d, Embedding; missing grads);
-* the non-finite screen ``_nonfinite`` of the preconditioner (sum screen, entry-by-entry
+* the non-finite screen ``nonfinite`` of the preconditioner (sum screen, entry-by-entry
   fallback when the sum itself overflows).
 """
 
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kfac_hpc.kfac import patches
+from kfac_hpc.kfac.factor_update import nonfinite
 from kfac_hpc.kfac.layers import (
     Conv2dCurvature,
     EmbeddingCurvature,
@@ -31,7 +32,6 @@ from kfac_hpc.kfac.layers import (
 )
 from kfac_hpc.kfac.linalg import covariance, inner64
 from kfac_hpc.kfac.placement import FactorKey
-from kfac_hpc.kfac.preconditioner import _nonfinite
 
 DT = torch.float64
 TOL = 1e-12
@@ -268,7 +268,7 @@ def test_grad_dot_none_without_grads(case: int) -> None:
     assert float(inner64(v, curv.grad_matrix(DT))) == 0.0  # zeros, consistently
 
 
-# ----- _nonfinite ------------------------------------------------------------------------
+# ----- nonfinite ------------------------------------------------------------------------
 
 
 def _factors(*tensors: Tensor) -> dict[FactorKey, Tensor]:
@@ -280,8 +280,8 @@ def _finite(dtype: torch.dtype, seed: int) -> Tensor:
 
 
 def test_nonfinite_empty_and_all_finite() -> None:
-    assert _nonfinite({}) == []
-    assert _nonfinite(_factors(*(_finite(torch.float32, s) for s in range(4)))) == []
+    assert nonfinite({}) == []
+    assert nonfinite(_factors(*(_finite(torch.float32, s) for s in range(4)))) == []
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16,
@@ -292,7 +292,7 @@ def test_nonfinite_flags_exactly_bad_keys(dtype: torch.dtype, bad: float) -> Non
     ts[1][2, 3] = bad
     ts[4][0, 0] = bad
     keys = list(_factors(*ts))
-    assert _nonfinite(_factors(*ts)) == [keys[1], keys[4]]
+    assert nonfinite(_factors(*ts)) == [keys[1], keys[4]]
 
 
 @pytest.mark.parametrize(("dtype", "big"), [(torch.float32, 3e38), (torch.bfloat16, 3e38),
@@ -308,13 +308,13 @@ def test_nonfinite_sum_overflow_is_not_flagged(dtype: torch.dtype, big: float) -
     nan[1, 0] = math.nan
     mapping = _factors(huge, _finite(dtype, 0), neg, nan)
     keys = list(mapping)
-    assert _nonfinite(mapping) == [keys[3]]
-    assert _nonfinite(_factors(huge)) == []
+    assert nonfinite(mapping) == [keys[3]]
+    assert nonfinite(_factors(huge)) == []
 
 
 def test_nonfinite_mixed_dtypes() -> None:
     mapping = _factors(_finite(torch.float32, 1), _finite(torch.float64, 2),
                        _finite(torch.float16, 3))
-    assert _nonfinite(mapping) == []
+    assert nonfinite(mapping) == []
     mapping[FactorKey("l2", "A")][0, 1] = math.inf
-    assert _nonfinite(mapping) == [FactorKey("l2", "A")]
+    assert nonfinite(mapping) == [FactorKey("l2", "A")]

@@ -16,8 +16,9 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from kfac_hpc.comm import Communicator, Handle, buckets_by_size
+from kfac_hpc.comm import Communicator, Handle
 from kfac_hpc.kfac.exchange import MessageLayout, Part, Piece, PieceKey
+from kfac_hpc.kfac.layouts import bucket_plan
 from kfac_hpc.kfac.placement import FactorKey
 from kfac_hpc.phases import Traffic
 
@@ -31,8 +32,7 @@ class FactorPipeline:
                  owner: Mapping[FactorKey, int], numel: Mapping[FactorKey, int], *,
                  cap_bytes: int, dtype: torch.dtype, device: torch.device) -> None:
         self.comm, self.dtype, self.device = comm, dtype, device
-        sizes = [(numel[k] + 1) * dtype.itemsize for k in keys]
-        self.buckets = [[keys[i] for i in idx] for idx in buckets_by_size(sizes, cap_bytes)]
+        self.buckets = bucket_plan(keys, numel, cap_bytes, dtype.itemsize)
         self.layouts: list[MessageLayout] = []
         for bucket in self.buckets:
             parts: list[list[tuple[PieceKey, int]]] = [[] for _ in range(comm.size)]

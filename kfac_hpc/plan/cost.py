@@ -40,8 +40,19 @@ import torch
 
 from kfac_hpc.comm.buffers import WIDENED_DTYPES
 from kfac_hpc.comm.communicator import AGREE_BYTES
-from kfac_hpc.comm.fusion import buckets_by_size, triu_count
 from kfac_hpc.comm.replicas import replica_check_bytes
+from kfac_hpc.kfac.decomposer import Decomposer, make_decomposer, message_numel
+from kfac_hpc.kfac.layouts import (
+    LayerDims,
+    bucket_plan,
+    decomposition_layout,
+    factor_dim,
+    factor_layout,
+    factor_wire_numel,
+    gradient_layout,
+    local_factor_layout,
+    readiness_order,
+)
 from kfac_hpc.kfac.lowrank import sketches
 from kfac_hpc.kfac.options import (
     APPROXIMATIONS,
@@ -303,29 +314,44 @@ class Distribution:
         return FactorKey(layer.name, f) in self.placement.local_factors
 
     def wire_numel(self, n: int) -> int:
-        """Return the elements an ``n x n`` factor puts on the wire (its triangle when packed)."""
-        return triu_count(n) if self.options.symmetric_packing else n * n
+        """Return the elements an ``n x n`` factor puts on the wire (:func:`factor_wire_numel`)."""
+        return factor_wire_numel(n, self.options.symmetric_packing)
+
+    @cached_property
+    def dims(self) -> LayerDims:
+        """Return the layers' factor dimensions, as the message layouts take them."""
+        return {s.name: (s.a_dim, s.g_dim) for s in self.model.layers}
+
+    @cached_property
+    def decomposer(self) -> Decomposer:
+        """Return the preconditioner's decomposer for these options (message, state sizes)."""
+        o = self.options
+        return make_decomposer(compute_method=o.compute_method, low_rank=o.low_rank,
+                               low_rank_min_dim=o.low_rank_min_dim,
+                               low_rank_energy=o.low_rank_energy)
 
     @cached_property
     def reduce_numel(self) -> tuple[int, int]:
-        """Elements of the factor reduce-scatter (non-local) and allreduce (local)."""
-        rs = sum(self.wire_numel(layer.dim(f)) + 1 for layer, f in self.factors()
-                 if not self.is_local(layer, f))
-        ar = sum(self.wire_numel(layer.dim(f)) + 1 for layer, f in self.factors()
-                 if self.is_local(layer, f))
-        return rs, ar
+        """Count the elements of the factor reduce-scatter (non-local) and allreduce (local).
+
+        From the exchange's layouts (:func:`~kfac_hpc.kfac.layouts.factor_layout`).
+        """
+        sym = self.options.symmetric_packing
+        return (sum(factor_layout(self.placement, self.dims, sym).counts()),
+                sum(local_factor_layout(self.placement, self.dims, sym).counts()))
 
     @cached_property
     def buckets(self) -> list[int]:
-        """Elements of each overlap bucket (readiness order: A forward, G backward)."""
-        names = [s.name for s in self.model.layers]
-        order = [(n, "A") for n in names] + [(n, "G") for n in names[::-1]]
-        numel = [self.wire_numel(self.layers[n].dim(f)) + 1 for n, f in order
-                 if FactorKey(n, f) not in self.placement.local_factors]
-        size = _itemsize(self.options.factor_dtype)
-        groups = buckets_by_size([e * size for e in numel],
-                                 int(self.options.bucket_cap_mb * 2**20))
-        return [sum(numel[i] for i in g) for g in groups]
+        """Count the elements of each overlap bucket (readiness order: A fwd, G bwd).
+
+        The buckets are the pipeline's (:func:`~kfac_hpc.kfac.layouts.bucket_plan`).
+        """
+        order = [k for k in readiness_order(self.dims)
+                 if k not in self.placement.local_factors]
+        numel = {k: self.wire_numel(factor_dim(self.dims, k)) for k in order}
+        plan = bucket_plan(order, numel, int(self.options.bucket_cap_mb * 2**20),
+                           _itemsize(self.options.factor_dtype))
+        return [sum(numel[k] + 1 for k in bucket) for bucket in plan]
 
     def low_rank_cap(self, n: int) -> int | None:
         """Return the most eigenpairs an ``n x n`` factor keeps (``None``: all of them)."""
@@ -335,38 +361,28 @@ class Distribution:
 
     def decomposition_numel(self, n: int) -> int:
         """Count the elements of one factor's decomposition message piece, ``#valid`` included."""
-        cap = self.low_rank_cap(n)
-        if cap is not None:
-            return cap * n + cap + 3  # Q (column-major, cap columns), λ, ρ, rank, #valid
-        return n * n + n + 1 if self.options.compute_method == "eigen" else n * n + 1
+        return message_numel(self.decomposer, n)
 
     def decomposition_state_numel(self, n: int) -> int:
         """Count the elements of one held decomposition (``memory_bytes()``; low rank: the cap)."""
-        cap = self.low_rank_cap(n)
-        if cap is not None:
-            return cap * n + cap + 1  # Q (n x k), λ, ρ
-        return n * n + n if self.options.compute_method == "eigen" else n * n
+        return self.decomposer.held_numel(n)
 
     @cached_property
     def slot_numel(self) -> list[list[int]]:
-        """Per worker group, per slot: elements of the decomposition broadcast."""
-        g = self.grad_workers
-        out = [[0] * g for _ in range(self.n_groups)]
-        for layer, f in self.factors():
-            if self.is_local(layer, f):
-                continue
-            group = self.placement.layer_group[layer.name]
-            owner = self.placement.factor_owner[FactorKey(layer.name, f)]
-            out[group][owner - group * g] += self.decomposition_numel(layer.dim(f))
-        return out
+        """Count, per worker group and slot, the elements of the decomposition broadcast.
+
+        The exchange's layout (:func:`~kfac_hpc.kfac.layouts.decomposition_layout`).
+        """
+        return [decomposition_layout(self.placement, self.dims, self.decomposer, group).counts()
+                for group in range(self.n_groups)]
 
     @cached_property
     def group_grad_numel(self) -> list[int]:
-        """Per worker group: elements of its preconditioned-gradient broadcast."""
-        out = [0] * self.n_groups
-        for layer in self.model.layers:
-            out[self.placement.layer_group[layer.name]] += layer.grad_numel + 1
-        return out
+        """Count, per worker group, the elements of its preconditioned-gradient broadcast.
+
+        The exchange's layout (:func:`~kfac_hpc.kfac.layouts.gradient_layout`).
+        """
+        return gradient_layout(self.placement, self.dims).counts()
 
     def group_of(self, rank: int) -> int:
         """Return the gradient-worker group of ``rank``."""
@@ -449,7 +465,7 @@ class Distribution:
         if self.n_groups > 1:
             groups = self.group_grad_numel
             out.add(Traffic.GRADIENTS, sum(groups) * isize, sum(1 for s in groups if s))
-        for agreed in (factor, inverse):  # KFACPreconditioner._ranks_reporting
+        for agreed in (factor, inverse):  # kfac_hpc.kfac.agree.agree
             if agreed:
                 out.add(Traffic.AGREEMENT, AGREEMENT_BYTES, 1)
         return out

@@ -1,0 +1,460 @@
+"""How a factor is decomposed, sent, kept, stored and used: one object per compute method.
+
+A :class:`Decomposer` owns everything that depends on K-FAC's ``compute_method`` (and
+``low_rank``): the parts of a decomposition and their sizes in a message (which the
+exchanges and the planner both lay out from :meth:`Decomposer.parts`), computing them
+for a set of factors (batched where the method allows), what a rank keeps of a received
+message, preconditioning a layer's gradient from its two factors' decompositions, the
+form ``state_dict()`` stores and the check that a stored form can be restored.
+:func:`make_decomposer` chooses the implementation once:
+
+* :class:`EigenDecomposer` — ``F = Q diag(λ) Qᵀ`` (``eigh``, batched by size; or a
+  subspace refresh from the previous eigenbasis, ``eigen_refresh="subspace"``);
+* :class:`InverseDecomposer` — the damped inverse ``(F + √γ·I)⁻¹``;
+* :class:`LowRankDecomposer` — eigen, except factors with a low-rank cap, which get a
+  randomized decomposition (:mod:`kfac_hpc.kfac.lowrank`).
+
+A decomposition that fails (a solver error) is recorded and sent as invalid (zeros,
+``valid = 0``): the other ranks must not be left waiting in the broadcast; every rank
+raises after the agreement (:func:`kfac_hpc.kfac.agree.raise_failed_decompositions`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol, cast
+
+import torch
+from torch import Tensor
+
+from kfac_hpc.kfac import linalg
+from kfac_hpc.kfac.exchange import Part, Piece, PieceKey, own_copy
+from kfac_hpc.kfac.factor_store import FactorState
+from kfac_hpc.kfac.hyperparams import Schedule, positive
+from kfac_hpc.kfac.lowrank import (
+    LowRankFactor,
+    precondition_lowrank,
+    randomized_eigh,
+    sketch_generator,
+)
+from kfac_hpc.kfac.options import (
+    EigenRefresh,
+    LowRankRemainder,
+    MatmulPrecision,
+    low_rank_cap,
+)
+from kfac_hpc.kfac.placement import FactorKey
+
+__all__ = ["Decomposer", "EigenDecomposer", "Failures", "Held", "InverseDecomposer",
+           "LowRankDecomposer", "make_decomposer", "message_numel"]
+
+Held = dict[str, Tensor]  # a kept decomposition by part name: {"Q", "lambda"}, {"inv"}, ...
+Failures = dict[FactorKey, BaseException]
+
+
+class Decomposer(Protocol):
+    """What the preconditioner needs of a compute method (see the module docstring)."""
+
+    def parts(self, n: int) -> tuple[tuple[Part, int], ...]:
+        """The parts of an ``n x n`` factor's decomposition in a message, with sizes."""
+        ...
+
+    def held_numel(self, n: int) -> int:
+        """Elements a rank keeps of one decomposition (low rank: at its cap)."""
+        ...
+
+    def is_approximate(self, n: int) -> bool:
+        """Whether an ``n x n`` factor gets an approximate (low-rank) decomposition."""
+        ...
+
+    def decompose(self, states: Mapping[FactorKey, FactorState], step: int,
+                  previous: Mapping[FactorKey, Held], failures: Failures
+                  ) -> dict[PieceKey, Piece]:
+        """Every factor of ``states`` decomposed, as message pieces (valid flags included).
+
+        Args:
+            states: The factors to decompose (``average is None``: sent as invalid).
+            step: The inverse step they belong to (seeds sketches, picks the damping).
+            previous: The decompositions held now (a subspace refresh starts from them).
+            failures: Where a failed factor's exception is recorded.
+
+        Returns:
+            The pieces of :meth:`parts` and ``VALID`` of every factor.
+        """
+        ...
+
+    def readback(self, key: FactorKey, n: int) -> tuple[PieceKey, ...]:
+        """Scalar pieces besides ``VALID`` to read back from a received message."""
+        ...
+
+    def keep(self, key: FactorKey, n: int, pieces: Mapping[PieceKey, Tensor],
+             scalars: Mapping[PieceKey, float]) -> Held:
+        """What a rank keeps of a received valid decomposition (each part its own copy)."""
+        ...
+
+    def precondition(self, grad: Tensor, a: Held, g: Held, damping: float) -> Tensor:
+        """A layer's preconditioned gradient (``grad``: ``g_dim x a_dim``)."""
+        ...
+
+    def stored(self, held: Held) -> dict[str, Tensor]:
+        """A kept decomposition as ``state_dict()`` stores it."""
+        ...
+
+    def restorable(self, key: FactorKey, n: int, stored: Mapping[str, Tensor]
+                   ) -> dict[PieceKey, Tensor] | None:
+        """A stored decomposition as message pieces, or ``None`` when it does not fit."""
+        ...
+
+
+def message_numel(decomposer: Decomposer, n: int) -> int:
+    """Elements of one factor's decomposition in a message, its ``VALID`` flag included.
+
+    Args:
+        decomposer: The compute method.
+        n: The factor's dimension.
+
+    Returns:
+        The sum of its parts' sizes plus one.
+    """
+    return sum(size for _, size in decomposer.parts(n)) + 1
+
+
+class _Full:
+    """What the full (eigen and inverse) decompositions share: ``dtype`` and ``device``
+    of the pieces, zeros for invalid factors, the full kept and stored forms."""
+
+    def __init__(self, *, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+
+    def parts(self, n: int) -> tuple[tuple[Part, int], ...]:
+        raise NotImplementedError
+
+    def is_approximate(self, n: int) -> bool:
+        """Full decompositions are exact."""
+        return False
+
+    def held_numel(self, n: int) -> int:
+        """Elements of the kept parts (the message parts)."""
+        return sum(size for _, size in self.parts(n))
+
+    def invalid(self, key: FactorKey, n: int) -> dict[PieceKey, Piece]:
+        """Zeros for every piece, ``VALID`` included: a factor without a decomposition."""
+        return {PieceKey(key, part): torch.zeros(size, dtype=self.dtype, device=self.device)
+                for part, size in (*self.parts(n), (Part.VALID, 1))}
+
+    def decompose(self, states: Mapping[FactorKey, FactorState], step: int,
+                  previous: Mapping[FactorKey, Held], failures: Failures
+                  ) -> dict[PieceKey, Piece]:
+        """See :meth:`Decomposer.decompose`."""
+        batched = self._batched(states, previous)
+        out: dict[PieceKey, Piece] = {}
+        for key, state in states.items():
+            if state.average is None:  # never saw statistics: invalid, not preconditioned
+                out.update(self.invalid(key, state.dim))
+                continue
+            try:
+                result = batched.get(key)
+                if isinstance(result, Exception):
+                    raise result
+                out.update(self._one(key, state.average, step, result))
+            except Exception as exc:
+                failures[key] = exc
+                out.update(self.invalid(key, state.dim))
+        return out
+
+    def _batched(self, states: Mapping[FactorKey, FactorState],
+                 previous: Mapping[FactorKey, Held]
+                 ) -> dict[FactorKey, tuple[Tensor, Tensor] | Exception]:
+        return {}
+
+    def _one(self, key: FactorKey, average: Tensor, step: int,
+             batched: tuple[Tensor, Tensor] | None) -> dict[PieceKey, Piece]:
+        raise NotImplementedError
+
+    def readback(self, key: FactorKey, n: int) -> tuple[PieceKey, ...]:
+        """Nothing besides ``VALID``."""
+        return ()
+
+    def keep(self, key: FactorKey, n: int, pieces: Mapping[PieceKey, Tensor],
+             scalars: Mapping[PieceKey, float]) -> Held:
+        """Matrices as ``n x n``, eigenvalues flat, each in its own row-major copy
+        (:func:`~kfac_hpc.kfac.exchange.own_copy`): laid out alike whether computed,
+        received or restored."""
+        return {part.value: own_copy(pieces[PieceKey(key, part)].view(
+            (n,) if part is Part.LAMBDA else (n, n))) for part, _ in self.parts(n)}
+
+    def stored(self, held: Held) -> dict[str, Tensor]:
+        """The kept parts themselves."""
+        return dict(held)
+
+    def restorable(self, key: FactorKey, n: int, stored: Mapping[str, Tensor]
+                   ) -> dict[PieceKey, Tensor] | None:
+        """The stored parts, flat, when every one is there with its shape."""
+        wanted = [part.value for part, _ in self.parts(n)]
+        if any(name not in stored for name in wanted):
+            return None
+        lam = stored.get(Part.LAMBDA.value)
+        if (tuple(lam.shape) if lam is not None else (n,)) != (n,) \
+                or stored[wanted[0]].shape != (n, n):
+            return None
+        return {PieceKey(key, Part(name)): self._piece(stored[name]).reshape(-1)
+                for name in wanted}
+
+    def _piece(self, value: Tensor) -> Tensor:
+        return value.detach().to(device=self.device, dtype=self.dtype, copy=True)
+
+
+class EigenDecomposer(_Full):
+    """``F = Q diag(λ) Qᵀ``, λ clamped at 0; ``eigh`` batched by size, or refreshed
+    from the previous eigenbasis (``refresh="subspace"``: two GEMMs and a QR)."""
+
+    def __init__(self, *, dtype: torch.dtype, device: torch.device,
+                 precision: MatmulPrecision = "full", refresh: EigenRefresh = "eigh") -> None:
+        super().__init__(dtype=dtype, device=device)
+        self.precision, self.refresh = precision, refresh
+
+    def parts(self, n: int) -> tuple[tuple[Part, int], ...]:
+        """``Q`` (``n x n``) and ``λ`` (``n``)."""
+        return ((Part.Q, n * n), (Part.LAMBDA, n))
+
+    def _full_keys(self, states: Mapping[FactorKey, FactorState]) -> list[FactorKey]:
+        return [key for key, state in states.items() if state.average is not None]
+
+    def _batched(self, states: Mapping[FactorKey, FactorState],
+                 previous: Mapping[FactorKey, Held]
+                 ) -> dict[FactorKey, tuple[Tensor, Tensor] | Exception]:
+        """Full eigendecompositions, batched by size
+        (:func:`~kfac_hpc.kfac.linalg.eigh_clamped_many`: one solver call, and one host
+        sync, per distinct size); with ``refresh="subspace"`` a factor whose previous
+        eigenbasis this rank holds is refreshed from it instead
+        (:func:`~kfac_hpc.kfac.linalg.refresh_eigenbases`)."""
+        keys = self._full_keys(states)
+        bases = {key: previous[key]["Q"] for key in keys
+                 if self.refresh == "subspace" and key in previous}
+        fresh = [key for key in keys if key not in bases]
+        out: dict[FactorKey, tuple[Tensor, Tensor] | Exception] = dict(zip(
+            fresh, linalg.eigh_clamped_many(
+                [cast(Tensor, states[key].average) for key in fresh], dtype=self.dtype)))
+        refreshed = list(bases)
+        out.update(zip(refreshed, linalg.refresh_eigenbases(
+            [cast(Tensor, states[key].average) for key in refreshed],
+            [bases[key] for key in refreshed], dtype=self.dtype)))
+        return out
+
+    def _one(self, key: FactorKey, average: Tensor, step: int,
+             batched: tuple[Tensor, Tensor] | None) -> dict[PieceKey, Piece]:
+        q, lam = batched if batched is not None else linalg.eigh_clamped(average,
+                                                                         dtype=self.dtype)
+        return {PieceKey(key, Part.Q): q, PieceKey(key, Part.LAMBDA): lam,
+                PieceKey(key, Part.VALID): 1.0}
+
+    def precondition(self, grad: Tensor, a: Held, g: Held, damping: float) -> Tensor:
+        """:func:`~kfac_hpc.kfac.linalg.precondition_eigen` (four GEMMs)."""
+        return linalg.precondition_eigen(grad, a["Q"], a["lambda"], g["Q"], g["lambda"],
+                                         damping, self.precision)
+
+
+class InverseDecomposer(_Full):
+    """The damped inverse ``(F + √γ·I)⁻¹`` (``damping`` of the inverse step)."""
+
+    def __init__(self, *, dtype: torch.dtype, device: torch.device, damping: Schedule,
+                 precision: MatmulPrecision = "full") -> None:
+        super().__init__(dtype=dtype, device=device)
+        self.damping, self.precision = damping, precision
+
+    def parts(self, n: int) -> tuple[tuple[Part, int], ...]:
+        """The inverse (``n x n``)."""
+        return ((Part.INV, n * n),)
+
+    def _one(self, key: FactorKey, average: Tensor, step: int,
+             batched: tuple[Tensor, Tensor] | None) -> dict[PieceKey, Piece]:
+        inv = linalg.damped_inverse(average, self.damping(step), dtype=self.dtype)
+        return {PieceKey(key, Part.INV): inv, PieceKey(key, Part.VALID): 1.0}
+
+    def precondition(self, grad: Tensor, a: Held, g: Held, damping: float) -> Tensor:
+        """:func:`~kfac_hpc.kfac.linalg.precondition_inverse` (two GEMMs)."""
+        return linalg.precondition_inverse(grad, a["inv"], g["inv"], self.precision)
+
+
+class LowRankDecomposer(EigenDecomposer):
+    """Eigen, except that a factor with a cap ``c`` (``dim >= min_dim`` and ``dim >
+    low_rank``) keeps its leading eigenpairs from a randomized decomposition plus one
+    remainder eigenvalue ``ρ`` (:func:`~kfac_hpc.kfac.lowrank.randomized_eigh`).
+
+    In a message its ``Q`` is ``c x d`` (its columns one after another, so the first
+    ``k`` are a prefix), ``λ`` has ``c`` entries (zero-padded), then ``ρ`` and the
+    rank ``k`` (read back only with the energy rule; otherwise ``k = c``).
+    """
+
+    def __init__(self, *, dtype: torch.dtype, device: torch.device, low_rank: int,
+                 min_dim: int, energy: float | None = None,
+                 remainder: LowRankRemainder = "mean", precision: MatmulPrecision = "full",
+                 refresh: EigenRefresh = "eigh") -> None:
+        super().__init__(dtype=dtype, device=device, precision=precision, refresh=refresh)
+        self.low_rank, self.min_dim = low_rank, min_dim
+        self.energy, self.remainder = energy, remainder
+
+    def cap(self, n: int) -> int | None:
+        """The most eigenpairs an ``n x n`` factor keeps (``None``: full eigen)."""
+        return low_rank_cap(n, self.low_rank, self.min_dim)
+
+    def is_approximate(self, n: int) -> bool:
+        """Whether the factor has a cap."""
+        return self.cap(n) is not None
+
+    def parts(self, n: int) -> tuple[tuple[Part, int], ...]:
+        """Eigen's parts, or ``Q`` (``c·n``), ``λ`` (``c``), ``ρ``, the rank."""
+        cap = self.cap(n)
+        if cap is None:
+            return super().parts(n)
+        return ((Part.Q, cap * n), (Part.LAMBDA, cap), (Part.RHO, 1), (Part.RANK, 1))
+
+    def held_numel(self, n: int) -> int:
+        """``Q`` (``n x c``), ``λ`` and ``ρ`` at the cap."""
+        cap = self.cap(n)
+        return super().held_numel(n) if cap is None else cap * n + cap + 1
+
+    def _full_keys(self, states: Mapping[FactorKey, FactorState]) -> list[FactorKey]:
+        return [key for key in super()._full_keys(states) if self.cap(states[key].dim) is None]
+
+    def _one(self, key: FactorKey, average: Tensor, step: int,
+             batched: tuple[Tensor, Tensor] | None) -> dict[PieceKey, Piece]:
+        cap = self.cap(average.shape[0])
+        if cap is None:
+            return super()._one(key, average, step, batched)
+        return self._randomized(key, average, step, cap)
+
+    def _randomized(self, key: FactorKey, average: Tensor, step: int,
+                    cap: int) -> dict[PieceKey, Piece]:
+        """Randomized decomposition (sketch seeded by factor and ``step``, so the same on
+        any rank), zero-padded to the cap; float64 retry on failure."""
+        def attempt(factor: Tensor) -> LowRankFactor:
+            return randomized_eigh(factor, rank=cap, energy=self.energy,
+                                   remainder=self.remainder,
+                                   generator=sketch_generator(key.name, step, self.device))
+
+        try:
+            low = attempt(average)
+        except torch.linalg.LinAlgError:
+            low = attempt(average.to(torch.float64))
+        k, n = low.rank, low.dim
+        q = torch.zeros(cap, n, dtype=self.dtype, device=self.device)
+        q[:k] = low.q.t()
+        lam = torch.zeros(cap, dtype=self.dtype, device=self.device)
+        lam[:k] = low.lam
+        return {PieceKey(key, Part.Q): q, PieceKey(key, Part.LAMBDA): lam,
+                PieceKey(key, Part.RHO): low.rho.to(self.dtype).reshape(1),
+                PieceKey(key, Part.RANK): float(k), PieceKey(key, Part.VALID): 1.0}
+
+    def readback(self, key: FactorKey, n: int) -> tuple[PieceKey, ...]:
+        """The rank, when the energy rule chooses it (else it is the cap)."""
+        if self.energy is not None and self.cap(n) is not None:
+            return (PieceKey(key, Part.RANK),)
+        return ()
+
+    def keep(self, key: FactorKey, n: int, pieces: Mapping[PieceKey, Tensor],
+             scalars: Mapping[PieceKey, float]) -> Held:
+        """Low rank: cut to its rank ``k``: ``Q`` (``d x k``, column-major: the transpose
+        of a copy of the message's first ``k`` rows), ``lambda`` (``k``), ``rho``
+        (``1``), each in its own allocation."""
+        cap = self.cap(n)
+        if cap is None:
+            return super().keep(key, n, pieces, scalars)
+        k = round(scalars[PieceKey(key, Part.RANK)]) if self.energy is not None else cap
+        return {Part.Q.value: own_copy(pieces[PieceKey(key, Part.Q)].view(cap, n)[:k]).t(),
+                Part.LAMBDA.value: own_copy(pieces[PieceKey(key, Part.LAMBDA)][:k]),
+                Part.RHO.value: own_copy(pieces[PieceKey(key, Part.RHO)])}
+
+    def precondition(self, grad: Tensor, a: Held, g: Held, damping: float) -> Tensor:
+        """Exact for the approximated factors when either is low rank
+        (:func:`~kfac_hpc.kfac.lowrank.precondition_lowrank`), else eigen's."""
+        g_dim, a_dim = grad.shape
+        if self.cap(a_dim) is None and self.cap(g_dim) is None:
+            return super().precondition(grad, a, g, damping)
+        return precondition_lowrank(grad, _low_rank_factor(a), _low_rank_factor(g), damping)
+
+    def stored(self, held: Held) -> dict[str, Tensor]:
+        """Low rank: ``{"Q" (d x k), "lambda" (k), "rho" (1), "rank" (1)}``."""
+        parts = dict(held)
+        if Part.RHO.value in parts:
+            q = parts[Part.Q.value]
+            parts[Part.Q.value] = q.contiguous()
+            parts[Part.RANK.value] = torch.tensor([q.shape[1]], dtype=torch.int64,
+                                                  device=self.device)
+        return parts
+
+    def restorable(self, key: FactorKey, n: int, stored: Mapping[str, Tensor]
+                   ) -> dict[PieceKey, Tensor] | None:
+        """Low rank: the stored ``Q`` (``d x k``, ``1 <= k <= cap``) zero-padded back to
+        the message's ``c x d``."""
+        cap = self.cap(n)
+        if cap is None:
+            return super().restorable(key, n, stored)
+        if any(part.value not in stored for part in (Part.Q, Part.LAMBDA, Part.RHO)):
+            return None
+        q = stored[Part.Q.value]
+        k = int(q.shape[1]) if q.dim() == 2 else -1
+        stored_rank = stored.get(Part.RANK.value)
+        if (q.dim() != 2 or q.shape[0] != n or not 1 <= k <= cap
+                or tuple(stored[Part.LAMBDA.value].shape) != (k,)
+                or stored[Part.RHO.value].numel() != 1
+                or (stored_rank is not None and int(stored_rank.reshape(-1)[0]) != k)):
+            return None
+        wire_q = torch.zeros(cap, n, dtype=self.dtype, device=self.device)
+        wire_q[:k] = self._piece(stored[Part.Q.value]).t()
+        lam = torch.zeros(cap, dtype=self.dtype, device=self.device)
+        lam[:k] = self._piece(stored[Part.LAMBDA.value])
+        return {PieceKey(key, Part.Q): wire_q.reshape(-1), PieceKey(key, Part.LAMBDA): lam,
+                PieceKey(key, Part.RHO): self._piece(stored[Part.RHO.value]).reshape(1),
+                PieceKey(key, Part.RANK): torch.full((1,), float(k), dtype=self.dtype,
+                                                     device=self.device)}
+
+
+def _low_rank_factor(parts: Mapping[str, Tensor]) -> LowRankFactor:
+    """A layer's decomposition for :func:`precondition_lowrank`: a full one is the
+    low-rank form with ``k = d`` and ``ρ = 0``."""
+    q, lam = parts[Part.Q.value], parts[Part.LAMBDA.value]
+    rho = parts.get(Part.RHO.value)
+    return LowRankFactor(q=q, lam=lam, rho=(rho if rho is not None else lam.new_zeros(1)
+                                            ).reshape(()), exact=rho is None)
+
+
+def make_decomposer(*, compute_method: str, low_rank: int | None = None,
+                    low_rank_min_dim: int = 0, low_rank_energy: float | None = None,
+                    low_rank_remainder: LowRankRemainder = "mean",
+                    eigen_refresh: EigenRefresh = "eigh", damping: Schedule | None = None,
+                    dtype: torch.dtype = torch.float32,
+                    device: torch.device | None = None,
+                    precision: MatmulPrecision = "full") -> Decomposer:
+    """The decomposer of a compute method (the one place that chooses it).
+
+    Args:
+        compute_method: ``"eigen"`` or ``"inverse"``.
+        low_rank: The most eigenpairs kept of a large factor (eigen only), or ``None``.
+        low_rank_min_dim: Factors at least this large get the low-rank form.
+        low_rank_energy: Keep the fewest pairs holding this share of the trace.
+        low_rank_remainder: The remainder eigenvalue's rule (``"mean"``, ``"zero"``).
+        eigen_refresh: How an eigenbasis is renewed (``"eigh"``, ``"subspace"``).
+        damping: The damping schedule (the inverse method's decompositions use it).
+        dtype: The dtype of decompositions (``inv_dtype``).
+        device: Where they live (default: the CPU).
+        precision: The operand precision of preconditioning's GEMMs.
+
+    Returns:
+        The decomposer (sizes alone need no ``damping`` nor ``device``).
+    """
+    where = device if device is not None else torch.device("cpu")
+    match compute_method, low_rank:
+        case "inverse", _:
+            return InverseDecomposer(dtype=dtype, device=where, precision=precision,
+                                     damping=damping or positive("damping", 0.001))
+        case "eigen", None:
+            return EigenDecomposer(dtype=dtype, device=where, precision=precision,
+                                   refresh=eigen_refresh)
+        case "eigen", int():
+            return LowRankDecomposer(dtype=dtype, device=where, low_rank=low_rank,
+                                     min_dim=low_rank_min_dim, energy=low_rank_energy,
+                                     remainder=low_rank_remainder, precision=precision,
+                                     refresh=eigen_refresh)
+    raise ValueError(f"compute_method must be one of ('eigen', 'inverse'), "
+                     f"got {compute_method!r}")
