@@ -102,25 +102,25 @@ How it is measured (from outside the library, which is not modified):
   ``loss.backward()`` + ``GradientAverager.synchronize()`` (so backward includes
   gradient averaging), each minus the time spent inside the K-FAC hooks;
   *factor stats* is the time inside ``LayerCurvature.a_factor`` / ``g_factor`` called
-  by the hooks (the per-layer instances are wrapped); *factor comm* is the time in the
-  capture's ``on_ready`` callback (SPD-KFAC pipelining, in hooks), in
-  ``pre._update_factors`` and ``pre._synchronise_local_averages`` minus the running-
-  average arithmetic (``linalg.update_running_average`` / ``LocalAverage.fold``, patched
-  to be timed); *decomposition* is ``pre._decompose`` (eigh or inverse of this rank's
-  factors); *decomp bcast* is ``pre._update_decompositions`` minus ``_decompose``
-  (broadcasts of eigenbases/inverses, including waiting for their owners);
-  *precondition* is ``pre._precondition_my_layers``; *grad bcast* is
-  ``pre._share_preconditioned`` (mem-opt/hybrid/dp broadcasts of preconditioned
+  by the hooks (the per-layer instances are wrapped); the K-FAC phases are those the
+  library declares (``kfac_hpc.phases.Phase``, read from a ``PhaseTimer`` handed to the
+  preconditioner): *factor comm* is ``kfac_factors`` minus ``kfac_averages`` (the
+  running-average arithmetic) plus the pipeline's ``mark_ready`` / ``progress`` in the
+  hooks (SPD-KFAC pipelining; the pipeline's instance is wrapped); *decomposition* is
+  ``kfac_decompose`` (eigh or inverse of this rank's factors); *decomp bcast* is
+  ``kfac_decompositions`` minus ``kfac_decompose`` (broadcasts of eigenbases/inverses,
+  including waiting for their owners); *precondition* is ``kfac_precondition``;
+  *grad bcast* is ``kfac_gradients`` (mem-opt/hybrid/dp broadcasts of preconditioned
   gradients); *other* is the rest: running averages, KL clipping, writing ``.grad``,
-  ``zero_grad`` and ``optimizer.step()``. The bound methods are wrapped per instance.
+  ``zero_grad`` and ``optimizer.step()``.
 * Bytes: the library's counters (``Communicator.traffic()``, merged with the
   sub-communicators), which count per call the size of the message the collective
   operates on (the whole vector of a reduce-scatter or broadcast), on every rank: not
   the bytes a given MPI algorithm puts on a link. They are attributed to phases by the
-  counter's change across the wrapped methods (factors / decompositions / gradients),
-  measured in the last warm-up round (the counters are deterministic per kind);
-  gradient averaging is counted on its own communicator. The library's own tags
-  (``stats.tag_bytes``) are recorded in the JSON too.
+  library's own tags (``kfac_hpc.phases.Traffic``: factors / decompositions /
+  gradients; agreement and untagged bytes are *other*), measured in the last warm-up
+  round (the counters are deterministic per kind); gradient averaging is counted on
+  its own communicator. The tags' bytes are recorded in the JSON too.
 * Memory per rank: ``pre.memory_bytes()`` (factors + decompositions this rank holds)
   plus, with ``factor_sync="inverse"``, the local running averages; max over ranks.
 
@@ -161,18 +161,19 @@ from common import (
 from mpi4py import MPI
 from torch import nn
 
-import kfac_hpc.kfac.linalg as kfac_linalg
 from kfac_hpc import GradientAverager, KFACPreconditioner
 from kfac_hpc.comm import Communicator
 from kfac_hpc.kfac.layers import LayerCurvature, register_layers
 from kfac_hpc.kfac.shapes import eigh_flops, rows_per_sample, statistics_flops
 from kfac_hpc.models import build_model
+from kfac_hpc.phases import Phase, PhaseTimer, Traffic
 
 PHASES = ("forward", "backward", "factor stats", "factor comm", "decomposition",
           "decomp bcast", "precondition", "grad bcast", "other")
 COLORS = ("#4e79a7", "#a0cbe8", "#f28e2b", "#e15759", "#59a14f", "#8cd17d", "#b07aa1",
           "#ff9da7", "#bab0ac")
-BYTE_TAGS = ("factors", "decompositions", "gradients", "other")
+BYTE_TAGS = (Traffic.FACTORS.value, Traffic.DECOMPOSITIONS.value, Traffic.GRADIENTS.value,
+             "other")
 KINDS = ("fi", "f", "p")
 SCHEDULES = ((1, 1), (1, 10), (5, 10), (10, 100))  # (5, 10): the driver's default
 DEFAULT_STEPS = {"mlp": (30, 20), "resnet20": (4, 3),  # timed rounds: ratio, matrix
@@ -213,52 +214,44 @@ SYNC = Sync()
 
 # --------------------------------------------------------------------------- probes
 class Probe:
-    """Times (and, on request, counts bytes of) one preconditioner's phases.
+    """Times and counts one preconditioner's phases from what the library declares.
 
-    Wraps bound methods on the instance (and the hooks' curvature objects), so the
-    library runs unchanged; methods a version of the library lacks are skipped.
+    The K-FAC phases are the library's (:mod:`kfac_hpc.phases`): the probe hands the
+    preconditioner a :class:`PhaseTimer` and reads the seconds per phase back. In the
+    hooks, the public ``a_factor`` / ``g_factor`` of each layer's curvature object
+    (statistics) and the pipeline's public ``mark_ready`` / ``progress`` (factor
+    reductions posted from the hooks, ``overlap``) are timed per instance. Flops follow
+    from public state after the step: the factors this rank holds (``pre.factors``: it
+    decomposes every one it holds) and the layers it is a gradient worker of.
     """
-
-    METHODS = {  # method -> byte tag (None: nested in a tagged one, or no traffic)
-        "_update_factors": "factors",
-        "_synchronise_local_averages": "factors",
-        "_update_decompositions": "decompositions",
-        "_decompose": None,
-        "_precondition_my_layers": None,
-        "_share_preconditioned": "gradients",
-    }
 
     def __init__(self, pre: KFACPreconditioner, rows: dict[int, int] | None = None) -> None:
         self.pre = pre
-        self.t: defaultdict[str, float] = defaultdict(float)
+        self.timer = PhaseTimer(pre.device)
+        pre.phase_timer = self.timer
+        self.t: defaultdict[str, float] = defaultdict(float)  # hook-side times
         self.flops: defaultdict[str, int] = defaultdict(int)
-        self.bytes: defaultdict[str, int] = defaultdict(int)
-        self.count_bytes = False
-        self.wrapped: list[str] = []
-        counters = {"_decompose": self._decompose_flops,
-                    "_precondition_my_layers": self._precondition_flops}
-        for name, tag in self.METHODS.items():
-            fn = getattr(pre, name, None)
-            if callable(fn):
-                setattr(pre, name, self._wrap(name, fn, tag, counters.get(name)))
-                self.wrapped.append(name)
+        self.wrapped: list[str] = [  # what is timed, besides the library's phases
+            "phases: " + ", ".join(p.value for p in Phase if p.value.startswith("kfac"))]
         rows = rows or {}
         for stats in pre.capture.stats.values():
             curv = stats.curvature
             per_sample = rows.get(id(curv.module), 1)
             curv.a_factor = self._wrap(  # type: ignore[method-assign]
-                "stats", curv.a_factor, None, self._statistics_flops(curv, "A", per_sample))
+                "stats", curv.a_factor, self._statistics_flops(curv, "A", per_sample))
             curv.g_factor = self._wrap(  # type: ignore[method-assign]
-                "stats", curv.g_factor, None, self._statistics_flops(curv, "G", per_sample))
-        ready = getattr(pre.capture, "_on_ready", None)
-        if ready is not None:
-            pre.capture._on_ready = self._wrap("on_ready", ready, "factors")
-            self.wrapped.append("capture._on_ready")
+                "stats", curv.g_factor, self._statistics_flops(curv, "G", per_sample))
+        self.wrapped.append("LayerCurvature.a_factor/g_factor")
+        if pre.pipeline is not None:
+            pipe = pre.pipeline
+            pipe.mark_ready = self._wrap("on_ready", pipe.mark_ready)  # type: ignore[method-assign]
+            pipe.progress = self._wrap("on_ready", pipe.progress)  # type: ignore[method-assign]
+            self.wrapped.append("FactorPipeline.mark_ready/progress")
+        self._before: dict[str, int] = {}
 
-    def _wrap(self, name: str, fn: Callable[..., Any], tag: str | None,
+    def _wrap(self, name: str, fn: Callable[..., Any],
               flops: Callable[[tuple[Any, ...], Any], int] | None = None) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            before = self.pre.comm.traffic().total_bytes if tag and self.count_bytes else 0
             SYNC.phase()  # work queued before the call belongs to the caller's phase
             t0 = time.perf_counter()
             result = None
@@ -268,8 +261,6 @@ class Probe:
             finally:
                 SYNC.phase()
                 self.t[name] += time.perf_counter() - t0
-                if tag and self.count_bytes:
-                    self.bytes[tag] += self.pre.comm.traffic().total_bytes - before
                 if flops is not None and result is not None:
                     self.flops[name] += flops(args, result)
 
@@ -288,20 +279,39 @@ class Probe:
 
         return count
 
-    def _decompose_flops(self, args: tuple[Any, ...], _result: Any) -> int:
-        state = args[1]
-        if getattr(state, "average", None) is None:
-            return 0
-        return decomposition_flops(int(state.dim), self.pre.compute_method)
-
-    def _precondition_flops(self, _args: tuple[Any, ...], result: Any) -> int:
-        return sum(precondition_flops(int(v.shape[0]), int(v.shape[1]),
-                                      self.pre.compute_method) for v in result.values())
-
-    def reset(self) -> None:
+    def start(self, enabled: bool) -> None:
+        """Begin an iteration: clear the counts; time the library's phases if ``enabled``."""
         self.t.clear()
         self.flops.clear()
-        self.bytes.clear()
+        self.timer.start(enabled)
+        self._before = {name: s.updates for name, s in self.pre.factors.items()}
+        self._local_before = {k: (v.updates, v.delta is not None)
+                              for k, v in self.pre.local_averages.items()}
+
+    def seconds(self, phase: Phase) -> float:
+        """The seconds the library spent in ``phase`` this iteration."""
+        return self.timer.seconds(phase)
+
+    def finish(self) -> None:
+        """After the step: flops of the phases that ran, from public state."""
+        pre, method = self.pre, self.pre.compute_method
+        if self.seconds(Phase.KFAC_DECOMPOSE) > 0:  # every factor held is decomposed
+            self.flops["decomposition"] = sum(
+                decomposition_flops(s.dim, method) for s in pre.factors.values()
+                if s.average is not None)
+        rank, held = pre.comm.rank, pre.decompositions
+        self.flops["precondition"] = sum(
+            precondition_flops(c.g_dim, c.a_dim, method) for name, c in pre.layers.items()
+            if pre.placement.is_grad_worker(name, rank) and c.module.weight.grad is not None
+            and f"{name}/A" in held and f"{name}/G" in held)
+        # running averages: 3 flops an element of every factor folded into an existing
+        # average (a first update is a copy)
+        folded = sum(3 * s.dim ** 2 for name, s in pre.factors.items()
+                     if s.updates > self._before.get(name, 0) and self._before.get(name, 0))
+        folded += sum(3 * int(v.delta.numel()) for k, v in pre.local_averages.items()
+                      if v.delta is not None and v.updates > self._local_before[k][0]
+                      and self._local_before[k][1])
+        self.flops["average"] = folded
 
 
 def decomposition_flops(d: int, method: str) -> int:
@@ -315,46 +325,6 @@ def precondition_flops(g: int, a: int, method: str) -> int:
     ``Q_G V Q_Aᵀ`` = ``2·(g²a + g a²)`` multiply-adds = ``4ga(g + a)`` flops; inverse
     ``G⁻¹ X A⁻¹`` = ``g²a + g a²`` multiply-adds = ``2ga(g + a)`` flops."""
     return (4 if method == "eigen" else 2) * g * a * (g + a)
-
-
-_ACTIVE: list[Probe | None] = [None]
-
-
-def _average_flops(args: tuple[Any, ...]) -> int:
-    """``c·decay + (1-decay)·B``: 3 flops an element (0 for a first update, a copy).
-    Arguments: ``(current, batch, decay)`` or ``(local_average, batch, decay, first)``."""
-    if len(args) >= 4 and args[3]:
-        return 0
-    if len(args) == 3 and args[0] is None:
-        return 0
-    batch = args[1]
-    return 3 * int(batch.numel()) if isinstance(batch, torch.Tensor) else 0
-
-
-def _patch_running_averages() -> None:
-    """Time the running-average arithmetic (module function and LocalAverage.fold)."""
-    def timing(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            SYNC.phase()
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                SYNC.phase()
-                probe = _ACTIVE[0]
-                if probe is not None:
-                    probe.t["average"] += time.perf_counter() - t0
-                    probe.flops["average"] += _average_flops(args)
-
-        return timed
-
-    kfac_linalg.update_running_average = timing(  # type: ignore[assignment]
-        kfac_linalg.update_running_average)
-    try:
-        from kfac_hpc.kfac.factor_sync import LocalAverage
-    except ImportError:
-        return
-    LocalAverage.fold = timing(LocalAverage.fold)  # type: ignore[method-assign]
 
 
 # ------------------------------------------------------------------------ workloads
@@ -486,9 +456,7 @@ def iteration(r: Runner, work: Workload, kind: str, grad_comm: Communicator,
     probe = r.probe
     if probe is not None:
         r.mode.factor, r.mode.inverse = kind in ("fi", "f"), kind == "fi"
-        probe.reset()
-        probe.count_bytes = count_bytes
-    _ACTIVE[0] = probe
+        probe.start(enabled=SYNC.phases or not SYNC.cuda)
     tags_before = _tag_snapshot(r.pre) if count_bytes and r.pre is not None else {}
     grad_before = grad_comm.traffic().total_bytes
     SYNC.boundary()
@@ -511,11 +479,13 @@ def iteration(r: Runner, work: Workload, kind: str, grad_comm: Communicator,
     r.opt.step()
     SYNC.boundary()
     t4 = time.perf_counter()
-    _ACTIVE[0] = None
     t = dict(probe.t) if probe is not None else {}
 
     def hooks(d: dict[str, float]) -> float:
         return d.get("stats", 0.0) + d.get("on_ready", 0.0)
+
+    def lib(phase: Phase) -> float:
+        return probe.seconds(phase) if probe is not None else 0.0
 
     in_fwd = hooks(hooks_fwd)
     in_bwd = hooks(hooks_bwd) - in_fwd
@@ -523,27 +493,31 @@ def iteration(r: Runner, work: Workload, kind: str, grad_comm: Communicator,
     out["forward"] = (t1 - t0) - in_fwd
     out["backward"] = (t2 - t1) - in_bwd
     out["factor stats"] = t.get("stats", 0.0)
-    out["factor comm"] = (t.get("on_ready", 0.0) + t.get("_update_factors", 0.0)
-                          + t.get("_synchronise_local_averages", 0.0) - t.get("average", 0.0))
-    out["decomposition"] = t.get("_decompose", 0.0)
-    out["decomp bcast"] = t.get("_update_decompositions", 0.0) - t.get("_decompose", 0.0)
-    out["precondition"] = t.get("_precondition_my_layers", 0.0)
-    out["grad bcast"] = t.get("_share_preconditioned", 0.0)
+    out["factor comm"] = (t.get("on_ready", 0.0) + lib(Phase.KFAC_FACTORS)
+                          - lib(Phase.KFAC_AVERAGES))
+    out["decomposition"] = lib(Phase.KFAC_DECOMPOSE)
+    out["decomp bcast"] = lib(Phase.KFAC_DECOMPOSITIONS) - lib(Phase.KFAC_DECOMPOSE)
+    out["precondition"] = lib(Phase.KFAC_PRECONDITION)
+    out["grad bcast"] = lib(Phase.KFAC_GRADIENTS)
     step_known = sum(out[p] for p in PHASES[3:8]) - t.get("on_ready", 0.0)
     out["other"] = (t3 - t2) - step_known + (t4 - t3)
     out["total"] = t4 - t0
     # deterministic per kind after the very first step (whose running averages are
     # copies): the last iteration of the kind is kept
+    if probe is not None:
+        probe.finish()
     r.flops[kind] = flop_counts(r)
     if count_bytes:
-        b = dict(probe.bytes) if probe is not None else {}
         kfac_total = 0
+        tags: dict[str, int] = {}
         if r.pre is not None:
             kfac_total = r.pre.comm.traffic().total_bytes - tags_before.pop("__total__")
             after = _tag_snapshot(r.pre)
             after.pop("__total__")
-            r.lib_tags[kind] = {k: v - tags_before.get(k, 0) for k, v in after.items()}
-        row = {tag: float(b.get(tag, 0)) for tag in BYTE_TAGS[:3]}
+            tags = {k: v - tags_before.get(k, 0) for k, v in after.items()}
+            r.lib_tags[kind] = tags
+        # the library tags its bytes by phase (kfac_hpc.phases.Traffic)
+        row = {tag: float(tags.get(tag, 0)) for tag in BYTE_TAGS[:3]}
         row["other"] = float(kfac_total - sum(row.values()))
         row["kfac"] = float(kfac_total)
         row["grad avg"] = float(grad_comm.traffic().total_bytes - grad_before)
@@ -573,8 +547,8 @@ def flop_counts(r: Runner) -> dict[str, int]:
         return out
     f = probe.flops
     out["factor stats"] = f.get("stats", 0)
-    out["decomposition"] = f.get("_decompose", 0)
-    out["precondition"] = f.get("_precondition_my_layers", 0)
+    out["decomposition"] = f.get("decomposition", 0)
+    out["precondition"] = f.get("precondition", 0)
     # every rank clips every layer's update (after the gradient broadcast, if any)
     kl = 0 if pre.kl_clip is None else sum(2 * c.g_dim * c.a_dim for c in pre.layers.values())
     out["other"] = f.get("average", 0) + kl
@@ -1253,7 +1227,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rank == 0:
             print(msg, flush=True)
 
-    _patch_running_averages()
     present = [o for o in ("symmetric_packing", "overlap", "bucket_cap_mb", "factor_sync",
                            "local_decomposition_threshold") if o in ACCEPTED]
     say(f"# kfac_step: {describe(info)}; {threads} torch thread(s)/rank; device per rank: "

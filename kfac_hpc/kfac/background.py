@@ -28,15 +28,18 @@ __all__ = ["BackgroundJob", "Decomposed"]
 
 @dataclass
 class Decomposed:
-    """What a rank computed for one inverse update: the pieces it broadcasts (factors
-    it owns), those of the local factors every worker decomposes itself, and the
-    factors whose decomposition failed (sent as invalid; agreed when installed)."""
+    """What a rank computed for one inverse update.
+
+    The pieces it broadcasts (factors it owns), those of the local factors every worker decomposes
+    itself, and the factors whose decomposition failed (sent as invalid; agreed when installed).
+    """
 
     owned: dict[PieceKey, Piece] = field(default_factory=dict)
     local: dict[PieceKey, Piece] = field(default_factory=dict)
     failures: dict[FactorKey, BaseException] = field(default_factory=dict)
 
     def tensors(self) -> Iterable[Tensor]:
+        """Yield every tensor piece (owned and local)."""
         for pieces in (self.owned, self.local):
             yield from (p for p in pieces.values() if isinstance(p, Tensor))
 
@@ -52,6 +55,15 @@ class BackgroundJob:
     def __init__(self, compute: Callable[[], Decomposed], device: torch.device,
                  swap_at: int, stream: torch.cuda.Stream | None = None,
                  inputs: Iterable[Tensor] = ()) -> None:
+        """Start ``compute()`` in the worker thread.
+
+        Args:
+            compute: What the job computes (its decompositions).
+            device: The device of the factors.
+            swap_at: The step whose preconditioning first uses the result.
+            stream: The side stream to run on (CUDA), or ``None``.
+            inputs: The tensors ``compute`` reads (marked as used on the side stream).
+        """
         self.swap_at = swap_at
         self._device = device
         self._stream = stream
@@ -76,9 +88,12 @@ class BackgroundJob:
             self._error = exc
 
     def result(self) -> Decomposed:
-        """Wait for the job; on CUDA the current stream then waits for the side stream,
+        """Wait for the job and return its result.
+
+        Wait for the job; on CUDA the current stream then waits for the side stream,
         and every result tensor is marked as used on it (the caching allocator must not
-        hand its memory to the side stream while the main stream still reads it)."""
+        hand its memory to the side stream while the main stream still reads it).
+        """
         self._thread.join()
         if self._error is not None:
             raise RuntimeError("K-FAC's background decompositions failed") from self._error

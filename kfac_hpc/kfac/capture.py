@@ -31,16 +31,19 @@ class LayerStatistics:
     counts: dict[str, int] = field(default_factory=lambda: {"A": 0, "G": 0})
 
     def add(self, factor: str, value: Tensor) -> None:
+        """Add one micro-batch factor ``value`` to ``factor``'s sum."""
         current = self.sums[factor]
         self.sums[factor] = value if current is None else current.add_(value)
         self.counts[factor] += 1
 
     def clear(self) -> None:
+        """Forget the sums and counts (after a factor update)."""
         self.sums = {"A": None, "G": None}
         self.counts = {"A": 0, "G": 0}
 
     @property
     def captured(self) -> bool:
+        """Say whether both factors saw at least one micro-batch."""
         return self.counts["A"] > 0 and self.counts["G"] > 0
 
 
@@ -59,6 +62,16 @@ class StatisticsCapture:
                  active: Callable[[], bool], grad_scale: Callable[[], float | Tensor],
                  on_ready: FactorCallback | None = None,
                  precision: MatmulPrecision = "full") -> None:
+        """Register the hooks on every layer of ``layers``.
+
+        Args:
+            layers: The layers to capture, by name.
+            dtype_of: The factor dtype of a layer (by name).
+            active: Whether the current pass is captured.
+            grad_scale: The factor the loss was multiplied by.
+            on_ready: Called after a micro-batch's A or G was added, or ``None``.
+            precision: The operand precision of the statistics' GEMMs.
+        """
         self.stats = {name: LayerStatistics(name, curv) for name, curv in layers.items()}
         self._dtype_of = dtype_of
         self._precision = precision
@@ -97,6 +110,7 @@ class StatisticsCapture:
             self._on_ready(stats, factor)
 
     def clear(self) -> None:
+        """Forget every layer's sums and counts."""
         for stats in self.stats.values():
             stats.clear()
 

@@ -136,8 +136,10 @@ class KFACConfig:
         _ = self.schedules  # the hyper-parameters are validated with the rest
 
     def _check_rank_fits(self) -> None:
-        """With the energy rule the rank travels as a number in ``inv_dtype``: it must be
-        exact there (16-bit floats hold whole numbers up to 256 or 2048 only)."""
+        """Check that the rank chosen by the energy rule is exact in ``inv_dtype``.
+
+        It must be exact there (16-bit floats hold whole numbers up to 256 or 2048 only).
+        """
         low_rank, inv_dtype = self.low_rank, self.inv_dtype
         if low_rank is None or self.low_rank_energy is None or not inv_dtype.is_floating_point:
             return

@@ -120,8 +120,11 @@ def message_numel(decomposer: Decomposer, n: int) -> int:
 
 
 class _Full:
-    """What the full (eigen and inverse) decompositions share: ``dtype`` and ``device``
-    of the pieces, zeros for invalid factors, the full kept and stored forms."""
+    """What the full (eigen and inverse) decompositions share.
+
+    ``dtype`` and ``device`` of the pieces, zeros for invalid factors, the full kept and stored
+    forms.
+    """
 
     def __init__(self, *, dtype: torch.dtype, device: torch.device) -> None:
         self.dtype, self.device = dtype, device
@@ -177,9 +180,10 @@ class _Full:
 
     def keep(self, key: FactorKey, n: int, pieces: Mapping[PieceKey, Tensor],
              scalars: Mapping[PieceKey, float]) -> Held:
-        """Matrices as ``n x n``, eigenvalues flat, each in its own row-major copy
-        (:func:`~kfac_hpc.kfac.exchange.own_copy`): laid out alike whether computed,
-        received or restored."""
+        """Keep a received full decomposition: each part in its own copy.
+
+        Laid out alike whether computed, received or restored.
+        """
         return {part.value: own_copy(pieces[PieceKey(key, part)].view(
             (n,) if part is Part.LAMBDA else (n, n))) for part, _ in self.parts(n)}
 
@@ -205,11 +209,22 @@ class _Full:
 
 
 class EigenDecomposer(_Full):
-    """``F = Q diag(λ) Qᵀ``, λ clamped at 0; ``eigh`` batched by size, or refreshed
-    from the previous eigenbasis (``refresh="subspace"``: two GEMMs and a QR)."""
+    """``F = Q diag(λ) Qᵀ``, λ clamped at 0.
+
+    ``eigh`` batched by size, or refreshed from the previous eigenbasis (``refresh="subspace"``: two
+    GEMMs and a QR).
+    """
 
     def __init__(self, *, dtype: torch.dtype, device: torch.device,
                  precision: MatmulPrecision = "full", refresh: EigenRefresh = "eigh") -> None:
+        """Decompose into ``dtype`` on ``device``.
+
+        Args:
+            dtype: The dtype of decompositions.
+            device: Where they live.
+            precision: The operand precision of preconditioning's GEMMs.
+            refresh: How an eigenbasis is renewed (``"eigh"``, ``"subspace"``).
+        """
         super().__init__(dtype=dtype, device=device)
         self.precision, self.refresh = precision, refresh
 
@@ -223,11 +238,14 @@ class EigenDecomposer(_Full):
     def _batched(self, states: Mapping[FactorKey, FactorState],
                  previous: Mapping[FactorKey, Held]
                  ) -> dict[FactorKey, tuple[Tensor, Tensor] | Exception]:
-        """Full eigendecompositions, batched by size
+        """Compute the full eigendecompositions of ``states``, batched by size.
+
+        Full eigendecompositions, batched by size
         (:func:`~kfac_hpc.kfac.linalg.eigh_clamped_many`: one solver call, and one host
         sync, per distinct size); with ``refresh="subspace"`` a factor whose previous
         eigenbasis this rank holds is refreshed from it instead
-        (:func:`~kfac_hpc.kfac.linalg.refresh_eigenbases`)."""
+        (:func:`~kfac_hpc.kfac.linalg.refresh_eigenbases`).
+        """
         keys = self._full_keys(states)
         bases = {key: previous[key]["Q"] for key in keys
                  if self.refresh == "subspace" and key in previous}
@@ -259,6 +277,14 @@ class InverseDecomposer(_Full):
 
     def __init__(self, *, dtype: torch.dtype, device: torch.device, damping: Schedule,
                  precision: MatmulPrecision = "full") -> None:
+        """Invert into ``dtype`` on ``device``.
+
+        Args:
+            dtype: The dtype of decompositions.
+            device: Where they live.
+            damping: The damping schedule (the inverse step's value is used).
+            precision: The operand precision of preconditioning's GEMMs.
+        """
         super().__init__(dtype=dtype, device=device)
         self.damping, self.precision = damping, precision
 
@@ -277,7 +303,9 @@ class InverseDecomposer(_Full):
 
 
 class LowRankDecomposer(EigenDecomposer):
-    """Eigen, except that a factor with a cap ``c`` (``dim >= min_dim`` and ``dim >
+    """Eigen, with low-rank decompositions of the factors that have a cap.
+
+    Eigen, except that a factor with a cap ``c`` (``dim >= min_dim`` and ``dim >
     low_rank``) keeps its leading eigenpairs from a randomized decomposition plus one
     remainder eigenvalue ``ρ`` (:func:`~kfac_hpc.kfac.lowrank.randomized_eigh`).
 
@@ -290,6 +318,18 @@ class LowRankDecomposer(EigenDecomposer):
                  min_dim: int, energy: float | None = None,
                  remainder: LowRankRemainder = "mean", precision: MatmulPrecision = "full",
                  refresh: EigenRefresh = "eigh") -> None:
+        """Decompose into ``dtype`` on ``device``, low rank above the cap.
+
+        Args:
+            dtype: The dtype of decompositions.
+            device: Where they live.
+            low_rank: The most eigenpairs kept of a large factor.
+            min_dim: Factors at least this large get the low-rank form.
+            energy: Keep the fewest pairs holding this share of the trace, or ``None``.
+            remainder: The remainder eigenvalue's rule (``"mean"``, ``"zero"``).
+            precision: The operand precision of preconditioning's GEMMs.
+            refresh: How full eigenbases are renewed.
+        """
         super().__init__(dtype=dtype, device=device, precision=precision, refresh=refresh)
         self.low_rank, self.min_dim = low_rank, min_dim
         self.energy, self.remainder = energy, remainder
@@ -326,8 +366,11 @@ class LowRankDecomposer(EigenDecomposer):
 
     def _randomized(self, key: FactorKey, average: Tensor, step: int,
                     cap: int) -> dict[PieceKey, Piece]:
-        """Randomized decomposition (sketch seeded by factor and ``step``, so the same on
-        any rank), zero-padded to the cap; float64 retry on failure."""
+        """Decompose one factor with a randomized low-rank decomposition.
+
+        Randomized decomposition (sketch seeded by factor and ``step``, so the same on
+        any rank), zero-padded to the cap; float64 retry on failure.
+        """
         def attempt(factor: Tensor) -> LowRankFactor:
             return randomized_eigh(factor, rank=cap, energy=self.energy,
                                    remainder=self.remainder,
@@ -354,9 +397,11 @@ class LowRankDecomposer(EigenDecomposer):
 
     def keep(self, key: FactorKey, n: int, pieces: Mapping[PieceKey, Tensor],
              scalars: Mapping[PieceKey, float]) -> Held:
-        """Low rank: cut to its rank ``k``: ``Q`` (``d x k``, column-major: the transpose
-        of a copy of the message's first ``k`` rows), ``lambda`` (``k``), ``rho``
-        (``1``), each in its own allocation."""
+        """Keep a received decomposition; a low-rank one cut to its rank ``k``.
+
+        ``Q`` (``d x k``, column-major: the transpose of a copy of the message's first ``k`` rows),
+        ``lambda`` (``k``), ``rho`` (``1``), each in its own allocation.
+        """
         cap = self.cap(n)
         if cap is None:
             return super().keep(key, n, pieces, scalars)
@@ -366,8 +411,11 @@ class LowRankDecomposer(EigenDecomposer):
                 Part.RHO.value: own_copy(pieces[PieceKey(key, Part.RHO)])}
 
     def precondition(self, grad: Tensor, a: Held, g: Held, damping: float) -> Tensor:
-        """Exact for the approximated factors when either is low rank
-        (:func:`~kfac_hpc.kfac.lowrank.precondition_lowrank`), else eigen's."""
+        """Precondition a layer; exact for the approximated factors.
+
+        Exact for the approximated factors when either is low rank
+        (:func:`~kfac_hpc.kfac.lowrank.precondition_lowrank`), else eigen's.
+        """
         g_dim, a_dim = grad.shape
         if self.cap(a_dim) is None and self.cap(g_dim) is None:
             return super().precondition(grad, a, g, damping)
@@ -385,8 +433,10 @@ class LowRankDecomposer(EigenDecomposer):
 
     def restorable(self, key: FactorKey, n: int, stored: Mapping[str, Tensor]
                    ) -> dict[PieceKey, Tensor] | None:
-        """Low rank: the stored ``Q`` (``d x k``, ``1 <= k <= cap``) zero-padded back to
-        the message's ``c x d``."""
+        """Return a stored decomposition as message pieces, low rank padded to the cap.
+
+        The stored ``Q`` (``d x k``, ``1 <= k <= cap``) zero-padded back to the message's ``c x d``.
+        """
         cap = self.cap(n)
         if cap is None:
             return super().restorable(key, n, stored)
@@ -411,8 +461,10 @@ class LowRankDecomposer(EigenDecomposer):
 
 
 def _low_rank_factor(parts: Mapping[str, Tensor]) -> LowRankFactor:
-    """A layer's decomposition for :func:`precondition_lowrank`: a full one is the
-    low-rank form with ``k = d`` and ``ρ = 0``."""
+    """Return a layer's decomposition in the form :func:`precondition_lowrank` takes.
+
+    A full one is the low-rank form with ``k = d`` and ``ρ = 0``.
+    """
     q, lam = parts[Part.Q.value], parts[Part.LAMBDA.value]
     rho = parts.get(Part.RHO.value)
     return LowRankFactor(q=q, lam=lam, rho=(rho if rho is not None else lam.new_zeros(1)

@@ -36,19 +36,20 @@ __all__ = ["Decompositions", "InStep", "Lagged", "Renewal", "make_renewal"]
 
 
 class Decompositions:
-    """This rank's decompositions (see the module docstring).
-
-    Args:
-        comm: The world communicator (failures are agreed on it).
-        exchange: The worker-group broadcast.
-        decomposer: The compute method.
-        store: This rank's factors.
-        local: The local (small) factors.
-    """
+    """This rank's decompositions (see the module docstring)."""
 
     def __init__(self, comm: Communicator, exchange: DecompositionExchange,
                  decomposer: Decomposer, store: FactorStore,
                  local: frozenset[FactorKey]) -> None:
+        """Hold no decomposition yet.
+
+        Args:
+            comm: The world communicator (failures are agreed on it).
+            exchange: The worker-group broadcast.
+            decomposer: The compute method.
+            store: This rank's factors.
+            local: The local (small) factors.
+        """
         self.comm, self.exchange, self.decomposer = comm, exchange, decomposer
         self.store, self.local = store, local
         self.held: dict[FactorKey, Held] = {}
@@ -58,8 +59,9 @@ class Decompositions:
 
     def states(self, local: bool, states: Mapping[FactorKey, FactorState] | None = None
                ) -> dict[FactorKey, FactorState]:
-        """The factors this rank decomposes: those it owns (``local=False``) or the
-        local ones of its layers.
+        """Return the factors this rank decomposes (owned, or local).
+
+        Those it owns (``local=False``) or the local ones of its layers.
 
         Args:
             local: Which of the two.
@@ -136,7 +138,9 @@ class Decompositions:
     def install(self, step: int, produce: Callable[[], Mapping[PieceKey, Piece]],
                 local: Callable[[], Mapping[PieceKey, Piece]], failures: Failures, *,
                 restore: bool = False) -> None:
-        """Broadcast ``produce()``'s pieces, add ``local()``'s, agree on ``failures`` and
+        """Broadcast decompositions, agree on failures and keep the valid ones.
+
+        Broadcast ``produce()``'s pieces, add ``local()``'s, agree on ``failures`` and
         keep the valid decompositions of this rank's layers.
 
         Args:
@@ -157,7 +161,9 @@ class Decompositions:
 
     @timed(Phase.KFAC_DECOMPOSITIONS)
     def restore(self, step: int) -> None:
-        """Install the loaded decompositions (owners send them, local ones included);
+        """Install the loaded decompositions.
+
+        Install the loaded decompositions (owners send them, local ones included);
         a factor without a fitting stored one is decomposed afresh.
 
         Args:
@@ -265,19 +271,23 @@ class InStep:
 
 
 class Lagged:
-    """``decomposition_lag = L > 0``: decompose a snapshot of the factors of step ``k``
-    in a :class:`~kfac_hpc.kfac.background.BackgroundJob`, installed at step ``k + L``
-    (or at the next inverse step, if sooner); the very first decompositions are
-    computed in the step (there are none to use meanwhile).
+    """Renew decompositions in the background, installed ``lag`` steps later.
 
-    Args:
-        lag: The steps between start and installation.
-        device: Where the factors live (on CUDA the job runs on a side stream).
+    Decompose a snapshot of the factors of step ``k`` in a
+    :class:`~kfac_hpc.kfac.background.BackgroundJob`, installed at step ``k + L`` (or at the next
+    inverse step, if sooner); the very first decompositions are computed in the step (there are none
+    to use meanwhile).
     """
 
     lagged = True
 
     def __init__(self, lag: int, device: torch.device) -> None:
+        """Renew ``lag`` steps after the start.
+
+        Args:
+            lag: The steps between start and installation.
+            device: Where the factors live (on CUDA the job runs on a side stream).
+        """
         self.lag, self.device = lag, device
         self.pending: BackgroundJob | None = None
         self._stream: torch.cuda.Stream | None = None

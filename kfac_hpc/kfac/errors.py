@@ -22,6 +22,14 @@ class KFACNumericalError(FloatingPointError):
     """
 
     def __init__(self, message: str, *, step: int, ranks: int, local: Sequence[str]) -> None:
+        """Record where the problem was seen.
+
+        Args:
+            message: The error message (the same on every rank).
+            step: The K-FAC step.
+            ranks: How many ranks saw the problem.
+            local: The factors at fault on this rank.
+        """
         super().__init__(message)
         self.step = step
         self.ranks = ranks

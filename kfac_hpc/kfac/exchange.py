@@ -92,15 +92,20 @@ class MessageLayout:
 
     @staticmethod
     def of(parts: Sequence[Sequence[tuple[PieceKey, int]]]) -> MessageLayout:
+        """Build a layout from per-slot lists of ``(key, numel)`` pieces."""
         return MessageLayout(tuple(tuple(p) for p in parts))
 
     def counts(self) -> list[int]:
+        """Return the elements of each slot."""
         return [sum(n for _, n in part) for part in self.parts]
 
     def pack(self, values: Mapping[PieceKey, Piece], *, dtype: torch.dtype, device: torch.device,
              slots: Sequence[int] | None = None) -> Tensor:
-        """Concatenate the pieces of ``slots`` (default: all, in order) into one flat
-        ``dtype`` tensor on ``device``; a number is a one-element piece."""
+        """Concatenate the pieces of ``slots`` into one flat tensor.
+
+        Concatenate the pieces of ``slots`` (default: all, in order) into one flat
+        ``dtype`` tensor on ``device``; a number is a one-element piece.
+        """
         chosen = range(len(self.parts)) if slots is None else slots
         pieces = [_flat(values[key], dtype, device) for s in chosen for key, _ in self.parts[s]]
         if not pieces:

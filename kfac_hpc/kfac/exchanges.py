@@ -62,21 +62,22 @@ def _merge(dicts: Iterable[Mapping[PieceKey, Piece]]) -> dict[PieceKey, Piece]:
 
 
 class FactorExchange:
-    """Factor sums to their owners (see the module docstring).
-
-    Args:
-        comm: The world communicator.
-        placement: Owners and groups.
-        dims: The layers' factor dimensions.
-        symmetric_packing: Whether factors travel as upper triangles.
-        dtype: The factor dtype (of the messages).
-        device: Where messages live.
-        pipeline: ``overlap``'s buckets, or ``None``.
-    """
+    """Factor sums to their owners (see the module docstring)."""
 
     def __init__(self, comm: Communicator, placement: Placement, dims: LayerDims, *,
                  symmetric_packing: bool, dtype: torch.dtype, device: torch.device,
                  pipeline: FactorPipeline | None = None) -> None:
+        """Lay out the factor messages.
+
+        Args:
+            comm: The world communicator.
+            placement: Owners and groups.
+            dims: The layers' factor dimensions.
+            symmetric_packing: Whether factors travel as upper triangles.
+            dtype: The factor dtype (of the messages).
+            device: Where messages live.
+            pipeline: ``overlap``'s buckets, or ``None``.
+        """
         self.comm, self.dims, self.pipeline = comm, dims, pipeline
         self.symmetric_packing, self.dtype, self.device = symmetric_packing, dtype, device
         self.layout = factor_layout(placement, dims, symmetric_packing)
@@ -153,20 +154,22 @@ class FactorExchange:
 
 
 class DecompositionExchange:
-    """Decompositions broadcast inside this rank's worker group.
-
-    Args:
-        comm: The worker-group communicator.
-        placement: Owners and groups.
-        dims: The layers' factor dimensions.
-        decomposer: What a decomposition is made of.
-        rank: This rank in the world.
-        device: Where messages live.
-    """
+    """Decompositions broadcast inside this rank's worker group."""
 
     def __init__(self, comm: Communicator, placement: Placement, dims: LayerDims,
                  decomposer: Decomposer, rank: int, *, dtype: torch.dtype,
                  device: torch.device) -> None:
+        """Lay out this rank's worker-group broadcasts.
+
+        Args:
+            comm: The worker-group communicator.
+            placement: Owners and groups.
+            dims: The layers' factor dimensions.
+            decomposer: What a decomposition is made of.
+            rank: This rank in the world.
+            dtype: The dtype of decompositions (``inv_dtype``).
+            device: Where messages live.
+        """
         self.comm, self.dims, self.decomposer = comm, dims, decomposer
         self.dtype, self.device = dtype, device
         group = placement.worker_group_of_rank(rank)
@@ -196,7 +199,9 @@ class DecompositionExchange:
         return {**pieces, **local()}
 
     def keep(self, pieces: Mapping[PieceKey, Piece]) -> dict[FactorKey, Held]:
-        """The valid decompositions of this group's factors, as the decomposer keeps
+        """Return the valid decompositions of this group's factors, as kept.
+
+        The valid decompositions of this group's factors, as the decomposer keeps
         them (valid flags and chosen ranks read back in one transfer).
 
         Args:
@@ -215,18 +220,19 @@ class DecompositionExchange:
 
 
 class GradientExchange:
-    """Preconditioned gradients broadcast in the receiver groups (fused per sender).
-
-    Args:
-        comm: The receiver-group communicator.
-        placement: Owners and groups.
-        dims: The layers' factor dimensions.
-        dtype: The dtype of preconditioned gradients (``inv_dtype``).
-        device: Where messages live.
-    """
+    """Preconditioned gradients broadcast in the receiver groups (fused per sender)."""
 
     def __init__(self, comm: Communicator, placement: Placement, dims: LayerDims, *,
                  dtype: torch.dtype, device: torch.device) -> None:
+        """Lay out the receiver-group broadcasts.
+
+        Args:
+            comm: The receiver-group communicator.
+            placement: Owners and groups.
+            dims: The layers' factor dimensions.
+            dtype: The dtype of preconditioned gradients (``inv_dtype``).
+            device: Where messages live.
+        """
         self.comm, self.dims, self.dtype, self.device = comm, dims, dtype, device
         self.layout = gradient_layout(placement, dims)
         self.needed = placement.n_groups > 1
@@ -260,18 +266,21 @@ class GradientExchange:
 
 
 class ReplicaExchange:
-    """After a load: owners of local factors send them (and their counts) to the other
-    gradient workers of the layer.
+    """Send local factors to the layer's other gradient workers (after a load).
 
-    Args:
-        comm: The worker-group communicator.
-        placement: Owners and groups.
-        dims: The layers' factor dimensions.
-        rank: This rank in the world.
+    Owners of local factors send them (and their counts) to the other gradient workers of the layer.
     """
 
     def __init__(self, comm: Communicator, placement: Placement, dims: LayerDims,
                  rank: int) -> None:
+        """Lay out the replica broadcasts of this rank's worker group.
+
+        Args:
+            comm: The worker-group communicator.
+            placement: Owners and groups.
+            dims: The layers' factor dimensions.
+            rank: This rank in the world.
+        """
         self.comm, self.dims, self.rank = comm, dims, rank
         self.placement = placement
         self.layout = replica_layout(placement, dims, placement.worker_group_of_rank(rank))

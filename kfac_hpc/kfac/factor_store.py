@@ -54,23 +54,24 @@ def mean(total: Tensor, count: int) -> Tensor:
 
 
 class FactorStore:
-    """Factor states of one rank (see the module docstring).
-
-    Args:
-        held: The factors this rank holds and their dimensions (owned and replicas), in
-            model order.
-        owned: Those of ``held`` it owns (saves in checkpoints).
-        captured: The factors this rank's hooks capture (``factor_sync="inverse"``:
-            each gets a local average).
-        deferred: Whether factors are synchronised at inverse steps only.
-        rank: This rank (named in errors).
-        dtype: The factor dtype.
-        device: Where the factors live.
-    """
+    """Factor states of one rank (see the module docstring)."""
 
     def __init__(self, held: Mapping[FactorKey, int], owned: Iterable[FactorKey],
                  captured: Iterable[FactorKey], *, deferred: bool, rank: int,
                  dtype: torch.dtype, device: torch.device) -> None:
+        """Hold no factor yet: every state starts empty.
+
+        Args:
+            held: The factors this rank holds and their dimensions (owned and replicas), in
+                model order.
+            owned: Those of ``held`` it owns (saves in checkpoints).
+            captured: The factors this rank's hooks capture (``factor_sync="inverse"``:
+                each gets a local average).
+            deferred: Whether factors are synchronised at inverse steps only.
+            rank: This rank (named in errors).
+            dtype: The factor dtype.
+            device: Where the factors live.
+        """
         self.states: dict[FactorKey, FactorState] = {key: FactorState(n)
                                                      for key, n in held.items()}
         mine = set(owned)
@@ -103,7 +104,9 @@ class FactorStore:
     # ---------------------------------------------------------------- updating
     @timed(Phase.KFAC_AVERAGES)
     def fold(self, received: Mapping[FactorKey, tuple[Tensor, int]], decay: float) -> None:
-        """Running averages ``F ← decay·F + (1-decay)·mean`` of every factor with
+        """Fold summed batch factors into the running averages.
+
+        Running averages ``F ← decay·F + (1-decay)·mean`` of every factor with
         statistics this step (two multi-tensor kernels for all); a first update copies.
 
         Args:
@@ -127,8 +130,10 @@ class FactorStore:
 
     @timed(Phase.KFAC_AVERAGES)
     def fold_local(self, sums: Mapping[FactorKey, tuple[Tensor, int]], decay: float) -> None:
-        """``factor_sync="inverse"``: fold this rank's batch factors into its local
-        averages (a factor never updated before starts from its first batch).
+        """Fold this rank's batch factors into its local averages.
+
+        Fold this rank's batch factors into its local averages (a factor never updated before starts
+        from its first batch).
 
         Args:
             sums: Per captured factor, the sum of batch factors and their count.
@@ -145,15 +150,20 @@ class FactorStore:
         return any(local.updates for local in self.local_averages.values())
 
     def delta(self, key: FactorKey, n: int) -> tuple[Tensor, bool]:
-        """This rank's local average ``D_r`` of ``key`` (zeros if none) and whether it
-        holds updates."""
+        """Return this rank's local average of ``key`` and whether it holds updates.
+
+        This rank's local average ``D_r`` of ``key`` (zeros if none) and whether it
+        holds updates.
+        """
         local = self.local_averages[key]
         return (local.delta if local.delta is not None else self.zeros(n)), bool(local.updates)
 
     @timed(Phase.KFAC_AVERAGES)
     def fold_synchronised(self, received: Mapping[FactorKey, tuple[Tensor, int]]) -> None:
-        """Owners: ``F ← c·F + mean_r D_r`` from the summed local averages, then every
-        local average restarts (and the history notes the factors updated).
+        """Fold the summed local averages into the owners' factors.
+
+        ``F ← c·F + mean_r D_r`` from the summed local averages, then every local average restarts
+        (and the history notes the factors updated).
 
         Args:
             received: Per held factor, ``Σ_r D_r`` and how many ranks folded updates.
@@ -181,8 +191,11 @@ class FactorStore:
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """This store's part of ``state_dict()``: owned factors (by name), their update
-        counts and, with ``factor_sync="inverse"``, the history (every rank's)."""
+        """Return this store's part of ``state_dict()``.
+
+        Owned factors (by name), their update counts and, with ``factor_sync="inverse"``, the
+        history (every rank's).
+        """
         owned = self.owned()
         state: dict[str, Any] = {
             "factors": {k.name: s.average for k, s in owned.items() if s.average is not None},

@@ -38,4 +38,5 @@ class LocalAverage:
         self.updates += 1
 
     def reset(self) -> None:
+        """Start afresh after a synchronisation: ``c = 1``, ``D_r = 0``."""
         self.coefficient, self.delta, self.updates = 1.0, None, 0

@@ -42,30 +42,31 @@ log = logging.getLogger("kfac_hpc")
 
 
 class FactorUpdate:
-    """Statistics into factors (see the module docstring).
-
-    Args:
-        comm: The world communicator.
-        layers: The layers this rank's hooks capture.
-        store: This rank's factors.
-        exchange: The factor reduction (its pipeline, if any, is fed from the hooks).
-        dims: Every layer's factor dimensions.
-        reduce: Whether factor steps reduce factors (not under DP-KFAC, nor on one rank
-            without a pipeline).
-        deferred: ``factor_sync="inverse"``: fold locally, synchronise at inverse steps.
-        accumulation_steps: Micro-batches per step.
-        grad_scaler: The AMP scaler (non-finite statistics are then skipped, not raised).
-        precision: The operand precision of the statistics GEMMs.
-        active: Whether the current step captures statistics.
-        warn_all: Whether this rank warns about hooks that never fired (rank 0, or
-            every rank under DP-KFAC).
-    """
+    """Statistics into factors (see the module docstring)."""
 
     def __init__(self, comm: Communicator, layers: dict[str, LayerCurvature],
                  store: FactorStore, exchange: FactorExchange, dims: LayerDims, *,
                  reduce: bool, deferred: bool, accumulation_steps: int,
                  grad_scaler: torch.amp.GradScaler | None, precision: MatmulPrecision,
                  active: Callable[[], bool], warn_all: bool) -> None:
+        """Build the hooks and the factor update.
+
+        Args:
+            comm: The world communicator.
+            layers: The layers this rank's hooks capture.
+            store: This rank's factors.
+            exchange: The factor reduction (its pipeline, if any, is fed from the hooks).
+            dims: Every layer's factor dimensions.
+            reduce: Whether factor steps reduce factors (not under DP-KFAC, nor on one rank
+                without a pipeline).
+            deferred: ``factor_sync="inverse"``: fold locally, synchronise at inverse steps.
+            accumulation_steps: Micro-batches per step.
+            grad_scaler: The AMP scaler (non-finite statistics are then skipped, not raised).
+            precision: The operand precision of the statistics GEMMs.
+            active: Whether the current step captures statistics.
+            warn_all: Whether this rank warns about hooks that never fired (rank 0, or
+                every rank under DP-KFAC).
+        """
         self.comm, self.store, self.exchange, self.dims = comm, store, exchange, dims
         self.reduce, self.deferred = reduce, deferred
         self.accumulation_steps, self.grad_scaler = accumulation_steps, grad_scaler
@@ -117,8 +118,11 @@ class FactorUpdate:
 
     @timed(Phase.KFAC_FACTORS)
     def synchronise(self) -> None:
-        """``factor_sync="inverse"``: owners get ``c·F + mean_r D_r`` (one fused
-        reduce-scatter of the local averages)."""
+        """Synchronise the local averages onto the owners (``factor_sync="inverse"``).
+
+        ``factor_sync="inverse"``: owners get ``c·F + mean_r D_r`` (one fused
+        reduce-scatter of the local averages).
+        """
         def pieces(key: FactorKey) -> dict[PieceKey, Piece]:
             delta, updated = self.store.delta(key, factor_dim(self.dims, key))
             return self.exchange.pieces(key, delta, 1.0 if updated else 0.0)

@@ -24,10 +24,12 @@ class Schedule:
     allow_none: bool = False
 
     def __post_init__(self) -> None:
+        """Validate a constant value at once."""
         if not callable(self.value):
             self._validate(self.value)
 
     def __call__(self, step: int) -> float:
+        """Return the validated value at ``step``."""
         value = self.value(step) if callable(self.value) else self.value
         return self._validate(value, step)
 
@@ -43,23 +45,29 @@ class Schedule:
 
     @property
     def is_constant(self) -> bool:
+        """Say whether the value is a constant (not a callable)."""
         return not callable(self.value)
 
     def describe(self) -> str:
+        """Return the value for display (``"<schedule>"`` for a callable)."""
         return f"{self.value!r}" if self.is_constant else "<schedule>"
 
 
 def positive(name: str, value: Scalar) -> Schedule:
+    """Return the schedule of ``name``, which must be > 0."""
     return Schedule(name, value, lambda v: v > 0, "> 0")
 
 
 def non_negative(name: str, value: Scalar) -> Schedule:
+    """Return the schedule of ``name``, which must be >= 0."""
     return Schedule(name, value, lambda v: v >= 0, ">= 0")
 
 
 def unit_interval(name: str, value: Scalar) -> Schedule:
+    """Return the schedule of ``name``, which must be in [0, 1)."""
     return Schedule(name, value, lambda v: 0 <= v < 1, "in [0, 1)")
 
 
 def whole_positive(name: str, value: Scalar) -> Schedule:
+    """Return the schedule of ``name``, a whole number >= 1."""
     return Schedule(name, value, lambda v: v >= 1 and v == int(v), "a whole number >= 1")

@@ -122,6 +122,12 @@ class LayerCurvature(ABC):
     """
 
     def __init__(self, module: nn.Module, approx: str = "expand") -> None:
+        """Take the layer ``module`` with the approximation ``approx``.
+
+        Args:
+            module: The layer.
+            approx: ``"expand"`` or ``"reduce"`` (layers with positions).
+        """
         if approx not in APPROXIMATIONS:
             raise ValueError(f"approx must be one of {APPROXIMATIONS}, got {approx!r}")
         self.module = module
@@ -186,7 +192,9 @@ class LayerCurvature(ABC):
 
     def a_factor(self, inputs: Tensor, dtype: torch.dtype | None = None,
                  precision: MatmulPrecision = "full") -> Tensor:
-        """``A`` = mean over rows of ``ā āᵀ``, computed in ``dtype`` (default: inputs' dtype),
+        """Return the factor ``A``: the mean over rows of ``ā āᵀ``.
+
+        ``A`` = mean over rows of ``ā āᵀ``, computed in ``dtype`` (default: inputs' dtype),
         its GEMM in ``precision`` (:mod:`kfac_hpc.kfac.precision`).
 
         Reduce: mean over examples of ``â âᵀ`` (``â`` = the example's mean row).
@@ -199,7 +207,9 @@ class LayerCurvature(ABC):
         self, grad_output: Tensor, dtype: torch.dtype | None = None,
         grad_scale: float | Tensor = 1.0, precision: MatmulPrecision = "full",
     ) -> Tensor:
-        """``G`` = mean over rows of ``δ δᵀ`` with the loss scale removed, in ``dtype``,
+        """Return the factor ``G``: the mean over rows of ``δ δᵀ``.
+
+        ``G`` = mean over rows of ``δ δᵀ`` with the loss scale removed, in ``dtype``,
         its GEMM in ``precision``.
 
         Reduce: ``(1/(bT)) Σ_i ĝ_i ĝ_iᵀ`` with ``ĝ_i = Σ_t δ_{i,t}``.
@@ -251,9 +261,12 @@ class LayerCurvature(ABC):
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
     def grad_dot(self, matrix: Tensor) -> Tensor | None:
-        """``⟨matrix, ∇W̄⟩`` in float64 (0-dim; ``None`` without any ``.grad``), read from
+        """Return ``⟨matrix, ∇W̄⟩`` in float64, read from the ``.grad`` fields.
+
+        ``⟨matrix, ∇W̄⟩`` in float64 (0-dim; ``None`` without any ``.grad``), read from
         the ``.grad`` fields without building ``∇W̄``. Equals
-        ``inner64(matrix, grad_matrix(matrix.dtype))`` up to the summation order."""
+        ``inner64(matrix, grad_matrix(matrix.dtype))`` up to the summation order.
+        """
         weight: Tensor = self.module.weight  # type: ignore[assignment]
         total: Tensor | None = None
         wg = weight.grad
@@ -287,6 +300,7 @@ class LayerCurvature(ABC):
             _write_grad(bias, matrix[:, self.weight_cols])
 
     def __repr__(self) -> str:
+        """Show the class, the factor dimensions and the approximation."""
         return (f"{type(self).__name__}(a_dim={self.a_dim}, g_dim={self.g_dim}, "
                 f"approx={self.approx!r})")
 
@@ -305,8 +319,10 @@ def _write_grad(param: Tensor, value: Tensor) -> None:
 
 
 class _OutputsOverPositions(LayerCurvature):
-    """Output side of a layer whose output is ``(b, *positions, g_dim)`` (Linear,
-    Embedding): every position is a row (expand), or sums over positions (reduce)."""
+    """Output side of a layer whose output is ``(b, *positions, g_dim)``.
+
+    Every position is a row (expand), or sums over positions (reduce).
+    """
 
     def _output_rows(self, grad_output: Tensor) -> tuple[Tensor, int]:
         b = grad_output.shape[0] if grad_output.dim() > 1 else 1  # unbatched input: b = 1
@@ -327,10 +343,12 @@ class LinearCurvature(_OutputsOverPositions):
 
     @property
     def weight_cols(self) -> int:
+        """Return the columns of the weight matrix (``a_dim`` without bias)."""
         return int(self.module.in_features)
 
     @property
     def g_dim(self) -> int:
+        """Return the dimension of ``G`` (output features)."""
         return int(self.module.out_features)
 
     def _input_rows(self, inputs: Tensor) -> Tensor:
@@ -350,11 +368,13 @@ class Conv2dCurvature(LayerCurvature):
 
     @property
     def weight_cols(self) -> int:
+        """Return the columns of the weight matrix (``a_dim`` without bias)."""
         kh, kw = self.module.kernel_size
         return int(self.module.in_channels) * kh * kw
 
     @property
     def g_dim(self) -> int:
+        """Return the dimension of ``G`` (output features)."""
         return int(self.module.out_channels)
 
     def pads(self) -> tuple[int, int, int, int]:
@@ -416,9 +436,12 @@ class Conv2dCurvature(LayerCurvature):
 
     def a_factor(self, inputs: Tensor, dtype: torch.dtype | None = None,
                  precision: MatmulPrecision = "full") -> Tensor:
-        """``A``: expand via :func:`~kfac_hpc.kfac.patches.patch_covariance` on the CPU
-        (float32/64, full precision, at least 8 input channels), otherwise
-        :meth:`a_factor_unfold` (the GPU path: one unfold, one GEMM); or reduce."""
+        """Return the factor ``A`` of a convolution.
+
+        Expand via :func:`~kfac_hpc.kfac.patches.patch_covariance` on the CPU (float32/64, full
+        precision, at least 8 input channels), otherwise :meth:`a_factor_unfold` (the GPU path: one
+        unfold, one GEMM); or reduce.
+        """
         x = _cast(inputs, dtype)
         if self.approx == "reduce":
             return self._reduce_a(x, precision)
@@ -437,8 +460,11 @@ class Conv2dCurvature(LayerCurvature):
     # cost b·d² memory and b small products).
     def a_factor_unfold(self, inputs: Tensor, dtype: torch.dtype | None = None,
                         precision: MatmulPrecision = "full") -> Tensor:
-        """Expand ``A`` from the patch rows (the GPU path) or from ``F.unfold`` patches
-        summed per sample (the CPU path with many positions; the reference)."""
+        """Return the expand ``A`` from patch rows or per-sample patch sums.
+
+        Expand ``A`` from the patch rows (the GPU path) or from ``F.unfold`` patches
+        summed per sample (the CPU path with many positions; the reference).
+        """
         x = _cast(inputs, dtype)
         x = x if x.dim() == 4 else x.unsqueeze(0)
         ho, wo = conv_output_size(x.shape[2], x.shape[3], *self._conv_geometry(), self.pads())
@@ -449,8 +475,11 @@ class Conv2dCurvature(LayerCurvature):
     @staticmethod
     def _row_path(features: int, positions: int, t: Tensor, precision: MatmulPrecision
                   ) -> bool:
-        """Whether statistics of ``features`` per row at ``positions`` per sample take
-        the row path (one copy, one GEMM) rather than per-sample partial sums."""
+        """Say whether statistics take the row path rather than per-sample parts.
+
+        Whether statistics of ``features`` per row at ``positions`` per sample take
+        the row path (one copy, one GEMM) rather than per-sample partial sums.
+        """
         return (features >= positions or t.dtype not in _WIDE
                 or precision != "full" or uses_gpu_path(t.device))
 
@@ -458,6 +487,7 @@ class Conv2dCurvature(LayerCurvature):
         self, grad_output: Tensor, dtype: torch.dtype | None = None,
         grad_scale: float | Tensor = 1.0, precision: MatmulPrecision = "full",
     ) -> Tensor:
+        """Return the factor ``G`` from the output gradients."""
         if self.approx == "reduce":
             return super().g_factor(grad_output, dtype, grad_scale, precision)
         g = _cast(grad_output, dtype)
@@ -493,15 +523,23 @@ class EmbeddingCurvature(_OutputsOverPositions):
     module: nn.Embedding
 
     def __init__(self, module: nn.Module, approx: str = "expand") -> None:
+        """Take the layer ``module`` with the approximation ``approx``.
+
+        Args:
+            module: The layer.
+            approx: ``"expand"`` or ``"reduce"`` (layers with positions).
+        """
         super().__init__(module, approx)
         self.has_bias = False
 
     @property
     def weight_cols(self) -> int:
+        """Return the columns of the weight matrix (``a_dim`` without bias)."""
         return int(self.module.num_embeddings)
 
     @property
     def g_dim(self) -> int:
+        """Return the dimension of ``G`` (output features)."""
         return int(self.module.embedding_dim)
 
     def _indices(self, inputs: Tensor) -> Tensor:
@@ -520,9 +558,12 @@ class EmbeddingCurvature(_OutputsOverPositions):
 
     def a_factor(self, inputs: Tensor, dtype: torch.dtype | None = None,
                  precision: MatmulPrecision = "full") -> Tensor:
-        """``A = diag(counts / rows)`` (expand) as a dense matrix in ``dtype`` (default:
+        """Return ``A = diag(counts / rows)`` as a dense matrix.
+
+        ``A = diag(counts / rows)`` (expand) as a dense matrix in ``dtype`` (default:
         the weight's dtype); the indices are never cast to floating point. Reduce: the
-        histograms' covariance, its GEMM in ``precision``."""
+        histograms' covariance, its GEMM in ``precision``.
+        """
         dtype = self.module.weight.dtype if dtype is None else dtype
         idx = self._indices(inputs)
         if self.approx == "reduce":
@@ -602,8 +643,11 @@ names (``"Conv2d"``, ``"Linear"``) to one; layers it does not name get ``"expand
 
 
 def approx_for(name: str, module: nn.Module, approx: ApproxOption) -> str:
-    """The approximation ``approx`` selects for the layer ``name`` (module name first,
-    then class name, else ``"expand"``); raises ``ValueError`` for unknown values."""
+    """Return the approximation ``approx`` selects for the layer ``name``.
+
+    The approximation ``approx`` selects for the layer ``name`` (module name first,
+    then class name, else ``"expand"``); raises ``ValueError`` for unknown values.
+    """
     if isinstance(approx, str):
         chosen = approx
     else:
@@ -650,8 +694,11 @@ def register_layers(model: nn.Module, skip: Sequence[str] = (),
 
 
 def _skip_pattern(entry: str) -> re.Pattern[str] | None:
-    """``entry`` compiled as a regular expression (``None`` if it is not one: then it
-    only matches exactly)."""
+    """Compile ``entry`` as a regular expression (``None`` if it is not one).
+
+    ``entry`` compiled as a regular expression (``None`` if it is not one: then it
+    only matches exactly).
+    """
     try:
         return re.compile(entry)
     except re.error:

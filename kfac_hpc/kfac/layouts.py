@@ -174,8 +174,9 @@ def bucket_plan(order: Sequence[FactorKey], numel: Mapping[FactorKey, int], cap_
 
 def decomposition_layout(placement: Placement, dims: LayerDims, decomposer: Decomposer,
                          group: int, *, restore: bool = False) -> MessageLayout:
-    """The decomposition broadcasts inside worker group ``group``: per slot (a worker),
-    the decompositions of the factors it owns, each followed by its valid flag.
+    """Lay out the decomposition broadcasts inside worker group ``group``.
+
+    Per slot (a worker), the decompositions of the factors it owns, each followed by its valid flag.
 
     Args:
         placement: Owners and groups.
@@ -214,8 +215,9 @@ def group_factor_keys(placement: Placement, dims: LayerDims, group: int) -> list
 
 
 def gradient_layout(placement: Placement, dims: LayerDims) -> MessageLayout:
-    """The preconditioned-gradient broadcasts: per worker group, each layer's ``g x a``
-    gradient and its valid flag.
+    """Lay out the preconditioned-gradient broadcasts.
+
+    Per worker group, each layer's ``g x a`` gradient and its valid flag.
 
     Args:
         placement: Owners and groups.
@@ -232,8 +234,10 @@ def gradient_layout(placement: Placement, dims: LayerDims) -> MessageLayout:
 
 
 def replica_layout(placement: Placement, dims: LayerDims, group: int) -> MessageLayout:
-    """Local factors' replicas after a load: per slot of worker group ``group``, the
-    local factors it owns (full matrices) and their update counts.
+    """Lay out the local factors' replicas sent after a load.
+
+    Per slot of worker group ``group``, the local factors it owns (full matrices) and their update
+    counts.
 
     Args:
         placement: Owners and groups.

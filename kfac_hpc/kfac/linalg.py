@@ -48,8 +48,11 @@ _LINALG_DTYPES = (torch.float32, torch.float64)
 
 
 def _no_autocast(t: Tensor) -> contextlib.AbstractContextManager[None]:
-    """A context that disables autocast for ``t``'s device type (a no-op context when
-    autocast is off there: entering ``torch.autocast`` costs more than a small op)."""
+    """Return a context that disables autocast for ``t``'s device type.
+
+    A context that disables autocast for ``t``'s device type (a no-op context when
+    autocast is off there: entering ``torch.autocast`` costs more than a small op).
+    """
     device = t.device.type
     try:
         enabled = torch.is_autocast_enabled(device)
@@ -66,11 +69,13 @@ def _linalg_dtype(t: Tensor) -> torch.dtype:
 
 
 def uses_gpu_path(device: torch.device) -> bool:
-    """Whether statistics on ``device`` take the GPU path: each factor one large GEMM
-    (few kernels; a GPU pays every launch) instead of the CPU-tuned paths (symmetric
-    block updates, per-sample partial sums, chunked patch rows) that save flops and
-    memory traffic on a few CPU cores. Every device but the CPU takes it
-    (docs/design.md, "GPU paths")."""
+    """Say whether statistics on ``device`` take the GPU path.
+
+    Each factor one large GEMM (few kernels; a GPU pays every launch) instead of the CPU-tuned paths
+    (symmetric block updates, per-sample partial sums, chunked patch rows) that save flops and
+    memory traffic on a few CPU cores. Every device but the CPU takes it (docs/design.md, "GPU
+    paths").
+    """
     return device.type != "cpu"
 
 
@@ -122,9 +127,10 @@ _SYMMETRIC_MIN_DIM = 64
 
 
 def default_gram_blocks(d: int) -> int:
-    """Block rows of :func:`symmetric_gram_` for ``d`` columns, measured on the 2-core CPU
-    (``benchmarks/curvature_math.py``): 3 up to ~400 columns, 4 up to ~1000, 8 above;
-    below 64 one GEMM is as fast as any split."""
+    """Return the block rows of :func:`symmetric_gram_` for ``d`` columns.
+
+    3 up to ~400 columns, 4 up to ~1000, 8 above; below 64 one GEMM is as fast as any split.
+    """
     return 1 if d < _SYMMETRIC_MIN_DIM else 3 if d < 400 else 4 if d < 1000 else 8
 
 
@@ -145,8 +151,10 @@ def symmetric_gram_(out: Tensor, rows: Tensor, blocks: int) -> Tensor:
 
 
 def mirror_upper(m: Tensor) -> Tensor:
-    """The symmetric matrix whose upper triangle (diagonal included) is ``m``'s: exactly
-    symmetric (a new tensor)."""
+    """Return the symmetric matrix whose upper triangle is ``m``'s.
+
+    Exactly symmetric (a new tensor).
+    """
     return m.triu() + m.triu(1).t()
 
 
@@ -181,7 +189,9 @@ def column_covariance(blocks: Tensor, *, append_one: bool = False) -> Tensor:
 
 def _symmetrised(m: Tensor) -> Tensor:
     """``(M + Mᵀ)/2`` (a new tensor): exactly symmetric (lossless upper-triangle packing).
-    One pass reading ``Mᵀ`` strided, not a transposed copy first (same values)."""
+
+    One pass reading ``Mᵀ`` strided, not a transposed copy first (same values).
+    """
     return torch.add(m, m.t()).mul_(0.5)
 
 
@@ -206,9 +216,11 @@ def update_running_average(current: Tensor | None, batch: Tensor, decay: float) 
 
 def update_running_averages(currents: list[Tensor], batches: list[Tensor],
                             decay: float) -> None:
-    """:func:`update_running_average` of many factors at once, in place: two multi-tensor
-    kernels for all of them (``torch._foreach_*``), the same numbers as one call each.
-    Every ``currents[i]`` must exist and have ``batches[i]``'s shape."""
+    """Apply :func:`update_running_average` to many factors at once, in place.
+
+    Two multi-tensor kernels for all of them (``torch._foreach_*``), the same numbers as one call
+    each. Every ``currents[i]`` must exist and have ``batches[i]``'s shape.
+    """
     if not 0.0 <= decay <= 1.0:
         raise ValueError(f"factor decay must be in [0, 1], got {decay}")
     for current, batch in zip(currents, batches, strict=True):
@@ -247,8 +259,10 @@ def eigh_clamped(F: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor,
 
 
 def _same_kind(tensors: list[Tensor]) -> list[list[int]]:
-    """Indices of ``tensors`` grouped by shape and dtype (first appearance order): the
-    batches of one solver call each."""
+    """Group the indices of ``tensors`` by shape and dtype.
+
+    The batches of one solver call each.
+    """
     groups: dict[tuple[tuple[int, ...], torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((tuple(t.shape), t.dtype), []).append(i)
@@ -294,9 +308,10 @@ def eigh_clamped_many(factors: list[Tensor], dtype: torch.dtype = torch.float32
 
 def refresh_eigenbases(factors: list[Tensor], bases: list[Tensor],
                        dtype: torch.dtype = torch.float32) -> list[tuple[Tensor, Tensor]]:
-    """One step of subspace iteration per factor from its previous eigenbasis: ``Q =
-    qr(F·Q_prev).Q``, ``λ = diag(Qᵀ F Q)`` clamped at 0, in the factor's dtype (float32
-    for half inputs), returned in ``dtype``.
+    """Refresh eigenbases by one step of subspace iteration from the previous ones.
+
+    ``Q = qr(F·Q_prev).Q``, ``λ = diag(Qᵀ F Q)`` clamped at 0, in the factor's dtype (float32 for
+    half inputs), returned in ``dtype``.
 
     ``bases`` hold their eigenvectors in ascending order of eigenvalue (as ``eigh`` and
     this function return them); the QR takes them largest first, so the dominant
@@ -386,8 +401,11 @@ def damped_inverse(F: Tensor, damping: float, dtype: torch.dtype | None = None) 
 
 def precondition_inverse(grad: Tensor, a_inv: Tensor, g_inv: Tensor,
                          precision: MatmulPrecision = "full") -> Tensor:
-    """``V = G⁻¹ ∇W̄ A⁻¹`` with precomputed (damped) inverses; result in ``grad``'s dtype
-    (the two GEMMs in ``precision``)."""
+    """Precondition with damped inverses: ``V = G⁻¹ ∇W̄ A⁻¹``.
+
+    ``V = G⁻¹ ∇W̄ A⁻¹`` with precomputed (damped) inverses; result in ``grad``'s dtype
+    (the two GEMMs in ``precision``).
+    """
     with _no_autocast(grad):
         g = grad.to(a_inv.dtype)
         return matmul(matmul(g_inv, g, precision), a_inv, precision).to(grad.dtype)
@@ -419,14 +437,19 @@ def kl_clip_scale(
 
 
 def inner64(a: Tensor, b: Tensor) -> Tensor:
-    """``Σ a∘b`` in float64 (0-dim, on ``a``'s device): products of float32 values are
-    exact in float64, so only the summation rounds."""
+    """Return ``Σ a∘b`` in float64 (0-dim, on ``a``'s device).
+
+    Products of float32 values are exact in float64, so only the summation rounds.
+    """
     return (a.to(torch.float64) * b.to(torch.float64)).sum()
 
 
 def kl_clip_from_inner(total: Tensor | None, lr: float, kl_clip: float | None) -> float:
-    """:func:`kl_clip_scale` from ``Σ ⟨V, ∇W̄⟩`` already summed (``None``: no pairs); one
-    host sync."""
+    """Return :func:`kl_clip_scale` from ``Σ ⟨V, ∇W̄⟩`` already summed.
+
+    :func:`kl_clip_scale` from ``Σ ⟨V, ∇W̄⟩`` already summed (``None``: no pairs); one
+    host sync.
+    """
     if kl_clip is None:
         return 1.0
     if kl_clip < 0:

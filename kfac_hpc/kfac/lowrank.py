@@ -61,8 +61,11 @@ EXACT_FRACTION = 0.5
 
 def sketches(d: int, rank: int, oversample: int = OVERSAMPLE,
              exact_fraction: float = EXACT_FRACTION) -> bool:
-    """Whether :func:`randomized_eigh` with ``rank`` alone sketches a ``d x d`` factor
-    (``False``: its exact ``eigh`` fallback)."""
+    """Say whether :func:`randomized_eigh` sketches a ``d x d`` factor.
+
+    Whether :func:`randomized_eigh` with ``rank`` alone sketches a ``d x d`` factor
+    (``False``: its exact ``eigh`` fallback).
+    """
     return min(d, rank + oversample) < exact_fraction * d
 
 
@@ -95,10 +98,12 @@ class LowRankFactor:
 
     @property
     def dim(self) -> int:
+        """Return the factor dimension ``d``."""
         return int(self.q.shape[0])
 
     @property
     def rank(self) -> int:
+        """Return the number ``k`` of kept eigenpairs."""
         return int(self.q.shape[1])
 
     def dense(self) -> Tensor:
@@ -125,8 +130,11 @@ def _energy_rank(evals_desc: Tensor, trace: float, energy: float) -> int:
 
 def _sketched_eigh(F: Tensor, sketch: int, power_iters: int,
                    generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-    """Ascending Ritz pairs of ``F`` on a ``sketch``-column randomized range (Halko et al.
-    Alg. 4.4 with QR after every product, then Rayleigh–Ritz)."""
+    """Return ascending Ritz pairs of ``F`` on a randomized range.
+
+    Ascending Ritz pairs of ``F`` on a ``sketch``-column randomized range (Halko et al.
+    Alg. 4.4 with QR after every product, then Rayleigh–Ritz).
+    """
     d = F.shape[0]
     omega = torch.randn(d, sketch, dtype=F.dtype, device=F.device, generator=generator)
     q, _ = torch.linalg.qr(F @ omega)
@@ -218,9 +226,12 @@ def randomized_eigh(
 
 def precondition_lowrank(grad: Tensor, a: LowRankFactor, g: LowRankFactor,
                          damping: float) -> Tensor:
-    """``V = (Ã ⊗ G̃ + damping·I)⁻¹ vec(∇W̄)`` exactly, for low-rank-plus-remainder
+    """Precondition exactly for low-rank-plus-remainder factors.
+
+    ``V = (Ã ⊗ G̃ + damping·I)⁻¹ vec(∇W̄)`` exactly, for low-rank-plus-remainder
     factors (formula in the module docstring). ``grad`` is ``(g_dim, a_dim)``; computed
-    in the factors' dtype, returned in ``grad``'s."""
+    in the factors' dtype, returned in ``grad``'s.
+    """
     if damping < 0 or not math.isfinite(damping):
         raise ValueError(f"damping must be finite and >= 0, got {damping}")
     if tuple(grad.shape) != (g.dim, a.dim):

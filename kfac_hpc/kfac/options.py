@@ -69,21 +69,29 @@ def one_of(option: str, value: str, valid: tuple[_Name, ...]) -> _Name:
 
 
 def default_factor_dtype(weight_dtypes: Iterable[str]) -> str:
-    """The factor dtype when none is given: ``float64`` if any weight is, else ``float32``
-    (never lower: bf16/fp16 statistics lose the curvature). Names without ``torch.``."""
+    """Return the factor dtype when none is given.
+
+    ``float64`` if any weight is, else ``float32`` (never lower: bf16/fp16 statistics lose the
+    curvature). Names without ``torch.``.
+    """
     return "float64" if "float64" in set(weight_dtypes) else "float32"
 
 
 def sends_factors(strategy: str) -> bool:
-    """Whether the strategy reduces factors over ranks (DP-KFAC's owners use their own
-    batch and send none)."""
+    """Say whether the strategy reduces factors over ranks.
+
+    Whether the strategy reduces factors over ranks (DP-KFAC's owners use their own
+    batch and send none).
+    """
     return strategy != "dp-kfac"
 
 
 def reduces_factors(strategy: str, factor_sync: str, *, factor_step: bool,
                     inverse_step: bool) -> bool:
-    """Whether a step with these updates reduces factors: at factor steps, or with
-    ``factor_sync="inverse"`` at inverse steps; never under DP-KFAC."""
+    """Say whether a step with these updates reduces factors.
+
+    At factor steps, or with ``factor_sync="inverse"`` at inverse steps; never under DP-KFAC.
+    """
     if not sends_factors(strategy):
         return False
     return inverse_step if factor_sync == "inverse" else factor_step
@@ -104,26 +112,31 @@ class Conflict:
 
     def text(self, name: Callable[[str, str], str] = lambda opt, value: f"{opt}={value!r}"
              ) -> str:
+        """Render the reason, naming other options with ``name(option, value)``."""
         return re.sub(r"<(\w+)=([\w-]+)>", lambda m: name(m.group(1), m.group(2)), self.reason)
 
 
 def resolve_precision(value: str, *, device_type: str, dtype: str,
                       auto: MatmulPrecision = "tf32") -> MatmulPrecision:
-    """The operand precision an option value means on a device for a dtype (names
-    without ``torch.``): ``"auto"`` is ``auto`` for float32 on CUDA and ``"full"``
-    everywhere else. The preconditioner's defaults, measured on an H200
-    (docs/design.md, "GPU paths"): statistics ``"tf32"`` (a factor update 90 → 73 ms on
-    ResNet-50, entries within 1e-4 of float64), preconditioning ``"full"`` (no measured
-    gain; TF32 would add a 6e-4 relative error to every update)."""
+    """Return the operand precision an option value means on a device for a dtype.
+
+    Dtypes are named without ``torch.``. ``"auto"`` is ``auto`` for float32 on CUDA and ``"full"``
+    everywhere else. The preconditioner's defaults, measured on an H200 (docs/design.md, "GPU
+    paths"): statistics ``"tf32"`` (a factor update 90 → 73 ms on ResNet-50, entries within 1e-4 of
+    float64), preconditioning ``"full"`` (no measured gain; TF32 would add a 6e-4 relative error to
+    every update).
+    """
     if value == AUTO:
         return auto if device_type == "cuda" and dtype == "float32" else "full"
     return one_of("precision", value, PRECISIONS)
 
 
 def low_rank_cap(dim: int, low_rank: int | None, min_dim: int) -> int | None:
-    """The most eigenpairs kept of a ``dim x dim`` factor (the width of its message
-    pieces), or ``None`` when it gets the full eigendecomposition: low rank applies to
-    factors with ``dim >= min_dim`` and ``dim > low_rank``."""
+    """Return the most eigenpairs kept of a ``dim x dim`` factor.
+
+    That is the width of its message pieces; ``None`` when it gets the full
+    eigendecomposition. Low rank applies to factors with ``dim >= min_dim`` and ``dim > low_rank``.
+    """
     if low_rank is None or dim < min_dim or dim <= low_rank:
         return None
     return low_rank

@@ -71,8 +71,11 @@ def conv_output_size(h: int, w: int, kernel_size: Pair, stride: Pair, dilation: 
 
 def _input_geometry(x: Tensor, kernel_size: Pair, stride: Pair, dilation: Pair, pads: Pads,
                     what: str) -> tuple[int, int, int, int, int, int]:
-    """``(b, C, H, W, Ho, Wo)`` of a ``(b, C, H, W)`` input (a ValueError naming ``what``
-    for any other rank)."""
+    """Return ``(b, C, H, W, Ho, Wo)`` of a ``(b, C, H, W)`` input.
+
+    ``(b, C, H, W, Ho, Wo)`` of a ``(b, C, H, W)`` input (a ValueError naming ``what``
+    for any other rank).
+    """
     if x.dim() != 4:
         raise ValueError(f"{what} expects (b, C, H, W) input, got {tuple(x.shape)}")
     b, c, h, w = x.shape
@@ -82,8 +85,11 @@ def _input_geometry(x: Tensor, kernel_size: Pair, stride: Pair, dilation: Pair, 
 
 def _offset_slices(ho: int, wo: int, kernel_size: Pair, stride: Pair,
                    dilation: Pair) -> list[tuple[slice, slice]]:
-    """Per kernel offset ``(i, j)`` (row-major), the rows and columns of the padded input
-    it reads at every output position."""
+    """Return, per kernel offset, the padded input rows and columns it reads.
+
+    Per kernel offset ``(i, j)`` (row-major), the rows and columns of the padded input
+    it reads at every output position.
+    """
     (kh, kw), (sh, sw), (dh, dw) = kernel_size, stride, dilation
     return [
         (slice(i * dh, i * dh + (ho - 1) * sh + 1, sh),
@@ -147,9 +153,10 @@ def patch_covariance(x: Tensor, kernel_size: Pair, stride: Pair, dilation: Pair,
 
 def patch_rows(x: Tensor, kernel_size: Pair, stride: Pair, dilation: Pair, pads: Pads
                ) -> Tensor:
-    """``(b·Ho·Wo, C·kh·kw)``: every output position's input patch as a row, columns in
-    the weight's ``(c, i, j)`` order: the rows of ``F.unfold(x).transpose(1, 2)``, the
-    same numbers in the same order.
+    """Return every output position's input patch as a row.
+
+    Every output position's input patch as a row, columns in the weight's ``(c, i, j)`` order: the
+    rows of ``F.unfold(x).transpose(1, 2)``, the same numbers in the same order.
 
     Built as one strided view of the (zero-padded) input, ``(b, Ho, Wo, C, kh, kw)``,
     and one copy: two kernels at most, where ``F.unfold`` runs one im2col kernel per
@@ -197,9 +204,11 @@ def averaged_patches(x: Tensor, kernel_size: Pair, stride: Pair, dilation: Pair,
 @functools.lru_cache(maxsize=256)
 def _window_indicator(n: int, k: int, out: int, stride: int, dilation: int, pad: int,
                       dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``(n, k)`` 0/1 matrix: entry ``[r, i]`` is 1 when kernel offset ``i`` reads input
-    index ``r`` at some output position (zero padding of ``pad`` before index 0).
-    Cached: callers must not modify it."""
+    """Return the 0/1 matrix of which input index each kernel offset reads.
+
+    Entry ``[r, i]`` is 1 when kernel offset ``i`` reads input index ``r`` at some output position
+    (zero padding of ``pad`` before index 0). Cached: callers must not modify it.
+    """
     m = torch.zeros(n, k, dtype=dtype, device="cpu")  # filled on the host, then moved
     for i in range(k):
         first = i * dilation - pad

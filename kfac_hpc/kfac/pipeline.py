@@ -31,6 +31,17 @@ class FactorPipeline:
     def __init__(self, comm: Communicator, keys: Sequence[FactorKey],
                  owner: Mapping[FactorKey, int], numel: Mapping[FactorKey, int], *,
                  cap_bytes: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Cut ``keys`` into buckets and lay out their messages.
+
+        Args:
+            comm: The world communicator.
+            keys: The non-local factors in readiness order.
+            owner: Each factor's owner.
+            numel: Each factor's elements on the wire.
+            cap_bytes: The most bytes of one bucket.
+            dtype: The factor dtype.
+            device: Where messages live.
+        """
         self.comm, self.dtype, self.device = comm, dtype, device
         self.buckets = bucket_plan(keys, numel, cap_bytes, dtype.itemsize)
         self.layouts: list[MessageLayout] = []

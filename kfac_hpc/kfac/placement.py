@@ -46,6 +46,7 @@ class FactorKey(NamedTuple):
 
     @property
     def name(self) -> str:
+        """Return the spelling at the boundary, ``"<layer>/A"``."""
         return f"{self.layer}/{self.factor}"
 
     @staticmethod
@@ -64,8 +65,11 @@ DECOMPOSITION_FLOPS_PER_N3 = {"eigen": 13.0, "inverse": 3.0}
 
 @dataclass(frozen=True)
 class LayerShape:
-    """What placement needs of a layer: its name, factor dimensions and, when known,
-    ``rows``: rows of its statistics per update on one rank (batch x rows per sample)."""
+    """What placement needs of a layer.
+
+    Its name, factor dimensions and, when known, ``rows``: rows of its statistics per update on one
+    rank (batch x rows per sample).
+    """
 
     name: str
     a_dim: int
@@ -73,6 +77,7 @@ class LayerShape:
     rows: int = 0
 
     def dim(self, factor: str) -> int:
+        """Return the dimension of ``factor`` (``"A"`` or ``"G"``)."""
         return self.a_dim if factor == "A" else self.g_dim
 
 
@@ -88,18 +93,23 @@ class Placement:
 
     @property
     def n_groups(self) -> int:
+        """Return the number of gradient-worker groups."""
         return self.world_size // self.grad_workers
 
     def worker_group_of_rank(self, rank: int) -> int:
+        """Return the gradient-worker group of ``rank``."""
         return rank // self.grad_workers
 
     def receiver_group_of_rank(self, rank: int) -> int:
+        """Return the receiver group of ``rank``."""
         return rank % self.grad_workers
 
     def is_grad_worker(self, layer: str, rank: int) -> bool:
+        """Say whether ``rank`` preconditions ``layer``."""
         return self.layer_group[layer] == self.worker_group_of_rank(rank)
 
     def describe(self) -> str:
+        """Return the placement as text, a line per layer."""
         lines = [f"placement: {self.world_size} ranks, {self.grad_workers} gradient "
                  f"worker(s) per layer, {self.n_groups} worker group(s)"]
         for layer, group in self.layer_group.items():
@@ -136,10 +146,13 @@ def grad_workers_for(strategy: str, world_size: int, fraction: float | None) -> 
 
 def decomposition_cost(low_rank: int | None = None, low_rank_min_dim: int = 0
                        ) -> Callable[[int], float]:
-    """Cost of decomposing a ``dim x dim`` factor in units of ``dim³`` (:func:`cubic_cost`
-    without ``low_rank``): a factor that gets a randomized low-rank decomposition costs
-    its flops (:func:`~kfac_hpc.kfac.shapes.randomized_eigh_flops`) over the ``eigh``
-    constant of :data:`DECOMPOSITION_FLOPS_PER_N3`, so LPT balances what ranks really do."""
+    """Return the cost of decomposing a ``dim x dim`` factor in units of ``dim³``.
+
+    Without ``low_rank`` it is :func:`cubic_cost`. A factor that gets a randomized
+    low-rank decomposition costs its flops
+    (:func:`~kfac_hpc.kfac.shapes.randomized_eigh_flops`) over the ``eigh`` constant of
+    :data:`DECOMPOSITION_FLOPS_PER_N3`, so LPT balances what ranks really do.
+    """
     if low_rank is None:
         return cubic_cost
     from kfac_hpc.kfac.lowrank import sketches
@@ -158,10 +171,12 @@ def decomposition_cost(low_rank: int | None = None, low_rank_min_dim: int = 0
 def work_per_step(layer: LayerShape, *, compute_method: str = "eigen",
                   factor_update_steps: int = 1, inv_update_steps: int = 1,
                   cost: Callable[[int], float] = cubic_cost) -> float:
-    """GEMM flops per step of all of a layer's K-FAC work on one rank (DP-KFAC's owner):
-    statistics ``2·rows·(a² + g²)`` every ``factor_update_steps``, decompositions
-    ``c·(cost(a) + cost(g))`` every ``inv_update_steps`` (``c``:
-    :data:`DECOMPOSITION_FLOPS_PER_N3`; ``cost``: :func:`decomposition_cost`)."""
+    """Return the GEMM flops per step of all of a layer's K-FAC work on one rank.
+
+    Statistics ``2·rows·(a² + g²)`` every ``factor_update_steps``, decompositions ``c·(cost(a) +
+    cost(g))`` every ``inv_update_steps`` (``c``: :data:`DECOMPOSITION_FLOPS_PER_N3`; ``cost``:
+    :func:`decomposition_cost`).
+    """
     statistics = 2.0 * layer.rows * (layer.a_dim ** 2 + layer.g_dim ** 2)
     decompositions = DECOMPOSITION_FLOPS_PER_N3[compute_method] * (
         cost(layer.a_dim) + cost(layer.g_dim))

@@ -40,7 +40,7 @@ _TF32_DROPPED_BITS = 13  # float32 has 23 mantissa bits, TF32 keeps 10
 
 @contextlib.contextmanager
 def tf32_products() -> Iterator[None]:
-    """cuBLAS float32 products in TF32 inside the block; the previous setting after it.
+    """CuBLAS float32 products in TF32 inside the block; the previous setting after it.
 
     Uses ``torch.backends.cuda.matmul.fp32_precision`` where torch has it (2.9+), else
     the legacy ``allow_tf32`` flag: whichever the user's own code may have set is read

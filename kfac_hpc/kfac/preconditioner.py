@@ -155,6 +155,56 @@ class KFACPreconditioner:
         stats_precision: PrecisionOption = "auto",
         precondition_precision: PrecisionOption = "auto",
     ) -> None:
+        """Register ``model``'s layers, place their factors and build the parts.
+
+        Collective: every rank builds its preconditioner with the same options.
+
+        Args:
+            model: The model (a ``DistributedDataParallel`` is unwrapped).
+            comm: The ranks that train together (default: the world).
+            strategy: ``"comm-opt"``, ``"mem-opt"``, ``"hybrid-opt"``, ``"dp-kfac"``, or
+                ``"auto"`` (the planner's fastest exact strategy).
+            grad_worker_fraction: Gradient workers per layer as a share of the ranks
+                (``hybrid-opt`` only).
+            compute_method: ``"eigen"`` (eigendecompositions) or ``"inverse"``.
+            damping: Tikhonov damping γ (constant or callable of the step).
+            factor_decay: Running-average decay of the factors, in [0, 1).
+            kl_clip: KL-clipping bound, or ``None`` for none.
+            lr: The learning rate the KL clip assumes.
+            factor_update_steps: Steps between factor updates.
+            inv_update_steps: Steps between inverse (decomposition) updates.
+            skip_layers: Layers not to precondition: module or class names, exact or a
+                regular expression of the whole name.
+            factor_dtype: Dtype of the factors (default: from the weights, >= float32).
+            inv_dtype: Dtype of decompositions and preconditioned gradients.
+            accumulation_steps: Micro-batches per step (backward passes per ``step()``).
+            grad_scaler: The AMP scaler (non-finite statistics skip the update).
+            symmetric_packing: Send factors as upper triangles.
+            overlap: Post factor reductions from the hooks in buckets (SPD-KFAC).
+            bucket_cap_mb: The size of one such bucket.
+            factor_sync: ``"step"`` (reduce at factor steps) or ``"inverse"`` (local
+                averages, reduced at inverse steps).
+            local_decomposition_threshold: Factors below this dimension are decomposed
+                by every gradient worker of their layer.
+            check_replicas: Check that every rank holds the same model first.
+            plan_profile: The planner's profile for ``strategy="auto"``.
+            input_shape: One rank's input batch shape (DP-KFAC balances statistics).
+            kfac_approx: ``"expand"`` or ``"reduce"`` for layers with positions, or a
+                mapping by module or class name.
+            low_rank: The most eigenpairs kept of a large factor, or ``None``.
+            low_rank_energy: Keep the fewest pairs holding this share of the trace.
+            low_rank_min_dim: Factors at least this large get the low-rank form.
+            low_rank_remainder: ``"mean"`` (keeps the trace) or ``"zero"``.
+            decomposition_lag: Steps between starting decompositions in the background
+                and using them (0: in the inverse step).
+            eigen_refresh: ``"eigh"`` or ``"subspace"`` (one subspace-iteration step).
+            stats_precision: Operand precision of the statistics GEMMs.
+            precondition_precision: Operand precision of preconditioning.
+
+        Raises:
+            ValueError: An option, or a combination of options, is invalid (the message
+                names it and the fix), or the model has no layer K-FAC can precondition.
+        """
         shape = batch_shape(input_shape)
         if strategy == AUTO:
             if grad_worker_fraction is not None:
@@ -269,9 +319,11 @@ class KFACPreconditioner:
             device=self.device)
 
     def _agree_on_layout(self, model: nn.Module) -> None:
-        """Every rank registers the same layers with the same message options: what
-        shapes the messages is agreed before any of them (with the replica check, or
-        one 16-byte allreduce)."""
+        """Agree on the layers and message options before any message.
+
+        What shapes the messages is agreed before any of them (with the replica check, or one
+        16-byte allreduce).
+        """
         layout = {**self.options.message_settings(self.factor_dtype),
                   "kfac layers": tuple((n, c.a_dim, c.g_dim) for n, c in self.layers.items())}
         if self.options.check_replicas:
@@ -282,8 +334,11 @@ class KFACPreconditioner:
                                  "pass the same options on every rank")
 
     def _layer_shapes(self, model: nn.Module) -> list[LayerShape]:
-        """Factor dimensions, and statistics rows per update when ``input_shape`` is known
-        (DP-KFAC balances them: each owner computes its layers' statistics)."""
+        """Return the layers' factor dimensions and statistics rows per update.
+
+        Factor dimensions, and statistics rows per update when ``input_shape`` is known
+        (DP-KFAC balances them: each owner computes its layers' statistics).
+        """
         rows: dict[int, int] = {}
         shape = self.options.input_shape
         if shape is not None and self.options.strategy == "dp-kfac":
@@ -316,8 +371,11 @@ class KFACPreconditioner:
 
     # ----------------------------------------------------------- decompositions
     def _renew_decompositions(self, k: int) -> None:
-        """Install a background renewal whose step has come, restore loaded
-        decompositions, and renew at inverse steps (now, or started in the background)."""
+        """Renew the decompositions when due (inverse steps, after a load).
+
+        Install a background renewal whose step has come, restore loaded
+        decompositions, and renew at inverse steps (now, or started in the background).
+        """
         inverse, renewal = self._is_inverse_step(k), self.renewal
         if renewal.due(k, inverse):
             renewal.install(self.decomps, k)
@@ -349,8 +407,10 @@ class KFACPreconditioner:
         return out
 
     def _apply(self, updates: Mapping[str, Tensor], k: int) -> None:
-        """KL clipping: every rank scales all preconditioned gradients by the same ν, and
-        writes them to ``.grad``."""
+        """Clip by KL and write the preconditioned gradients to ``.grad``.
+
+        Every rank scales all preconditioned gradients by the same ν, and writes them to ``.grad``.
+        """
         lr = self.schedules.lr(k)
         kl_clip = None if self.schedules.kl_clip is None else self.schedules.kl_clip(k)
         inner: Tensor | None = None  # Σ ⟨V, ∇W̄⟩ in float64, read from .grad directly
@@ -448,8 +508,11 @@ class KFACPreconditioner:
 
     @property
     def decompositions(self) -> dict[str, dict[str, Tensor]]:
-        """The current decompositions this rank holds (``{"Q", "lambda"}`` or
-        ``{"inv"}``), by factor name."""
+        """Return the decompositions this rank holds, by factor name.
+
+        The current decompositions this rank holds (``{"Q", "lambda"}`` or
+        ``{"inv"}``), by factor name.
+        """
         return {key.name: parts for key, parts in self.decomps.held.items()}
 
     def state_dict(self, eigenbases: bool = True) -> KFACStateDict:

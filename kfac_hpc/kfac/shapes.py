@@ -26,9 +26,12 @@ __all__ = [
 
 def rows_per_sample(model: nn.Module, modules: Iterable[nn.Module],
                     sample_shape: Sequence[int]) -> dict[int, int]:
-    """Rows per sample of each of ``modules`` (keys: ``id(module)``) for inputs of one
+    """Return the rows per sample of each of ``modules``.
+
+    Rows per sample of each of ``modules`` (keys: ``id(module)``) for inputs of one
     sample's shape ``sample_shape`` (e.g. ``(3, 32, 32)``). A module the forward pass
-    does not reach is missing from the result."""
+    does not reach is missing from the result.
+    """
     wanted = list(modules)
     index = {id(m): i for i, m in enumerate(model.modules())}
     # the copy never holds real data: parameters and buffers map to meta tensors up front
@@ -99,26 +102,31 @@ def statistics_flops(a_dim: int, g_dim: int, batch: int, rows_per_sample: int,
 
 
 def eigh_flops(d: int) -> int:
-    """Nominal flops of a symmetric eigendecomposition with vectors (LAPACK ``syevd``):
-    ``4d³`` = tridiagonalisation ``4/3·d³`` + back-transformation ``2d³`` + about
-    ``2/3·d³`` in divide-and-conquer (less with deflation). A convention for flops/s
-    figures, not a measurement."""
+    """Return the nominal flops of a symmetric eigendecomposition with vectors (``syevd``).
+
+    ``4d³`` = tridiagonalisation ``4/3·d³`` + back-transformation ``2d³`` + about ``2/3·d³`` in
+    divide-and-conquer (less with deflation). A convention for flops/s figures, not a measurement.
+    """
     return 4 * d ** 3
 
 
 def randomized_eigh_flops(d: int, rank: int, oversample: int = 10, power_iters: int = 2) -> int:
-    """Flops of :func:`kfac_hpc.kfac.lowrank.randomized_eigh` (sketched path): ``2 + q``
-    products ``F·Q`` (``2d²l`` each, ``l = rank + oversample``), ``q + 1`` QRs
-    (``4dl²``), the small ``eigh`` (``9l³``) and ``Q·U`` (``2dl²``)."""
+    """Return the flops of :func:`kfac_hpc.kfac.lowrank.randomized_eigh` (sketched path).
+
+    ``2 + q`` products ``F·Q`` (``2d²l`` each, ``l = rank + oversample``), ``q + 1`` QRs (``4dl²``),
+    the small ``eigh`` (``9l³``) and ``Q·U`` (``2dl²``).
+    """
     sketch = min(d, rank + oversample)
     return ((2 + power_iters) * 2 * d * d * sketch + (power_iters + 1) * 4 * d * sketch ** 2
             + 9 * sketch ** 3 + 2 * d * sketch ** 2)
 
 
 def lowrank_precondition_flops(g_dim: int, a_dim: int, g_rank: int, a_rank: int) -> int:
-    """Flops of :func:`kfac_hpc.kfac.lowrank.precondition_lowrank` (the products):
+    """Return the flops of :func:`kfac_hpc.kfac.lowrank.precondition_lowrank`.
+
     ``Q_Gᵀ X``, ``X Q_A``, ``C``, ``K Q_Aᵀ``, ``Q_G [·]`` and ``[·] Q_Aᵀ``. The dense eigen
-    preconditioner costs ``4·g·a·(g + a)``."""
+    preconditioner costs ``4·g·a·(g + a)``.
+    """
     ga = g_dim * a_dim
     return 2 * (2 * ga * g_rank + 2 * ga * a_rank + g_rank * a_dim * a_rank
                 + g_rank * a_rank * a_dim)
