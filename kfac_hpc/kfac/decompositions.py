@@ -159,6 +159,18 @@ class Decompositions:
         self.held = self.exchange.keep(pieces)
         self.decomposed_at = step
 
+    def restore_loaded(self, step: int, use: bool) -> None:
+        """Restore the decompositions of a load, if any and ``use``; then forget them.
+
+        Args:
+            step: The current step.
+            use: Whether this step uses them (not at an inverse step that decomposes
+                anew in the step).
+        """
+        if self.restored is not None and use:
+            self.restore(step)
+        self.restored = None
+
     @timed(Phase.KFAC_DECOMPOSITIONS)
     def restore(self, step: int) -> None:
         """Install the loaded decompositions.

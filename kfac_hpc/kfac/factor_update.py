@@ -48,7 +48,7 @@ class FactorUpdate:
                  store: FactorStore, exchange: FactorExchange, dims: LayerDims, *,
                  reduce: bool, deferred: bool, accumulation_steps: int,
                  grad_scaler: torch.amp.GradScaler | None, precision: MatmulPrecision,
-                 active: Callable[[], bool], warn_all: bool) -> None:
+                 active: Callable[[], bool], warn_unfired: bool) -> None:
         """Build the hooks and the factor update.
 
         Args:
@@ -64,14 +64,14 @@ class FactorUpdate:
             grad_scaler: The AMP scaler (non-finite statistics are then skipped, not raised).
             precision: The operand precision of the statistics GEMMs.
             active: Whether the current step captures statistics.
-            warn_all: Whether this rank warns about hooks that never fired (rank 0, or
-                every rank under DP-KFAC).
+            warn_unfired: Whether this rank warns about hooks that never fired (rank 0,
+                or every rank under DP-KFAC).
         """
         self.comm, self.store, self.exchange, self.dims = comm, store, exchange, dims
         self.reduce, self.deferred = reduce, deferred
         self.accumulation_steps, self.grad_scaler = accumulation_steps, grad_scaler
         self.pipeline = exchange.pipeline
-        self.warn_unfired = warn_all  # given once, at the first factor step
+        self.warn_unfired = warn_unfired  # given once, at the first factor step
         self.phase_timer: PhaseTimer | None = None  # times the factor phase
         self.capture = StatisticsCapture(
             layers, dtype_of=lambda _: store.dtype, precision=precision, active=active,

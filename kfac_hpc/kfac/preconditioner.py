@@ -42,8 +42,8 @@ from torch import Tensor, nn
 from kfac_hpc.comm import Communicator, replicas, world
 from kfac_hpc.kfac import linalg
 from kfac_hpc.kfac.config import KFACConfig, batch_shape, dtype_name
-from kfac_hpc.kfac.decomposer import make_decomposer
-from kfac_hpc.kfac.decompositions import Decompositions, make_renewal
+from kfac_hpc.kfac.decomposer import Decomposer, make_decomposer
+from kfac_hpc.kfac.decompositions import Decompositions, Renewal, make_renewal
 from kfac_hpc.kfac.exchanges import (
     DecompositionExchange,
     FactorExchange,
@@ -272,40 +272,52 @@ class KFACPreconditioner:
         self.worker_comm, self.receiver_comm = self._group_communicators()
 
         # the parts, each built once (docs/design.md, "kfac — the parts")
-        p, rank, keys = self.placement, self.comm.rank, factor_keys(self.dims)
+        self.store, self.pipeline, self.factor_update = self._factor_parts()
+        self.capture = self.factor_update.capture
+        self.decomposer, self.decomps, self.renewal = self._decomposition_parts()
+        self.gradient_exchange = GradientExchange(self.receiver_comm, self.placement, self.dims,
+                                                  dtype=cfg.inv_dtype, device=self.device)
+        self.replica_exchange = ReplicaExchange(self.worker_comm, self.placement, self.dims,
+                                                self.comm.rank)
+
+    def _factor_parts(self) -> tuple[FactorStore, FactorPipeline | None, FactorUpdate]:
+        """Build the factor side: the store, ``overlap``'s pipeline, the factor update."""
+        cfg, p, rank, keys = self.options, self.placement, self.comm.rank, factor_keys(self.dims)
         captured = {n: c for n, c in self.layers.items()
                     if cfg.sends_factors or p.factor_owner[FactorKey(n, "A")] == rank}
-        self.store = FactorStore(  # owned factors, and replicas of local ones of my layers
+        store = FactorStore(  # owned factors, and replicas of local ones of my layers
             {key: factor_dim(self.dims, key) for key in keys if p.factor_owner[key] == rank
              or (key in p.local_factors and p.is_grad_worker(key.layer, rank))},
             [key for key in keys if p.factor_owner[key] == rank],
             [FactorKey(n, f) for n in captured for f in FACTORS],
             deferred=cfg.deferred, rank=rank, dtype=self.factor_dtype, device=self.device)
-        self.pipeline = self._pipeline() if cfg.overlap else None
-        self.factor_update = FactorUpdate(
-            self.comm, captured, self.store, FactorExchange(
+        pipeline = self._pipeline() if cfg.overlap else None
+        update = FactorUpdate(
+            self.comm, captured, store, FactorExchange(
                 self.comm, p, self.dims, symmetric_packing=cfg.symmetric_packing,
-                dtype=self.factor_dtype, device=self.device, pipeline=self.pipeline),
+                dtype=self.factor_dtype, device=self.device, pipeline=pipeline),
             self.dims, reduce=cfg.sends_factors and (self.comm.size > 1 or cfg.overlap),
             deferred=cfg.deferred, accumulation_steps=cfg.accumulation_steps,
-            grad_scaler=grad_scaler, precision=self.stats_precision,
+            grad_scaler=self.grad_scaler, precision=self.stats_precision,
             active=lambda: self._is_factor_step(self.steps),
-            warn_all=rank == 0 or not cfg.sends_factors)
-        self.capture = self.factor_update.capture
-        self.decomposer = make_decomposer(
+            warn_unfired=rank == 0 or not cfg.sends_factors)
+        return store, pipeline, update
+
+    def _decomposition_parts(self) -> tuple[Decomposer, Decompositions, Renewal]:
+        """Build the decomposition side: compute method, decompositions, their renewal."""
+        cfg = self.options
+        decomposer = make_decomposer(
             compute_method=cfg.compute_method, low_rank=cfg.low_rank,
             low_rank_min_dim=cfg.low_rank_min_dim, low_rank_energy=cfg.low_rank_energy,
             low_rank_remainder=cfg.low_rank_remainder, eigen_refresh=cfg.eigen_refresh,
             damping=self.schedules.damping, dtype=cfg.inv_dtype, device=self.device,
             precision=self.precondition_precision)
-        self.decomps = Decompositions(
-            self.comm, DecompositionExchange(self.worker_comm, p, self.dims, self.decomposer,
-                                             rank, dtype=cfg.inv_dtype, device=self.device),
-            self.decomposer, self.store, p.local_factors)
-        self.renewal = make_renewal(cfg.decomposition_lag, self.device)
-        self.gradient_exchange = GradientExchange(self.receiver_comm, p, self.dims,
-                                                  dtype=cfg.inv_dtype, device=self.device)
-        self.replica_exchange = ReplicaExchange(self.worker_comm, p, self.dims, rank)
+        decompositions = Decompositions(
+            self.comm, DecompositionExchange(self.worker_comm, self.placement, self.dims,
+                                             decomposer, self.comm.rank, dtype=cfg.inv_dtype,
+                                             device=self.device),
+            decomposer, self.store, self.placement.local_factors)
+        return decomposer, decompositions, make_renewal(cfg.decomposition_lag, self.device)
 
     def _pipeline(self) -> FactorPipeline:
         """``overlap``'s buckets of non-local factors in the order the hooks fill them."""
@@ -379,12 +391,10 @@ class KFACPreconditioner:
         inverse, renewal = self._is_inverse_step(k), self.renewal
         if renewal.due(k, inverse):
             renewal.install(self.decomps, k)
-        if self.decomps.restored is not None and (not inverse or renewal.lagged):
-            # after a load, the stored (stale) decompositions are what an uninterrupted
-            # run uses now: restore them instead of recomputing (with a lag, until the
-            # background update started at this inverse step is installed)
-            self.decomps.restore(k)
-        self.decomps.restored = None
+        # after a load, the stored (stale) decompositions are what an uninterrupted run
+        # uses now: restored instead of recomputed (with a lag, until the background
+        # update started at this inverse step is installed)
+        self.decomps.restore_loaded(k, use=not inverse or renewal.lagged)
         if inverse or self.decomps.decomposed_at is None:
             if self.options.deferred:
                 self.factor_update.synchronise()
