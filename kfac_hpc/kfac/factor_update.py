@@ -116,6 +116,19 @@ class FactorUpdate:
             self.store.fold(received, decay)
         self.capture.clear()
 
+    def at_inverse_step(self) -> None:
+        """Bring the owners' factors up to date before decomposing them.
+
+        Only ``factor_sync="inverse"`` has anything to do: :meth:`synchronise`.
+        """
+        if self.deferred:
+            self.synchronise()
+
+    def flush(self) -> None:
+        """Fold pending local averages into the owners' factors (before a save)."""
+        if self.deferred and self.store.has_pending:
+            self.synchronise()
+
     @timed(Phase.KFAC_FACTORS)
     def synchronise(self) -> None:
         """Synchronise the local averages onto the owners (``factor_sync="inverse"``).

@@ -396,8 +396,7 @@ class KFACPreconditioner:
         # update started at this inverse step is installed)
         self.decomps.restore_loaded(k, use=not inverse or renewal.lagged)
         if inverse or self.decomps.decomposed_at is None:
-            if self.options.deferred:
-                self.factor_update.synchronise()
+            self.factor_update.at_inverse_step()
             renewal.renew(self.decomps, k)
 
     # ------------------------------------------------------------ preconditioning
@@ -539,8 +538,7 @@ class KFACPreconditioner:
         inverse-update step (without decomposing), so the state is complete on any number
         of ranks, and the saving run continues from exactly the state it saved.
         """
-        if self.options.deferred and self.store.has_pending:
-            self.factor_update.synchronise()
+        self.factor_update.flush()
         # a pending background update is installed now, in the saving run as in the resumed
         self.renewal.install(self.decomps, self.steps)
         store = self.store.state_dict()
