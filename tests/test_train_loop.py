@@ -459,9 +459,9 @@ def test_nonfinite_parameters_are_not_checkpointed(tmp_path: Path,
 
 def _nan_output_from(call: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The model built by the run returns NaN from its ``call``-th training forward on."""
-    import kfac_hpc.train.loop as loop
+    import kfac_hpc.train.setup as setup
 
-    real, calls = loop.build_model, {"n": 0}
+    real, calls = setup.build_model, {"n": 0}
 
     def build(*args: Any, **kwargs: Any) -> torch.nn.Module:
         model = real(*args, **kwargs)
@@ -476,7 +476,7 @@ def _nan_output_from(call: int, monkeypatch: pytest.MonkeyPatch) -> None:
         model.register_forward_hook(hook)
         return model
 
-    monkeypatch.setattr(loop, "build_model", build)
+    monkeypatch.setattr(setup, "build_model", build)
 
 
 @needs_kfac

@@ -3,24 +3,26 @@
 Runs on every rank of ``comm`` (default: the world). Order of events:
 
 1. ``config.validate()``: pure, identical on every rank, before any collective.
-2. Setup (data, model, optimizer, preconditioner) on every rank; the ranks then
-   agree (one allgather) so that a bad path or option stops all of them with the
-   same :class:`~kfac_hpc.train.config.ConfigError`, never a hang.
-3. Optional resume from a checkpoint (``kfac_hpc.checkpoint``, when installed).
+2. Setup (data, model, optimizer, preconditioner: :mod:`kfac_hpc.train.setup`) on every
+   rank; the ranks then agree (one allgather) so that a bad path or option stops all
+   of them with the same :class:`~kfac_hpc.train.config.ConfigError`, never a hang.
+3. Optional resume from a checkpoint (:mod:`kfac_hpc.train.checkpoints`; the driver's
+   state in it: :mod:`kfac_hpc.train.extra`).
 4. Epochs of steps: ``lr`` from the schedule -> forward/backward (micro-batches) ->
    gradient averaging (``GradientAverager`` or DDP) -> ``preconditioner.step()``
    -> ``optimizer.step()``; global loss/accuracy per step (one small allreduce on a
    separate communicator that also carries the stop/checkpoint flags, so every rank
    takes the same decision at the same step boundary).
-5. Evaluation on the sharded test set, epoch records, final summary.
+5. Evaluation on the sharded test set, epoch records, final summary
+   (:mod:`kfac_hpc.train.tracking`, :mod:`kfac_hpc.train.result`).
 
-Divergence: the global loss of every step (already reduced for the metrics, so
-checking it costs nothing) and every evaluation must be finite; K-FAC's and Shampoo's
-numerical errors (raised alike on every rank) and a checkpoint refused for NaN/Inf
-state end the same way: :class:`TrainingDiverged` on every rank, naming the step,
-the epoch, the last finite checkpoint and the newest checkpoint taken before the loss
-left its running range (:data:`RANGE_FACTOR`); no checkpoint is written after it
-(``kfac-hpc train`` exits with :data:`DIVERGED_EXIT_CODE`).
+Divergence (:mod:`kfac_hpc.train.divergence`): the global loss of every step (already
+reduced for the metrics, so checking it costs nothing) and every evaluation must be
+finite; K-FAC's and Shampoo's numerical errors (raised alike on every rank) and a
+checkpoint refused for NaN/Inf state end the same way: :class:`TrainingDiverged` on
+every rank, naming the step, the epoch, the last finite checkpoint and the newest
+checkpoint taken before the loss left its running range (:data:`RANGE_FACTOR`); no
+checkpoint is written after it (``kfac-hpc train`` exits with :data:`DIVERGED_EXIT_CODE`).
 
 Traffic accounting: ``bytes_per_step`` counts what the training communicator (the
 gradient averager and K-FAC) put on the wire during training steps; metric
@@ -33,201 +35,87 @@ import contextlib
 import dataclasses
 import datetime as _dt
 import gc
-import hashlib
 import math
-import os
-import statistics
-import sys
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
-from kfac_hpc.models import build_model
 from kfac_hpc.phases import Phase
 from kfac_hpc.runtime.watchdog import Watchdog
 from kfac_hpc.shampoo.optimizer import DistributedShampoo
-from kfac_hpc.train.config import KEEP_BEST_METRICS, ConfigError, TrainConfig
-from kfac_hpc.train.data import DatasetSplits, ShardedLoader, load_dataset, rescaled_batch_size
+from kfac_hpc.train.checkpoints import KFAC_DROPPED, CheckpointPolicy, Resumed, wants_checkpoints
+from kfac_hpc.train.config import TrainConfig
+from kfac_hpc.train.data import ShardedLoader, rescaled_batch_size
+from kfac_hpc.train.divergence import (
+    DIVERGED_EXIT_CODE,
+    RANGE_FACTOR,
+    RANGE_MIN,
+    RANGE_WINDOW,
+    LossRange,
+    TrainingDiverged,
+    diverged,
+    numerical_errors,
+)
+from kfac_hpc.train.extra import TrainExtra
 from kfac_hpc.train.metrics import (
-    TRAFFIC_TAGS,
     MetricsWriter,
     PhaseTimer,
-    ProgressReporter,
     WeightedMean,
-    format_bytes,
     format_table,
     global_sums,
 )
-from kfac_hpc.train.optim import (
-    build_averager,
-    build_optimizer,
-    build_preconditioner,
-    lr_schedule,
-)
+from kfac_hpc.train.optim import lr_schedule
 from kfac_hpc.train.outdirs import check_output_dirs
+from kfac_hpc.train.result import (
+    LANGUAGE_DATASETS,
+    StopReason,
+    TrainResult,
+    param_checksum,
+    perplexity,
+)
+from kfac_hpc.train.setup import (
+    USAGE_ERRORS,
+    agreed,
+    build_core,
+    build_ddp,
+    build_distributed,
+    local_cores,
+    node_rank,
+    pipeline_options,
+    resolve_out_dir,
+    select_device,
+    sync_initial_state,
+)
+from kfac_hpc.train.tracking import Progress, RunTally, TrafficMeter, gradient_bytes
 
 if TYPE_CHECKING:
-    from torch.nn.parallel import DistributedDataParallel
-
-    from kfac_hpc.checkpoint import BackgroundSaver
     from kfac_hpc.comm import Communicator
-    from kfac_hpc.comm.gradients import GradientAverager
-    from kfac_hpc.kfac.preconditioner import KFACPreconditioner
 
-_T = TypeVar("_T")
-
-__all__ = ["DIVERGED_EXIT_CODE", "TrainResult", "Trainer", "TrainingDiverged", "param_checksum",
-           "train"]
-
-#: Exceptions raised by setup that mean "bad input", reported without a traceback.
-USAGE_ERRORS: tuple[type[BaseException], ...] = (
-    ConfigError, ValueError, FileNotFoundError, ImportError,
-)
-
-#: Exit status of ``kfac-hpc train`` after :class:`TrainingDiverged` (0 done, 2 bad input,
-#: 75 checkpointed and asks for a requeue).
-DIVERGED_EXIT_CODE = 3
-
-#: How :func:`kfac_hpc.checkpoint.load` notes a checkpoint's K-FAC state it did not load
-#: because no preconditioner was given.
-KFAC_DROPPED = "K-FAC state in the checkpoint not loaded (no preconditioner given)"
-
-#: The loss's running range (named in the divergence message): a step's loss is out of
-#: range when it is NaN/Inf, or above ``RANGE_FACTOR`` x the median (when > 0) of the
-#: losses of the previous ``RANGE_WINDOW`` steps, once ``RANGE_MIN`` of them are known.
-#: The loss left its range at the first step of the out-of-range steps that lead up to
-#: the divergence (an in-range step ends such a run).
-RANGE_FACTOR = 10.0
-RANGE_WINDOW = 50
-RANGE_MIN = 10
-
-
-class TrainingDiverged(FloatingPointError):
-    """The loss, the parameters or the K-FAC/Shampoo statistics became NaN or Inf.
-
-    Raised on every rank with the same message, at the same step; nothing was
-    checkpointed after the last finite state. ``checkpoint`` is the last finite
-    checkpoint (written or resumed from by this run; None if there is none),
-    ``before_range`` the newest checkpoint on disk taken before the loss left its
-    running range (:data:`RANGE_FACTOR`; None when it did not, or none is kept),
-    ``exit_status`` what ``kfac-hpc train`` exits with.
-    """
-
-    exit_status = DIVERGED_EXIT_CODE
-
-    def __init__(self, message: str, *, step: int, epoch: int,
-                 checkpoint: str | None, before_range: str | None = None) -> None:
-        super().__init__(message)
-        self.step = step
-        self.epoch = epoch
-        self.checkpoint = checkpoint
-        self.before_range = before_range
-
-
-def _numerical_errors() -> tuple[type[BaseException], ...]:
-    """K-FAC's and Shampoo's numerical errors: raised alike on every rank (agreed).
-    Imported here, not at the top: ``kfac_hpc.shampoo`` starts MPI on import."""
-    from kfac_hpc.kfac.errors import KFACNumericalError
-    from kfac_hpc.shampoo.errors import ShampooNumericalError
-
-    return (KFACNumericalError, ShampooNumericalError)
-
-
-@dataclass
-class TrainResult:
-    """What a run achieved; identical on every rank (metrics are global)."""
-
-    epochs: float
-    steps: int
-    wall_time: float
-    setup_time: float
-    train_loss: float
-    train_acc: float
-    test_loss: float
-    test_acc: float
-    samples_per_s: float
-    bytes_per_step: float
-    checksum: str
-    ranks_agree: bool
-    stopped: str  # "completed" | "max_steps" | "target" | "stop_requested"
-    world_size: int
-    global_batch_size: int
-    device: str
-    averaging: str
-    out_dir: str | None
-    time_to_target: float | None = None
-    epochs_to_target: int | None = None
-    traffic: dict[str, dict[str, int]] = field(default_factory=dict)
-    history: list[dict[str, Any]] = field(default_factory=list)
-    model: nn.Module | None = field(default=None, repr=False)
-
-    def summary_rows(self, cfg: TrainConfig) -> list[tuple[str, str]]:
-        """Rows of the final summary table."""
-        rows = [
-            ("ranks x device", f"{self.world_size} x {self.device}"),
-            ("data / model", f"{cfg.dataset} / {cfg.model}"),
-            ("optimizer", cfg.describe_optimizer()),
-            ("gradient averaging", self.averaging),
-            ("global batch", str(self.global_batch_size)),
-            ("epochs / steps", f"{self.epochs:g} / {self.steps}"),
-            ("wall time", f"{self.wall_time:.1f} s (+ {self.setup_time:.1f} s setup)"),
-            ("final train loss", f"{self.train_loss:.4f}"),
-            ("final train accuracy", f"{100 * self.train_acc:.2f} %"),
-            ("test loss", f"{self.test_loss:.4f}"),
-            ("test accuracy", f"{100 * self.test_acc:.2f} %"),
-            *([("test perplexity", f"{perplexity(self.test_loss):.3f}")]
-              if cfg.dataset in LANGUAGE_DATASETS else []),
-            ("samples/s (training)", f"{self.samples_per_s:,.0f}"),
-            ("communicated per step", format_bytes(self.bytes_per_step)),
-            ("parameter checksum", self.checksum[:16]
-             + ("" if self.ranks_agree else "  (RANKS DIFFER!)")),
-        ]
-        if self.stopped != "completed":
-            rows.insert(5, ("stopped by", self.stopped.replace("_", " ")))
-        if cfg.target_accuracy is not None:
-            reached = (f"epoch {self.epochs_to_target}, {self.time_to_target:.1f} s"
-                       if self.time_to_target is not None else "not reached")
-            rows.insert(-3, (f"time to {100 * cfg.target_accuracy:g} %", reached))
-        if self.out_dir:
-            rows.append(("metrics", self.out_dir))
-        return rows
-
-
-LANGUAGE_DATASETS = ("stdlib-text",)
-"""Data sets of next-token prediction: their records add perplexity (``exp`` of the mean
-per-token cross-entropy); accuracy there is next-token accuracy."""
+__all__ = ["DIVERGED_EXIT_CODE", "KFAC_DROPPED", "LANGUAGE_DATASETS", "RANGE_FACTOR",
+           "RANGE_MIN", "RANGE_WINDOW", "USAGE_ERRORS", "StopReason", "TrainResult", "Trainer",
+           "TrainingDiverged", "param_checksum", "perplexity", "token_view", "train"]
 
 
 def token_view(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequence outputs ``(B, T, V)`` with targets ``(B, T)`` as ``(B·T, V)`` and
+    """Flatten sequence outputs and targets to tokens.
+
+    Sequence outputs ``(B, T, V)`` with targets ``(B, T)`` become ``(B·T, V)`` and
     ``(B·T,)``: the loss is the mean over tokens, accuracy counts tokens. Anything else
-    (classifiers: ``(B, C)`` and ``(B,)``) is returned as is."""
+    (classifiers: ``(B, C)`` and ``(B,)``) is returned as is.
+
+    Args:
+        out: The model's output.
+        y: The targets.
+
+    Returns:
+        ``(out, y)``, per token where they are sequences.
+    """
     if out.dim() == y.dim() + 1 and y.dim() >= 2 and out.shape[:-1] == y.shape:
         return out.reshape(-1, out.shape[-1]), y.reshape(-1)
     return out, y
-
-
-def perplexity(loss: float) -> float:
-    """``exp(loss)`` of a mean per-token cross-entropy (``inf`` on overflow, NaN stays)."""
-    try:
-        return math.exp(loss)
-    except OverflowError:
-        return math.inf
-
-
-def param_checksum(model: nn.Module) -> str:
-    """SHA-256 of the parameters' names and bytes (named order): equal iff bitwise equal."""
-    h = hashlib.sha256()
-    for name, p in model.named_parameters():
-        h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def train(
@@ -237,13 +125,23 @@ def train(
     verbose: bool = True,
     should_stop: Callable[[], bool] | None = None,
 ) -> TrainResult:
-    """Train as configured on every rank of ``comm`` (default: world) and return the result.
+    """Train as configured on every rank of ``comm`` and return the result.
 
-    ``should_stop`` (a rank-local flag, e.g. set by a signal handler) is polled at
-    every step boundary; if any rank reports ``True`` all ranks checkpoint (when a
-    checkpoint directory is configured) and return with ``stopped="stop_requested"``.
-    Raises :class:`ConfigError` (on every rank alike) for invalid input and
-    :class:`TrainingDiverged` (on every rank alike) when training produced NaN/Inf.
+    Args:
+        cfg: The configuration (validated here, alike on every rank).
+        comm: The ranks to train on (default: the world).
+        verbose: Print the banner, progress and summary on rank 0.
+        should_stop: A rank-local flag (e.g. set by a signal handler) polled at every
+            step boundary; if any rank reports ``True`` all ranks checkpoint (when a
+            checkpoint directory is configured) and return with
+            ``stopped=StopReason.STOP_REQUESTED``.
+
+    Returns:
+        What the run achieved (the same on every rank).
+
+    Raises:
+        ConfigError: Invalid input (on every rank alike).
+        TrainingDiverged: Training produced NaN/Inf (on every rank alike).
     """
     cfg.validate()
     trainer = Trainer(cfg, comm, verbose=verbose, should_stop=should_stop)
@@ -253,435 +151,271 @@ def train(
         trainer.close()
 
 
-def _local_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+@dataclass(frozen=True)
+class _Span:
+    """Where the training of this process started: the origin of its rates."""
+
+    bytes_start: int  # TrafficMeter.total() then
+    steps_start: int
+    wall0: float  # perf_counter() less the training time of earlier runs (resume)
 
 
 class Trainer:
-    """State of one run; :func:`train` is the usual entry point."""
+    """One run on every rank of ``comm``: built in ``__init__``, trained by :meth:`fit`.
+
+    :func:`train` is the usual entry point. The parts: setup
+    (:mod:`~kfac_hpc.train.setup`), the checkpoint policy
+    (:class:`~kfac_hpc.train.checkpoints.CheckpointPolicy`), the loss's running range
+    (:class:`~kfac_hpc.train.divergence.LossRange`), totals, traffic and progress
+    (:mod:`~kfac_hpc.train.tracking`); this class holds them and runs the epochs.
+    """
 
     def __init__(self, cfg: TrainConfig, comm: Communicator | None = None, *,
                  verbose: bool = True,
                  should_stop: Callable[[], bool] | None = None) -> None:
+        """Build the run on every rank (collective) and resume it if configured.
+
+        Args:
+            cfg: The configuration (validated).
+            comm: The ranks to train on (default: the world).
+            verbose: Print on rank 0.
+            should_stop: A rank-local stop flag (see :func:`train`).
+
+        Raises:
+            ConfigError: Bad input (on every rank alike).
+        """
         from kfac_hpc.comm import Communicator, world
 
         t0 = time.perf_counter()
-        cfg = cfg.resolved()
-        self.cfg = cfg
+        self.cfg = cfg = cfg.resolved()
         self.comm = comm if comm is not None else world()
         self.rank, self.size = self.comm.rank, self.comm.size
         self.verbose = verbose and self.rank == 0
         self.should_stop = should_stop
-        self._pg_owned = False
-        self.writer = MetricsWriter(None, enabled=False)
-        self.ddp: DistributedDataParallel | None = None
-        self.pre: KFACPreconditioner | None = None
-        self.scaler: torch.amp.GradScaler | None = None
-        self._checkpoints = False  # kfac_hpc.checkpoint in use (--checkpoint-dir/--resume)
-        self._bg: BackgroundSaver | None = None  # made at the first background save
+        self.progress = Progress(cfg, verbose=self.verbose)
         self._watchdog: Watchdog | None = None  # during fit()
-        self.last_checkpoint: str | None = None  # the last good one (written or resumed)
         self._epoch = 0  # the epoch in progress (0-based)
         self._step_loss: torch.Tensor | None = None  # this rank's loss sum of the step
-        self._losses: deque[float] = deque(maxlen=RANGE_WINDOW)  # finite global losses
-        self._left_range: list[float] | None = None  # [step, loss, median, n] (_track_loss)
-        self._best: dict[str, Any] | None = None  # --checkpoint-keep-best (_keep_best)
-        self._reporter: ProgressReporter | None = None  # progress lines without a terminal
-        self._numerical = _numerical_errors()
-        self._threads_before = torch.get_num_threads()
+        self._numerical = numerical_errors()
+        # What is acquired below is released by close(), in reverse order.
+        self._resources = contextlib.ExitStack()
+        self._resources.callback(self.progress.close)
+        self._resources.callback(torch.set_num_threads, torch.get_num_threads())
         # Metrics, flags and setup agreement travel on a duplicate: never counted as
         # training traffic, never interleaved with the preconditioner's requests.
         self.aux = Communicator(self.comm.mpi.Dup(), name=f"{self.comm.name}/train-aux")
+        self._resources.callback(self.aux.free)
         try:
-            self._setup(t0)
+            self.local_rank, self.local_size = node_rank(self.aux)
+            torch.set_num_threads(cfg.threads or max(1, local_cores() // self.local_size))
+            self.device = select_device(cfg, self.comm, self.aux, self.local_rank,
+                                        verbose=self.verbose)
+            core, wanted = agreed(self.aux, lambda: (build_core(cfg, self.comm, self.device),
+                                                     wants_checkpoints(cfg)))
+            self.data, self.model, self.opt = core.data, core.model, core.optimizer
+            self.loss_fn = core.loss_fn
+            sync_initial_state(self.model, self.aux)
+            self.train_loader = ShardedLoader(
+                self.data.train, batch_size=cfg.batch_size, rank=self.rank,
+                world_size=self.size, seed=cfg.seed, shuffle=True, drop_last=True,
+                **pipeline_options(cfg, self.device))
+            self.ddp = (build_ddp(self.model, self.device, self.aux, resources=self._resources,
+                                  single_node=self.local_size == self.size)
+                        if cfg.ddp else None)
+            self._resources.callback(self._release_ddp)
+            self.net = self.ddp if self.ddp is not None else self.model
+            self.scaler = (torch.amp.GradScaler("cuda")
+                           if cfg.amp and cfg.amp_dtype == "float16" else None)
+            self.pre, self.averager, self.averaging = agreed(self.aux, lambda: build_distributed(
+                cfg, core, self.comm, ddp=self.ddp is not None, device=self.device,
+                sample_shape=self.data.input_shape, scaler=self.scaler,
+                resources=self._resources))
+            self.timer = self._phase_timer()
+            self.steps_per_epoch, self.total_steps, self.lr_fn = self._schedule()
+            self.out_dir = resolve_out_dir(cfg, self.aux)
+            agreed(self.aux, lambda: check_output_dirs(self.rank, self.out_dir,
+                                                       cfg.checkpoint_dir))
+            self.checkpoints = CheckpointPolicy(cfg, self.comm, self.aux, enabled=wanted,
+                                                say=self.progress.print, beat=self._beat)
+            self._resources.callback(self.checkpoints.close)
+            self.step = 0
+            self.tally = RunTally()
+            self.loss_range = LossRange()
+            self.traffic = TrafficMeter(self.comm, ddp_bytes_per_step=(
+                0 if self.ddp is None else gradient_bytes(self.model)))
+            self.resumed = self._resume()
+            self.writer = MetricsWriter(self.out_dir, enabled=self.rank == 0,
+                                        append=self.resumed is not None,
+                                        tensorboard_dir=cfg.tensorboard)
+            self._resources.callback(self.writer.close)
         except BaseException:
             self.close()
             raise
-
-    def _setup(self, t0: float) -> None:
-        cfg = self.cfg
-        node = self.aux.split_shared()
-        self.local_rank, self.local_size = node.rank, node.size
-        node.free()
-        torch.set_num_threads(cfg.threads or max(1, _local_cores() // self.local_size))
-        self.device = self._select_device()
-
-        splits, model, opt = self._agreed(self._build_core)
-        self.data: DatasetSplits = splits
-        self.model: nn.Module = model
-        self.opt: torch.optim.Optimizer = opt
-        self._sync_initial_state()
-        self.train_loader = ShardedLoader(splits.train, batch_size=cfg.batch_size,
-                                          rank=self.rank, world_size=self.size, seed=cfg.seed,
-                                          shuffle=True, drop_last=True,
-                                          **self._pipeline_options())
-        if cfg.ddp:
-            self._init_ddp()
-        self.net: nn.Module = self.ddp if self.ddp is not None else self.model
-        if cfg.amp and cfg.amp_dtype == "float16":
-            self.scaler = torch.amp.GradScaler("cuda")
-        self.averager, self.averaging = self._agreed(self._build_distributed)
-        self.timer = PhaseTimer(self.device)
-        # the library declares its phases (kfac_hpc.phases); the step records read them
-        if self.pre is not None:
-            self.pre.phase_timer = self.timer
-        if isinstance(self.opt, DistributedShampoo):
-            self.opt.phase_timer = self.timer
-        self.steps_per_epoch = len(self.train_loader)
-        full = self.steps_per_epoch * cfg.epochs
-        self.total_steps = min(full, cfg.max_steps) if cfg.max_steps else full
-        self.lr_fn = lr_schedule(cfg, self.steps_per_epoch, self.total_steps)
-        self.out_dir = self._resolve_out_dir()
-        self._agreed(lambda: check_output_dirs(self.rank, self.out_dir, cfg.checkpoint_dir))
-        self.step = 0
-        self.history: list[dict[str, Any]] = []
-        self.train_time = 0.0
-        self.train_samples = 0
-        self.epoch_stats = WeightedMean()
-        self.excluded_bytes = 0
-        self._resumed = self._maybe_resume()
-        self.writer = MetricsWriter(self.out_dir, enabled=self.rank == 0, append=self._resumed,
-                                    tensorboard_dir=cfg.tensorboard)
         self.setup_time = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ setup
-    def _pipeline_options(self) -> dict[str, Any]:
-        """Input pipeline of the loaders: workers, prefetch, pinned memory on CUDA."""
-        return {"num_workers": self.cfg.loader_workers,
-                "prefetch_factor": self.cfg.prefetch_factor,
-                "pin_memory": self.device.type == "cuda"}
+    def _phase_timer(self) -> PhaseTimer:
+        """The timer of the step records' phases, handed to K-FAC and Shampoo.
 
-    def _select_device(self) -> torch.device:
-        from kfac_hpc.comm import mpi_vendor
-        from kfac_hpc.runtime.device import selected_device
-        from kfac_hpc.runtime.discovery import banner, from_mpi, select_device
-
-        # the CLI chose the device before MPI started; a direct caller of train() may not
-        device = selected_device()
-        if device is None or (self.cfg.device == "cpu") != (device.type == "cpu"):
-            device = select_device(self.local_rank, prefer_cuda=self.cfg.device != "cpu")
-        job = from_mpi(self.aux)
-        if self.rank == 0 and self.verbose:
-            print(banner(job, device=device, mpi_library=mpi_vendor(),
-                         cuda_aware=self.comm.cuda_aware), flush=True)
-        return device
-
-    def _agreed(self, fn: Callable[[], _T]) -> _T:
-        """Run ``fn`` on every rank; if it fails anywhere, fail everywhere alike.
-
-        A usage error (bad path, option...) becomes the same :class:`ConfigError` on
-        all ranks (the lowest failing rank's message); any other exception is re-raised
-        where it happened and reported as a ``RuntimeError`` on the other ranks.
+        Returns:
+            The timer.
         """
-        value: _T | None = None
-        error: BaseException | None = None
-        kind = ""
-        try:
-            value = fn()
-        except USAGE_ERRORS as exc:
-            error, kind = exc, "usage"
-        except Exception as exc:
-            error, kind = exc, "crash"
-        reports = self.aux.allgather_object(
-            None if error is None else (kind, f"{type(error).__name__}: {error}", str(error)))
-        failed = [(r, rep) for r, rep in enumerate(reports) if rep is not None]
-        if not failed:
-            return cast(_T, value)  # fn() returned (None is a value too)
-        if kind == "crash" and error is not None:
-            raise error
-        crashes = [(r, rep) for r, rep in failed if rep[0] == "crash"]
-        if crashes:
-            r, rep = crashes[0]
-            raise RuntimeError(f"rank {r} failed during setup: {rep[1]}")
-        raise ConfigError(failed[0][1][2])
+        timer = PhaseTimer(self.device)
+        # the library declares its phases (kfac_hpc.phases); the step records read them
+        if self.pre is not None:
+            self.pre.phase_timer = timer
+        if isinstance(self.opt, DistributedShampoo):
+            self.opt.phase_timer = timer
+        return timer
 
-    def _build_core(self) -> tuple[DatasetSplits, nn.Module, torch.optim.Optimizer]:
-        cfg = self.cfg
-        from kfac_hpc.train import plugins
+    def _schedule(self) -> tuple[int, int, Callable[[int], float]]:
+        """The step schedule of the current loader and configuration.
 
-        if cfg.tensorboard is not None:  # on every rank: a missing package stops all alike
-            from kfac_hpc.train.metrics import require_tensorboard
+        Returns:
+            ``(steps per epoch, total steps, step -> learning rate)``.
+        """
+        steps_per_epoch = len(self.train_loader)
+        full = steps_per_epoch * self.cfg.epochs
+        total = min(full, self.cfg.max_steps) if self.cfg.max_steps else full
+        return steps_per_epoch, total, lr_schedule(self.cfg, steps_per_epoch, total)
 
-            require_tensorboard()
-        self.loss_fn = plugins.resolve_loss(cfg.loss)
-        if plugins.is_plugin(cfg.dataset):
-            splits = plugins.load_plugin_dataset(
-                cfg.dataset, seed=cfg.seed, path=cfg.data_path, augment=cfg.augment,
-                image_size=cfg.image_size, split_seed=cfg.split_seed)
-        else:
-            splits = load_dataset(
-                cfg.dataset, path=cfg.data_path, seed=cfg.seed, flat=cfg.model == "mlp",
-                augment=cfg.augment, split_seed=cfg.split_seed, image_size=cfg.image_size,
-                input_shape=cfg.synthetic_shape, num_classes=cfg.synthetic_classes,
-                train_size=cfg.synthetic_train_size, test_size=cfg.synthetic_test_size,
-                num_threads=cfg.loader_threads)
-        torch.manual_seed(cfg.seed)
-        kwargs: dict[str, Any] = dict(splits.model_kwargs())
-        if plugins.is_plugin(cfg.model):
-            model = plugins.build_plugin_model(cfg.model, **kwargs, **cfg.model_options)
-        else:
-            model = build_model(cfg.model, **kwargs, **cfg.model_options)
-        model = model.to(self.device)
-        n = len(splits.train)  # type: ignore[arg-type]
-        if cfg.batch_size * self.size > n:
-            raise ConfigError(
-                f"--batch-size {cfg.batch_size} x {self.size} ranks = global batch "
-                f"{cfg.batch_size * self.size} exceeds the {n} training samples of "
-                f"{cfg.dataset!r}; lower --batch-size")
-        opt = build_optimizer(cfg, model, self.comm)
-        self._checkpoints = self._wants_checkpoints()
-        return splits, model, opt
+    def _release_ddp(self) -> None:
+        """Release DDP's reducer while its process group still exists.
 
-    def _build_distributed(self) -> tuple[GradientAverager | None, str]:
-        cfg = self.cfg
-        if cfg.uses_kfac:
-            self.pre = build_preconditioner(cfg, self.model, self.comm, self.opt, self.scaler,
-                                            sample_shape=self.data.input_shape)
+        On every rank at the same point (after the final collectives of the run).
+        """
         if self.ddp is not None:
-            return None, "torch DDP (" + ("nccl" if self.device.type == "cuda" else "gloo") + ")"
-        if self.size == 1:
-            return None, "none (1 rank)"
-        return build_averager(self.model, self.comm, cfg.grad_bucket_mb)
+            self.net = self.model
+            self.ddp = None
+            gc.collect()
 
-    def _wants_checkpoints(self) -> bool:
-        """Whether this run writes or reads checkpoints (:mod:`kfac_hpc.checkpoint`)."""
-        cfg = self.cfg
-        wanted = cfg.checkpoint_dir is not None or cfg.resume not in ("auto", "never")
-        if wanted and cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
-            raise FileNotFoundError(f"--resume: no such checkpoint: {cfg.resume}")
-        return wanted
+    def _resume(self) -> Resumed | None:
+        """Resume from a checkpoint, if configured and one is there (collective).
 
-    def _sync_initial_state(self) -> None:
-        """Start from rank 0's parameters and buffers (seeded init makes this a no-op
-        on CPU; it guards against nondeterministic initialisation elsewhere)."""
-        if self.size == 1:
+        Returns:
+            What was resumed from, or None.
+        """
+        resumed = self.checkpoints.resume(model=self.model, optimizer=self.opt,
+                                          preconditioner=self.pre,
+                                          position=self._resume_position)
+        if resumed is None:
+            return None
+        extra = resumed.extra
+        self.step = resumed.step
+        self.tally = RunTally(history=list(extra.history), train_time=extra.train_time,
+                              train_samples=extra.train_samples,
+                              epoch_stats=WeightedMean(*extra.epoch_stats))
+        self.loss_range = LossRange(extra.loss_window, extra.left_range)
+        if self.scaler is not None and extra.grad_scaler is not None:
+            self.scaler.load_state_dict(extra.grad_scaler)
+        self.progress.print(
+            f"resumed from {resumed.path} at step {self.step} "
+            f"(epoch {self.train_loader.epoch}, batch {self.train_loader.batch_index})")
+        if self.pre is None and resumed.dropped_kfac:
+            self.progress.print(
+                f"warning: {resumed.path} holds K-FAC state (Kronecker factors, eigenbases) "
+                "that --preconditioner none does not use: it is dropped, and the "
+                "checkpoints of this run will not have it; to keep it, resume with "
+                "--preconditioner kfac, or keep a copy of that file")
+        return resumed
+
+    def _resume_position(self, extra: TrainExtra, saved_ranks: int) -> None:
+        """Put the training loader where the checkpoint's was.
+
+        A restart on a different number of ranks keeps the checkpoint's global batch
+        (hence the sample order, the steps per epoch and the learning-rate schedule):
+        the per-rank batch is rescaled, or a ValueError says why it cannot be. On the
+        same number of ranks ``--batch-size`` is the user's choice (the loader checks it).
+
+        Args:
+            extra: The checkpoint's driver state.
+            saved_ranks: Its world size (0: unknown).
+        """
+        if extra.loader is None:
             return
-        from kfac_hpc.comm import flatten, unflatten_into
+        saved = int(extra.loader.get("global_batch_size", 0) or 0)
+        if saved and saved != self.train_loader.global_batch_size \
+                and saved_ranks not in (0, self.size):
+            batch = rescaled_batch_size(saved, self.size,
+                                        multiple_of=self.cfg.accumulation_steps)
+            self.progress.print(
+                f"restart on {self.size} ranks (checkpoint: {saved_ranks}): --batch-size "
+                f"{self.cfg.batch_size} -> {batch} per rank keeps the global batch {saved}")
+            self.cfg = dataclasses.replace(self.cfg, batch_size=batch)
+            self.train_loader = self.train_loader.with_batch_size(batch)
+            self.steps_per_epoch, self.total_steps, self.lr_fn = self._schedule()
+        self.train_loader.load_state_dict(extra.loader)
 
-        tensors = [t for t in self.model.state_dict().values() if t.is_floating_point()]
-        if tensors:
-            flat = self.aux.broadcast(flatten(tensors), 0)
-            unflatten_into(flat, tensors)
+    # ------------------------------------------------------------- checkpoints
+    @property
+    def last_checkpoint(self) -> str | None:
+        """The last good checkpoint (written or resumed from), if any."""
+        return self.checkpoints.last
 
-    def _init_ddp(self) -> None:
-        import torch.distributed as dist
-        from torch.nn.parallel import DistributedDataParallel
+    def _extra(self) -> TrainExtra:
+        """The driver's state, as checkpoints keep it.
 
-        if dist.is_initialized():
-            if dist.get_world_size() != self.size or dist.get_rank() != self.rank:
-                raise ConfigError("--ddp: torch.distributed is already initialised with a "
-                                  "different rank/size than this communicator")
-        else:
-            # Rank 0's store binds a port the OS picks (no bind-close-reuse race), then
-            # tells the others where it is.
-            timeout = _dt.timedelta(minutes=10)
-            store, address = None, None
-            if self.rank == 0:
-                host = _ddp_host(self.local_size == self.size)
-                store = dist.TCPStore(host, 0, self.size, is_master=True, timeout=timeout,
-                                      wait_for_workers=False)
-                address = (host, store.port)
-            host, port = self.aux.broadcast_object(address, 0)
-            if store is None:
-                store = dist.TCPStore(host, port, self.size, is_master=False, timeout=timeout)
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, store=store, rank=self.rank,
-                                    world_size=self.size, timeout=timeout)
-            self._pg_owned = True
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        self.ddp = DistributedDataParallel(self.model, device_ids=ids)
-
-    def _resolve_out_dir(self) -> Path:
-        cfg = self.cfg
-        if cfg.out is not None:
-            return Path(cfg.out)
-        if cfg.checkpoint_dir is not None:
-            return Path(cfg.checkpoint_dir)
-        name = None
-        if self.rank == 0:
-            stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-            name, i = f"runs/{stamp}", 1
-            while Path(name).exists():
-                name, i = f"runs/{stamp}-{i}", i + 1
-        return Path(self.aux.broadcast_object(name, 0))
-
-    # ----------------------------------------------------------------- resume
-    def _maybe_resume(self) -> bool:
-        """Load the checkpoint to resume from, if any (collective). ``--resume auto``
-        tries the newest first and, when a file turns out damaged (checksums, truncated,
-        NaN/Inf), says so and goes on to the one before it: a damaged newest file never
-        ends a run that has a good older one."""
-        from kfac_hpc import checkpoint
-        from kfac_hpc.checkpoint.atomic import candidates
-
-        cfg = self.cfg
-        if not self._checkpoints or cfg.resume == "never":
-            return False
-        auto = cfg.resume == "auto"
-        paths: list[str] = []
-        if self.rank == 0:
-            paths = ([str(p) for p in candidates(cfg.checkpoint_dir)] if cfg.checkpoint_dir
-                     else []) if auto else [cfg.resume]
-        paths = self.aux.broadcast_object(paths, 0)
-        if not paths:
-            return False
-        # load() raises the same error on every rank; the loader check is deterministic:
-        # so all ranks report the problem together (exit 2 from the CLI).
-        errors = (ValueError, KeyError, checkpoint.CheckpointError)
-        damaged: list[str] = []
-        for path in paths:
-            try:
-                info = checkpoint.load(path, model=self.model, optimizer=self.opt,
-                                       preconditioner=self.pre, comm=self.comm)
-                extra = dict(info.extra or {})
-                if "loader" in extra:
-                    self._keep_global_batch(extra["loader"], int(info.world_size or 0))
-                    self.train_loader.load_state_dict(extra["loader"])
-                break
-            except errors as exc:
-                # all-or-nothing: nothing was applied. A damaged file is skipped (auto);
-                # anything else (another model, other options) is the user's to fix.
-                problems = (checkpoint.verify_file(path).problems
-                            if auto and self.rank == 0 else [])
-                problems = self.aux.broadcast_object(problems, 0)
-                if not problems:
-                    raise ConfigError(f"cannot resume from {path}: {exc}") from None
-                damaged.append(path)
-                more = f"; {len(problems) - 1} more problem(s)" if len(problems) > 1 else ""
-                self._print(f"warning: checkpoint {path} is damaged ({problems[0]}{more}); "
-                            "trying the one before it")
-        else:
-            raise ConfigError(f"no usable checkpoint in {cfg.checkpoint_dir}: every one is "
-                              f"damaged ({', '.join(damaged)}); move them away to start "
-                              "afresh, or --resume PATH")
-        self.step = int(info.step)
-        self.last_checkpoint = str(info.path or path)
-        metrics = dict(extra.get("metrics") or {})
-        self.history = list(metrics.get("history", []))
-        self.train_time = float(metrics.get("train_time", 0.0))
-        self.train_samples = int(metrics.get("train_samples", 0))
-        self.epoch_stats = WeightedMean(*metrics.get("epoch_stats", (0.0, 0.0, 0.0)))
-        loss_range = dict(metrics.get("loss_range") or {})
-        self._losses.extend(float(v) for v in loss_range.get("window", ()))
-        left = loss_range.get("left")
-        self._left_range = [float(v) for v in left] if left else None
-        best = metrics.get("best")  # the best so far (a checkpoint of another metric: none)
-        self._best = dict(best) if best and best.get("metric") == cfg.checkpoint_keep_best \
-            else None
-        if self.scaler is not None and "grad_scaler" in extra:
-            self.scaler.load_state_dict(extra["grad_scaler"])
-        self._print(f"resumed from {path} at step {self.step} "
-                    f"(epoch {self.train_loader.epoch}, batch {self.train_loader.batch_index})")
-        if self.pre is None and any(n.startswith(KFAC_DROPPED) for n in info.mismatches):
-            self._print(f"warning: {path} holds K-FAC state (Kronecker factors, eigenbases) "
-                        "that --preconditioner none does not use: it is dropped, and the "
-                        "checkpoints of this run will not have it; to keep it, resume with "
-                        "--preconditioner kfac, or keep a copy of that file")
-        return True
-
-    def _background_enabled(self) -> bool:
-        """Periodic checkpoints in the background (default on; off with
-        ``--no-checkpoint-background`` or ``KFAC_HPC_CHECKPOINT_BACKGROUND=0``)."""
-        env = os.environ.get("KFAC_HPC_CHECKPOINT_BACKGROUND", "1").strip().lower()
-        on = self.cfg.checkpoint_background and env not in ("0", "false", "no", "off")
-        return on and self._checkpoints
-
-    def wait_for_checkpoint(self) -> None:
-        """Wait for the background checkpoint in flight, if any (collective); its
-        failure is raised as the same CheckpointError on every rank."""
-        if self._bg is not None and self._bg.in_flight:
-            self._beat(f"waiting for the checkpoint write in flight (step {self.step})")
-            path = self._bg.wait()
-            if path is not None:
-                self.last_checkpoint = str(path)
-
-    def _keep_global_batch(self, loader_state: dict[str, Any], saved_ranks: int) -> None:
-        """A restart on a different number of ranks keeps the checkpoint's global batch
-        (hence the sample order, the steps per epoch and the learning-rate schedule): the
-        per-rank batch is rescaled, or a ValueError says why it cannot be. On the same
-        number of ranks ``--batch-size`` is the user's choice (the loader checks it)."""
-        saved = int(loader_state.get("global_batch_size", 0) or 0)
-        current = self.train_loader.global_batch_size
-        if not saved or saved == current or saved_ranks in (0, self.size):
-            return
-        batch = rescaled_batch_size(saved, self.size, multiple_of=self.cfg.accumulation_steps)
-        self._print(f"restart on {self.size} ranks (checkpoint: {saved_ranks}): --batch-size "
-                    f"{self.cfg.batch_size} -> {batch} per rank keeps the global batch {saved}")
-        self.cfg = dataclasses.replace(self.cfg, batch_size=batch)
-        self.train_loader = self.train_loader.with_batch_size(batch)
-        self.steps_per_epoch = len(self.train_loader)
-        full = self.steps_per_epoch * self.cfg.epochs
-        self.total_steps = min(full, self.cfg.max_steps) if self.cfg.max_steps else full
-        self.lr_fn = lr_schedule(self.cfg, self.steps_per_epoch, self.total_steps)
+        Returns:
+            The ``extra`` of a checkpoint of this state.
+        """
+        stats = self.tally.epoch_stats
+        return TrainExtra(
+            loader=self.train_loader.state_dict(), epoch=self.train_loader.epoch,
+            history=self.tally.history, train_time=self.tally.train_time,
+            train_samples=self.tally.train_samples,
+            epoch_stats=(stats.loss_sum, stats.correct, stats.count),
+            loss_window=tuple(self.loss_range.window), left_range=self.loss_range.left,
+            best=self.checkpoints.best, config=self.cfg.to_dict(),
+            grad_scaler=None if self.scaler is None else self.scaler.state_dict())
 
     def save_checkpoint(self, background: bool = False) -> None:
         """Write a checkpoint of the current state (all ranks call this together).
 
         The write in flight, if any, is waited for first (its failure raised here).
-        ``background``: snapshot the state and write it while training goes on (when
-        enabled); otherwise it is on disk when this returns.
+
+        Args:
+            background: Snapshot the state and write it while training goes on (when
+                enabled); otherwise it is on disk when this returns.
+
+        Raises:
+            TrainingDiverged: The state holds NaN/Inf (nothing written).
         """
         from kfac_hpc import checkpoint
 
-        if not self._checkpoints or self.cfg.checkpoint_dir is None:
-            return
-        background = background and self._background_enabled()
         self.wait_for_checkpoint()  # at most one write in flight; its errors first
-        self._beat(f"{'snapshot for a background' if background else 'writing a'} "
-                   f"checkpoint at step {self.step}")
-        before = self.comm.traffic().total_bytes
-        extra = {
-            "loader": self.train_loader.state_dict(),
-            "epoch": self.train_loader.epoch,
-            "metrics": {"history": self.history, "train_time": self.train_time,
-                        "train_samples": self.train_samples,
-                        "epoch_stats": [self.epoch_stats.loss_sum, self.epoch_stats.correct,
-                                        self.epoch_stats.count],
-                        "loss_range": {"window": list(self._losses), "left": self._left_range},
-                        "best": self._best},
-            "config": self.cfg.to_dict(),
-        }
-        if self.scaler is not None:
-            extra["grad_scaler"] = self.scaler.state_dict()
-        # Between two inverse updates the preconditioner uses stale decompositions: store
-        # them, or a resumed run would recompute them from newer factors (not exact). With
-        # an inverse update every step they are recomputed anyway: not worth the bytes.
-        kwargs: dict[str, Any] = ({} if self.pre is None else
-                                  {"store_eigenbases": self.cfg.inv_update_steps > 1})
-        every = self.cfg.checkpoint_keep_every_epochs
-        if every:  # milestones, never rotated away
-            kwargs["keep_every_steps"] = every * self.steps_per_epoch
-        if self._best is not None:  # the best by --checkpoint-keep-best, never rotated away
-            kwargs["keep"] = (self._best["checkpoint"],)
         try:
-            if background:
-                if self._bg is None:
-                    self._bg = checkpoint.BackgroundSaver(self.comm)
-                self._bg.save(self.cfg.checkpoint_dir, model=self.model, optimizer=self.opt,
-                              preconditioner=self.pre, step=self.step, extra=extra,
-                              keep_last=self.cfg.checkpoint_keep, **kwargs)
-                path = None  # known once written (wait_for_checkpoint)
-            else:
-                path = checkpoint.save(self.cfg.checkpoint_dir, model=self.model,
-                                       optimizer=self.opt, preconditioner=self.pre,
-                                       step=self.step, comm=self.comm, extra=extra,
-                                       keep_last=self.cfg.checkpoint_keep, **kwargs)
+            with self.traffic.excluding():  # not training traffic
+                self.checkpoints.save(model=self.model, optimizer=self.opt,
+                                      preconditioner=self.pre, step=self.step,
+                                      extra=self._extra(), steps_per_epoch=self.steps_per_epoch,
+                                      background=background)
         except checkpoint.NonFiniteStateError as exc:  # alike on every rank, nothing written
             raise self._diverged(f"{exc.tensor} became NaN/Inf", self.step) from exc
-        if path is not None:
-            self.last_checkpoint = str(path)
-        self.excluded_bytes += self.comm.traffic().total_bytes - before
 
+    def wait_for_checkpoint(self) -> None:
+        """Wait for the background checkpoint in flight, if any (collective).
+
+        Its failure is raised as the same CheckpointError on every rank.
+        """
+        self.checkpoints.wait(self.step)
+
+    # -------------------------------------------------------------- divergence
     def _numerical_failure(self, exc: BaseException) -> TrainingDiverged:
-        """K-FAC or Shampoo gave up on this step (on every rank): if the step's loss was
-        already NaN/Inf, that is the message (one allreduce, on this path only)."""
+        """K-FAC or Shampoo gave up on this step (on every rank).
+
+        If the step's loss was already NaN/Inf, that is the message (one allreduce, on
+        this path only).
+
+        Args:
+            exc: Their numerical error.
+
+        Returns:
+            The error to raise.
+        """
         local = self._step_loss
         (loss,) = global_sums(self.aux, [float(local) if local is not None else 0.0])
         if not math.isfinite(loss):
-            self._track_loss(self.step + 1, loss)
+            self.loss_range.track(self.step + 1, loss)
             return self._diverged("loss became NaN/Inf", self.step + 1)
         what = "Shampoo" if "Shampoo" in type(exc).__name__ else "K-FAC"
         return self._diverged(f"{what} statistics became NaN/Inf or unusable", self.step + 1,
@@ -689,98 +423,65 @@ class Trainer:
 
     def _diverged(self, what: str, step: int, cause: BaseException | None = None
                   ) -> TrainingDiverged:
-        """The one message of a diverged run (every rank builds the same one)."""
+        """The one error of a diverged run (every rank builds the same one; collective).
+
+        Args:
+            what: What became NaN/Inf.
+            step: The step.
+            cause: The numerical error of K-FAC or Shampoo, if that was it.
+
+        Returns:
+            The error to raise.
+        """
         with contextlib.suppress(Exception):  # agreed: a failed write is no good checkpoint
             self.wait_for_checkpoint()  # an earlier, good state being written
-        if self.last_checkpoint is not None:
-            where = self.last_checkpoint
-        elif self.cfg.checkpoint_dir is None:
-            where = "none (no --checkpoint-dir)"
-        else:
-            where = f"none yet in {self.cfg.checkpoint_dir}"
-        detail = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
-        message = (f"{what} at step {step} (epoch {self._epoch + 1}){detail}; "
-                   f"last finite checkpoint: {where}")
-        before, clause = self._before_range()
-        return TrainingDiverged(message + clause, step=step, epoch=self._epoch + 1,
-                                checkpoint=self.last_checkpoint, before_range=before)
-
-    def _keep_best(self, record: dict[str, Any]) -> None:
-        """``--checkpoint-keep-best METRIC``: when the epoch's ``record`` improves the
-        best value of METRIC so far (ties do not), checkpoint this state as the new best.
-
-        The best (metric, value, step, file name) is stored in every checkpoint's
-        metrics, so a resumed run goes on from the best so far; its file is passed to
-        the rotation as kept. Collective (the record's values are global).
-        """
-        metric = self.cfg.checkpoint_keep_best
-        if not metric or not self._checkpoints or not self.cfg.checkpoint_dir:
-            return
-        from kfac_hpc.checkpoint.layout import checkpoint_name
-
-        value = float(record.get(metric, math.nan))
-        sign = KEEP_BEST_METRICS[metric]
-        if not math.isfinite(value) or (self._best is not None
-                                        and sign * value <= sign * float(self._best["value"])):
-            return
-        self._best = {"metric": metric, "value": value, "step": self.step,
-                      "checkpoint": checkpoint_name(self.step)}
-        self.save_checkpoint()
-
-    def _track_loss(self, step: int, loss: float) -> None:
-        """Follow the running range of the global loss of ``step`` (the same on every
-        rank; definition: :data:`RANGE_FACTOR`)."""
-        window = self._losses
-        median = statistics.median(window) if len(window) >= RANGE_MIN else math.nan
-        out = not math.isfinite(loss) or (median > 0 and loss > RANGE_FACTOR * median)
-        if not out:
-            self._left_range = None
-        elif self._left_range is None:
-            self._left_range = [float(step), loss, median, float(len(window))]
-        if math.isfinite(loss):
-            window.append(loss)
-
-    def _before_range(self) -> tuple[str | None, str]:
-        """The newest checkpoint on disk taken before the loss left its running range
-        and the message's clause naming it; ``(None, "")`` while the loss is in range or
-        without a checkpoint directory (collective: rank 0 lists the directory)."""
-        from kfac_hpc.checkpoint.atomic import list_checkpoints
-        from kfac_hpc.checkpoint.layout import step_of_name
-
-        if self._left_range is None or not self._checkpoints or not self.cfg.checkpoint_dir:
-            return None, ""
-        step, loss, median, n = self._left_range
-        found = None
-        if self.rank == 0:
-            # a checkpoint of step c holds the state that computed the loss of step c + 1
-            before = [p for p in list_checkpoints(self.cfg.checkpoint_dir)
-                      if (s := step_of_name(p.name)) is not None and s + 1 < step]
-            found = str(before[-1]) if before else None
-        found = self.aux.broadcast_object(found, 0)
-        how = ("NaN/Inf" if not math.isfinite(loss) else
-               f"{loss:.4g} > {RANGE_FACTOR:g}x the median {median:.4g} of the previous "
-               f"{int(n)} steps")
-        name = found or "none kept (--checkpoint-keep-every-epochs keeps milestones)"
-        return found, (f"; the loss left its running range at step {int(step)} ({how}); "
-                       f"newest checkpoint before that: {name}")
+        # the checkpoints on disk are named only where this run writes them
+        left = self.loss_range.left if self.checkpoints.directory else None
+        before = self.checkpoints.newest_before(left.step) if left is not None else None
+        return diverged(what, step=step, epoch=self._epoch + 1,
+                        last_checkpoint=self.checkpoints.last,
+                        checkpoint_dir=self.cfg.checkpoint_dir, left=left,
+                        before_range=before, cause=cause)
 
     # ------------------------------------------------------------------ steps
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """Autocast to the AMP dtype, when AMP is on.
+
+        Returns:
+            The context.
+        """
         if not self.cfg.amp:
             return contextlib.nullcontext()
         dtype = torch.float16 if self.cfg.amp_dtype == "float16" else torch.bfloat16
         return torch.autocast(device_type="cuda", dtype=dtype)
 
     def _no_sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
-        """No gradient communication for micro-batches before the last one."""
+        """No gradient communication for micro-batches before the last one.
+
+        Args:
+            last: This is the step's last micro-batch.
+
+        Returns:
+            The context.
+        """
         if last:
             return contextlib.nullcontext()
-        owner = self.ddp if self.ddp is not None else self.averager
-        no_sync = getattr(owner, "no_sync", None)
-        return no_sync() if no_sync is not None else contextlib.nullcontext()
+        if self.ddp is not None:
+            return self.ddp.no_sync()
+        if self.averager is not None:
+            return self.averager.no_sync()
+        return contextlib.nullcontext()
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, int]:
-        """One optimizer step on this rank's batch: ``(mean loss, correct, samples)``."""
+        """One optimizer step on this rank's batch.
+
+        Args:
+            x: The inputs.
+            y: The targets.
+
+        Returns:
+            ``(mean loss, correct, samples)`` of this rank.
+        """
         lr = self.lr_fn(self.step)
         for group in self.opt.param_groups:
             group["lr"] = lr
@@ -824,7 +525,11 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> WeightedMean:
-        """Global test loss/accuracy (sharded over ranks, weighted by samples)."""
+        """Global test loss/accuracy (sharded over ranks, weighted by samples).
+
+        Returns:
+            The global sums (the same on every rank).
+        """
         self._sync_buffers()
         self.model.eval()
         test = self.data.test
@@ -832,7 +537,7 @@ class Trainer:
         bs = max(1, min(self.cfg.eval_batch_size, n // self.size))
         loader = ShardedLoader(test, batch_size=bs, rank=self.rank, world_size=self.size,
                                seed=0, shuffle=False, drop_last=False,
-                               **self._pipeline_options())
+                               **pipeline_options(self.cfg, self.device))
         stats = WeightedMean()
         for i, (x, y) in enumerate(loader):  # epoch 0, un-augmented; empty batches skipped
             self._beat(f"evaluation batch {i + 1} after step {self.step}")
@@ -857,31 +562,15 @@ class Trainer:
             unflatten_into(self.aux.allreduce(flatten(bufs), "avg"), bufs)
 
     # ------------------------------------------------------------------- loop
-    def _progress(self) -> Any:
-        # mpiexec (Open MPI) gives ranks a pseudo-terminal for stdout only; srun none.
-        stream = next((f for f in (sys.stderr, sys.stdout) if f.isatty()), None)
-        if not (self.verbose and self.cfg.progress and stream is not None):
-            return None
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            return None
-        return tqdm(total=self.total_steps, initial=self.step, unit="step", dynamic_ncols=True,
-                    file=stream, leave=False)
-
-    def _print(self, text: str, bar: Any = None) -> None:
-        if not self.verbose:
-            return
-        if bar is not None:
-            bar.write(text, file=sys.stdout)
-        else:
-            print(text, flush=True)
-
     def fit(self) -> TrainResult:
         """Run the configured epochs (or until ``max_steps``/target/stop) and summarise.
 
         Under a :class:`~kfac_hpc.runtime.watchdog.Watchdog` (``hang_timeout_minutes``):
-        a rank that makes no progress for that long ends the job with exit status 4."""
+        a rank that makes no progress for that long ends the job with exit status 4.
+
+        Returns:
+            What the run achieved (the same on every rank).
+        """
         minutes = self.cfg.hang_timeout_minutes
         if minutes is None:
             return self._fit()
@@ -892,153 +581,105 @@ class Trainer:
                 self._watchdog = None
 
     def _beat(self, doing: str) -> None:
-        """Progress for the watchdog (no-op without one)."""
+        """Progress for the watchdog (no-op without one).
+
+        Args:
+            doing: What this rank is about to do.
+        """
         if self._watchdog is not None:
             self._watchdog.beat(doing)
 
     def _fit(self) -> TrainResult:
+        """The epochs, then the final evaluation, checkpoint and summary.
+
+        Returns:
+            What the run achieved.
+        """
         cfg = self.cfg
         self._write_config()
-        bar = self._progress()
-        self._reporter = (ProgressReporter(
-            total_steps=self.total_steps, start_step=self.step, epochs=cfg.epochs,
-            every_steps=cfg.progress_every_steps, every_minutes=cfg.progress_every_minutes)
-            if self.verbose and cfg.progress and bar is None else None)
-        stopped = "completed"
-        time_to_target: float | None = None
-        epochs_to_target: int | None = None
+        self.progress.start(total_steps=self.total_steps, start_step=self.step)
+        span = _Span(bytes_start=self.traffic.total(), steps_start=self.step,
+                     wall0=time.perf_counter() - self.tally.train_time)
+        self.checkpoints.restart_clock()
+        stopped = StopReason.COMPLETED
+        target: tuple[float, int] | None = None  # (wall time, epochs) to the target
         last_eval: WeightedMean | None = None
         last_train = WeightedMean()
-        bytes_start = self.comm.traffic().total_bytes - self.excluded_bytes
-        steps_start = self.step
-        wall0 = time.perf_counter() - self.train_time
-        self._last_ckpt = time.monotonic()
         epoch = self.train_loader.epoch
         while epoch < cfg.epochs:
             self.train_loader.set_epoch(epoch)
             t_epoch = time.perf_counter()
-            if self.step < self.total_steps and self._run_epoch(epoch, bar, wall0):
-                stopped = "stop_requested"
-            if stopped == "stop_requested":
+            if self.step < self.total_steps and self._run_epoch(epoch, span.wall0):
+                stopped = StopReason.STOP_REQUESTED
                 break  # checkpointed; leave quickly, without evaluating
             ran_out = self.step >= self.total_steps
             complete = (self.train_loader.epoch > epoch
                         or self.train_loader.batch_index >= self.steps_per_epoch)
             if not (complete or ran_out):
                 break  # cannot happen: an epoch ends only at its end or at the last step
-            if self.epoch_stats.count:
-                last_train = self.epoch_stats
-            evaluated = ((epoch + 1) % cfg.eval_every_epochs == 0 or ran_out
-                         or epoch + 1 == cfg.epochs)
-            if evaluated:
-                last_eval = self.evaluate()
-                if not math.isfinite(last_eval.loss_sum):
-                    raise self._diverged("test loss became NaN/Inf", self.step)
-            record = {
-                "epoch": (epoch + 1 if complete
-                          else epoch + self.train_loader.batch_index / self.steps_per_epoch),
-                "step": self.step,
-                "lr": self.opt.param_groups[0]["lr"],
-                "train_loss": self.epoch_stats.loss,
-                "train_acc": self.epoch_stats.acc,
-                "test_loss": last_eval.loss if evaluated and last_eval else math.nan,
-                "test_acc": last_eval.acc if evaluated and last_eval else math.nan,
-                "epoch_time": time.perf_counter() - t_epoch,
-                "wall_time": time.perf_counter() - wall0,
-                "samples_per_s": self.train_samples / max(self.train_time, 1e-9),
-                "bytes_per_step": self._bytes_per_step(bytes_start, steps_start),
-            }
-            if cfg.dataset in LANGUAGE_DATASETS:  # next-token loss: perplexity = exp(loss)
-                record["test_ppl"] = perplexity(record["test_loss"])
-                record["train_ppl"] = perplexity(record["train_loss"])
-            self.epoch_stats = WeightedMean()
-            self.history.append(record)
-            self.writer.epoch(record)
-            test = f"test_acc {100 * record['test_acc']:.2f}%  " if evaluated else ""
-            self._print(
-                f"epoch {record['epoch']:g}/{cfg.epochs}  step {self.step}  "
-                f"loss {record['train_loss']:.4f}  acc {100 * record['train_acc']:.2f}%  "
-                f"{test}({record['epoch_time']:.1f} s)", bar)
-            self._keep_best(record)
-            if (cfg.target_accuracy is not None and evaluated and last_eval is not None
-                    and last_eval.acc >= cfg.target_accuracy):
-                time_to_target, epochs_to_target = record["wall_time"], epoch + 1
-                stopped = "target"
+            if self.tally.epoch_stats.count:
+                last_train = self.tally.epoch_stats
+            evaluation = self._evaluation(epoch, ran_out)
+            if evaluation is not None:
+                last_eval = evaluation
+            record = self._end_epoch(epoch, complete, evaluation, t_epoch, span)
+            if (cfg.target_accuracy is not None and evaluation is not None
+                    and evaluation.acc >= cfg.target_accuracy):
+                target = (record["wall_time"], epoch + 1)
+                stopped = StopReason.TARGET
                 break
             if ran_out:
                 if self.total_steps < self.steps_per_epoch * cfg.epochs:
-                    stopped = "max_steps"
+                    stopped = StopReason.MAX_STEPS
                 break
             epoch += 1
-        if bar is not None:
-            bar.close()
+        self.progress.close()
         self.wait_for_checkpoint()
-        if stopped != "stop_requested":
+        if stopped != StopReason.STOP_REQUESTED:
             if last_eval is None:
                 last_eval = self.evaluate()
             if cfg.checkpoint_dir:
                 self.save_checkpoint()
-        return self._result(stopped, last_train, last_eval or WeightedMean(), wall0,
-                            bytes_start, steps_start, time_to_target, epochs_to_target)
+        return self._result(stopped, last_train, last_eval or WeightedMean(), span, target)
 
-    def _run_epoch(self, epoch: int, bar: Any, wall0: float) -> bool:
-        """Steps of ``epoch`` from the loader's position; True if a stop was requested."""
-        cfg = self.cfg
+    def _run_epoch(self, epoch: int, wall0: float) -> bool:
+        """Steps of ``epoch`` from the loader's position.
+
+        Args:
+            epoch: The epoch (0-based).
+            wall0: The origin of the records' wall times.
+
+        Returns:
+            True if a stop was requested (then the state is checkpointed).
+        """
         self._epoch = epoch
         t_step = time.perf_counter()
-        traffic0 = self._traffic_counts()
+        traffic0 = self.traffic.counts()
         for x, y in self.train_loader:
             self._beat(f"step {self.step + 1} (epoch {epoch + 1})")
-            logged = (self.step + 1) % cfg.log_every_steps == 0 or self.step + 1 == self.total_steps
-            self.timer.start(logged)
+            self.timer.start(self._logged(self.step + 1))
             try:
                 loss, correct, n = self.train_step(x, y)
             except self._numerical as exc:  # agreed: the same error on every rank
                 raise self._numerical_failure(exc) from exc
-            want_ckpt = (cfg.checkpoint_every_minutes is not None and
-                         time.monotonic() - self._last_ckpt >= 60 * cfg.checkpoint_every_minutes)
             want_stop = bool(self.should_stop is not None and self.should_stop())
             # One reduction: global metrics plus the flags every rank must agree on.
             g_loss, g_correct, g_n, g_ckpt, g_stop = global_sums(
-                self.aux, [loss * n, correct, n, float(want_ckpt), float(want_stop)])
+                self.aux, [loss * n, correct, n, float(self.checkpoints.due_by_time()),
+                           float(want_stop)])
             dt = time.perf_counter() - t_step
-            self.train_time += dt
-            self.train_samples += int(g_n)
-            self.epoch_stats.add(g_loss / g_n, g_correct, int(g_n))
-            traffic1 = self._traffic_counts()
-            if self.step % cfg.log_every_steps == 0 or self.step == self.total_steps:
-                self.writer.step({
-                    "step": self.step,
-                    "epoch": epoch + self.train_loader.batch_index / self.steps_per_epoch,
-                    "lr": self.opt.param_groups[0]["lr"],
-                    "loss": g_loss / g_n, "acc": g_correct / g_n, "samples": int(g_n),
-                    "step_time": dt, "samples_per_s": g_n / dt,
-                    "wall_time": time.perf_counter() - wall0,
-                    **self.timer.record(),
-                    **{f"bytes_{k}": v1 - traffic0[k] for k, v1 in traffic1.items()},
-                })
-            traffic0 = traffic1
-            line = (self._reporter.update(self.step, epoch + self.train_loader.batch_index
-                                          / self.steps_per_epoch, g_loss / g_n, int(g_n))
-                    if self._reporter is not None and bar is None else None)
-            if line is not None:
-                self._print(line)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix_str(
-                    f"ep {epoch + 1}/{cfg.epochs} loss {g_loss / g_n:.3f} "
-                    f"acc {100 * g_correct / g_n:.1f}% {1000 * dt:.0f} ms/step "
-                    f"{g_n / dt:,.0f} samples/s", refresh=False)
-            self._track_loss(self.step, g_loss / g_n)
+            self.tally.add_step(g_loss, g_correct, int(g_n), dt)
+            traffic0 = self._log_step(epoch, g_loss / g_n, g_correct / g_n, int(g_n), dt,
+                                      wall0, traffic0)
+            self.loss_range.track(self.step, g_loss / g_n)
             if not math.isfinite(g_loss):  # the global sum: the same verdict on every rank
                 raise self._diverged("loss became NaN/Inf", self.step)
-            every = cfg.checkpoint_every_steps
-            if g_stop > 0 or g_ckpt > 0 or (every and self.step % every == 0):
+            if g_stop > 0 or g_ckpt > 0 or self.checkpoints.due_by_step(self.step):
                 # periodic: in the background; on a stop: in the foreground (after the
                 # write in flight), so that the process exits with it on disk
                 self.save_checkpoint(background=g_stop <= 0)
-                self._last_ckpt = time.monotonic()
-                traffic0 = self._traffic_counts()  # not the checkpoint's bytes
+                self.checkpoints.restart_clock()
+                traffic0 = self.traffic.counts()  # not the checkpoint's bytes
             if g_stop > 0:
                 return True
             if self.step >= self.total_steps:
@@ -1046,40 +687,144 @@ class Trainer:
             t_step = time.perf_counter()
         return False
 
-    def _traffic_counts(self) -> dict[str, int]:
-        """Bytes so far of the training communicator: ``step`` (all, less what metrics
-        and checkpoints excluded) and one entry per K-FAC tag (:data:`TRAFFIC_TAGS`)."""
-        traffic = self.comm.traffic()
-        counts = {"step": traffic.total_bytes - self.excluded_bytes}
-        counts.update({tag: traffic.tag_bytes(tag) for tag in TRAFFIC_TAGS})
-        return counts
+    def _logged(self, step: int) -> bool:
+        """Whether ``step`` gets a step record (and its phase times).
 
-    def _bytes_per_step(self, bytes_start: int, steps_start: int) -> float:
-        steps = self.step - steps_start
-        if steps <= 0:
-            return 0.0
-        counted = self.comm.traffic().total_bytes - self.excluded_bytes - bytes_start
-        if self.ddp is not None:  # gloo/nccl allreduce of every gradient, not seen by MPI
-            counted += steps * sum(p.numel() * p.element_size()
-                                   for p in self.model.parameters() if p.requires_grad)
-        return counted / steps
+        Args:
+            step: The step.
 
-    def _result(self, stopped: str, last_train: WeightedMean, last_eval: WeightedMean,
-                wall0: float, bytes_start: int, steps_start: int,
-                time_to_target: float | None, epochs_to_target: int | None) -> TrainResult:
+        Returns:
+            True every ``--log-every-steps`` steps and at the last step.
+        """
+        return step % self.cfg.log_every_steps == 0 or step == self.total_steps
+
+    def _log_step(self, epoch: int, loss: float, acc: float, samples: int, seconds: float,
+                  wall0: float, traffic0: dict[str, int]) -> dict[str, int]:
+        """Record and show the step just taken.
+
+        Args:
+            epoch: Its epoch (0-based).
+            loss: Its global mean loss.
+            acc: Its global accuracy.
+            samples: Its global number of samples.
+            seconds: Its wall time.
+            wall0: The origin of the records' wall times.
+            traffic0: :meth:`TrafficMeter.counts` before the step.
+
+        Returns:
+            :meth:`TrafficMeter.counts` after it.
+        """
+        traffic1 = self.traffic.counts()
+        progress = epoch + self.train_loader.batch_index / self.steps_per_epoch
+        if self._logged(self.step):
+            self.writer.step({
+                "step": self.step, "epoch": progress, "lr": self.opt.param_groups[0]["lr"],
+                "loss": loss, "acc": acc, "samples": samples,
+                "step_time": seconds, "samples_per_s": samples / seconds,
+                "wall_time": time.perf_counter() - wall0,
+                **self.timer.record(),
+                **{f"bytes_{k}": v1 - traffic0[k] for k, v1 in traffic1.items()},
+            })
+        self.progress.step(step=self.step, epoch=epoch, loss=loss, acc=acc, samples=samples,
+                           seconds=seconds, epoch_progress=progress)
+        return traffic1
+
+    def _evaluation(self, epoch: int, ran_out: bool) -> WeightedMean | None:
+        """Evaluate at the end of ``epoch`` when it is time.
+
+        Args:
+            epoch: The epoch just ended (0-based).
+            ran_out: The run's last step was taken.
+
+        Returns:
+            The global test metrics, or None when this epoch is not evaluated.
+
+        Raises:
+            TrainingDiverged: The test loss is NaN/Inf.
+        """
+        cfg = self.cfg
+        if not ((epoch + 1) % cfg.eval_every_epochs == 0 or ran_out
+                or epoch + 1 == cfg.epochs):
+            return None
+        stats = self.evaluate()
+        if not math.isfinite(stats.loss_sum):
+            raise self._diverged("test loss became NaN/Inf", self.step)
+        return stats
+
+    def _end_epoch(self, epoch: int, complete: bool, evaluation: WeightedMean | None,
+                   t_epoch: float, span: _Span) -> dict[str, Any]:
+        """Record the epoch, print its line, checkpoint it if it is the best so far.
+
+        Args:
+            epoch: The epoch (0-based).
+            complete: It ran to its end (else the run's last step ended it).
+            evaluation: Its test metrics, if evaluated.
+            t_epoch: ``perf_counter()`` at its start.
+            span: Where this process's training started.
+
+        Returns:
+            The epoch's record (as in ``metrics.jsonl``).
+        """
+        cfg = self.cfg
+        stats = self.tally.epoch_stats
+        record = {
+            "epoch": (epoch + 1 if complete
+                      else epoch + self.train_loader.batch_index / self.steps_per_epoch),
+            "step": self.step,
+            "lr": self.opt.param_groups[0]["lr"],
+            "train_loss": stats.loss,
+            "train_acc": stats.acc,
+            "test_loss": evaluation.loss if evaluation is not None else math.nan,
+            "test_acc": evaluation.acc if evaluation is not None else math.nan,
+            "epoch_time": time.perf_counter() - t_epoch,
+            "wall_time": time.perf_counter() - span.wall0,
+            "samples_per_s": self.tally.samples_per_s,
+            "bytes_per_step": self.traffic.per_step(span.bytes_start,
+                                                    self.step - span.steps_start),
+        }
+        if cfg.dataset in LANGUAGE_DATASETS:  # next-token loss: perplexity = exp(loss)
+            record["test_ppl"] = perplexity(record["test_loss"])
+            record["train_ppl"] = perplexity(record["train_loss"])
+        self.tally.epoch_stats = WeightedMean()
+        self.tally.history.append(record)
+        self.writer.epoch(record)
+        test = f"test_acc {100 * record['test_acc']:.2f}%  " if evaluation is not None else ""
+        self.progress.print(
+            f"epoch {record['epoch']:g}/{cfg.epochs}  step {self.step}  "
+            f"loss {record['train_loss']:.4f}  acc {100 * record['train_acc']:.2f}%  "
+            f"{test}({record['epoch_time']:.1f} s)")
+        if self.checkpoints.improves(record, self.step):
+            self.save_checkpoint()
+        return record
+
+    def _result(self, stopped: StopReason, last_train: WeightedMean, last_eval: WeightedMean,
+                span: _Span, target: tuple[float, int] | None) -> TrainResult:
+        """Summarise the run: ``summary.json``, the table, the parameters' agreement.
+
+        Args:
+            stopped: Why it ended.
+            last_train: The last epoch's training metrics.
+            last_eval: The last test metrics.
+            span: Where this process's training started.
+            target: ``(wall time, epochs)`` to the target accuracy, if reached.
+
+        Returns:
+            The result (the same on every rank).
+        """
         checksum = param_checksum(self.model)
         agree = len(set(self.aux.allgather_object(checksum))) == 1
         result = TrainResult(
             epochs=round(self.step / self.steps_per_epoch, 4),
             steps=self.step,
-            wall_time=time.perf_counter() - wall0,
+            wall_time=time.perf_counter() - span.wall0,
             setup_time=self.setup_time,
             train_loss=last_train.loss,
             train_acc=last_train.acc,
             test_loss=last_eval.loss,
             test_acc=last_eval.acc,
-            samples_per_s=self.train_samples / max(self.train_time, 1e-9),
-            bytes_per_step=self._bytes_per_step(bytes_start, steps_start),
+            samples_per_s=self.tally.samples_per_s,
+            bytes_per_step=self.traffic.per_step(span.bytes_start,
+                                                 self.step - span.steps_start),
             checksum=checksum,
             ranks_agree=agree,
             stopped=stopped,
@@ -1088,23 +833,24 @@ class Trainer:
             device=str(self.device),
             averaging=self.averaging,
             out_dir=str(self.out_dir),
-            time_to_target=time_to_target,
-            epochs_to_target=epochs_to_target,
+            time_to_target=None if target is None else target[0],
+            epochs_to_target=None if target is None else target[1],
             traffic=self.comm.traffic().snapshot(),
-            history=list(self.history),
+            history=list(self.tally.history),
             model=self.model,
         )
         summary = {k: v for k, v in result.__dict__.items() if k not in ("model", "history")}
         self.writer.write_json("summary.json", summary)
         if self.verbose:
             print(format_table(result.summary_rows(self.cfg), title="kfac-hpc train: summary"))
-            if result.stopped != "stop_requested":  # a stopped run was not evaluated
+            if result.stopped != StopReason.STOP_REQUESTED:  # a stopped run: not evaluated
                 print(f"final test accuracy: {100 * result.test_acc:.2f} %", flush=True)
         if not agree:
-            self._print("WARNING: final parameters differ between ranks")
+            self.progress.print("WARNING: final parameters differ between ranks")
         return result
 
     def _write_config(self) -> None:
+        """Write ``config.json``: the configuration and what this run made of it."""
         import kfac_hpc
 
         self.writer.write_json("config.json", {
@@ -1121,44 +867,14 @@ class Trainer:
                 "kfac_hpc": kfac_hpc.__version__,
                 "torch": torch.__version__,
                 "started_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                "resumed_at_step": self.step if self._resumed else None,
+                "resumed_at_step": self.step if self.resumed is not None else None,
             },
         })
 
     def close(self) -> None:
-        """Release communicators, the DDP process group (if ours) and open files."""
-        self.writer.close()
-        if self._bg is not None:
-            self._bg.close()  # after wait_for_checkpoint(); on an error path: abandoned
-        if self.pre is not None:
-            self.pre.close()
-        averager = getattr(self, "averager", None)  # unset when setup failed before it
-        if averager is not None:
-            averager.remove()
-        if self.ddp is not None:
-            # Release DDP's reducer while its process group still exists, on every rank
-            # at the same point (after the final collectives of the run).
-            self.net = self.model
-            self.ddp = None
-            gc.collect()
-        if self._pg_owned:
-            import torch.distributed as dist
+        """Release what the run acquired, in reverse order (collective; idempotent).
 
-            dist.barrier()
-            dist.destroy_process_group()
-            self._pg_owned = False
-        torch.set_num_threads(self._threads_before)
-        if self.aux.mpi is not None:
-            self.aux.free()
-            self.aux.mpi = None  # type: ignore[assignment]
-
-
-# --------------------------------------------------------------------- helpers
-
-
-def _ddp_host(single_node: bool) -> str:
-    import socket
-
-    if os.environ.get("MASTER_ADDR"):
-        return os.environ["MASTER_ADDR"]
-    return "127.0.0.1" if single_node else socket.gethostname()
+        Open files, the background checkpoint writer, K-FAC, the gradient averager,
+        DDP and its process group (if started here), the thread count, communicators.
+        """
+        self._resources.close()
