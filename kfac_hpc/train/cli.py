@@ -83,9 +83,11 @@ def env_size() -> int:
 
 
 def agree_on_usage(problem: str | None) -> int:
-    """Agree on the usage errors every rank found before MPI started: 0 when none did,
-    else 2 once rank 0 has printed and flushed them (collective when launched on several
-    ranks; every rank of the job must call it once, with or without a problem).
+    """Agree on the usage errors every rank found before MPI started.
+
+    The answer is 0 when none did, else 2 once rank 0 has printed and flushed them
+    (collective when launched on several ranks; every rank of the job must call it once,
+    with or without a problem).
 
     Why not simply exit: ``mpiexec`` (and ``srun --kill-on-bad-exit``) kills every rank
     as soon as one exits with an error status, so a rank other than 0 that finds the same
@@ -145,6 +147,12 @@ class StartupSignals:
     """
 
     def __init__(self, signals: Iterable[str | int] = ("USR1", "TERM")) -> None:
+        """Choose the signals; nothing is installed before :meth:`install`.
+
+        Args:
+            signals: The preemption signals (names or numbers); ``SIGINT`` is always
+                handled. Unknown names are skipped (the config's validation reports them).
+        """
         self.signals: list[signal.Signals] = [signal.SIGINT]
         for name in signals:
             try:
@@ -179,8 +187,14 @@ class StartupSignals:
         return self
 
     def hand_over(self, taken: Iterable[signal.Signals]) -> None:
-        """Restore the previous handlers of the signals that the caller's handlers (just
-        installed for ``taken``) do not cover; forget the others."""
+        """Hand the signals over to the caller's handlers.
+
+        The previous handlers of the signals that the caller's handlers (just installed
+        for ``taken``) do not cover are restored; the others are forgotten.
+
+        Args:
+            taken: The signals the caller now handles.
+        """
         taken = set(taken)
         for sig in list(self._previous):
             if sig in taken:
@@ -213,9 +227,14 @@ class StartupSignals:
 
 
 def _rank0_only(parser: argparse.ArgumentParser) -> None:
-    """Make ``parser`` print usage errors and help on rank 0 only (exit 2 on every rank,
-    after rank 0 printed: :func:`agree_on_usage`), and reject unknown flags itself rather
-    than leaving them to the parent parser."""
+    """Make ``parser`` print usage errors and help on rank 0 only.
+
+    It exits 2 on every rank after rank 0 printed (:func:`agree_on_usage`), and rejects
+    unknown flags itself rather than leaving them to the parent parser.
+
+    Args:
+        parser: The parser, changed in place.
+    """
     quiet = env_rank() != 0
 
     def error(message: str) -> typing.NoReturn:
@@ -392,9 +411,14 @@ def _report_stop(cfg: TrainConfig, rank: int, step: int, reason: str | None,
 
 
 def select_device_before_mpi(device: str) -> None:
-    """Make this rank's GPU current before anything imports mpi4py (see
-    :func:`kfac_hpc.runtime.select_device`); ``--device cuda`` without a GPU is left to
-    ``validate()``, which reports it with the other problems."""
+    """Make this rank's GPU current before anything imports mpi4py.
+
+    See :func:`kfac_hpc.runtime.select_device`; ``--device cuda`` without a GPU is left
+    to ``validate()``, which reports it with the other problems.
+
+    Args:
+        device: ``--device`` (``cpu``, ``cuda`` or ``auto``).
+    """
     from kfac_hpc.runtime.device import select_device
 
     select_device("cpu" if device == "cpu" else "auto")
@@ -411,8 +435,16 @@ _startup: StartupSignals | None = None
 
 
 def install_startup_signals(argv: Sequence[str] | None = None) -> StartupSignals:
-    """Install :class:`StartupSignals` for this process's job (from its ``argv``); the
-    training loop's guard takes over in :func:`run`. Call it first thing."""
+    """Install :class:`StartupSignals` for this process's job (from its ``argv``).
+
+    The training loop's guard takes over in :func:`run`. Call it first thing.
+
+    Args:
+        argv: The command line's arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The installed handlers.
+    """
     global _startup
     if _startup is None:
         _startup = StartupSignals.from_argv(sys.argv[1:] if argv is None else argv).install()

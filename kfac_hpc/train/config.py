@@ -486,6 +486,7 @@ class TrainConfig:
     # ------------------------------------------------------------------ helpers
     @property
     def uses_kfac(self) -> bool:
+        """Whether the run preconditions with K-FAC (``--preconditioner kfac``)."""
         return self.preconditioner == "kfac"
 
     @property
@@ -497,8 +498,11 @@ class TrainConfig:
 
     @property
     def base_damping(self) -> float:
-        """``damping``, or the model's default when unset (the MLP needs more damping:
-        its standardised inputs make the A factor nearly singular)."""
+        """``damping``, or the model's default when unset.
+
+        The MLP needs more damping: its standardised inputs make the A factor nearly
+        singular.
+        """
         if self.damping is not None:
             return self.damping
         return 0.1 if self.model == "mlp" else 0.003

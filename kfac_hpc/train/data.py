@@ -109,6 +109,16 @@ class RandomCropFlip:
     """
 
     def __init__(self, *, seed: int, padding: int = 4, flip: bool = True) -> None:
+        """Set the draws.
+
+        Args:
+            seed: The seed of every draw.
+            padding: Zero padding on each side before the crop.
+            flip: Also flip horizontally (with probability 1/2).
+
+        Raises:
+            ValueError: ``padding`` < 0.
+        """
         if padding < 0:
             raise ValueError(f"padding must be >= 0, got {padding}")
         self.seed = seed
@@ -143,8 +153,11 @@ class RandomCropFlip:
 
 
 def _resize_chw(x: Tensor, height: int, width: int) -> Tensor:
-    """Bilinear, antialiased resize of a ``(C, H, W)`` uint8 image (torchvision's when
-    installed: the ``vision`` extra; else the same filter through ``F.interpolate``)."""
+    """Resize a ``(C, H, W)`` uint8 image, bilinear and antialiased.
+
+    torchvision's when installed (the ``vision`` extra); else the same filter through
+    ``F.interpolate``.
+    """
     if tuple(x.shape[1:]) == (height, width):
         return x
     try:
@@ -158,8 +171,9 @@ def _resize_chw(x: Tensor, height: int, width: int) -> Tensor:
 
 
 class RandomResizedCropFlip:
-    """ImageNet training augmentation on one ``(C, H, W)`` image: a random crop of
-    ``scale`` of the area and aspect ratio in ``ratio`` (log-uniform), resized to
+    """ImageNet training augmentation on one ``(C, H, W)`` image.
+
+    A random crop of ``scale`` of the area and aspect ratio in ``ratio`` (log-uniform), resized to
     ``size x size``, then a random horizontal flip; torchvision's
     ``RandomResizedCrop`` + ``RandomHorizontalFlip`` algorithm (10 tries, then a
     clamped centre crop), with the draws of sample ``i`` in epoch ``e`` seeded by
@@ -168,6 +182,18 @@ class RandomResizedCropFlip:
 
     def __init__(self, *, seed: int, size: int, scale: tuple[float, float] = (0.08, 1.0),
                  ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = True) -> None:
+        """Set the draws.
+
+        Args:
+            seed: The seed of every draw.
+            size: The output's side.
+            scale: Range of the crop's share of the area.
+            ratio: Range of the crop's aspect ratio.
+            flip: Also flip horizontally (with probability 1/2).
+
+        Raises:
+            ValueError: A bad size, scale or ratio.
+        """
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         if not 0 < scale[0] <= scale[1] <= 1 or not 0 < ratio[0] <= ratio[1]:
@@ -208,8 +234,19 @@ class RandomResizedCropFlip:
 
 
 def resize_center_crop(image: Tensor, size: int, resize: int | None = None) -> Tensor:
-    """Evaluation transform: shorter side to ``resize`` (default ``size /``
-    :data:`EVAL_CROP_FRACTION`), then the centre ``size x size`` crop."""
+    """Apply the evaluation transform: resize, then crop the centre.
+
+    The shorter side goes to ``resize`` (default ``size /``
+    :data:`EVAL_CROP_FRACTION`), then the centre ``size x size`` is cropped.
+
+    Args:
+        image: A ``(C, H, W)`` uint8 image.
+        size: The output's side.
+        resize: The shorter side before the crop.
+
+    Returns:
+        The ``(C, size, size)`` image.
+    """
     resize = round(size / EVAL_CROP_FRACTION) if resize is None else max(size, resize)
     _, h, w = image.shape
     s = resize / min(h, w)
@@ -230,12 +267,30 @@ class BatchDataset(torch.utils.data.Dataset[tuple[Tensor, Tensor]]):
     """
 
     def __len__(self) -> int:
+        """Return the number of samples."""
         raise NotImplementedError
 
     def get_batch(self, indices: Tensor, epoch: int | None = None) -> tuple[Tensor, Tensor]:
+        """Return the samples ``indices``, augmented for ``epoch``.
+
+        Args:
+            indices: Sample indices.
+            epoch: The epoch whose augmentation to draw (None: none).
+
+        Returns:
+            ``(inputs, targets)`` of the batch.
+        """
         raise NotImplementedError
 
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        """Return sample ``index``, un-augmented.
+
+        Args:
+            index: The sample.
+
+        Returns:
+            ``(input, target)``.
+        """
         x, y = self.get_batch(torch.tensor([index]))
         return x[0], y[0]
 
@@ -272,6 +327,21 @@ class TensorDataset(BatchDataset):
         augment: RandomCropFlip | None = None,
         flat: bool = False,
     ) -> None:
+        """Hold the tensors.
+
+        Args:
+            inputs: ``(N, ...)`` inputs, any dtype.
+            targets: ``(N,)`` integer targets.
+            scale: Factor applied first (``1/255`` for bytes).
+            mean: Per-channel mean subtracted after scaling.
+            std: Per-channel standard deviation divided by.
+            augment: Pad-crop and flip of training batches.
+            flat: Flatten inputs to ``(B, -1)``.
+
+        Raises:
+            ValueError: Inputs and targets differ in length, or ``augment`` without
+                ``(N, C, H, W)`` inputs.
+        """
         if inputs.shape[0] != targets.shape[0]:
             raise ValueError(f"{inputs.shape[0]} inputs but {targets.shape[0]} targets")
         if augment is not None and inputs.dim() != 4:
@@ -285,14 +355,25 @@ class TensorDataset(BatchDataset):
         self.flat = flat
 
     def __len__(self) -> int:
+        """Return the number of samples."""
         return int(self.inputs.shape[0])
 
     @property
     def sample_shape(self) -> tuple[int, ...]:
+        """One input's shape as served (flattened when ``flat``)."""
         shape = tuple(self.inputs.shape[1:])
         return (math.prod(shape),) if self.flat else shape
 
     def get_batch(self, indices: Tensor, epoch: int | None = None) -> tuple[Tensor, Tensor]:
+        """Return the samples ``indices``, augmented for ``epoch``.
+
+        Args:
+            indices: Sample indices.
+            epoch: The epoch whose augmentation to draw (None: none).
+
+        Returns:
+            ``(inputs, targets)`` of the batch.
+        """
         x = self.inputs[indices]
         if self.augment is not None and epoch is not None:
             x = self.augment.apply(x, self.augment.params(epoch, len(self))[indices])
@@ -330,6 +411,17 @@ class ImageFolderDataset(BatchDataset):
         flat: bool = False,
         num_threads: int = 4,
     ) -> None:
+        """List the images; nothing is decoded yet.
+
+        Args:
+            samples: ``(file, class index)`` pairs.
+            image_size: The side of the served images.
+            mean: Per-channel mean (of values in [0, 1]).
+            std: Per-channel standard deviation.
+            augment: The training augmentation, if any.
+            flat: Flatten inputs to ``(B, -1)``.
+            num_threads: Threads decoding a batch.
+        """
         self.samples = list(samples)
         self.image_size = image_size
         self.mean = mean
@@ -340,6 +432,7 @@ class ImageFolderDataset(BatchDataset):
         self.targets = torch.tensor([label for _, label in self.samples], dtype=torch.long)
 
     def __len__(self) -> int:
+        """Return the number of images."""
         return len(self.samples)
 
     def decode(self, index: int) -> Tensor:
@@ -356,6 +449,15 @@ class ImageFolderDataset(BatchDataset):
         return resize_center_crop(image, self.image_size)
 
     def get_batch(self, indices: Tensor, epoch: int | None = None) -> tuple[Tensor, Tensor]:
+        """Return the samples ``indices``, augmented for ``epoch``.
+
+        Args:
+            indices: Sample indices.
+            epoch: The epoch whose augmentation to draw (None: none).
+
+        Returns:
+            ``(inputs, targets)`` of the batch.
+        """
         idx = [int(i) for i in indices]
         if self.num_threads > 1 and len(idx) > 1:
             with ThreadPoolExecutor(min(self.num_threads, len(idx))) as pool:
@@ -457,7 +559,10 @@ def load_dataset(
             (``imagefolder``: resize to ``image_size / 0.875`` + centre crop).
         split_seed: seed of the ``digits`` train/test split.
         image_size: ``imagefolder`` output size (default 224).
-        input_shape, num_classes, train_size, test_size: ``synthetic`` only.
+        input_shape: ``synthetic`` only: one input's shape.
+        num_classes: ``synthetic`` only: the number of classes.
+        train_size: ``synthetic`` only: training samples.
+        test_size: ``synthetic`` only: test samples.
         num_threads: image decoding threads per rank (``imagefolder``).
 
     Raises:
@@ -729,6 +834,24 @@ class ShardedLoader:
         pin_memory: bool = False,
         prefetch_factor: int = 2,
     ) -> None:
+        """Shard ``dataset``; the position is the start of epoch 0.
+
+        Args:
+            dataset: A :class:`BatchDataset` or any map-style data set of
+                ``(input, target)``.
+            batch_size: Samples per rank and batch.
+            rank: This rank.
+            world_size: The number of ranks.
+            seed: The seed of the sample order.
+            shuffle: Shuffle every epoch (else the data set's order).
+            drop_last: Drop the last, short global batch.
+            num_workers: DataLoader worker processes (0: decode here).
+            pin_memory: Batches in pinned memory (for CUDA).
+            prefetch_factor: Batches each worker decodes ahead.
+
+        Raises:
+            ValueError: A bad rank, size, batch or pipeline option.
+        """
         if num_workers < 0 or prefetch_factor < 1:
             raise ValueError(f"num_workers must be >= 0 and prefetch_factor >= 1, got "
                              f"{num_workers} and {prefetch_factor}")
@@ -768,6 +891,7 @@ class ShardedLoader:
     # -- geometry
     @property
     def global_batch_size(self) -> int:
+        """Samples per batch over all ranks."""
         return self.batch_size * self.world_size
 
     def __len__(self) -> int:
@@ -777,6 +901,7 @@ class ShardedLoader:
 
     @property
     def epoch(self) -> int:
+        """The epoch of the next batch to be yielded."""
         return self._epoch
 
     @property
@@ -827,6 +952,11 @@ class ShardedLoader:
             persistent_workers=False)
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        """Yield this rank's batches from the position to the end of the epoch.
+
+        Yields:
+            ``(inputs, targets)`` CPU tensors.
+        """
         epoch = self._epoch
         pipeline: Iterator[tuple[Tensor, Tensor]] | None = None
         if self._batch_index < len(self) and (self.num_workers > 0 or self.pin_memory):
@@ -924,8 +1054,19 @@ class ShardedLoader:
 
 def fetch_batch(dataset: torch.utils.data.Dataset[Any], idx: Tensor,
                 epoch: int) -> tuple[Tensor, Tensor]:
-    """The batch of data set indices ``idx``: ``get_batch`` of a :class:`BatchDataset`,
-    else the stacked ``dataset[i]`` (any map-style data set of ``(input, target)``)."""
+    """Return the batch of data set indices ``idx``.
+
+    ``get_batch`` of a :class:`BatchDataset`, else the stacked ``dataset[i]`` (any
+    map-style data set of ``(input, target)``).
+
+    Args:
+        dataset: The data set.
+        idx: Data set indices.
+        epoch: The epoch whose augmentation to draw.
+
+    Returns:
+        ``(inputs, targets)``.
+    """
     if isinstance(dataset, BatchDataset):
         return dataset.get_batch(idx, epoch)
     items = [dataset[int(i)] for i in idx]
@@ -937,17 +1078,32 @@ def fetch_batch(dataset: torch.utils.data.Dataset[Any], idx: Tensor,
 
 
 class ShardedBatchSampler(torch.utils.data.Sampler[Tensor]):
-    """The sample order of a :class:`ShardedLoader` as a ``DataLoader`` sampler: yields
-    this rank's index tensor of each batch of ``epoch`` from batch ``start`` on (use
-    with ``batch_size=None``; the data set turns an index tensor into a batch)."""
+    """The sample order of a :class:`ShardedLoader` as a ``DataLoader`` sampler.
+
+    It yields this rank's index tensor of each batch of ``epoch`` from batch ``start``
+    on (use with ``batch_size=None``; the data set turns an index tensor into a batch).
+    """
 
     def __init__(self, loader: ShardedLoader, epoch: int, start: int = 0) -> None:
+        """Follow ``loader``'s order.
+
+        Args:
+            loader: The loader.
+            epoch: The epoch.
+            start: The first batch.
+        """
         self.loader, self.epoch, self.start = loader, epoch, start
 
     def __len__(self) -> int:
+        """Return the number of batches left."""
         return max(0, len(self.loader) - self.start)
 
     def __iter__(self) -> Iterator[Tensor]:
+        """Yield this rank's index tensor of each batch.
+
+        Yields:
+            Data set indices of one batch.
+        """
         for step in range(self.start, len(self.loader)):
             yield self.loader.indices(step, self.epoch)
 
@@ -966,8 +1122,21 @@ class _EpochBatches(torch.utils.data.Dataset[tuple[Tensor, Tensor]]):
 
 
 def rescaled_batch_size(global_batch: int, world_size: int, *, multiple_of: int = 1) -> int:
-    """Per-rank batch that keeps ``global_batch`` on ``world_size`` ranks (restart on a
-    different number of ranks); ``ValueError`` saying why when no such batch exists."""
+    """Return the per-rank batch that keeps ``global_batch`` on ``world_size`` ranks.
+
+    For a restart on a different number of ranks.
+
+    Args:
+        global_batch: The checkpoint's global batch.
+        world_size: The number of ranks now.
+        multiple_of: The per-rank batch must be a multiple of this (micro-batches).
+
+    Returns:
+        The per-rank batch.
+
+    Raises:
+        ValueError: No such batch exists (saying why and which rank counts would work).
+    """
     if global_batch % world_size:
         fits = [p for p in range(1, min(global_batch, 4096) + 1) if global_batch % p == 0]
         raise ValueError(

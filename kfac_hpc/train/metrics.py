@@ -96,10 +96,12 @@ class WeightedMean:
 
     @property
     def loss(self) -> float:
+        """The mean loss per sample (NaN without samples)."""
         return self.loss_sum / self.count if self.count else math.nan
 
     @property
     def acc(self) -> float:
+        """The share of correct predictions (NaN without samples)."""
         return self.correct / self.count if self.count else math.nan
 
 
@@ -125,6 +127,14 @@ class MetricsWriter:
 
     def __init__(self, out_dir: str | Path | None, *, enabled: bool = True,
                  append: bool = False, tensorboard_dir: str | Path | None = None) -> None:
+        """Open the files lazily, at their first record.
+
+        Args:
+            out_dir: The run directory (None: write nothing).
+            enabled: Write on this rank (rank 0).
+            append: Append to the files of an earlier run (a resumed run).
+            tensorboard_dir: Also write TensorBoard event files there.
+        """
         self.enabled = enabled and out_dir is not None
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self._files: dict[str, IO[str]] = {}
@@ -196,6 +206,7 @@ class MetricsWriter:
             os.replace(tmp, final)
 
     def close(self) -> None:
+        """Close the files and the TensorBoard writer."""
         if self._tb is not None:
             self._tb.close()
             self._tb = None
@@ -205,9 +216,15 @@ class MetricsWriter:
         self._csv.clear()
 
     def __enter__(self) -> MetricsWriter:
+        """Use as a context manager that closes the files.
+
+        Returns:
+            This writer.
+        """
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Close the files."""
         self.close()
 
 
@@ -267,6 +284,16 @@ class ProgressReporter:
     def __init__(self, *, total_steps: int, start_step: int, epochs: int,
                  every_steps: int, every_minutes: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        """Start counting now.
+
+        Args:
+            total_steps: Steps of the whole run.
+            start_step: The step training starts at.
+            epochs: Epochs of the whole run.
+            every_steps: A line every this many steps.
+            every_minutes: And whenever this many minutes have passed (0: never).
+            clock: Seconds, monotonic (tests pass their own).
+        """
         self.total_steps, self.epochs = total_steps, epochs
         self.every_steps, self.every_s = every_steps, 60.0 * every_minutes
         self.clock = clock

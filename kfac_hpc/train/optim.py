@@ -105,8 +105,18 @@ def lr_schedule(cfg: TrainConfig, steps_per_epoch: int, total_steps: int) -> Cal
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module,
                     comm: Communicator | None = None) -> torch.optim.Optimizer:
-    """The base optimizer of ``cfg`` over ``model``'s trainable parameters (lr = ``cfg.lr``;
-    the loop overwrites it every step from the schedule)."""
+    """Build the base optimizer of ``cfg`` over ``model``'s trainable parameters.
+
+    Its lr is ``cfg.lr``; the loop overwrites it every step from the schedule.
+
+    Args:
+        cfg: The run's configuration.
+        model: The model.
+        comm: The training communicator (Shampoo's).
+
+    Returns:
+        The optimizer.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     lr = cfg.base_lr
     if cfg.optimizer == "sgd":

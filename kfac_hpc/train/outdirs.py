@@ -62,8 +62,10 @@ def check_writable(directory: str | os.PathLike[str], flag: str) -> None:
 
 def check_output_dirs(rank: int, out: str | os.PathLike[str] | None,
                       checkpoint_dir: str | os.PathLike[str] | None) -> None:
-    """On rank 0, :func:`check_writable` for the run directory and the checkpoint
-    directory (the others return at once; run it through an agreement).
+    """Check on rank 0 that the run and checkpoint directories can be written.
+
+    :func:`check_writable` for each; the other ranks return at once (run it through an
+    agreement).
 
     Args:
         rank: This process's rank.

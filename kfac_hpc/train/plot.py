@@ -123,6 +123,11 @@ def plot_runs(paths: list[str | Path], out: str | Path, *, labels: list[str] | N
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``kfac-hpc plot``'s arguments to ``parser``.
+
+    Args:
+        parser: The parser.
+    """
     parser.add_argument("runs", nargs="+", metavar="RUN",
                         help="metrics.jsonl files or run directories")
     parser.add_argument("--out", "-o", default="curves.png", help="output PNG")
@@ -133,6 +138,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``kfac-hpc plot``.
+
+    Args:
+        args: The parsed arguments.
+
+    Returns:
+        The exit status: 0, or 2 for unusable input.
+    """
     try:
         out = plot_runs(args.runs, args.out, labels=args.labels, x=args.x, title=args.title,
                         log_loss=args.log_loss)

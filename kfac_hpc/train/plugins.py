@@ -86,9 +86,21 @@ def load_factory(spec: str, flag: str) -> Callable[..., Any]:
 
 def _call(fn: Callable[..., Any], spec: str, flag: str, kwargs: dict[str, Any],
           required: dict[str, Any] | None = None) -> Any:
-    """``fn(**kwargs)`` restricted to the keywords it declares (all with ``**kwargs``);
+    """Call ``fn`` with the keywords of ``kwargs`` it declares (all with ``**kwargs``).
+
     ``required`` keywords are always passed. Errors raised by the factory become a
-    ConfigError naming it."""
+    ConfigError naming it.
+
+    Args:
+        fn: The factory.
+        spec: Its ``pkg.module:name``.
+        flag: The option that named it (for messages).
+        kwargs: The keywords it may take.
+        required: The keywords it must take.
+
+    Returns:
+        What ``fn`` returned.
+    """
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):

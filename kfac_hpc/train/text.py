@@ -60,6 +60,15 @@ class TokenWindows(BatchDataset):
     """Non-overlapping windows of a byte string: ``(x, y)`` = ``(text[s:s+T], text[s+1:s+T+1])``."""
 
     def __init__(self, text: bytes, context: int) -> None:
+        """Cut ``text`` into windows.
+
+        Args:
+            text: The corpus.
+            context: Tokens (bytes) per window.
+
+        Raises:
+            ValueError: ``context`` < 1, or the text is too short for one window.
+        """
         if context < 1:
             raise ValueError(f"context must be >= 1, got {context}")
         if len(text) < context + 1:
@@ -69,9 +78,19 @@ class TokenWindows(BatchDataset):
         self.digest = hashlib.sha256(text).hexdigest()[:16]
 
     def __len__(self) -> int:
+        """Return the number of windows."""
         return (int(self.tokens.numel()) - 1) // self.context
 
     def get_batch(self, indices: Tensor, epoch: int | None = None) -> tuple[Tensor, Tensor]:
+        """Return the windows ``indices`` as inputs and next-token targets.
+
+        Args:
+            indices: Window indices.
+            epoch: Unused (no augmentation).
+
+        Returns:
+            ``(x, y)``, both ``(len(indices), context)`` token ids.
+        """
         starts = indices.long().reshape(-1, 1) * self.context
         offsets = torch.arange(self.context + 1).reshape(1, -1)
         windows = self.tokens[starts + offsets].long()
@@ -81,8 +100,17 @@ class TokenWindows(BatchDataset):
 def load_stdlib_text(*, context: int = 64, train_bytes: int = 1 << 20,
                      eval_bytes: int = 1 << 17, root: str | Path | None = None
                      ) -> DatasetSplits:
-    """The ``stdlib-text`` splits (see the module docstring); ``root`` overrides the
-    standard library directory (tests)."""
+    """Load the ``stdlib-text`` splits (see the module docstring).
+
+    Args:
+        context: Tokens per window.
+        train_bytes: Bytes of the training text.
+        eval_bytes: Bytes of the test text.
+        root: The standard library directory to read (default: this Python's; tests).
+
+    Returns:
+        The training and test windows.
+    """
     if train_bytes < context + 1 or eval_bytes < context + 1:
         raise ValueError("stdlib-text train_bytes/eval_bytes must exceed the context length")
     files = corpus_files(root)
