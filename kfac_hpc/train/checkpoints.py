@@ -253,7 +253,7 @@ class CheckpointPolicy:
                 self.last = str(path)
 
     def newest_before(self, step: int) -> str | None:
-        """The newest checkpoint on disk whose state computed a loss before ``step``.
+        """Find the newest checkpoint on disk whose state computed a loss before ``step``.
 
         Rank 0 lists the directory and tells the others.
 

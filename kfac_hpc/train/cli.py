@@ -62,7 +62,7 @@ _SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "F
 
 
 def env_rank() -> int:
-    """This process's rank from the launcher's environment (0 if not launched by one).
+    """Return this process's rank from the launcher's environment (0 if not launched by one).
 
     Used before MPI is initialised, so that argument errors print once.
     """
@@ -74,7 +74,7 @@ def env_rank() -> int:
 
 
 def env_size() -> int:
-    """The number of ranks from the launcher's environment (1 if not launched by one)."""
+    """Return the number of ranks from the launcher's environment (1 if not launched by one)."""
     for name in _SIZE_VARIABLES:
         value = os.environ.get(name)
         if value is not None and value.strip().isdigit():
@@ -165,7 +165,7 @@ class StartupSignals:
 
     @classmethod
     def from_argv(cls, argv: Sequence[str]) -> StartupSignals:
-        """The defaults plus the signals of a ``--preempt-signals`` flag in ``argv``."""
+        """Take the defaults plus the signals of a ``--preempt-signals`` flag in ``argv``."""
         names: list[str] = ["USR1", "TERM"]
         for i, arg in enumerate(argv):
             value = None
@@ -316,7 +316,7 @@ def _metavar(name: str, tp: Any) -> str:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
-    """The :class:`TrainConfig` of parsed ``args`` (file values, then given flags)."""
+    """Build the :class:`TrainConfig` of parsed ``args`` (file values, then given flags)."""
     from kfac_hpc.train.config import TrainConfig, field_help
 
     overrides = {name: getattr(args, name) for name, *_ in field_help()
@@ -355,6 +355,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kfac_hpc.checkpoint import CheckpointError
     from kfac_hpc.train.loop import TrainingDiverged, train
+    from kfac_hpc.train.result import StopReason
 
     def should_stop() -> bool:
         return guard.local_reason() is not None or bool(interrupt.received)
@@ -376,7 +377,7 @@ def run(args: argparse.Namespace) -> int:
         # not kill a rank that has checkpointed and is about to exit
         guard.ignore_from_now_on()
         interrupt.ignore_from_now_on()
-    if result.stopped == "stop_requested":
+    if result.stopped == StopReason.STOP_REQUESTED:
         # Ctrl-C on any rank wins over a preemption: the user asked to stop, not requeue
         # (unless --preempt-signals names INT: then it is a preemption signal)
         interrupted = comm.any(bool(interrupt.received))

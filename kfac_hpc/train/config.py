@@ -70,7 +70,7 @@ _KFAC_FIELDS = {"strategy": "kfac_strategy", "overlap": "kfac_overlap",
 
 
 def _kfac_flag(option: str, value: str) -> str:
-    """A preconditioner setting as the command line spells it (``--kfac-strategy dp-kfac``)."""
+    """Spell a preconditioner setting as the command line does (``--kfac-strategy dp-kfac``)."""
     return f"--{_KFAC_FIELDS.get(option, option).replace('_', '-')} {value}"
 
 
@@ -297,7 +297,7 @@ class TrainConfig:
         return cls(**kwargs)
 
     def replace(self, **changes: Any) -> TrainConfig:
-        """A copy with some fields changed (coerced like :meth:`from_dict`)."""
+        """Return a copy with some fields changed (coerced like :meth:`from_dict`)."""
         hints = field_types()
         return dataclasses.replace(self, **{k: coerce(hints[k], v) for k, v in changes.items()})
 
@@ -508,7 +508,7 @@ class TrainConfig:
         return 0.1 if self.model == "mlp" else 0.003
 
     def resolved(self) -> TrainConfig:
-        """A copy with the defaults that depend on other options filled in."""
+        """Return a copy with the defaults that depend on other options filled in."""
         return dataclasses.replace(self, lr=self.base_lr, damping=self.base_damping)
 
     def describe_optimizer(self) -> str:

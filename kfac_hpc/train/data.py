@@ -88,7 +88,7 @@ EVAL_CROP_FRACTION = 0.875
 
 
 def _mix_seed(*parts: int) -> int:
-    """A 63-bit seed from integer parts (SeedSequence hashing; negative parts allowed)."""
+    """Mix integer parts into a 63-bit seed (SeedSequence hashing; negative parts allowed)."""
     entropy = [int(p) % (1 << 64) for p in parts]
     return int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0] >> 1)
 
@@ -436,7 +436,7 @@ class ImageFolderDataset(BatchDataset):
         return len(self.samples)
 
     def decode(self, index: int) -> Tensor:
-        """The full image ``index`` as ``(3, H, W)`` uint8."""
+        """Decode the full image ``index`` as ``(3, H, W)`` uint8."""
         image_module = _require_pillow()
         with image_module.open(self.samples[index][0]) as img:
             array = np.asarray(img.convert("RGB"), dtype=np.uint8).copy()
@@ -741,7 +741,7 @@ def _load_synthetic(
     train_size: int,
     test_size: int,
 ) -> DatasetSplits:
-    """Inputs ~ N(0, 1); label = argmax(W f(x) + b) for a fixed random teacher (W, b).
+    """Draw inputs ~ N(0, 1), labelled argmax(W f(x) + b) by a fixed random teacher (W, b).
 
     ``f`` is the identity for flat shapes and, for ``(C, H, W)``, average pooling to at
     most 4x4, rescaled to unit variance (keeps the teacher small for large images and
@@ -910,7 +910,7 @@ class ShardedLoader:
         return self._batch_index
 
     def order(self, epoch: int) -> Tensor:
-        """The epoch's sample order (positions -> data set indices), same on all ranks."""
+        """Return the epoch's sample order (positions -> data set indices), same on all ranks."""
         if self._order_cache is not None and self._order_cache[:2] == (epoch, self.seed):
             return self._order_cache[2]
         if self.shuffle:
@@ -921,7 +921,7 @@ class ShardedLoader:
         return order
 
     def indices(self, step: int, epoch: int | None = None) -> Tensor:
-        """Data set indices of this rank's batch ``step`` of ``epoch`` (default: current)."""
+        """Return the indices of this rank's batch ``step`` of ``epoch`` (default: current)."""
         if not 0 <= step < len(self):
             raise IndexError(f"step {step} out of range for {len(self)} batches per epoch")
         order = self.order(self._epoch if epoch is None else epoch)
@@ -936,13 +936,13 @@ class ShardedLoader:
         return fetch_batch(self.dataset, idx, epoch)
 
     def sampler(self, epoch: int | None = None, start: int | None = None) -> ShardedBatchSampler:
-        """This rank's batches of ``epoch`` from batch ``start`` (default: the position)."""
+        """Return this rank's batches of ``epoch`` from batch ``start`` (default: the position)."""
         return ShardedBatchSampler(self, self._epoch if epoch is None else epoch,
                                    self._batch_index if start is None else start)
 
     def data_loader(self, epoch: int | None = None, start: int | None = None
                     ) -> torch.utils.data.DataLoader[tuple[Tensor, Tensor]]:
-        """The ``DataLoader`` (workers, pinning, prefetch) that :meth:`__iter__` reads."""
+        """Build the ``DataLoader`` (workers, pinning, prefetch) that :meth:`__iter__` reads."""
         epoch = self._epoch if epoch is None else epoch
         workers = self.num_workers
         return torch.utils.data.DataLoader(
@@ -976,7 +976,7 @@ class ShardedLoader:
             del pipeline  # stops the workers (an early break included)
 
     def with_batch_size(self, batch_size: int) -> ShardedLoader:
-        """The same loader (data, rank, seed, position) with per-rank ``batch_size``."""
+        """Return the same loader (data, rank, seed, position) with per-rank ``batch_size``."""
         other = ShardedLoader(self.dataset, batch_size=batch_size, rank=self.rank,
                               world_size=self.world_size, seed=self.seed,
                               shuffle=self.shuffle, drop_last=self.drop_last,

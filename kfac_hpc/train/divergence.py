@@ -124,7 +124,7 @@ def diverged(what: str, *, step: int, epoch: int, last_checkpoint: str | None,
              checkpoint_dir: str | None, left: LeftRange | None = None,
              before_range: str | None = None,
              cause: BaseException | None = None) -> TrainingDiverged:
-    """The one error of a diverged run (every rank builds the same one).
+    """Build the one error of a diverged run (every rank builds the same one).
 
     Args:
         what: What became NaN/Inf (``"loss became NaN/Inf"``, ...).

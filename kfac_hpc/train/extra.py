@@ -46,7 +46,7 @@ class LeftRange:
     n: int
 
     def to_list(self) -> list[float]:
-        """The stored form.
+        """Give the stored form.
 
         Returns:
             ``[step, loss, median, n]`` as floats.
@@ -86,7 +86,7 @@ class Best:
     checkpoint: str
 
     def to_dict(self) -> dict[str, Any]:
-        """The stored form.
+        """Give the stored form.
 
         Returns:
             ``{"metric", "value", "step", "checkpoint"}``.
@@ -141,7 +141,7 @@ class TrainExtra:
     grad_scaler: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``extra`` to pass to :func:`kfac_hpc.checkpoint.save` (layout above).
+        """Give the ``extra`` to pass to :func:`kfac_hpc.checkpoint.save` (layout above).
 
         Returns:
             The nested dict.

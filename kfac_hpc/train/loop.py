@@ -255,7 +255,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def _phase_timer(self) -> PhaseTimer:
-        """The timer of the step records' phases, handed to K-FAC and Shampoo.
+        """Make the timer of the step records' phases and hand it to K-FAC and Shampoo.
 
         Returns:
             The timer.
@@ -269,7 +269,7 @@ class Trainer:
         return timer
 
     def _schedule(self) -> tuple[int, int, Callable[[int], float]]:
-        """The step schedule of the current loader and configuration.
+        """Compute the step schedule of the current loader and configuration.
 
         Returns:
             ``(steps per epoch, total steps, step -> learning rate)``.
@@ -353,7 +353,7 @@ class Trainer:
         return self.checkpoints.last
 
     def _extra(self) -> TrainExtra:
-        """The driver's state, as checkpoints keep it.
+        """Collect the driver's state, as checkpoints keep it.
 
         Returns:
             The ``extra`` of a checkpoint of this state.
@@ -423,7 +423,7 @@ class Trainer:
 
     def _diverged(self, what: str, step: int, cause: BaseException | None = None
                   ) -> TrainingDiverged:
-        """The one error of a diverged run (every rank builds the same one; collective).
+        """Build the one error of a diverged run (every rank builds the same one; collective).
 
         Args:
             what: What became NaN/Inf.
@@ -590,7 +590,7 @@ class Trainer:
             self._watchdog.beat(doing)
 
     def _fit(self) -> TrainResult:
-        """The epochs, then the final evaluation, checkpoint and summary.
+        """Run the epochs, then the final evaluation, checkpoint and summary.
 
         Returns:
             What the run achieved.
@@ -643,7 +643,7 @@ class Trainer:
         return self._result(stopped, last_train, last_eval or WeightedMean(), span, target)
 
     def _run_epoch(self, epoch: int, wall0: float) -> bool:
-        """Steps of ``epoch`` from the loader's position.
+        """Run the steps of ``epoch`` from the loader's position.
 
         Args:
             epoch: The epoch (0-based).

@@ -90,7 +90,7 @@ class WeightedMean:
         self.count += n
 
     def reduced(self, comm: Any) -> WeightedMean:
-        """The global sums over the ranks of ``comm``."""
+        """Sum over the ranks of ``comm``."""
         s = global_sums(comm, [self.loss_sum, self.correct, self.count])
         return WeightedMean(*s)
 
@@ -229,7 +229,7 @@ class MetricsWriter:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a ``metrics.jsonl`` file (blank and truncated last lines are skipped)."""
+    """Read the records of a ``metrics.jsonl`` file (blank and truncated last lines are skipped)."""
     out = []
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -244,7 +244,7 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 
 def format_table(rows: Sequence[tuple[str, str]], title: str | None = None) -> str:
-    """A two-column plain-text table (name, value) with a rule above and below."""
+    """Format a two-column plain-text table (name, value) with a rule above and below."""
     width = max([len(k) for k, _ in rows] + [0])
     vwidth = max([len(v) for _, v in rows] + [0])
     rule = "-" * (width + vwidth + 3)

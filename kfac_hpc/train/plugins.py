@@ -53,7 +53,7 @@ _FORM = "expected pkg.module:factory, e.g. examples.custom_model:build_model"
 
 
 def load_factory(spec: str, flag: str) -> Callable[..., Any]:
-    """The callable named by ``pkg.module:attr``; :class:`ConfigError` saying what is wrong."""
+    """Import the callable ``pkg.module:attr``; :class:`ConfigError` saying what is wrong."""
     if not plugin_syntax_ok(spec):
         raise ConfigError(f"{flag} {spec!r}: {_FORM}")
     module_name, _, attr = spec.partition(":")
@@ -120,7 +120,7 @@ def _call(fn: Callable[..., Any], spec: str, flag: str, kwargs: dict[str, Any],
 def build_plugin_model(spec: str, *, num_classes: int, in_channels: int,
                        image_size: int | None, input_dim: int | None,
                        **options: Any) -> nn.Module:
-    """The model of ``--model pkg.module:factory`` (see the module docstring)."""
+    """Build the model of ``--model pkg.module:factory`` (see the module docstring)."""
     fn = load_factory(spec, "--model")
     common = {"num_classes": num_classes, "in_channels": in_channels,
               "image_size": image_size, "input_dim": input_dim}
@@ -137,7 +137,7 @@ def build_plugin_model(spec: str, *, num_classes: int, in_channels: int,
 
 def load_plugin_dataset(spec: str, *, seed: int, path: str | None, augment: bool,
                         image_size: int | None, split_seed: int) -> DatasetSplits:
-    """The data of ``--dataset pkg.module:factory`` (see the module docstring)."""
+    """Load the data of ``--dataset pkg.module:factory`` (see the module docstring)."""
     fn = load_factory(spec, "--dataset")
     value = _call(fn, spec, "--dataset", {"seed": seed, "path": path, "augment": augment,
                                           "image_size": image_size, "split_seed": split_seed})

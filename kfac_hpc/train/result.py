@@ -34,7 +34,7 @@ class StopReason(str, Enum):
     """A rank's ``should_stop`` said so (a signal): checkpointed, not evaluated."""
 
     def __str__(self) -> str:
-        """The value, as in the summaries (``completed``, ``max_steps``, ...)."""
+        """Return the value, as in the summaries (``completed``, ``max_steps``, ...)."""
         return self.value
 
 

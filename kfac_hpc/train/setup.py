@@ -94,7 +94,7 @@ def local_cores() -> int:
 
 
 def node_rank(aux: Communicator) -> tuple[int, int]:
-    """This rank's place on its node.
+    """Find this rank's place on its node.
 
     Args:
         aux: The driver's communicator (split by shared memory, then freed).
@@ -111,7 +111,7 @@ def node_rank(aux: Communicator) -> tuple[int, int]:
 
 def select_device(cfg: TrainConfig, comm: Communicator, aux: Communicator, local_rank: int,
                   *, verbose: bool) -> torch.device:
-    """This rank's device (the CLI chose it before MPI started; a direct caller may not).
+    """Choose this rank's device (the CLI chose it before MPI started; a caller may not).
 
     Args:
         cfg: The run's configuration (``device``).
@@ -347,7 +347,7 @@ def build_distributed(cfg: TrainConfig, core: Core, comm: Communicator, *,
 
 
 def resolve_out_dir(cfg: TrainConfig, aux: Communicator) -> Path:
-    """The run directory of the metrics files.
+    """Name the run directory of the metrics files.
 
     Args:
         cfg: The run's configuration (``out``, ``checkpoint_dir``).

@@ -35,7 +35,7 @@ EVAL_EVERY = 8
 
 
 def corpus_files(root: str | Path | None = None) -> list[Path]:
-    """The corpus: top-level ``*.py`` files of the standard library, sorted by name."""
+    """List the corpus: top-level ``*.py`` files of the standard library, sorted by name."""
     base = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in base.glob("*.py") if p.is_file())
     if len(files) < EVAL_EVERY:

@@ -224,7 +224,7 @@ class Progress:
 
 
 def _bar(total_steps: int, start_step: int) -> Any:
-    """A tqdm bar on the first terminal of stderr and stdout; None without either.
+    """Open a tqdm bar on the first terminal of stderr and stdout; None without either.
 
     Args:
         total_steps: Steps of the whole run.
