@@ -13,6 +13,7 @@ tensors (fixture ``gpu_path``) so that the path is checked without a GPU:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import pytest
@@ -194,6 +195,45 @@ def test_host_reads_per_step_do_not_grow_with_layers(gpu_path):
     shallow, deep = reads(1), reads(8)
     assert shallow == deep, f"{shallow} host reads with 3 layers, {deep} with 10"
     assert shallow <= 8
+
+
+@pytest.mark.parametrize("factor_update_steps, expected", [(1, 1), (3, 0)],
+                         ids=["factor-step", "precondition-only"])
+def test_steps_between_inverse_updates_read_back_only_the_statistics_screen(
+        gpu_path, factor_update_steps, expected):
+    """Between inverse updates a step on one rank reads the device once when it updates
+    factors (the finiteness screen of all statistics) and never when it only
+    preconditions: the KL clip's ν is computed and applied on the device."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), kl_clip=1e-6,
+                             factor_update_steps=factor_update_steps, inv_update_steps=6)
+    x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    reads = []
+    for _ in range(4):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        reads.append(count_host_reads(pre.step).total)
+    pre.close()
+    steps = [k for k in (1, 2) if k % factor_update_steps == (0 if expected else 1)]
+    assert steps and all(reads[k] == expected for k in steps), reads
+
+
+def test_kl_clip_on_the_device_equals_the_host_value() -> None:
+    """ν on the device (GPU path) and on the host (CPU path) for clipped, unclipped and
+    degenerate sums; equal up to the CPU's float64 ``sqrt`` (torch's on the CPU need not
+    be correctly rounded; CUDA's and Python's are)."""
+    for total, lr in [(128.55, 0.7), (-2.5, 0.29), (1e-9, 0.1), (0.0, 0.1), (3.0, 0.0),
+                      (math.inf, 0.1), (math.nan, 0.1)]:
+        t = torch.tensor(total, dtype=torch.float64)
+        host = linalg.kl_clip_from_inner(t, lr, 1e-3)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(linalg, "uses_gpu_path", lambda device: True)
+            device = linalg.kl_clip_factor(t, lr, 1e-3)
+        assert isinstance(device, torch.Tensor) and device.dtype == torch.float64
+        assert device.item() == pytest.approx(host, rel=2**-52), (total, lr)
+    assert linalg.kl_clip_factor(torch.tensor(1.0, dtype=torch.float64), 1.0, 1e-3) \
+        == linalg.kl_clip_from_inner(torch.tensor(1.0, dtype=torch.float64), 1.0, 1e-3)
 
 
 @pytest.mark.parametrize("conv", [

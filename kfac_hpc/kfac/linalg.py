@@ -32,6 +32,7 @@ __all__ = [
     "eigh_clamped",
     "eigh_clamped_many",
     "inner64",
+    "kl_clip_factor",
     "kl_clip_from_inner",
     "kl_clip_scale",
     "mirror_upper",
@@ -445,10 +446,10 @@ def inner64(a: Tensor, b: Tensor) -> Tensor:
 
 
 def kl_clip_from_inner(total: Tensor | None, lr: float, kl_clip: float | None) -> float:
-    """Return :func:`kl_clip_scale` from ``Σ ⟨V, ∇W̄⟩`` already summed.
+    """Return :func:`kl_clip_scale` from ``Σ ⟨V, ∇W̄⟩`` already summed, on the host.
 
-    :func:`kl_clip_scale` from ``Σ ⟨V, ∇W̄⟩`` already summed (``None``: no pairs); one
-    host sync.
+    ``total``: the sum (``None``: no pairs). One host sync; :func:`kl_clip_factor` is
+    the same number left on the device.
     """
     if kl_clip is None:
         return 1.0
@@ -460,3 +461,37 @@ def kl_clip_from_inner(total: Tensor | None, lr: float, kl_clip: float | None) -
     if denom == 0.0 or not math.isfinite(denom):
         return 1.0
     return min(1.0, math.sqrt(kl_clip / denom))
+
+
+def kl_clip_factor(total: Tensor, lr: float, kl_clip: float) -> float | Tensor:
+    """Return ν of :func:`kl_clip_from_inner`, left on the device on the GPU path.
+
+    On the CPU path (:func:`uses_gpu_path`) this is :func:`kl_clip_from_inner` (a
+    Python float; reading ``total`` costs nothing there, and Python's ``sqrt`` is
+    correctly rounded on every CPU, where torch's float64 ``sqrt`` on the CPU may not
+    be). On the GPU path ν is computed on the device as a 0-dim float64 tensor, without
+    reading ``total`` back: no host sync stalls the step. Every operation there is a
+    float64 ``*``, ``/``, ``sqrt`` (correctly rounded on CUDA) or a comparison, so ν
+    equals the host's value.
+
+    Args:
+        total: ``Σ ⟨V, ∇W̄⟩`` (0-dim, float64).
+        lr: The learning rate.
+        kl_clip: ``κ >= 0``.
+
+    Returns:
+        ``min(1, sqrt(κ / |lr² total|))``, or 1 where that denominator is 0 or not
+        finite: a float on the CPU path, a 0-dim float64 tensor on ``total``'s device
+        on the GPU path.
+    """
+    if not uses_gpu_path(total.device):
+        return kl_clip_from_inner(total, lr, kl_clip)
+    if kl_clip < 0:
+        raise ValueError(f"kl_clip must be >= 0, got {kl_clip}")
+    denom = (total.to(torch.float64) * (lr * lr)).abs()
+    usable = (denom != 0.0) & denom.isfinite()
+    one = torch.ones((), dtype=torch.float64, device=total.device)
+    kappa = torch.full((), kl_clip, dtype=torch.float64, device=total.device)
+    # a tensor numerator: Python's ``kl_clip / denom`` is ``reciprocal(denom) * kl_clip``
+    nu = torch.div(kappa, torch.where(usable, denom, one)).sqrt().clamp(max=1.0)
+    return torch.where(usable, nu, one)

@@ -418,9 +418,10 @@ class KFACPreconditioner:
     def _apply(self, updates: Mapping[str, Tensor], k: int) -> None:
         """Clip by KL and write the preconditioned gradients to ``.grad``.
 
-        Every rank scales all preconditioned gradients by the same ν, and writes them to ``.grad``.
+        Every rank scales all preconditioned gradients by the same ν
+        (:func:`~kfac_hpc.kfac.linalg.kl_clip_factor`: on a GPU computed and applied on
+        the device, no host sync; one multi-tensor multiply) and writes them to ``.grad``.
         """
-        lr = self.schedules.lr(k)
         kl_clip = None if self.schedules.kl_clip is None else self.schedules.kl_clip(k)
         inner: Tensor | None = None  # Σ ⟨V, ∇W̄⟩ in float64, read from .grad directly
         if kl_clip is not None:
@@ -428,9 +429,12 @@ class KFACPreconditioner:
                 term = self.layers[name].grad_dot(v)
                 if term is not None:
                     inner = term if inner is None else inner + term
-        nu = linalg.kl_clip_from_inner(inner, lr, kl_clip)
+        if inner is not None and kl_clip is not None:
+            nu = linalg.kl_clip_factor(inner, self.schedules.lr(k), kl_clip)
+            if isinstance(nu, Tensor) or nu != 1.0:
+                torch._foreach_mul_(list(updates.values()), nu)
         for name, v in updates.items():
-            self.layers[name].set_grad(v.mul_(nu) if nu != 1.0 else v)
+            self.layers[name].set_grad(v)
 
     # ------------------------------------------------------------------ helpers
     def _check_device(self) -> None:
