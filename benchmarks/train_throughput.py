@@ -1,10 +1,10 @@
 """Throughput of the main job: ``kfac-hpc train`` with K-FAC, Shampoo and their baselines.
 
 Each configuration is one ``kfac-hpc train`` process (one rank) on synthetic data of a
-fixed shape, run to ``--steps`` optimizer steps. Step records are written at step
-``--warmup`` and at the last step only (so the driver's per-phase timing, which
-synchronises the device around each phase of a recorded step, touches two steps), and
-the throughput is taken between them: ``(steps - warmup) · batch / (wall time at the
+fixed shape, run to ``--steps`` optimizer steps, with the driver's defaults (on a GPU
+``--phase-times auto`` records no per-phase times, which would synchronise the device
+around every phase). Step records are written at step ``--warmup`` and at the last step
+only, and the throughput is taken between them: ``(steps - warmup) · batch / (wall time at the
 last step - wall time at step warmup)``. The first steps (cuDNN autotuning, the first
 inverse update, allocator growth) are thereby left out, the steady state is measured
 with the driver's own loop, data pipeline and defaults.

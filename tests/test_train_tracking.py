@@ -115,6 +115,31 @@ def test_step_records_have_phase_times_and_progress_lines_without_a_terminal(
         assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.parametrize("phase_times, timed", [("off", False), ("on", True),
+                                                ("auto", True)])
+def test_phase_times_are_recorded_only_when_asked(tmp_path: Path, phase_times: str,
+                                                  timed: bool) -> None:
+    """``--phase-times off`` leaves the timer disabled (on a GPU it would synchronise the
+    device around every phase); ``auto`` times on a CPU device."""
+    from kfac_hpc.train.loop import train
+
+    cfg = TrainConfig(epochs=1, max_steps=3, batch_size=32, progress=False, threads=1,
+                      out=str(tmp_path / "run"), device="cpu", phase_times=phase_times)
+    train(cfg, verbose=False)
+    steps = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "step"]
+    assert len(steps) == 3
+    times = [{k for k, v in r.items() if k.startswith("time_") and v is not None}
+             for r in steps]
+    assert all(bool(t) == timed for t in times), times
+    if timed:
+        assert all({"time_kfac", "time_kfac_factors"} <= t for t in times)
+
+
+def test_phase_times_setting_is_checked() -> None:
+    with pytest.raises(ConfigError, match="--phase-times: unknown value 'always'"):
+        TrainConfig(phase_times="always").validate()
+
+
 @pytest.mark.mpi(min_size=2)
 def test_mpi_bytes_per_step_by_tag(comm: Any, tmp_path: Path) -> None:
     """On P ranks K-FAC's tags carry bytes; the tags and the gradient averaging add up to

@@ -54,6 +54,7 @@ DATASETS = ("digits", "cifar10", "imagefolder", "synthetic", "stdlib-text")
 PATH_DATASETS = ("cifar10", "imagefolder")
 DEVICES = ("auto", "cpu", "cuda")
 AMP_DTYPES = ("float16", "bfloat16")
+PHASE_TIMES = ("auto", "on", "off")
 #: --checkpoint-keep-best: the metrics of an epoch's record it may monitor, and whether
 #: a larger value (+1) or a smaller one (-1) is better.
 KEEP_BEST_METRICS = {"test_acc": 1, "test_loss": -1, "train_loss": -1}
@@ -225,6 +226,10 @@ class TrainConfig:
     progress: bool = _opt(True, "progress bar on rank 0 on a terminal, progress lines "
                           "otherwise (--progress-every-*)", "output")
     log_every_steps: int = _opt(1, "write a step record every N steps", "output")
+    phase_times: str = _opt(
+        "auto", "per-phase times in the step records: on | off | auto (on for a CPU "
+        "device; off on a GPU, where timing synchronises the device around every phase)",
+        "output")
     tensorboard: str | None = _opt(None, "also write TensorBoard event files to this "
                                    "directory (rank 0; needs the tensorboard package)", "output")
     progress_every_steps: int = _opt(
@@ -430,6 +435,7 @@ class TrainConfig:
         # distributed / device
         choice("device", DEVICES)
         choice("amp_dtype", AMP_DTYPES)
+        choice("phase_times", PHASE_TIMES)
         need(self.threads is None or self.threads >= 1, "threads", "must be >= 1")
         need(self.grad_bucket_mb > 0, "grad_bucket_mb", "must be > 0")
         # output

@@ -231,6 +231,10 @@ class Trainer:
                 sample_shape=self.data.input_shape, scaler=self.scaler,
                 resources=self._resources))
             self.timer = self._phase_timer()
+            # timing synchronises a GPU around every phase of a recorded step (every
+            # step by default) and keeps the host from queueing ahead: auto is CPU only
+            self.phase_times = cfg.phase_times == "on" or (
+                cfg.phase_times == "auto" and self.device.type == "cpu")
             self.steps_per_epoch, self.total_steps, self.lr_fn = self._schedule()
             self.out_dir = resolve_out_dir(cfg, self.aux)
             agreed(self.aux, lambda: check_output_dirs(self.rank, self.out_dir,
@@ -657,7 +661,7 @@ class Trainer:
         traffic0 = self.traffic.counts()
         for x, y in self.train_loader:
             self._beat(f"step {self.step + 1} (epoch {epoch + 1})")
-            self.timer.start(self._logged(self.step + 1))
+            self.timer.start(self.phase_times and self._logged(self.step + 1))
             try:
                 loss, correct, n = self.train_step(x, y)
             except self._numerical as exc:  # agreed: the same error on every rank
