@@ -219,7 +219,8 @@ class BasicBlock(nn.Module):
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
         identity = x if self.shortcut is None else self.shortcut(x)
-        return self.relu(out + identity)
+        result: torch.Tensor = self.relu(out + identity)
+        return result
 
 
 class Bottleneck(nn.Module):
@@ -257,7 +258,8 @@ class Bottleneck(nn.Module):
         out = self.relu(self.bn2(self.conv2(out)))
         out = self.bn3(self.conv3(out))
         identity = x if self.shortcut is None else self.shortcut(x)
-        return self.relu(out + identity)
+        result: torch.Tensor = self.relu(out + identity)
+        return result
 
 
 class ResNet(nn.Module):
@@ -319,7 +321,8 @@ class ResNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Map images ``(b, c, h, w)`` to logits ``(b, num_classes)``."""
         x = self.stages(self.stem(x))
-        return self.fc(torch.flatten(self.pool(x), 1))
+        result: torch.Tensor = self.fc(torch.flatten(self.pool(x), 1))
+        return result
 
 
 def _cifar_stem(in_channels: int, channels: int) -> nn.Module:
@@ -435,7 +438,8 @@ class CausalSelfAttention(nn.Module):
 
         y = nn.functional.scaled_dot_product_attention(
             split(self.q(x)), split(self.k(x)), split(self.v(x)), is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, t, d))
+        result: torch.Tensor = self.out(y.transpose(1, 2).reshape(b, t, d))
+        return result
 
 
 class TransformerBlock(nn.Module):
@@ -460,7 +464,8 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Map ``(b, T, dim)`` to ``(b, T, dim)``."""
         x = x + self.attn(self.ln1(x))
-        return x + self.proj(self.act(self.fc(self.ln2(x))))
+        result: torch.Tensor = x + self.proj(self.act(self.fc(self.ln2(x))))
+        return result
 
 
 class GPT(nn.Module):
@@ -515,7 +520,8 @@ class GPT(nn.Module):
         x = self.tok(idx) + self.pos(positions)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln(x))
+        result: torch.Tensor = self.head(self.ln(x))
+        return result
 
 
 @register_model("gpt")

@@ -275,7 +275,8 @@ class CheckpointPolicy:
             before = [p for p in list_checkpoints(directory)
                       if (s := step_of_name(p.name)) is not None and s + 1 < step]
             found = str(before[-1]) if before else None
-        return self.aux.broadcast_object(found, 0)
+        agreed: str | None = self.aux.broadcast_object(found, 0)
+        return agreed
 
     def close(self) -> None:
         """Release the background writer (after :meth:`wait`; on an error: abandoned)."""

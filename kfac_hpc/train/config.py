@@ -308,7 +308,8 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready values (tuples become lists)."""
-        return json.loads(json.dumps(dataclasses.asdict(self)))
+        data: dict[str, Any] = json.loads(json.dumps(dataclasses.asdict(self)))
+        return data
 
     # ---------------------------------------------------------------- validation
     def problems(self) -> list[str]:
@@ -460,7 +461,7 @@ class TrainConfig:
         need(bool(self.resume), "resume", "must be auto, never or a checkpoint path")
         for sig in self.preempt_signals:
             try:
-                from kfac_hpc.runtime.preemption import parse_signal
+                from kfac_hpc.signals import parse_signal
 
                 parse_signal(sig)
             except ValueError as exc:
