@@ -27,6 +27,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 import typing
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -42,6 +43,9 @@ __all__ = ["INTERRUPT_EXIT_CODE", "REQUEUE_EXIT_CODE", "StartupSignals", "add_ar
            "agree_on_usage", "env_rank", "env_size", "main", "run", "select_device_before_mpi"]
 
 INTERRUPT_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd command
+#: Seconds a rank other than 0 waits before exiting on a signal during start-up, so that
+#: rank 0 (signalled alike) reports it before the launcher ends the job.
+STARTUP_EXIT_GRACE_S = 2.0
 
 _GROUP_TITLES = {
     "data": "data",
@@ -223,6 +227,10 @@ class StartupSignals:
                 sys.stderr.flush()
             except (OSError, ValueError):
                 pass
+        else:
+            # the launcher ends the job when the first rank exits: the other ranks give
+            # rank 0, which got the same signal, time to say why before they go
+            time.sleep(STARTUP_EXIT_GRACE_S)
         os._exit(status)  # from any point of the start-up: imports, MPI_Init, parsing
 
 
