@@ -128,6 +128,10 @@ def kinds_section(device: torch.device, batch: tuple[Tensor, Tensor], args: argp
     configs += [(f"stats {s} / precond {p}", {"stats_precision": s, "precondition_precision": p})
                 for s, p in PRECISION_PAIRS]
     configs.append(("reduce, auto", {"kfac_approx": "reduce"}))
+    # cheaper inverse updates: warm-started eigenbases, randomized low rank, inverses
+    configs.append(("eigen_refresh subspace", {"eigen_refresh": "subspace"}))
+    configs.append(("low_rank 256 (d >= 1024)", {"low_rank": 256}))
+    configs.append(("compute_method inverse", {"compute_method": "inverse"}))
     out: dict[str, Any] = {}
     for label, kfac in configs:
         trainer = Trainer(device, batch, args, kfac)
