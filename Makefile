@@ -31,12 +31,21 @@
 #                   allreduce/reduce-scatter/broadcast, 1 KiB..256 MiB); tables (Markdown)
 #                   to the terminal and, with JSON and plots, under benchmarks/out/gpu/
 #                   (GPU_OUT).
+#   make cuda-mpi   where a package index and Debian's archive are reachable (no GPU
+#                   needed): tools/build-cuda-aware-mpi.sh builds a CUDA-aware Open MPI
+#                   (Debian's source of Open MPI 4.1.4, --with-cuda=CUDA_HOME) into
+#                   .cuda-mpi/openmpi-<version>-cuda<N>/ with mpi4py wheels against it
+#                   for each of CUDA_MPI_PYTHONS (e.g. "python3 /path/to/python3.12") and
+#                   packs it, tens of MB, as .cuda-mpi/openmpi-*-<arch>.tar.gz. On the GPU
+#                   machine, unpacked anywhere: make gpu-test GPU_MPI=<that folder>
+#                   (docs/cuda-aware-mpi.md).
 #   Settings: GPU_PYTHON, GPU_RANKS (2), GPU_BATCH (per-rank batch, 32), GPU_OUT,
 #   GPU_MPI_TIMEOUT (s, per test module and per benchmark run), GPU_TEST_ARGS (pytest,
 #   e.g. -k), GPU_TEST_MODULES (space-separated test files), GPU_KFAC_ARGS /
 #   GPU_COLL_ARGS (extra benchmark arguments), GPU_WHEELS (.gpu-wheels), GPU_PREFIX
 #   (default ${TMPDIR:-/tmp}/kfac_hpc-gpu-prefix-<uid>), GPU_PYVER / GPU_ARCH (x86_64 or
-#   aarch64) for gpu-wheels.
+#   aarch64) for gpu-wheels, GPU_MPI (a prefix of make cuda-mpi: its bin, lib and
+#   OPAL_PREFIX for every GPU command, and its wheels/ as GPU_WHEELS).
 #   GPU_DEVICE=cpu is a dry run of both targets' plumbing on a machine without a GPU
 #   (the tests' CPU stand-in, benchmarks on the CPU): never a GPU result.
 PYTHON3 ?= python3
@@ -44,7 +53,7 @@ VENV    ?= .venv
 BIN      = $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install test lint demo bench clean gpu-wheels gpu-env gpu-test gpu-bench
+.PHONY: install test lint demo bench clean gpu-wheels gpu-env gpu-test gpu-bench cuda-mpi
 
 install: $(VENV)/.installed
 
@@ -62,7 +71,7 @@ test: install
 lint: install
 	$(BIN)/ruff check kfac_hpc tests benchmarks examples
 	$(BIN)/mypy
-	$(BIN)/shellcheck -x launch/* jobs/*.sbatch jobs/lib/*.sh tests/fake_slurm/* tests/run_all.sh tests/run_gpu.sh .ci/run
+	$(BIN)/shellcheck -x launch/* jobs/*.sbatch jobs/lib/*.sh tests/fake_slurm/* tests/run_all.sh tests/run_gpu.sh .ci/run tools/*.sh
 
 demo: install
 	launch/local -n 4 --timeout 900 kfac-hpc train
@@ -84,7 +93,8 @@ GPU_TEST_ARGS    ?=
 GPU_TEST_MODULES ?=
 GPU_KFAC_ARGS    ?=
 GPU_COLL_ARGS    ?=
-GPU_WHEELS       ?= .gpu-wheels
+GPU_MPI          ?=
+GPU_WHEELS       ?= $(if $(GPU_MPI),$(GPU_MPI)/wheels,.gpu-wheels)
 GPU_PREFIX       ?=
 # make gpu-wheels: the Python and machine of the GPU side, and the pinned wheels.
 GPU_PYVER          ?= 3.12
@@ -101,8 +111,13 @@ GPU_RUN = launch/with-wheels --wheels "$(GPU_WHEELS)" $(if $(GPU_PREFIX),--prefi
           --python $(GPU_PYTHON) --
 
 # The machine's PATH without ./.venv/bin (put first by the export above); kfac_hpc from
-# this checkout (no pip install: its build isolation would need the network).
-gpu-env gpu-test gpu-bench: export PATH := $(subst $(abspath $(BIN)):,,$(PATH))
+# this checkout (no pip install: its build isolation would need the network). With
+# GPU_MPI, that prefix's MPI first (OPAL_PREFIX: Open MPI relocated to where it lies).
+gpu-env gpu-test gpu-bench: export PATH := $(if $(GPU_MPI),$(abspath $(GPU_MPI))/bin:)$(subst $(abspath $(BIN)):,,$(PATH))
+ifneq ($(GPU_MPI),)
+gpu-env gpu-test gpu-bench: export OPAL_PREFIX := $(abspath $(GPU_MPI))
+gpu-env gpu-test gpu-bench: export LD_LIBRARY_PATH := $(abspath $(GPU_MPI))/lib$(if $(LD_LIBRARY_PATH),:$(LD_LIBRARY_PATH))
+endif
 gpu-env gpu-test gpu-bench: export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 gpu-env gpu-test gpu-bench: export KFAC_HPC_TEST_DEVICE := $(GPU_DEVICE)
 
@@ -177,6 +192,7 @@ endef
 
 gpu-env: export GPU_ENV_PY := $(GPU_ENV_PY)
 gpu-env:
+	@[ -z "$(GPU_MPI)" ] || [ -x "$(GPU_MPI)/bin/mpiexec" ] || { echo "gpu: GPU_MPI=$(GPU_MPI) has no bin/mpiexec: unpack the tarball of make cuda-mpi and give its folder (docs/cuda-aware-mpi.md)" >&2; exit 2; }
 	@command -v $(GPU_PYTHON) >/dev/null || { echo "gpu: GPU_PYTHON=$(GPU_PYTHON) not found on PATH; set GPU_PYTHON to the Python with a CUDA build of torch" >&2; exit 2; }
 	@$(GPU_RUN) $(GPU_PYTHON) -c "$$GPU_ENV_PY"
 
@@ -188,3 +204,12 @@ gpu-bench: gpu-env
 	@mkdir -p $(GPU_OUT)
 	$(GPU_RUN) bash -o pipefail -c 'launch/local -n 1 --timeout $(GPU_MPI_TIMEOUT) $(GPU_PYTHON) benchmarks/kfac_step.py --device $(GPU_DEVICE) --model resnet50 --batch $(GPU_BATCH) --markdown --out $(GPU_OUT) $(GPU_KFAC_ARGS) 2>&1 | tee $(GPU_OUT)/kfac_step_resnet50_n1_$(GPU_DEVICE).txt'
 	$(GPU_RUN) bash -o pipefail -c 'launch/local -n 2 --timeout $(GPU_MPI_TIMEOUT) $(GPU_PYTHON) benchmarks/gpu_collectives.py --device $(GPU_DEVICE) --markdown --out $(GPU_OUT) $(GPU_COLL_ARGS) 2>&1 | tee $(GPU_OUT)/gpu_collectives_n2_$(GPU_DEVICE).txt'
+
+# ------------------------------------------------------------------- CUDA-aware MPI
+CUDA_MPI_OUT     ?= .cuda-mpi
+CUDA_MPI_PYTHONS ?= $(PYTHON3)
+CUDA_HOME        ?= /usr/local/cuda
+
+cuda-mpi:
+	tools/build-cuda-aware-mpi.sh --out $(CUDA_MPI_OUT) --cuda $(CUDA_HOME) \
+	  $(foreach py,$(CUDA_MPI_PYTHONS),--python $(py))

@@ -121,6 +121,49 @@ def test_open_mpi_without_the_query_symbol_is_not_aware() -> None:
     assert any("not exported" in e for e in support.evidence)
 
 
+OPEN_MPI_4_VERSION = "Open MPI v4.1.4, package: Open MPI root@build Distribution, ident: 4.1.4"
+LIBOPEN_PAL = "/opt/openmpi/lib/libopen-pal.so.40.30.2"
+LIBCUDA = "/usr/lib/x86_64-linux-gnu/libcuda.so.580.65.06"
+
+
+def test_open_mpi_4_built_with_cuda_but_off_at_run_time_is_not_aware() -> None:
+    """Open MPI 4 answers the query at build time: MPI_Init's verdict decides."""
+    support = detect(env={}, library=OPEN_MPI_4_VERSION, query=lambda: 1,
+                     maps=maps_with(LIBMPI, LIBOPEN_PAL), opal_cuda=False)
+    assert not support.aware and support.device_calls == frozenset()
+    assert support.evidence[0].startswith("MPIX_Query_cuda_support() = 1 (Open MPI 4: built")
+    assert "opal_cuda_support (run time) = false; libcuda.so not loaded in this process" \
+        in support.evidence
+    assert any(e.startswith("built with CUDA support, but not usable in this process")
+               for e in support.evidence)
+
+
+def test_open_mpi_4_with_cuda_on_at_run_time_takes_blocking_calls() -> None:
+    support = detect(env={}, library=OPEN_MPI_4_VERSION, query=lambda: 1,
+                     maps=maps_with(LIBMPI, LIBOPEN_PAL, LIBCUDA), opal_cuda=True)
+    assert support.aware and support.device_calls == BLOCKING
+    assert "opal_cuda_support (run time) = true; libcuda.so loaded in this process" \
+        in support.evidence
+    unknown = detect(env={}, library=OPEN_MPI_4_VERSION, query=lambda: 1, maps="",
+                     opal_cuda=lambda: None)  # a build whose libopen-pal lacks the variable
+    assert unknown.aware and not any("run time) =" in e for e in unknown.evidence)
+
+
+def test_open_mpi_5_query_is_the_run_time_verdict() -> None:
+    """Open MPI 5's query already answers for the run time: opal_cuda_support is not read."""
+    support = detect(env={}, library=OPEN_MPI_VERSION, query=lambda: 1, maps="",
+                     opal_cuda=False)
+    assert support.aware and support.evidence[0] == "MPIX_Query_cuda_support() = 1"
+    assert cuda.open_mpi_major(OPEN_MPI_VERSION) == 5
+    assert cuda.open_mpi_major(OPEN_MPI_4_VERSION) == 4
+    assert cuda.open_mpi_major(MPICH_VERSION) is None
+
+
+def test_opal_cuda_support_is_read_from_the_mapped_libopen_pal_only() -> None:
+    assert cuda.read_opal_cuda_support(maps_with(LIBMPI, "/usr/lib/libc.so.6")) is None
+    assert cuda.read_opal_cuda_support(maps_with(LIBOPEN_PAL)) is None  # not loaded here
+
+
 # ------------------------------------------------------------- other vendors
 def test_mvapich_needs_mv2_use_cuda() -> None:
     off = fake(MVAPICH_VERSION)
@@ -219,10 +262,32 @@ def test_this_process_is_consistent() -> None:
     support = detect(env={})
     query = cuda.query_cuda_support()
     assert support.vendor == vendor_of(cuda.library_version())
-    if support.vendor in (OPEN_MPI, MPICH):
+    major = cuda.open_mpi_major(cuda.library_version())
+    if support.vendor == OPEN_MPI and major is not None and major < 5:
+        runtime = cuda.read_opal_cuda_support(cuda.read_maps())
+        assert support.aware == (query == 1 and runtime is not False)
+    elif support.vendor in (OPEN_MPI, MPICH):
         assert support.aware == (query == 1)
     assert Communicator(cuda_aware=False).cuda.device_calls == frozenset()
     assert Communicator(cuda_aware="all").cuda.device_calls == ALL
+
+
+@pytest.mark.mpi(min_size=1)
+def test_this_open_mpi_4_built_with_cuda_says_so_without_a_gpu() -> None:
+    """An Open MPI 4 built with CUDA (tools/build-cuda-aware-mpi.sh), run where no GPU
+    driver is: built with CUDA, off at run time, every call staged."""
+    import torch
+
+    major = cuda.open_mpi_major(cuda.library_version())
+    if major is None or major >= 5 or cuda.query_cuda_support() != 1:
+        pytest.skip(f"not an Open MPI 4 built with CUDA: {cuda.library_version().splitlines()[0]}")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: CUDA support is on at run time (the GPU suite checks it)")
+    support = detect(env={})
+    assert cuda.read_opal_cuda_support(cuda.read_maps()) is False
+    assert not support.aware and support.device_calls == frozenset()
+    assert any(e.startswith("built with CUDA support, but not usable in this process")
+               for e in support.evidence)
 
 
 # ----------------------------------------------------------- warning, threads

@@ -13,7 +13,9 @@ therefore conservative: a call is listed only where the vendor documents it.
 Evidence per vendor (the MPI library's own version string names the vendor):
 
 ========== ============================================================================
-Open MPI   ``MPIX_Query_cuda_support()`` (built with CUDA *and* supported at run time);
+Open MPI   ``MPIX_Query_cuda_support()`` (5.x: built with CUDA *and* supported at run
+           time; 4.x: built with CUDA, and the run-time verdict is the library's
+           ``opal_cuda_support``, false where ``libcuda.so.1`` could not be loaded);
            UCX's CUDA transport (``libuct_cuda``) loaded; optionally ``ompi_info``
 MVAPICH2   ``MV2_USE_CUDA=1`` (device buffers are refused without it)
 Cray MPICH ``MPICH_GPU_SUPPORT_ENABLED=1`` and the GPU transport layer
@@ -227,6 +229,36 @@ def query_cuda_support(maps: str | None = None) -> int | None:
     return None
 
 
+def read_opal_cuda_support(maps: str) -> bool | None:
+    """Open MPI 4's run-time CUDA switch, ``opal_cuda_support`` of the loaded ``libopen-pal``.
+
+    Open MPI 4's ``MPIX_Query_cuda_support()`` says only how the library was built; this
+    variable is what ``MPI_Init`` made of it: false where ``libcuda.so.1`` could not be
+    loaded (no GPU driver) or ``OMPI_MCA_opal_cuda_support=0``. Only the libraries mapped
+    in ``maps`` are looked at (``RTLD_NOLOAD``: nothing new is loaded).
+
+    Args:
+        maps: a ``/proc/self/maps`` text.
+
+    Returns:
+        The variable's value, or None where no ``libopen-pal`` is loaded or it lacks it.
+    """
+    for path in loaded_libraries(maps):
+        if re.search(r"/libopen-pal\.so", path):
+            try:
+                lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD)
+                return bool(ctypes.c_bool.in_dll(lib, "opal_cuda_support").value)
+            except (OSError, ValueError):
+                return None
+    return None
+
+
+def open_mpi_major(library_version: str) -> int | None:
+    """The major version in Open MPI's ``MPI_Get_library_version`` text (``Open MPI v4.1.4``)."""
+    match = re.search(r"open mpi v(\d+)\.", library_version, re.IGNORECASE)
+    return int(match.group(1)) if match else None
+
+
 def library_version() -> str:
     """Return ``MPI_Get_library_version()`` without trailing NUL characters (starts MPI)."""
     from mpi4py import MPI
@@ -327,10 +359,23 @@ def _ucx_cuda(libraries: list[str], env: Mapping[str, str]) -> tuple[bool, list[
 
 
 def _open_mpi(query: int | None, libraries: list[str], env: Mapping[str, str],
-              ompi_info: str | None) -> tuple[bool, frozenset[str], list[str]]:
+              ompi_info: str | None, major: int | None,
+              runtime: bool | None) -> tuple[bool, frozenset[str], list[str]]:
     notes = [f"MPIX_Query_cuda_support() = {query}" if query is not None
              else "MPIX_Query_cuda_support not exported (CUDA extension disabled)"]
     aware = query == 1
+    if major is not None and major < 5 and query is not None:
+        # Open MPI 4 answers the query at build time; MPI_Init's verdict is opal_cuda_support.
+        notes[0] += f" (Open MPI {major}: built with CUDA support or not; not the run time)"
+        loaded = any(re.search(r"/libcuda\.so", p) for p in libraries)
+        if runtime is not None:
+            notes.append(f"opal_cuda_support (run time) = {str(runtime).lower()}; "
+                         f"libcuda.so {'loaded' if loaded else 'not loaded'} in this process")
+        if aware and runtime is False:
+            notes.append("built with CUDA support, but not usable in this process: Open MPI "
+                         "could not load libcuda.so.1 (no GPU driver here) or "
+                         "OMPI_MCA_opal_cuda_support=0")
+            aware = False
     if ompi_info:
         for key in ("opal_built_with_cuda_support", "mpi_built_with_cuda_support",
                     "opal_cuda_support"):
@@ -405,7 +450,8 @@ def detect(override: str | bool | None = None, *,
            library: str | Callable[[], str] = library_version,
            query: int | Callable[[], int | None] | None = None,
            maps: str | Callable[[], str] = read_maps,
-           ompi_info: str | Callable[[], str | None] | None = None) -> CudaSupport:
+           ompi_info: str | Callable[[], str | None] | None = None,
+           opal_cuda: bool | Callable[[], bool | None] | None = None) -> CudaSupport:
     """Find out what the MPI library of this process does with CUDA device memory.
 
     ``override`` comes first, then the environment variable ``KFAC_HPC_CUDA_AWARE``, then
@@ -421,6 +467,9 @@ def detect(override: str | bool | None = None, *,
             None fakes a library without it.
         maps: ``/proc/self/maps``.
         ompi_info: ``ompi_info --parsable --all`` output; not run unless given (it forks).
+        opal_cuda: Open MPI 4's run-time ``opal_cuda_support`` (default via ctypes, read
+            from the ``libopen-pal`` of ``maps``); a function returning None fakes a
+            library without it.
 
     Returns:
         The vendor, the verdict, the calls that take device memory and the evidence.
@@ -439,7 +488,10 @@ def detect(override: str | bool | None = None, *,
     info_text = ompi_info() if callable(ompi_info) else ompi_info
 
     if vendor == OPEN_MPI:
-        aware, calls, notes = _open_mpi(query_value, libraries, env, info_text)
+        runtime = opal_cuda() if callable(opal_cuda) else (
+            opal_cuda if opal_cuda is not None else read_opal_cuda_support(maps_text))
+        aware, calls, notes = _open_mpi(query_value, libraries, env, info_text,
+                                        open_mpi_major(library_text), runtime)
     else:
         calls = TABLES[vendor]
         if vendor == MVAPICH:
