@@ -381,7 +381,9 @@ def _open_mpi(query: int | None, libraries: list[str], env: Mapping[str, str],
                     "opal_cuda_support"):
             match = re.search(rf":{key}:value:(\w+)", ompi_info)
             if match:
-                notes.append(f"ompi_info: {key} = {match.group(1)}")
+                notes.append(f"ompi_info: {key} = {match.group(1)}" + (
+                    " (the setting; MPI_Init turns it off where libcuda cannot be loaded)"
+                    if key == "opal_cuda_support" else ""))
         if re.search(r":(opal|mpi)_built_with_cuda_support:value:false", ompi_info):
             aware = False
         match = re.search(r"^options:mpi_ext:(.*)$", ompi_info, re.MULTILINE)
