@@ -230,7 +230,7 @@ def query_cuda_support(maps: str | None = None) -> int | None:
 
 
 def read_opal_cuda_support(maps: str) -> bool | None:
-    """Open MPI 4's run-time CUDA switch, ``opal_cuda_support`` of the loaded ``libopen-pal``.
+    """Read Open MPI 4's run-time CUDA switch, ``opal_cuda_support`` of ``libopen-pal``.
 
     Open MPI 4's ``MPIX_Query_cuda_support()`` says only how the library was built; this
     variable is what ``MPI_Init`` made of it: false where ``libcuda.so.1`` could not be
@@ -254,7 +254,14 @@ def read_opal_cuda_support(maps: str) -> bool | None:
 
 
 def open_mpi_major(library_version: str) -> int | None:
-    """The major version in Open MPI's ``MPI_Get_library_version`` text (``Open MPI v4.1.4``)."""
+    """Return the major version in Open MPI's ``MPI_Get_library_version`` text.
+
+    Args:
+        library_version: the text, e.g. ``"Open MPI v4.1.4, package: ..."``.
+
+    Returns:
+        The major version (4 there), or None where the text names no Open MPI version.
+    """
     match = re.search(r"open mpi v(\d+)\.", library_version, re.IGNORECASE)
     return int(match.group(1)) if match else None
 
