@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: serial tests, then MPI tests on 2 and 4 ranks.
+# The whole test suite: serial tests, then MPI tests on 2 and 4 ranks, then the tests
+# across nodes (network namespaces; skipped, saying why, where they cannot be made).
 # Every MPI run has a hard timeout and aborts on the first failure on any rank.
 # pytest's exit code 5 ("no tests collected") is accepted for a stage and reported.
 set -uo pipefail
@@ -23,9 +24,17 @@ run_stage() {
     [[ $rc -eq 0 ]] || status=1
 }
 
-run_stage serial "$PYTHON" -m pytest -q --with-mpi -p no:cacheprovider "$@"
+run_stage serial "$PYTHON" -m pytest -q --with-mpi -p no:cacheprovider \
+    --ignore=tests/multinode "$@"
 for n in 2 4; do
     run_stage "mpi-$n" launch/local -n "$n" --timeout "$MPI_TIMEOUT" \
-        "$PYTHON" -m mpi4py -m pytest -q --with-mpi --only-mpi -p no:cacheprovider "$@"
+        "$PYTHON" -m mpi4py -m pytest -q --with-mpi --only-mpi -p no:cacheprovider \
+        --ignore=tests/multinode "$@"
 done
+# Nodes as network namespaces on this machine (docs/multinode.md): root and `ip netns`
+if why=$(launch/netns-nodes --why-not); then
+    run_stage multinode "$PYTHON" -m pytest -q -p no:cacheprovider tests/multinode "$@"
+else
+    echo "=== multinode: skipped: no nodes on this machine: $why"
+fi
 exit $status
