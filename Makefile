@@ -1,6 +1,7 @@
 # kfac_hpc developer entry points. Everything installs into ./.venv on first use.
 #   make demo   the main job on 4 local MPI ranks (embedded data)
-#   make test   the whole test suite (serial, then MPI on 2 and 4 ranks)
+#   make test   the whole test suite (serial, then MPI on 2 and 4 ranks, then across
+#               nodes made of network namespaces when root: docs/multinode.md)
 #   make lint   ruff + mypy
 #
 # GPU machines (one or more GPUs; never ./.venv, whose torch is a CPU build; docs/gpu.md):
