@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -90,6 +91,12 @@ def finish(proc: subprocess.Popen[str], timeout: float = 400) -> tuple[int, str]
     return proc.returncode, out
 
 
+def completed_step(tmp: Path) -> int:
+    """The final step the completion marker of the job in ``tmp`` names."""
+    marker = run_dir(tmp) / "checkpoints" / "completed"
+    return int(json.loads(marker.read_text())["step"])
+
+
 def checksum(tmp: Path) -> str:
     return json.loads((run_dir(tmp) / "summary.json").read_text())["checksum"]
 
@@ -99,7 +106,10 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> str:
     tmp = tmp_path_factory.mktemp("uninterrupted")
     rc, out = finish(submit(tmp))
     assert rc == 0, out
+    assert "job step finished with status 0 (done)" in out
     assert not (tmp / "slurm" / "requeues").exists()
+    steps = json.loads((run_dir(tmp) / "summary.json").read_text())["steps"]
+    assert completed_step(tmp) == steps  # the run reported completion
     return checksum(tmp)
 
 
@@ -117,6 +127,7 @@ def test_preempted_job_requeues_and_resumes_exactly(tmp_path, uninterrupted):
     assert statuses == ["0", "0"]  # first run requeued (script exits 0), second finished
     assert "stopped (signal SIGUSR1)" in out
     assert checksum(tmp_path) == uninterrupted
+    assert "job step finished with status 0 (done)" in out
 
 
 def test_restart_cap_stops_cleanly(tmp_path):
@@ -230,4 +241,74 @@ def test_deliberate_failures_are_not_requeued(tmp_path, status):
                           text=True, timeout=120)
     assert done.returncode == 139
     assert "crashed without progress" in done.stdout + done.stderr
+    assert not (tmp_path / "requeues").exists()
+
+
+# --------------------------------------- status 0 without completion (mpiexec, lost node)
+
+# A job step that writes a checkpoint of step 5 and exits 0 without the completion
+# marker, as mpiexec does after a node was lost mid-run.
+PROGRESS_THEN_EXIT_0 = """
+import sys
+import torch
+from mpi4py import MPI
+from kfac_hpc import checkpoint
+from kfac_hpc.comm import Communicator
+checkpoint.save(sys.argv[1], model=torch.nn.Linear(2, 2), optimizer=None, step=5,
+                comm=Communicator(MPI.COMM_SELF))
+"""
+
+
+def requeue_step(tmp: Path, step: str, **env_vars: str) -> subprocess.CompletedProcess[str]:
+    """``run_with_requeue bash -c STEP`` as job 77 under the fake SLURM in ``tmp``."""
+    env = dict(os.environ)
+    env.update({"PATH": f"{FAKE}{os.pathsep}{env['PATH']}", "FAKE_SLURM_DIR": str(tmp),
+                "SLURM_JOB_ID": "77", "KFAC_PYTHON": sys.executable, **env_vars})
+    for name in [k for k in env if k.startswith(("OMPI_", "PMIX_", "PRTE_"))]:
+        env.pop(name)
+    script = f'source jobs/lib/requeue.sh && run_with_requeue bash -c "{step}"'
+    return subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_status_0_without_completion_after_progress_is_requeued(tmp_path):
+    """Status 0, a new checkpoint, no completion marker (a stale one from an earlier
+    run does not count): requeued as after a crash; at the restart cap the job ends 1."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "completed").write_text('{"step": 3}\n')  # an earlier run's
+    (tmp_path / "step.py").write_text(PROGRESS_THEN_EXIT_0)
+    step = f"{sys.executable} {tmp_path / 'step.py'} {ck} && exit 0"
+    done = requeue_step(tmp_path, step, KFAC_CHECKPOINT_DIR=str(ck))
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert ("job step ended with status 0 but the run did not report completion (a lost "
+            "node under mpiexec?)") in out
+    assert "ended incomplete after progress (newest valid checkpoint: step -1 -> 5)" in out
+    assert "ended incomplete; requeueing job 77 to resume from step 5" in out
+    assert "(done)" not in out
+    assert (tmp_path / "requeues").read_text().split() == ["77"]
+
+    (ck / "ckpt_00000005.h5").unlink()
+    (ck / "latest").unlink()
+    done = requeue_step(tmp_path, step, KFAC_CHECKPOINT_DIR=str(ck), KFAC_MAX_RESTARTS="0")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "ended incomplete, but the restart cap (0) is reached" in done.stderr
+    assert (tmp_path / "requeues").read_text().split() == ["77"]  # not again
+
+
+def test_status_0_without_completion_or_progress_is_not_requeued(tmp_path):
+    """Status 0, no new checkpoint, no completion marker: not requeued, the job ends 1;
+    without KFAC_CHECKPOINT_DIR status 0 is "done"."""
+    ck = tmp_path / "ck"
+    done = requeue_step(tmp_path, "exit 0", KFAC_CHECKPOINT_DIR=str(ck))
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert "job step ended with status 0 but the run did not report completion" in out
+    assert "ended incomplete without progress (newest valid checkpoint: step -1, as at " \
+           "the start): not requeueing" in out
+    assert not (tmp_path / "requeues").exists()
+    done = requeue_step(tmp_path, "exit 0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "job step finished with status 0 (done)" in done.stdout
     assert not (tmp_path / "requeues").exists()

@@ -265,6 +265,43 @@ def test_resume_errors_are_usage_errors(tmp_path: Path) -> None:
 
 
 
+def test_completion_marker_vouches_for_a_complete_run_only(tmp_path: Path) -> None:
+    """An earlier run's marker is gone before the first step; a stopped run writes none;
+    a run that ends complete (max_steps, then all epochs) writes one naming its final
+    step, which is its final checkpoint's. Checkpoint listings ignore it."""
+    import json
+
+    from kfac_hpc.checkpoint.atomic import latest, list_checkpoints, remove_stale_tmp
+    from kfac_hpc.checkpoint.layout import COMPLETED
+
+    comm = self_comm()
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    marker = ck / COMPLETED
+    marker.write_text('{"step": 999}\n')  # an earlier run's
+    seen: list[bool] = []
+
+    def stop_at() -> bool:
+        seen.append(marker.exists())
+        return len(seen) == 5
+
+    cfg = config(tmp_path, epochs=1, checkpoint_dir=str(ck))
+    first = train(cfg, comm, verbose=False, should_stop=stop_at)
+    assert first.stopped == "stop_requested" and first.steps == 5
+    assert seen == [False] * 5 and not marker.exists()
+    second = train(config(tmp_path, epochs=1, checkpoint_dir=str(ck), max_steps=12), comm,
+                   verbose=False)
+    assert second.stopped == "max_steps"
+    assert json.loads(marker.read_text()) == {"step": 12}
+    third = train(cfg, comm, verbose=False)
+    assert third.stopped == "completed" and third.steps == 22
+    assert json.loads(marker.read_text()) == {"step": 22}
+    assert latest(ck) == latest(ck, valid=True) == ck / "ckpt_00000022.h5"
+    assert COMPLETED not in [p.name for p in list_checkpoints(ck)]
+    remove_stale_tmp(ck)
+    assert marker.exists()
+
+
 def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--resume auto skips a damaged file (saying so) and resumes exactly from the one

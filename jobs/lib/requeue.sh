@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # Run a job step and requeue the job when it checkpointed on preemption, or when it
-# crashed after making progress.
+# crashed (or ended without reporting completion) after making progress.
 #
 # Sourced by the sbatch scripts in jobs/. `run_with_requeue CMD...` starts CMD (an
 # `srun ...` line) in the background, forwards USR1/USR2/TERM that reach the batch shell
@@ -11,9 +11,9 @@
 # the latest checkpoint by itself.
 #
 # Crashes and node failures: any other status than those `kfac-hpc train` gives on
-# purpose (0 done, 1 checkpoint write failed, 2 bad input, 3 diverged, 75 preempted),
-# e.g. 137 (killed), 139 (segfault), srun's status after a node failure or 4 (the hang
-# watchdog ended the job: --hang-timeout-minutes), is a crash.
+# purpose (0 done (but see below), 1 checkpoint write failed, 2 bad input, 3 diverged,
+# 75 preempted), e.g. 137 (killed), 139 (segfault), srun's status after a node failure
+# or 4 (the hang watchdog ended the job: --hang-timeout-minutes), is a crash.
 # A crashed step is requeued (under the same KFAC_MAX_RESTARTS cap) only when it made
 # progress: KFAC_CHECKPOINT_DIR holds a valid checkpoint (verified: format, checksums,
 # no NaN/Inf) of a later step than the newest valid one when the step started. A step
@@ -22,8 +22,17 @@
 # 1, 2, 3 and 130 (Ctrl-C: the user asked to stop) are never requeued (3, NaN, is
 # deterministic). Without KFAC_CHECKPOINT_DIR
 # crashes are not requeued.
+#
+# Status 0 means "done" only when the run says it completed: `kfac-hpc train` writes
+# KFAC_CHECKPOINT_DIR/completed after its final checkpoint (and removes an earlier one
+# before it trains; so does this script before it starts the step). Open MPI's mpiexec
+# (launch/local, launch/netns-nodes) exits 0 after losing a node: with
+# KFAC_CHECKPOINT_DIR set, status 0 without the marker is handled like a crash
+# (requeued only after progress; else the job ends with status 1). Without
+# KFAC_CHECKPOINT_DIR, status 0 is "done".
 
 KFAC_REQUEUE_EXIT_CODE=75
+KFAC_COMPLETED_MARKER=completed  # kfac_hpc.checkpoint.layout.COMPLETED
 : "${KFAC_MAX_RESTARTS:=10}"
 : "${KFAC_PYTHON:=python}"
 
@@ -64,6 +73,7 @@ run_with_requeue() {
     if [[ -n "${KFAC_CHECKPOINT_DIR:-}" ]]; then
         start_step=$(kfac_checkpoint_step "$KFAC_CHECKPOINT_DIR")
         echo "kfac_hpc: newest valid checkpoint at start: step $start_step (-1: none)"
+        rm -f -- "$KFAC_CHECKPOINT_DIR/$KFAC_COMPLETED_MARKER"  # vouches for no later step
     fi
     "$@" &
     _kfac_step=$!
@@ -84,7 +94,15 @@ run_with_requeue() {
     trap '_kfac_late TERM' TERM
     local why
     case "$rc" in
-        0) echo "kfac_hpc: job step finished with status 0 (done)"; return 0 ;;
+        0)
+            if [[ -z "${KFAC_CHECKPOINT_DIR:-}" \
+                  || -f "$KFAC_CHECKPOINT_DIR/$KFAC_COMPLETED_MARKER" ]]; then
+                echo "kfac_hpc: job step finished with status 0 (done)"
+                return 0
+            fi
+            echo "kfac_hpc: job step ended with status 0 but the run did not report" \
+                 "completion (a lost node under mpiexec?)"
+            why="ended incomplete" ;;
         1|2|3|130)
             case "$rc" in
                 1) why="a checkpoint could not be written" ;;
@@ -97,6 +115,8 @@ run_with_requeue() {
         "$KFAC_REQUEUE_EXIT_CODE") why="preempted" ;;
         *) why="crashed" ;;
     esac
+    # the job's status when not requeued (an incomplete run's 0 must not read as done)
+    local failed=$(( rc == 0 ? 1 : rc ))
     if [[ "$why" == crashed ]]; then
         echo "kfac_hpc: job step crashed (status $rc: killed, segfault or node failure)"
         if [[ -z "${KFAC_CHECKPOINT_DIR:-}" ]]; then
@@ -104,27 +124,29 @@ run_with_requeue() {
                  "checked: not requeueing" >&2
             return "$rc"
         fi
-        local now_step
+    fi
+    local now_step
+    if [[ "$why" != preempted ]]; then
         now_step=$(kfac_checkpoint_step "$KFAC_CHECKPOINT_DIR")
         if (( now_step <= start_step )); then
-            echo "kfac_hpc: crashed without progress (newest valid checkpoint: step $now_step," \
+            echo "kfac_hpc: $why without progress (newest valid checkpoint: step $now_step," \
                  "as at the start): not requeueing; a failure before the first new" \
                  "checkpoint would likely repeat. Fix the cause and resubmit." >&2
-            return "$rc"
+            return "$failed"
         fi
-        echo "kfac_hpc: crashed after progress (newest valid checkpoint: step $start_step ->" \
+        echo "kfac_hpc: $why after progress (newest valid checkpoint: step $start_step ->" \
              "$now_step)"
     fi
     if (( restarts >= KFAC_MAX_RESTARTS )); then
         echo "kfac_hpc: $why, but the restart cap ($KFAC_MAX_RESTARTS) is reached:" \
              "not requeueing. Resubmit the script to continue from the last checkpoint." >&2
-        [[ "$why" == crashed ]] && return "$rc"
-        return 3
+        [[ "$why" == preempted ]] && return 3
+        return "$failed"
     fi
-    if [[ "$why" == crashed ]]; then
-        echo "kfac_hpc: crashed; requeueing job ${SLURM_JOB_ID:?} to resume from step $now_step"
-    else
+    if [[ "$why" == preempted ]]; then
         echo "kfac_hpc: checkpointed on preemption; requeueing job ${SLURM_JOB_ID:?}"
+    else
+        echo "kfac_hpc: $why; requeueing job ${SLURM_JOB_ID:?} to resume from step $now_step"
     fi
     scontrol requeue "$SLURM_JOB_ID"
     return 0

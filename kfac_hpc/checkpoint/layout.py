@@ -44,6 +44,9 @@ PREFIX = "ckpt_"
 SUFFIX = ".h5"
 TMP_SUFFIX = ".tmp"
 LATEST = "latest"
+#: Written by ``kfac-hpc train`` when a run ends complete (after its final checkpoint);
+#: not a checkpoint: listings, pruning and ``latest`` ignore it.
+COMPLETED = "completed"
 
 # HDF5 file-format bounds: readable by HDF5 1.10 tools (h5ls/h5dump at most sites).
 LIBVER = ("earliest", "v110")

@@ -9,6 +9,9 @@
   (``--checkpoint-keep-every-epochs``) and the best (``--checkpoint-keep-best``).
 * Resume: ``--resume auto`` tries the newest checkpoint first and goes on to older ones
   while they are damaged; ``--resume PATH`` that file.
+* Completion: a run that ends complete (not stopped, no error) leaves the marker
+  ``completed`` (:data:`~kfac_hpc.checkpoint.layout.COMPLETED`) beside its final
+  checkpoint; a run removes an earlier run's marker before it trains.
 
 The driver's state travels in the checkpoint's ``extra`` (:mod:`kfac_hpc.train.extra`).
 Every method is collective unless it says otherwise.
@@ -277,6 +280,54 @@ class CheckpointPolicy:
             found = str(before[-1]) if before else None
         agreed: str | None = self.aux.broadcast_object(found, 0)
         return agreed
+
+    # ------------------------------------------------------------- completion
+    def clear_completed(self) -> None:
+        """Remove the completion marker of an earlier run (rank 0; no-op elsewhere).
+
+        Called once the run has decided where it resumes from, before it trains: a
+        marker then only ever vouches for the run that wrote it.
+
+        Raises:
+            ConfigError: The marker is there and cannot be removed.
+        """
+        from kfac_hpc.checkpoint.layout import COMPLETED
+
+        directory = self.directory
+        if directory is None or self.aux.rank != 0:
+            return
+        marker = Path(directory) / COMPLETED
+        try:
+            marker.unlink(missing_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--checkpoint-dir {directory}: cannot remove {marker} of an "
+                              f"earlier run ({exc.strerror or exc}); remove it and run "
+                              "again") from None
+
+    def mark_completed(self, step: int) -> None:
+        """Write the completion marker (rank 0; no-op elsewhere or without a directory).
+
+        Called when the run ended complete, after its final checkpoint is on disk. A job
+        script (``jobs/lib/requeue.sh``) reads exit status 0 as "done" only with it.
+        The file is one JSON line, ``{"step": <final step>}``, written atomically. A
+        failure to write it is a warning: the run is then taken for incomplete and a
+        rerun resumes from the final checkpoint.
+
+        Args:
+            step: The final step.
+        """
+        from kfac_hpc.checkpoint.layout import COMPLETED, to_json
+        from kfac_hpc.files import write_text_atomic
+
+        directory = self.directory
+        if directory is None or self.aux.rank != 0:
+            return
+        try:
+            write_text_atomic(Path(directory) / COMPLETED, to_json({"step": step}) + "\n")
+        except OSError as exc:
+            self.say(f"warning: cannot write {Path(directory) / COMPLETED} "
+                     f"({exc.strerror or exc}): a job script will take this run for "
+                     "incomplete")
 
     def close(self) -> None:
         """Release the background writer (after :meth:`wait`; on an error: abandoned)."""

@@ -248,6 +248,7 @@ class Trainer:
             self.traffic = TrafficMeter(self.comm, ddp_bytes_per_step=(
                 0 if self.ddp is None else gradient_bytes(self.model)))
             self.resumed = self._resume()
+            agreed(self.aux, self.checkpoints.clear_completed)  # vouches for no later run
             self.writer = MetricsWriter(self.out_dir, enabled=self.rank == 0,
                                         append=self.resumed is not None,
                                         tensorboard_dir=cfg.tensorboard)
@@ -594,7 +595,7 @@ class Trainer:
             self._watchdog.beat(doing)
 
     def _fit(self) -> TrainResult:
-        """Run the epochs, then the final evaluation, checkpoint and summary.
+        """Run the epochs, then the final evaluation, checkpoint, completion marker and summary.
 
         Returns:
             What the run achieved.
@@ -644,6 +645,7 @@ class Trainer:
                 last_eval = self.evaluate()
             if cfg.checkpoint_dir:
                 self.save_checkpoint()
+                self.checkpoints.mark_completed(self.step)
         return self._result(stopped, last_train, last_eval or WeightedMean(), span, target)
 
     def _run_epoch(self, epoch: int, wall0: float) -> bool:
