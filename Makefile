@@ -40,6 +40,12 @@
 #                   packs it, tens of MB, as .cuda-mpi/openmpi-*-<arch>.tar.gz. On the GPU
 #                   machine, unpacked anywhere: make gpu-test GPU_MPI=<that folder>
 #                   (docs/cuda-aware-mpi.md).
+#   make gpu-compare  the head-to-head with the peers on one GPU (benchmarks/RESULTS.md):
+#                   vs_kaisa.py (SGD, KAISA, kfac_hpc by iteration kind), shampoo_step.py
+#                   (AdamW, Meta's Shampoo, ours), gpu_profile.py (precisions, lags,
+#                   decompositions, kernels, accuracy) and train_throughput.py (kfac-hpc
+#                   train samples/s), each under GPU_COMPARE_TIMEOUT s (300) on GPU_MODEL
+#                   (resnet50); the peers' sources in .peers/kaisa, .peers/meta.
 #   Settings: GPU_PYTHON, GPU_RANKS (2), GPU_BATCH (per-rank batch, 32), GPU_OUT,
 #   GPU_MPI_TIMEOUT (s, per test module and per benchmark run), GPU_TEST_ARGS (pytest,
 #   e.g. -k), GPU_TEST_MODULES (space-separated test files), GPU_KFAC_ARGS /
@@ -54,7 +60,7 @@ VENV    ?= .venv
 BIN      = $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install test lint demo bench clean gpu-wheels gpu-env gpu-test gpu-bench cuda-mpi
+.PHONY: install test lint demo bench clean gpu-wheels gpu-env gpu-test gpu-bench gpu-compare cuda-mpi
 
 install: $(VENV)/.installed
 
@@ -94,6 +100,8 @@ GPU_TEST_ARGS    ?=
 GPU_TEST_MODULES ?=
 GPU_KFAC_ARGS    ?=
 GPU_COLL_ARGS    ?=
+GPU_MODEL        ?= resnet50
+GPU_COMPARE_TIMEOUT ?= 300
 GPU_MPI          ?=
 GPU_WHEELS       ?= $(if $(GPU_MPI),$(GPU_MPI)/wheels,.gpu-wheels)
 GPU_PREFIX       ?=
@@ -205,6 +213,17 @@ gpu-bench: gpu-env
 	@mkdir -p $(GPU_OUT)
 	$(GPU_RUN) bash -o pipefail -c 'launch/local -n 1 --timeout $(GPU_MPI_TIMEOUT) $(GPU_PYTHON) benchmarks/kfac_step.py --device $(GPU_DEVICE) --model resnet50 --batch $(GPU_BATCH) --markdown --out $(GPU_OUT) $(GPU_KFAC_ARGS) 2>&1 | tee $(GPU_OUT)/kfac_step_resnet50_n1_$(GPU_DEVICE).txt'
 	$(GPU_RUN) bash -o pipefail -c 'launch/local -n 2 --timeout $(GPU_MPI_TIMEOUT) $(GPU_PYTHON) benchmarks/gpu_collectives.py --device $(GPU_DEVICE) --markdown --out $(GPU_OUT) $(GPU_COLL_ARGS) 2>&1 | tee $(GPU_OUT)/gpu_collectives_n2_$(GPU_DEVICE).txt'
+
+# The head-to-head on one GPU (benchmarks/RESULTS.md, GPU): each run under its own time
+# limit (GPU_COMPARE_TIMEOUT s); the peers' sources from .peers/ (kaisa/, meta/).
+GPU_SHAPE = $(if $(filter resnet50,$(GPU_MODEL)),3$(comma)224$(comma)224,3$(comma)32$(comma)32)
+comma := ,
+gpu-compare: gpu-env
+	@mkdir -p $(GPU_OUT)
+	$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/vs_kaisa.py --device $(GPU_DEVICE) --models $(GPU_MODEL) --timing kinds --max-seconds 100 --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/vs_kaisa_$(GPU_MODEL)_$(GPU_DEVICE).txt'
+	$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/shampoo_step.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --max-seconds 100 --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/shampoo_step_$(GPU_MODEL)_$(GPU_DEVICE).txt'
+	$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/gpu_profile.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/gpu_profile_$(GPU_MODEL)_$(GPU_DEVICE).txt'
+	$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/train_throughput.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --shape $(GPU_SHAPE) --batch $(GPU_BATCH) --steps 60 --warmup 20 --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/train_throughput_$(GPU_MODEL)_$(GPU_DEVICE).txt'
 
 # ------------------------------------------------------------------- CUDA-aware MPI
 CUDA_MPI_OUT     ?= .cuda-mpi
