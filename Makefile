@@ -221,7 +221,7 @@ comma := ,
 gpu-compare: gpu-env
 	@mkdir -p $(GPU_OUT)
 	$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/vs_kaisa.py --device $(GPU_DEVICE) --models $(GPU_MODEL) --timing kinds --max-seconds 100 --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/vs_kaisa_$(GPU_MODEL)_$(GPU_DEVICE).txt'
-	$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/shampoo_step.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --max-seconds 100 --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/shampoo_step_$(GPU_MODEL)_$(GPU_DEVICE).txt'
+	$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/shampoo_step.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --max-seconds 100 --profile --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/shampoo_step_$(GPU_MODEL)_$(GPU_DEVICE).txt'
 	$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/gpu_profile.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/gpu_profile_$(GPU_MODEL)_$(GPU_DEVICE).txt'
 	$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/train_throughput.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --shape $(GPU_SHAPE) --batch $(GPU_BATCH) --steps 60 --warmup 20 --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/train_throughput_$(GPU_MODEL)_$(GPU_DEVICE).txt'
 

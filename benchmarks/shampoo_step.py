@@ -273,6 +273,44 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     return tensor_bytes(list(opt.state.values()))
 
 
+def profile_steps(runner: Runner, x: torch.Tensor, y: torch.Tensor,
+                  top: int = 12) -> dict[str, Any]:
+    """One optimizer step of each kind of ``runner`` under ``torch.profiler``.
+
+    Per kind: host (CPU) and device milliseconds summed over the step's operators,
+    kernel launches, and the operators with the most device time (self), so a run on a
+    GPU says where a step's time goes (GEMMs, the eigensolver, element-wise kernels).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if runner.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    out: dict[str, Any] = {}
+    for kind in runner.kinds:
+        runner.set_kind(kind)
+        runner.opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(runner.model(x), y).backward()
+        runner.averager.synchronize()
+        synchronize(runner.device)
+        with profile(activities=activities) as prof:
+            runner.opt.step()
+            synchronize(runner.device)
+        events = prof.key_averages()
+        launches = sum(e.count for e in events if e.key in (
+            "cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+        ranked = sorted(events, key=lambda e: e.self_device_time_total or e.self_cpu_time_total,
+                        reverse=True)[:top]
+        out[kind] = {
+            "host ms": sum(e.self_cpu_time_total for e in events) / 1e3,
+            "device ms": sum(e.self_device_time_total for e in events) / 1e3,
+            "kernel launches": launches,
+            "top": [(e.key, e.count, e.self_device_time_total / 1e3,
+                     e.self_cpu_time_total / 1e3) for e in ranked],
+        }
+    return out
+
+
 def optimizers(args: argparse.Namespace, meta: Any) -> dict[
         str, Callable[[nn.Module, Communicator], Any]]:
     """Constructors of the selected configurations (model copy, communicator) -> optimizer."""
@@ -414,7 +452,10 @@ def run_model(name: str, args: argparse.Namespace, comm: Communicator, device: t
         for c, r in runners.items()}
     layout = getattr(ours, "layout", None)
     blocks = list(getattr(layout, "blocks", []))
+    profiles = {c: profile_steps(r, x, y) for c, r in runners.items()
+                if args.profile and c in SHAMPOOS}
     return {
+        "profiles": profiles,
         "model": name, "model_description": what, "params": n_params,
         "world_size": comm.size, "device": str(device), "configs": list(runners),
         "baseline": baseline, "blocks": len(blocks), "max_dim": args.max_dim,
@@ -469,6 +510,15 @@ def report(result: dict[str, Any], markdown: bool) -> str:
     lines.append(format_table(
         ["", "optimizer bytes/step", "optimizer calls/step", "gradient bytes/step",
          "state MiB/rank (max)", "state MiB, all blocks"], _plain(rows), markdown=markdown))
+    for config, kinds in result.get("profiles", {}).items():
+        for kind, prof in kinds.items():
+            lines.append(f"\n{config} {kind} step under torch.profiler: host "
+                         f"{prof['host ms']:.1f} ms, device {prof['device ms']:.1f} ms, "
+                         f"{prof['kernel launches']} kernel launches")
+            lines.append(format_table(
+                ["operator", "calls", "device ms (self)", "host ms (self)"],
+                [[k[:60], c, f"{d:.2f}", f"{h:.2f}"] for k, c, d, h in prof["top"]],
+                markdown=markdown))
     return "\n".join(lines)
 
 
@@ -479,7 +529,7 @@ def nominal_estimate(args: argparse.Namespace) -> float:
                   else 2 * nominal["fwd_bwd"] + nominal[ROOT] + nominal[PLAIN]
                   for c in args.configs)
     total = STARTUP_S + (1 + args.warmup + args.steps) * round_s  # + the set-up steps
-    return min(total, args.max_seconds) if args.max_seconds > 0 else total
+    return float(min(total, args.max_seconds)) if args.max_seconds > 0 else float(total)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -516,6 +566,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="folder holding distributed_shampoo/ (default $META_SRC, else "
                              "<repo>/.peers/meta when present, else /tmp/meta_src)")
     parser.add_argument("--quick", action="store_true", help="3 steps, 1 warmup (smoke test)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timing, one root and one plain step of each Shampoo "
+                             "under torch.profiler: host/device ms, kernel launches, top "
+                             "operators by device time")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--out", type=Path, default=OUT_DIR)
     args = parser.parse_args(argv)
