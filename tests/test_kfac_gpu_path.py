@@ -197,6 +197,35 @@ def test_host_reads_per_step_do_not_grow_with_layers(gpu_path):
     assert shallow <= 8
 
 
+@pytest.mark.parametrize("precision", ["tf32", "bf16", "full"])
+def test_bf16_activations_keep_their_rows_and_give_the_widened_factor(
+        gpu_path, monkeypatch, precision):
+    """GPU path, AMP (bf16) activations and reduced-precision statistics: ``A``'s rows
+    stay bf16 (on CUDA one bf16 GEMM accumulating in float32); the factor is that of the
+    widened activations, here bit for bit (the CPU widens the bf16 rows before its GEMM).
+    With ``precision="full"`` the activations are widened first, as before."""
+    seen: list[tuple[torch.dtype, torch.dtype | None]] = []
+
+    def spy(rows, scale=1.0, *, precision="full", out_dtype=None):  # type: ignore[no-untyped-def]
+        seen.append((rows.dtype, out_dtype))
+        return linalg.covariance(rows, scale, precision=precision, out_dtype=out_dtype)
+
+    torch.manual_seed(0)
+    cases = [(Conv2dCurvature(nn.Conv2d(6, 4, 3, padding=1)), torch.randn(3, 6, 7, 5)),
+             (Conv2dCurvature(nn.Conv2d(6, 4, 1, bias=False)), torch.randn(3, 6, 4, 4)),
+             (LinearCurvature(nn.Linear(10, 3)), torch.randn(2, 5, 10))]
+    for curv, x in cases:
+        x16 = x.bfloat16()
+        want = curv.a_factor(x16.float(), torch.float32, precision)
+        seen.clear()
+        with monkeypatch.context() as m:
+            m.setattr(layers, "covariance", spy)
+            got = curv.a_factor(x16, torch.float32, precision)
+        assert got.dtype == torch.float32 and torch.equal(got, want), type(curv).__name__
+        kept = (torch.bfloat16, torch.float32)
+        assert seen == ([kept] if precision != "full" else [(torch.float32, None)]), seen
+
+
 @pytest.mark.parametrize("factor_update_steps, expected", [(1, 1), (3, 0)],
                          ids=["factor-step", "precondition-only"])
 def test_steps_between_inverse_updates_read_back_only_the_statistics_screen(

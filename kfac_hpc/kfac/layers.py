@@ -107,6 +107,19 @@ _WIDE = (torch.float32, torch.float64)  # dtypes of the per-sample (batched) fac
 _FAST_MIN_CHANNELS = 8
 
 
+def _keeps_bf16(t: Tensor, dtype: torch.dtype | None, precision: MatmulPrecision) -> bool:
+    """Say whether ``A``'s rows stay in bf16 (AMP activations, float32 factors).
+
+    On the GPU path with reduced-precision statistics (TF32 or bf16 operands), bf16
+    inputs need no widening: their rows are built in bf16 (half the bytes copied) and
+    the GEMM accumulates in float32 (:func:`~kfac_hpc.kfac.linalg.covariance`'s
+    ``out_dtype``); TF32 or bf16 rounding of bf16 values changes nothing, so the factor
+    is the one of the widened rows up to the summation order.
+    """
+    return (t.dtype == torch.bfloat16 and dtype == torch.float32 and precision != "full"
+            and uses_gpu_path(t.device))
+
+
 def _cast(t: Tensor, dtype: torch.dtype | None) -> Tensor:
     """``t`` detached, in ``dtype`` if given (e.g. float32 statistics of fp16/bf16 AMP tensors)."""
     t = t.detach()
@@ -201,6 +214,8 @@ class LayerCurvature(ABC):
         """
         if self.approx == "reduce":
             return self._reduce_a(_cast(inputs, dtype), precision)
+        if _keeps_bf16(inputs, dtype, precision):
+            return covariance(self.a_rows(inputs), precision=precision, out_dtype=dtype)
         return covariance(self.a_rows(_cast(inputs, dtype)), precision=precision)
 
     def g_factor(
@@ -442,6 +457,8 @@ class Conv2dCurvature(LayerCurvature):
         precision, at least 8 input channels), otherwise :meth:`a_factor_unfold` (the GPU path: one
         unfold, one GEMM); or reduce.
         """
+        if self.approx == "expand" and _keeps_bf16(inputs, dtype, precision):
+            return self.a_factor_unfold(inputs, dtype, precision)
         x = _cast(inputs, dtype)
         if self.approx == "reduce":
             return self._reduce_a(x, precision)
@@ -465,6 +482,9 @@ class Conv2dCurvature(LayerCurvature):
         Expand ``A`` from the patch rows (the GPU path) or from ``F.unfold`` patches
         summed per sample (the CPU path with many positions; the reference).
         """
+        if _keeps_bf16(inputs, dtype, precision):  # bf16 rows, float32 product
+            return covariance(self._with_bias_column(self._input_rows(inputs.detach())),
+                              precision=precision, out_dtype=dtype)
         x = _cast(inputs, dtype)
         x = x if x.dim() == 4 else x.unsqueeze(0)
         ho, wo = conv_output_size(x.shape[2], x.shape[3], *self._conv_geometry(), self.pads())

@@ -81,7 +81,8 @@ def uses_gpu_path(device: torch.device) -> bool:
 
 
 def covariance(rows: Tensor, scale: float = 1.0, *,
-               precision: MatmulPrecision = "full") -> Tensor:
+               precision: MatmulPrecision = "full",
+               out_dtype: torch.dtype | None = None) -> Tensor:
     """``scale · rowsᵀ rows / n_rows`` for ``rows`` of shape ``(n_rows, d)``, in ``rows``' dtype.
 
     On the CPU the result is exactly symmetric: from ``d ≥ 64`` columns and ``n ≥ 2d``
@@ -98,6 +99,12 @@ def covariance(rows: Tensor, scale: float = 1.0, *,
     for ``δ = b·∂L/∂y``) is applied to the small result, never to the rows; with
     power-of-two ``scale`` and ``n_rows`` the result is bitwise that of scaling the
     rows. Raises ``ValueError`` for zero rows.
+
+    ``out_dtype`` (float32, for bf16 ``rows`` on the GPU path): the product of the bf16
+    rows accumulated and returned in float32 (``torch.mm(..., out_dtype=)`` on CUDA:
+    bf16 tensor cores, half the bytes read). bf16 values are exact in float32 and so are
+    their products, so this is the float32 product of the widened rows up to the
+    summation order. Elsewhere the rows are widened first.
     """
     if rows.dim() != 2:
         raise ValueError(f"covariance expects a 2-D (rows, dim) tensor, got {tuple(rows.shape)}")
@@ -105,6 +112,12 @@ def covariance(rows: Tensor, scale: float = 1.0, *,
     if n == 0:
         raise ValueError("covariance of zero rows is undefined")
     d = rows.shape[1]
+    if out_dtype is not None and out_dtype != rows.dtype:
+        if rows.device.type == "cuda" and uses_gpu_path(rows.device) \
+                and rows.dtype == torch.bfloat16 and out_dtype == torch.float32:
+            with _no_autocast(rows):
+                return torch.mm(rows.t(), rows, out_dtype=out_dtype).mul_(scale / n)
+        rows = rows.to(out_dtype)
     with _no_autocast(rows):
         if (precision == "full" and not uses_gpu_path(rows.device) and d >= _SYMMETRIC_MIN_DIM
                 and n >= 2 * d and rows.dtype in _LINALG_DTYPES):

@@ -166,3 +166,22 @@ def test_host_syncs_do_not_grow_with_layers(device):
     """Counts, valid flags and finiteness are read once per phase, not per factor."""
     shallow, deep = syncs_per_step(device, 1), syncs_per_step(device, 8)
     assert deep == shallow, f"{shallow} syncs with 3 layers but {deep} with 10"
+
+
+@needs_cuda
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_bf16_activations_give_the_factor_of_their_widened_values(device, precision):
+    """AMP (bf16) activations: ``A`` from bf16 rows with a float32 GEMM (bf16 tensor
+    cores) equals ``A`` of the widened rows in float64 to float32 accumulation error."""
+    from kfac_hpc.kfac.layers import Conv2dCurvature, LinearCurvature
+
+    torch.manual_seed(0)
+    conv = Conv2dCurvature(nn.Conv2d(32, 16, 3, padding=1).to(device))
+    lin = LinearCurvature(nn.Linear(96, 8).to(device))
+    for curv, x in ((conv, torch.randn(8, 32, 12, 12, device=device)),
+                    (lin, torch.randn(64, 96, device=device))):
+        x16 = x.bfloat16()
+        got = curv.a_factor(x16, torch.float32, precision)
+        want = curv.a_factor(x16.double(), torch.float64, "full")
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
