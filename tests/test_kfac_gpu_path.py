@@ -200,10 +200,11 @@ def test_host_reads_per_step_do_not_grow_with_layers(gpu_path):
 @pytest.mark.parametrize("precision", ["tf32", "bf16", "full"])
 def test_bf16_activations_keep_their_rows_and_give_the_widened_factor(
         gpu_path, monkeypatch, precision):
-    """GPU path, AMP (bf16) activations and reduced-precision statistics: ``A``'s rows
-    stay bf16 (on CUDA one bf16 GEMM accumulating in float32); the factor is that of the
-    widened activations, here bit for bit (the CPU widens the bf16 rows before its GEMM).
-    With ``precision="full"`` the activations are widened first, as before."""
+    """GPU path, AMP (bf16) tensors and reduced-precision statistics: the rows of ``A``
+    and ``G`` stay bf16 (on CUDA one bf16 GEMM accumulating in float32); the factors are
+    those of the widened tensors, here bit for bit (the CPU widens the bf16 rows before
+    its GEMM). With ``precision="full"`` (or a device-side loss scale, for ``G``) the
+    tensors are widened first, as before."""
     seen: list[tuple[torch.dtype, torch.dtype | None]] = []
 
     def spy(rows, scale=1.0, *, precision="full", out_dtype=None):  # type: ignore[no-untyped-def]
@@ -224,6 +225,16 @@ def test_bf16_activations_keep_their_rows_and_give_the_widened_factor(
         assert got.dtype == torch.float32 and torch.equal(got, want), type(curv).__name__
         kept = (torch.bfloat16, torch.float32)
         assert seen == ([kept] if precision != "full" else [(torch.float32, None)]), seen
+        # G of bf16 output gradients: the same; a device-side loss scale widens first
+        dy = curv.module(x).detach().bfloat16().normal_()
+        for grad_scale, keeps in ((0.5, precision != "full"), (torch.tensor(0.5), False)):
+            want = curv.g_factor(dy.float(), torch.float32, grad_scale, precision)
+            seen.clear()
+            with monkeypatch.context() as m:
+                m.setattr(layers, "covariance", spy)
+                got = curv.g_factor(dy, torch.float32, grad_scale, precision)
+            assert torch.equal(got, want), (type(curv).__name__, grad_scale)
+            assert seen[0] == (kept if keeps else (torch.float32, None)), seen
 
 
 @pytest.mark.parametrize("factor_update_steps, expected", [(1, 1), (3, 0)],

@@ -108,10 +108,11 @@ _FAST_MIN_CHANNELS = 8
 
 
 def _keeps_bf16(t: Tensor, dtype: torch.dtype | None, precision: MatmulPrecision) -> bool:
-    """Say whether ``A``'s rows stay in bf16 (AMP activations, float32 factors).
+    """Say whether a factor's rows stay in bf16 (AMP tensors, float32 factors).
 
     On the GPU path with reduced-precision statistics (TF32 or bf16 operands), bf16
-    inputs need no widening: their rows are built in bf16 (half the bytes copied) and
+    activations or output gradients need no widening: their rows are built in bf16
+    (half the bytes copied) and
     the GEMM accumulates in float32 (:func:`~kfac_hpc.kfac.linalg.covariance`'s
     ``out_dtype``); TF32 or bf16 rounding of bf16 values changes nothing, so the factor
     is the one of the widened rows up to the summation order.
@@ -229,6 +230,12 @@ class LayerCurvature(ABC):
 
         Reduce: ``(1/(bT)) Σ_i ĝ_i ĝ_iᵀ`` with ``ĝ_i = Σ_t δ_{i,t}``.
         """
+        if (self.approx == "expand" and not isinstance(grad_scale, Tensor)
+                and _keeps_bf16(grad_output, dtype, precision)):
+            # bf16 rows, float32 product; the scale applied to the small float32 result
+            rows, b = self._output_rows(grad_output.detach())
+            scale = b / grad_scale
+            return covariance(rows, scale * scale, precision=precision, out_dtype=dtype)
         g = _cast(grad_output, dtype)
         if self.approx == "reduce":
             return self._reduce_g(g, grad_scale, precision)
@@ -508,7 +515,7 @@ class Conv2dCurvature(LayerCurvature):
         grad_scale: float | Tensor = 1.0, precision: MatmulPrecision = "full",
     ) -> Tensor:
         """Return the factor ``G`` from the output gradients."""
-        if self.approx == "reduce":
+        if self.approx == "reduce" or _keeps_bf16(grad_output, dtype, precision):
             return super().g_factor(grad_output, dtype, grad_scale, precision)
         g = _cast(grad_output, dtype)
         g = g if g.dim() == 4 else g.unsqueeze(0)

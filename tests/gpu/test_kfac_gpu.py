@@ -170,9 +170,10 @@ def test_host_syncs_do_not_grow_with_layers(device):
 
 @needs_cuda
 @pytest.mark.parametrize("precision", ["tf32", "bf16"])
-def test_bf16_activations_give_the_factor_of_their_widened_values(device, precision):
-    """AMP (bf16) activations: ``A`` from bf16 rows with a float32 GEMM (bf16 tensor
-    cores) equals ``A`` of the widened rows in float64 to float32 accumulation error."""
+def test_bf16_tensors_give_the_factors_of_their_widened_values(device, precision):
+    """AMP (bf16) activations and output gradients: ``A`` and ``G`` from bf16 rows with a
+    float32 GEMM (bf16 tensor cores) equal those of the widened rows in float64 to float32
+    accumulation error."""
     from kfac_hpc.kfac.layers import Conv2dCurvature, LinearCurvature
 
     torch.manual_seed(0)
@@ -184,4 +185,8 @@ def test_bf16_activations_give_the_factor_of_their_widened_values(device, precis
         got = curv.a_factor(x16, torch.float32, precision)
         want = curv.a_factor(x16.double(), torch.float64, "full")
         assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+        dy = curv.module(x).detach().bfloat16().normal_()
+        got = curv.g_factor(dy, torch.float32, 0.5, precision)
+        want = curv.g_factor(dy.double(), torch.float64, 0.5, "full")
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
