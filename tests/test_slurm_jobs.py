@@ -223,10 +223,10 @@ def test_crash_without_progress_is_not_requeued(tmp_path):
     assert not (tmp_path / "slurm" / "requeues").exists()
 
 
-@pytest.mark.parametrize("status", [1, 2, 3, 130])
+@pytest.mark.parametrize("status", [2, 3, 130])
 def test_deliberate_failures_are_not_requeued(tmp_path, status):
-    """1 (checkpoint write failed), 2 (bad input), 3 (diverged), 130 (Ctrl-C) are never
-    requeued, even with a newer checkpoint; 139 (segfault) with one is."""
+    """2 (bad input), 3 (diverged), 130 (Ctrl-C) are never requeued, even with a newer
+    checkpoint; 139 (segfault) with one is."""
     env = dict(os.environ)
     env.update({"PATH": f"{FAKE}{os.pathsep}{env['PATH']}", "FAKE_SLURM_DIR": str(tmp_path),
                 "SLURM_JOB_ID": "77", "KFAC_CHECKPOINT_DIR": str(tmp_path / "none")})
@@ -294,6 +294,33 @@ def test_status_0_without_completion_after_progress_is_requeued(tmp_path):
     done = requeue_step(tmp_path, step, KFAC_CHECKPOINT_DIR=str(ck), KFAC_MAX_RESTARTS="0")
     assert done.returncode == 1, done.stdout + done.stderr
     assert "ended incomplete, but the restart cap (0) is reached" in done.stderr
+    assert (tmp_path / "requeues").read_text().split() == ["77"]  # not again
+
+
+def test_status_1_follows_the_progress_rule(tmp_path):
+    """Status 1 (a failed checkpoint write, but also mpiexec after a cut link, srun after
+    a node failure, an uncaught error): requeued after progress, else not; without
+    KFAC_CHECKPOINT_DIR never."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (tmp_path / "step.py").write_text(PROGRESS_THEN_EXIT_0)
+    step = f"{sys.executable} {tmp_path / 'step.py'} {ck} && exit 1"
+    done = requeue_step(tmp_path, step, KFAC_CHECKPOINT_DIR=str(ck))
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "job step ended with status 1 (a checkpoint could not be written, a node was " \
+           "lost, or an error)" in out
+    assert "ended with status 1; requeueing job 77 to resume from step 5" in out
+    assert (tmp_path / "requeues").read_text().split() == ["77"]
+
+    done = requeue_step(tmp_path, "exit 1", KFAC_CHECKPOINT_DIR=str(ck))  # no new step
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert "ended with status 1 without progress (newest valid checkpoint: step 5, as at " \
+           "the start): not requeueing" in out
+    done = requeue_step(tmp_path, "exit 1")
+    assert done.returncode == 1
+    assert "KFAC_CHECKPOINT_DIR is not set, so progress cannot be checked" in done.stderr
     assert (tmp_path / "requeues").read_text().split() == ["77"]  # not again
 
 

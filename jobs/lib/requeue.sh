@@ -18,10 +18,13 @@
 # progress: KFAC_CHECKPOINT_DIR holds a valid checkpoint (verified: format, checksums,
 # no NaN/Inf) of a later step than the newest valid one when the step started. A step
 # that crashes before its first new checkpoint would crash again the same way (a
-# deterministic bug): it is not requeued, so it does not burn the allocation. Statuses
-# 1, 2, 3 and 130 (Ctrl-C: the user asked to stop) are never requeued (3, NaN, is
-# deterministic). Without KFAC_CHECKPOINT_DIR
-# crashes are not requeued.
+# deterministic bug): it is not requeued, so it does not burn the allocation. Status 1
+# follows the same rule: it is kfac-hpc train's status when a checkpoint could not be
+# written, but also mpiexec's after a cut link, srun's after a node failure and Python's
+# for any uncaught error; a checkpoint that keeps failing makes no progress, so it costs
+# at most one more run. Statuses 2, 3 and 130 (Ctrl-C: the user asked to stop) are never
+# requeued (3, NaN, is deterministic). Without KFAC_CHECKPOINT_DIR crashes are not
+# requeued.
 #
 # Status 0 means "done" only when the run says it completed: `kfac-hpc train` writes
 # KFAC_CHECKPOINT_DIR/completed after its final checkpoint (and removes an earlier one
@@ -103,9 +106,15 @@ run_with_requeue() {
             echo "kfac_hpc: job step ended with status 0 but the run did not report" \
                  "completion (a lost node under mpiexec?)"
             why="ended incomplete" ;;
-        1|2|3|130)
+        1)
+            # kfac-hpc train's status when a checkpoint could not be written, but also a
+            # launcher's after a lost node (mpiexec after a cut link, srun after a node
+            # failure) and Python's for any uncaught error: the progress rule decides
+            echo "kfac_hpc: job step ended with status 1 (a checkpoint could not be" \
+                 "written, a node was lost, or an error)"
+            why="ended with status 1" ;;
+        2|3|130)
             case "$rc" in
-                1) why="a checkpoint could not be written" ;;
                 2) why="bad input" ;;
                 130) why="interrupted (SIGINT) after a checkpoint: resubmit to continue" ;;
                 *) why="training diverged (NaN/Inf): deterministic, a restart would diverge again" ;;
@@ -119,11 +128,11 @@ run_with_requeue() {
     local failed=$(( rc == 0 ? 1 : rc ))
     if [[ "$why" == crashed ]]; then
         echo "kfac_hpc: job step crashed (status $rc: killed, segfault or node failure)"
-        if [[ -z "${KFAC_CHECKPOINT_DIR:-}" ]]; then
-            echo "kfac_hpc: crashed; KFAC_CHECKPOINT_DIR is not set, so progress cannot be" \
-                 "checked: not requeueing" >&2
-            return "$rc"
-        fi
+    fi
+    if [[ "$why" != preempted && -z "${KFAC_CHECKPOINT_DIR:-}" ]]; then
+        echo "kfac_hpc: $why; KFAC_CHECKPOINT_DIR is not set, so progress cannot be" \
+             "checked: not requeueing" >&2
+        return "$rc"
     fi
     local now_step
     if [[ "$why" != preempted ]]; then
