@@ -47,9 +47,9 @@ from kfac_hpc.comm.selfcheck import (
     block_elements,
     communicator_op,
     format_bytes,
-    parse_size,
     time_calls,
 )
+from kfac_hpc.units import parse_bytes
 
 IMPLS = ("kfac_hpc", "mpi4py", "mpi4py_tensor", "gloo")
 SMALL = 4 << 10  # "small message" bound of the added-latency goal
@@ -331,7 +331,7 @@ def plot(records: list[dict[str, Any]], analysis: dict[str, Any], impls: Sequenc
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--max-bytes", type=parse_size, default=None,
+    p.add_argument("--max-bytes", type=parse_bytes, default=None,
                    help="largest block (default 64M; 64K with --quick)")
     p.add_argument("--repeat", type=int, default=None,
                    help="samples per size up to 1 MiB, fewer above (default 20; 3 with --quick)")

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import statistics
 import sys
 import time
@@ -63,6 +62,8 @@ from common import (
     write_json,
 )
 
+from kfac_hpc.units import parse_bytes
+
 if TYPE_CHECKING:
     from mpi4py import MPI
 
@@ -74,17 +75,12 @@ BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "reduce_scatter": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
 }
-UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "K": 2**10, "M": 2**20,
-         "G": 2**30}
 ELEMENT = 4  # bytes of fp32
 
 
 def parse_size(text: str) -> int:
     """``"1KiB"``, ``"256MiB"``, ``"4096"`` -> bytes (a multiple of 4)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1KiB, 256MiB, 4096)")
-    size = int(m.group(1)) * UNITS[m.group(2).upper()]
+    size = parse_bytes(text)
     if size < ELEMENT or size % ELEMENT:
         raise argparse.ArgumentTypeError(f"size {text!r} must be a positive multiple of 4 bytes")
     return size

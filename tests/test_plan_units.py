@@ -27,8 +27,9 @@ from kfac_hpc.plan import (
 )
 from kfac_hpc.plan.calibrate import fit_alpha_beta
 from kfac_hpc.plan.choose import hybrid_fractions
-from kfac_hpc.plan.cli import builtin_model, parse_bytes
+from kfac_hpc.plan.cli import builtin_model
 from kfac_hpc.plan.collectives import coefficients, collective_time, wire_bytes
+from kfac_hpc.units import parse_bytes
 
 
 # ------------------------------------------------------------------ collectives

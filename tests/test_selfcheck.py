@@ -26,13 +26,13 @@ from kfac_hpc.comm.selfcheck import (
     check_broadcast,
     check_nonblocking,
     checks,
-    parse_size,
     run,
     run_checks,
     run_one,
     time_calls,
     uneven_counts,
 )
+from kfac_hpc.units import parse_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,10 +113,10 @@ def test_cli_run(comm: Communicator, capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_parse_size_and_counts() -> None:
-    assert [parse_size(s) for s in ("8", "8B", "4K", "64KiB", "1M", "2 MiB")] == \
+    assert [parse_bytes(s) for s in ("8", "8B", "4K", "64KiB", "1M", "2 MiB")] == \
         [8, 8, 4096, 65536, 1 << 20, 2 << 20]
     with pytest.raises(argparse.ArgumentTypeError):
-        parse_size("lots")
+        parse_bytes("lots")
     assert uneven_counts(4, 5) == [5, 0, 7, 8]
     assert uneven_counts(1, 0) == [0]
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import re
 import sys
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -34,6 +33,7 @@ from mpi4py import MPI
 from kfac_hpc.comm.communicator import Communicator, Handle, ReduceOp
 from kfac_hpc.comm.cuda import CudaSupport
 from kfac_hpc.comm.errors import install_abort_on_error
+from kfac_hpc.units import parse_bytes
 
 CHECK_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 # Shapes for allreduce, reduce, broadcast and allgather: empty, tiny, odd, 2-D, large.
@@ -661,29 +661,6 @@ def time_collectives(comm: Communicator, sizes: Sequence[int], repeat: int,
 
 
 # --------------------------------------------------------------- formatting
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
-          "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    """Read a size: ``"8"``, ``"8B"``, ``"4K"``, ``"64KiB"``, ``"1M"``, ``"2GiB"`` (binary units).
-
-    Args:
-        text: The size.
-
-    Returns:
-        Bytes.
-
-    Raises:
-        argparse.ArgumentTypeError: The text is not a size.
-    """
-    match = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).upper() if match else None
-    if match is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 8, 4K, 64KiB, 1M)")
-    return int(match.group(1)) * _UNITS[unit]
-
-
 def format_bytes(n: float) -> str:
     """Format a byte count as ``8 B``, ``64 KiB``, ``1.5 MiB``."""
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -724,7 +701,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     Args:
         parser: The subcommand's parser.
     """
-    parser.add_argument("--sizes", nargs="+", type=parse_size, metavar="SIZE",
+    parser.add_argument("--sizes", nargs="+", type=parse_bytes, metavar="SIZE",
                         default=list(DEFAULT_SIZES),
                         help="block sizes to time (bytes; K/M suffixes), default 8 1K 64K 1M 4M")
     parser.add_argument("--repeat", type=int, default=DEFAULT_REPEAT, metavar="N",

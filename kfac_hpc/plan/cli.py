@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,30 +28,10 @@ from kfac_hpc.plan.choose import baselines, plan
 from kfac_hpc.plan.cost import PHASES, STRATEGIES, Estimate, KFACOptions, estimate, estimate_sgd
 from kfac_hpc.plan.model_shapes import model_spec
 from kfac_hpc.plan.profile import bundled_profiles, load_profile
+from kfac_hpc.units import parse_bytes
 
-__all__ = ["add_arguments", "builtin_model", "parse_bytes", "run"]
+__all__ = ["add_arguments", "builtin_model", "run"]
 
-_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB": 10**6,
-          "MIB": 2**20, "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12,
-          "TIB": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """Read a byte count such as ``"16GiB"``, ``"512M"`` or ``"1e9"``.
-
-    Args:
-        text: The size.
-
-    Returns:
-        Bytes.
-
-    Raises:
-        argparse.ArgumentTypeError: The text is not a size.
-    """
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
-    if m is None or m.group(2).upper() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 16GiB, 512MB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
 #: builtin model -> (build_model keyword arguments, per-sample input shape)

@@ -28,7 +28,6 @@ import csv
 import datetime as _dt
 import json
 import math
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from typing import IO, Any
 
 import torch
 
+from kfac_hpc.files import write_text_atomic
 from kfac_hpc.phases import PHASES, TRAFFIC_TAGS, PhaseTimer
 from kfac_hpc.units import format_bytes
 
@@ -200,10 +200,7 @@ class MetricsWriter:
         if self.enabled and self.out_dir is not None:
             text = json.dumps(_clean(obj), indent=2, sort_keys=False, default=str,
                               allow_nan=False)
-            final = self.out_dir / name
-            tmp = final.with_name(final.name + ".tmp")
-            tmp.write_text(text + "\n", encoding="utf-8")
-            os.replace(tmp, final)
+            write_text_atomic(self.out_dir / name, text + "\n")
 
     def close(self) -> None:
         """Close the files and the TensorBoard writer."""
