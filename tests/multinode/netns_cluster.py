@@ -126,6 +126,22 @@ def start(nodes: int, per_node: int, command: Sequence[str], *, case: str, timeo
     return Run(name, nodes, per_node, case, proc, time.monotonic())
 
 
+#: The job script the multi-node job tests run (Shampoo: its requeue path is the shortest).
+JOB_SCRIPT = "jobs/cifar10_resnet32_shampoo.sbatch"
+
+
+def start_job_script(tmp_path: Path, extra: str, case: str) -> Run:
+    """:data:`JOB_SCRIPT` under the fake SLURM on 2 nodes x 1 rank (2 tasks), up to 2
+    restarts, with ``extra`` as its ``kfac-hpc train`` arguments; the fake SLURM's files
+    in ``tmp_path/slurm``, the runs in ``tmp_path/runs``."""
+    env = {"PATH": f"{FAKE_SLURM}{os.pathsep}{environment()['PATH']}",
+           "FAKE_SLURM_DIR": str(tmp_path / "slurm"), "FAKE_SLURM_NODES": "2",
+           "FAKE_SLURM_NTASKS": "2", "FAKE_SLURM_TIMEOUT": "200",
+           "KFAC_RUNS": str(tmp_path / "runs"), "KFAC_EXTRA_ARGS": extra,
+           "KFAC_MAX_RESTARTS": "2"}
+    return start(2, 1, ["sbatch", JOB_SCRIPT], shell=True, env=env, case=case, timeout=240)
+
+
 def run(nodes: int, per_node: int, command: Sequence[str], *, case: str, timeout: int,
         **kwargs: object) -> tuple[int, str, float]:
     """:func:`start` and wait (``timeout`` + 30 s at most)."""

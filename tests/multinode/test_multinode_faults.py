@@ -21,13 +21,19 @@ that 0: a job whose node2 is killed is requeued and finishes
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from pathlib import Path
 
 import pytest
-from netns_cluster import FAKE_SLURM, environment, run, start, wait_for_lines, wait_until
+from netns_cluster import (
+    JOB_SCRIPT,
+    run,
+    start,
+    start_job_script,
+    wait_for_lines,
+    wait_until,
+)
 
 from kfac_hpc.runtime.watchdog import HANG_EXIT_CODE
 
@@ -124,13 +130,7 @@ def test_job_script_requeues_after_a_node_is_killed(tmp_path: Path) -> None:
              "--checkpoint-every-steps 5 --checkpoint-every-minutes 1000 "
              "--shampoo-options precondition_frequency=2")
     slurm = tmp_path / "slurm"
-    env = {"PATH": f"{FAKE_SLURM}{os.pathsep}{environment()['PATH']}",
-           "FAKE_SLURM_DIR": str(slurm), "FAKE_SLURM_NODES": "2", "FAKE_SLURM_NTASKS": "2",
-           "FAKE_SLURM_TIMEOUT": "200", "KFAC_RUNS": str(tmp_path / "runs"),
-           "KFAC_EXTRA_ARGS": extra, "KFAC_MAX_RESTARTS": "2"}
-    job = start(2, 1, ["sbatch", "jobs/cifar10_resnet32_shampoo.sbatch"], shell=True, env=env,
-                case="jobs/cifar10_resnet32_shampoo.sbatch, node2 killed, requeued",
-                timeout=240)
+    job = start_job_script(tmp_path, extra, f"{JOB_SCRIPT}, node2 killed, requeued")
     run_dir = tmp_path / "runs" / "cifar10-resnet32-shampoo"
     ck = run_dir / "checkpoints"
     wait_until(lambda: (ck / "latest").exists(), job)

@@ -18,7 +18,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from netns_cluster import FAKE_SLURM, ROOT, environment, run, start, wait_for_lines
+from netns_cluster import (
+    JOB_SCRIPT,
+    ROOT,
+    environment,
+    run,
+    start_job_script,
+    wait_for_lines,
+)
 
 pytestmark = pytest.mark.timeout(300)
 # every node's link at 50 Mbit/s (this kernel has no netem for a delay: docs/multinode.md)
@@ -63,12 +70,7 @@ def test_job_script_across_two_nodes_preempted_and_requeued(tmp_path: Path) -> N
              "--batch-size 8 --warmup-epochs 1 --device cpu --checkpoint-every-minutes 1000 "
              "--shampoo-options precondition_frequency=2")
     slurm = tmp_path / "slurm"
-    env = {"PATH": f"{FAKE_SLURM}{os.pathsep}{environment()['PATH']}",
-           "FAKE_SLURM_DIR": str(slurm), "FAKE_SLURM_NODES": "2", "FAKE_SLURM_NTASKS": "2",
-           "FAKE_SLURM_TIMEOUT": "200", "KFAC_RUNS": str(tmp_path / "runs"),
-           "KFAC_EXTRA_ARGS": extra, "KFAC_MAX_RESTARTS": "2"}
-    job = start(2, 1, ["sbatch", "jobs/cifar10_resnet32_shampoo.sbatch"], shell=True, env=env,
-                case="jobs/cifar10_resnet32_shampoo.sbatch, USR1, requeued", timeout=240)
+    job = start_job_script(tmp_path, extra, f"{JOB_SCRIPT}, USR1, requeued")
     run_dir = tmp_path / "runs" / "cifar10-resnet32-shampoo"
     wait_for_lines(run_dir / "steps.csv", 10, job)
     os.kill(int((slurm / "batch_pid").read_text()), 10)  # SIGUSR1 to the batch shell
