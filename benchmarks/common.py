@@ -6,14 +6,16 @@ Scripts in this folder import it as ``from common import ...`` (running
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import importlib
 import json
 import math
 import os
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -297,6 +299,45 @@ def peer_source(variable: str, name: str, fallback: str = "") -> str:
         return os.environ[variable]
     local = PEERS_DIR / name
     return str(local) if local.is_dir() else fallback
+
+
+def import_peer(package: str, src: str, has: str, *, submodule: str | None = None,
+                context: Callable[[], contextlib.AbstractContextManager[Any]] =
+                contextlib.nullcontext, report: bool = True) -> Any:
+    """A peer library's package, from an install or from its source folder.
+
+    Args:
+        package: The package name (``"kfac"``, ``"distributed_shampoo"``).
+        src: A folder holding the package folder (may be empty).
+        has: An attribute an installed package must have to count as the peer (another
+            package of the same name does not).
+        submodule: Imported too from the source folder (e.g. ``"preconditioner"``).
+        context: Entered around the import from the source folder (e.g. a shim for
+            metadata a bare source tree lacks).
+        report: Print why an import from the source folder failed (on stderr).
+
+    Returns:
+        The module, or None when neither imports.
+    """
+    try:
+        module = importlib.import_module(package)
+        if hasattr(module, has):
+            return module
+    except ImportError:
+        pass
+    if src and os.path.isdir(os.path.join(src, package)):
+        sys.path.insert(0, src)
+        sys.modules.pop(package, None)
+        try:
+            with context():
+                module = importlib.import_module(package)
+                if submodule is not None:
+                    importlib.import_module(f"{package}.{submodule}")
+            return module
+        except Exception as e:  # its imports may need more than torch one day
+            if report:
+                print(f"importing {package} from {src} failed: {e!r}", file=sys.stderr)
+    return None
 
 
 def peer_version(src: str) -> str | None:

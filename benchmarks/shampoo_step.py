@@ -123,6 +123,7 @@ from common import (
     describe,
     format_table,
     imagenet_resnet50,
+    import_peer,
     machine,
     peer_source,
     peer_version,
@@ -170,23 +171,7 @@ def import_meta(src: str) -> Any:
     Returns:
         The module, or None (with the reason on stderr) when it does not import.
     """
-    try:
-        import distributed_shampoo
-
-        if hasattr(distributed_shampoo, "DistributedShampoo"):
-            return distributed_shampoo
-    except ImportError:
-        pass
-    if src and os.path.isdir(os.path.join(src, "distributed_shampoo")):
-        sys.path.insert(0, src)
-        sys.modules.pop("distributed_shampoo", None)
-        try:
-            import distributed_shampoo
-
-            return distributed_shampoo
-        except Exception as e:  # its imports may need more than torch one day
-            print(f"importing distributed_shampoo from {src} failed: {e!r}", file=sys.stderr)
-    return None
+    return import_peer("distributed_shampoo", src, "DistributedShampoo")
 
 
 def make_model(name: str, image_size: int | None = None, resnet50: str = "auto") -> tuple[

@@ -149,6 +149,7 @@ largely absorbs. The timing here does not depend on the damping value.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import importlib.metadata
 import os
@@ -157,7 +158,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -173,6 +174,7 @@ from common import (
     format_table,
     gpu_info,
     imagenet_resnet50,
+    import_peer,
     peer_source,
     peer_version,
     process_seconds,
@@ -230,39 +232,34 @@ def import_kaisa(src: str) -> Any:
     Returns:
         The ``kfac`` module, or None when neither imports.
     """
-    try:
-        import kfac
-        if hasattr(kfac, "preconditioner"):
-            return kfac
-    except ImportError:
-        pass
-    if src and os.path.isdir(os.path.join(src, "kfac")):
-        sys.path.insert(0, src)
-        sys.modules.pop("kfac", None)
-        # kfac/__init__.py reads its version from the installed package's metadata; a
-        # bare source tree has none, so answer that one query (and only it) here.
-        real_version = importlib.metadata.version
-        tag = (peer_version(src) or "").split(" ")[0].removeprefix("v")
+    return import_peer("kfac", src, "preconditioner", submodule="preconditioner",
+                       context=lambda: _source_version(src), report=RANK == 0)
 
-        def version(distribution_name: str) -> str:
-            try:
-                return real_version(distribution_name)
-            except importlib.metadata.PackageNotFoundError:
-                if distribution_name == "kfac-pytorch":
-                    return f"{tag}+source" if tag else "0+source"
-                raise
 
-        importlib.metadata.version = version
+@contextlib.contextmanager
+def _source_version(src: str) -> Iterator[None]:
+    """Answer ``importlib.metadata.version("kfac-pytorch")`` for a bare source tree.
+
+    KAISA's ``kfac/__init__.py`` reads its version from the installed package's
+    metadata, which a source tree has none of: that one query (and only it) is answered
+    from ``<src>/VERSION`` while the package imports.
+    """
+    real_version = importlib.metadata.version
+    tag = (peer_version(src) or "").split(" ")[0].removeprefix("v")
+
+    def version(distribution_name: str) -> str:
         try:
-            import kfac
-            import kfac.preconditioner
-            return kfac
-        except ImportError as e:
-            if RANK == 0:
-                print(f"importing KAISA from {src} failed: {e}", file=sys.stderr)
-        finally:
-            importlib.metadata.version = real_version
-    return None
+            return real_version(distribution_name)
+        except importlib.metadata.PackageNotFoundError:
+            if distribution_name == "kfac-pytorch":
+                return f"{tag}+source" if tag else "0+source"
+            raise
+
+    importlib.metadata.version = version
+    try:
+        yield
+    finally:
+        importlib.metadata.version = real_version
 
 
 # ---------------------------------------------------------------- byte counting
