@@ -42,6 +42,7 @@ from kfac_hpc.kfac.options import (
     conflicts,
     sends_factors,
 )
+from kfac_hpc.symeig import DEFAULT_HOST_MAX_DIM
 
 __all__ = ["KFACConfig", "Schedules", "batch_shape", "dtype_name"]
 
@@ -97,6 +98,7 @@ class KFACConfig:
     eigen_refresh: EigenRefresh = "eigh"
     stats_precision: PrecisionOption = "auto"
     precondition_precision: PrecisionOption = "auto"
+    host_decomposition_max_dim: int = DEFAULT_HOST_MAX_DIM
 
     def __post_init__(self) -> None:
         """Validate every option (one error naming the first problem and its fix)."""
@@ -126,6 +128,11 @@ class KFACConfig:
         if problems:
             raise ValueError(f"{problems[0].option} {problems[0].text()}")
         self._check_rank_fits()
+        if not isinstance(self.host_decomposition_max_dim, int) \
+                or self.host_decomposition_max_dim < 0:
+            raise ValueError(f"host_decomposition_max_dim must be an integer >= 0 (0: every "
+                             f"decomposition on the device), got "
+                             f"{self.host_decomposition_max_dim!r}")
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
         if isinstance(self.skip_layers, str):
@@ -211,6 +218,7 @@ class KFACConfig:
                 "low_rank_remainder": self.low_rank_remainder,
                 "decomposition_lag": self.decomposition_lag,
                 "eigen_refresh": self.eigen_refresh,
+                "host_decomposition_max_dim": self.host_decomposition_max_dim,
                 "stats_precision": stats_precision,
                 "precondition_precision": precondition_precision,
                 "accumulation_steps": self.accumulation_steps, "world_size": world_size,

@@ -44,6 +44,7 @@ from kfac_hpc.kfac.options import (
     low_rank_cap,
 )
 from kfac_hpc.kfac.placement import FactorKey
+from kfac_hpc.symeig import DEFAULT_HOST_MAX_DIM
 
 __all__ = ["Decomposer", "EigenDecomposer", "Failures", "Held", "InverseDecomposer",
            "LowRankDecomposer", "make_decomposer", "message_numel"]
@@ -216,7 +217,8 @@ class EigenDecomposer(_Full):
     """
 
     def __init__(self, *, dtype: torch.dtype, device: torch.device,
-                 precision: MatmulPrecision = "full", refresh: EigenRefresh = "eigh") -> None:
+                 precision: MatmulPrecision = "full", refresh: EigenRefresh = "eigh",
+                 host_max_dim: int = DEFAULT_HOST_MAX_DIM) -> None:
         """Decompose into ``dtype`` on ``device``.
 
         Args:
@@ -224,9 +226,11 @@ class EigenDecomposer(_Full):
             device: Where they live.
             precision: The operand precision of preconditioning's GEMMs.
             refresh: How an eigenbasis is renewed (``"eigh"``, ``"subspace"``).
+            host_max_dim: CUDA factors up to this size are decomposed on the host while
+                the device decomposes the larger ones (0: none).
         """
         super().__init__(dtype=dtype, device=device)
-        self.precision, self.refresh = precision, refresh
+        self.precision, self.refresh, self.host_max_dim = precision, refresh, host_max_dim
 
     def parts(self, n: int) -> tuple[tuple[Part, int], ...]:
         """``Q`` (``n x n``) and ``λ`` (``n``)."""
@@ -252,7 +256,8 @@ class EigenDecomposer(_Full):
         fresh = [key for key in keys if key not in bases]
         out: dict[FactorKey, tuple[Tensor, Tensor] | Exception] = dict(zip(
             fresh, linalg.eigh_clamped_many(
-                [cast(Tensor, states[key].average) for key in fresh], dtype=self.dtype)))
+                [cast(Tensor, states[key].average) for key in fresh], dtype=self.dtype,
+                host_max_dim=self.host_max_dim)))
         refreshed = list(bases)
         out.update(zip(refreshed, linalg.refresh_eigenbases(
             [cast(Tensor, states[key].average) for key in refreshed],
@@ -317,7 +322,8 @@ class LowRankDecomposer(EigenDecomposer):
     def __init__(self, *, dtype: torch.dtype, device: torch.device, low_rank: int,
                  min_dim: int, energy: float | None = None,
                  remainder: LowRankRemainder = "mean", precision: MatmulPrecision = "full",
-                 refresh: EigenRefresh = "eigh") -> None:
+                 refresh: EigenRefresh = "eigh",
+                 host_max_dim: int = DEFAULT_HOST_MAX_DIM) -> None:
         """Decompose into ``dtype`` on ``device``, low rank above the cap.
 
         Args:
@@ -329,8 +335,10 @@ class LowRankDecomposer(EigenDecomposer):
             remainder: The remainder eigenvalue's rule (``"mean"``, ``"zero"``).
             precision: The operand precision of preconditioning's GEMMs.
             refresh: How full eigenbases are renewed.
+            host_max_dim: Full CUDA factors up to this size are decomposed on the host.
         """
-        super().__init__(dtype=dtype, device=device, precision=precision, refresh=refresh)
+        super().__init__(dtype=dtype, device=device, precision=precision, refresh=refresh,
+                         host_max_dim=host_max_dim)
         self.low_rank, self.min_dim = low_rank, min_dim
         self.energy, self.remainder = energy, remainder
 
@@ -477,7 +485,8 @@ def make_decomposer(*, compute_method: str, low_rank: int | None = None,
                     eigen_refresh: EigenRefresh = "eigh", damping: Schedule | None = None,
                     dtype: torch.dtype = torch.float32,
                     device: torch.device | None = None,
-                    precision: MatmulPrecision = "full") -> Decomposer:
+                    precision: MatmulPrecision = "full",
+                    host_decomposition_max_dim: int = DEFAULT_HOST_MAX_DIM) -> Decomposer:
     """The decomposer of a compute method (the one place that chooses it).
 
     Args:
@@ -491,6 +500,8 @@ def make_decomposer(*, compute_method: str, low_rank: int | None = None,
         dtype: The dtype of decompositions (``inv_dtype``).
         device: Where they live (default: the CPU).
         precision: The operand precision of preconditioning's GEMMs.
+        host_decomposition_max_dim: Eigendecompositions of CUDA factors up to this size
+            run on the host, beside the device's (0: none).
 
     Returns:
         The decomposer (sizes alone need no ``damping`` nor ``device``).
@@ -502,11 +513,13 @@ def make_decomposer(*, compute_method: str, low_rank: int | None = None,
                                      damping=damping or positive("damping", 0.001))
         case "eigen", None:
             return EigenDecomposer(dtype=dtype, device=where, precision=precision,
-                                   refresh=eigen_refresh)
+                                   refresh=eigen_refresh,
+                                   host_max_dim=host_decomposition_max_dim)
         case "eigen", int():
             return LowRankDecomposer(dtype=dtype, device=where, low_rank=low_rank,
                                      min_dim=low_rank_min_dim, energy=low_rank_energy,
                                      remainder=low_rank_remainder, precision=precision,
-                                     refresh=eigen_refresh)
+                                     refresh=eigen_refresh,
+                                     host_max_dim=host_decomposition_max_dim)
     raise ValueError(f"compute_method must be one of ('eigen', 'inverse'), "
                      f"got {compute_method!r}")

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from kfac_hpc.kfac.precision import MatmulPrecision, matmul
+from kfac_hpc.symeig import DEFAULT_HOST_MAX_DIM, eigh_batches
 
 __all__ = [
     "column_covariance",
@@ -283,7 +284,8 @@ def _same_kind(tensors: list[Tensor]) -> list[list[int]]:
     return list(groups.values())
 
 
-def eigh_clamped_many(factors: list[Tensor], dtype: torch.dtype = torch.float32
+def eigh_clamped_many(factors: list[Tensor], dtype: torch.dtype = torch.float32, *,
+                      host_max_dim: int = DEFAULT_HOST_MAX_DIM
                       ) -> list[tuple[Tensor, Tensor] | Exception]:
     """:func:`eigh_clamped` of every factor, one batched ``eigh`` per size.
 
@@ -291,28 +293,41 @@ def eigh_clamped_many(factors: list[Tensor], dtype: torch.dtype = torch.float32
     on the GPU path (:func:`uses_gpu_path`) factors of the same size and dtype go to
     ``torch.linalg.eigh`` together: the syncs (and launches) grow with the number of
     distinct sizes, not of factors (cuSOLVER may pick its batched Jacobi solver for
-    batches of matrices up to 32x32: equal to rounding). On the CPU, where a call costs
+    batches of matrices up to 32x32: equal to rounding); the batches of CUDA factors of
+    at most ``host_max_dim`` rows are decomposed on the host meanwhile
+    (:func:`kfac_hpc.symeig.eigh_batches`). On the CPU, where a call costs
     no sync, every factor is solved alone as before: a matrix inside a stacked batch
     sits at another alignment, which BLAS libraries that choose kernels by alignment
     (MKL) could answer with other bits, and the world-size invariance is bitwise.
     If a batch fails, its factors are decomposed one by one
     (each with :func:`eigh_clamped`'s float64 retry); a factor that still fails gets its
     exception in its place of the result, so one bad factor never hides the others.
+
+    Args:
+        factors: Symmetric factors (only their lower triangles are read).
+        dtype: The dtype of the results.
+        host_max_dim: The largest CUDA factor decomposed on the host (0: none).
+
+    Returns:
+        Per factor, ``(Q, λ)`` or the exception its decomposition raised.
     """
     out: dict[int, tuple[Tensor, Tensor] | Exception] = {}
-    for members in _same_kind(factors):
-        if len(members) > 1 and uses_gpu_path(factors[members[0]].device):
-            stacked = torch.stack([factors[i] for i in members])
-            try:
-                evals, evecs = torch.linalg.eigh(stacked.to(_linalg_dtype(stacked)))
-            except torch.linalg.LinAlgError:
-                pass  # one by one below, with the float64 retry
-            else:
-                q, lam = evecs.to(dtype), evals.clamp(min=0.0).to(dtype)
-                for j, i in enumerate(members):
-                    out[i] = (q[j], lam[j])
-                continue
+    groups = _same_kind(factors)
+    batched = [members for members in groups
+               if uses_gpu_path(factors[members[0]].device)]
+    stacks = [torch.stack([factors[i] for i in members]) for members in batched]
+    solved = eigh_batches([s.to(_linalg_dtype(s)) for s in stacks], host_max_dim)
+    for members, result in zip(batched, solved):
+        if isinstance(result, Exception):
+            continue  # one by one below, with the float64 retry
+        evals, evecs = result
+        q, lam = evecs.to(dtype), evals.clamp(min=0.0).to(dtype)
+        for j, i in enumerate(members):
+            out[i] = (q[j], lam[j])
+    for members in groups:
         for i in members:
+            if i in out:
+                continue
             try:
                 out[i] = eigh_clamped(factors[i], dtype)
             except Exception as exc:  # reported per factor by the caller

@@ -86,6 +86,7 @@ from kfac_hpc.kfac.placement import (
 from kfac_hpc.kfac.shapes import rows_per_sample
 from kfac_hpc.kfac.state import KFACStateDict
 from kfac_hpc.phases import Phase, PhaseTimer, timed
+from kfac_hpc.symeig import DEFAULT_HOST_MAX_DIM
 
 if TYPE_CHECKING:
     from kfac_hpc.plan.profile import Profile
@@ -154,6 +155,7 @@ class KFACPreconditioner:
         eigen_refresh: EigenRefresh = "eigh",
         stats_precision: PrecisionOption = "auto",
         precondition_precision: PrecisionOption = "auto",
+        host_decomposition_max_dim: int = DEFAULT_HOST_MAX_DIM,
     ) -> None:
         """Register ``model``'s layers, place their factors and build the parts.
 
@@ -200,6 +202,9 @@ class KFACPreconditioner:
             eigen_refresh: ``"eigh"`` or ``"subspace"`` (one subspace-iteration step).
             stats_precision: Operand precision of the statistics GEMMs.
             precondition_precision: Operand precision of preconditioning.
+            host_decomposition_max_dim: Eigendecompositions of factors up to this size
+                on a CUDA device run on the host while the device solves the larger
+                ones (0: all on the device; the CPU is unaffected).
 
         Raises:
             ValueError: An option, or a combination of options, is invalid (the message
@@ -237,7 +242,8 @@ class KFACPreconditioner:
             low_rank=low_rank, low_rank_energy=low_rank_energy,
             low_rank_min_dim=low_rank_min_dim, low_rank_remainder=low_rank_remainder,
             decomposition_lag=decomposition_lag, eigen_refresh=eigen_refresh,
-            stats_precision=stats_precision, precondition_precision=precondition_precision)
+            stats_precision=stats_precision, precondition_precision=precondition_precision,
+            host_decomposition_max_dim=host_decomposition_max_dim)
         cfg = self.options
         self.comm = comm if comm is not None else world()
         self.schedules = cfg.schedules
@@ -311,7 +317,8 @@ class KFACPreconditioner:
             low_rank_min_dim=cfg.low_rank_min_dim, low_rank_energy=cfg.low_rank_energy,
             low_rank_remainder=cfg.low_rank_remainder, eigen_refresh=cfg.eigen_refresh,
             damping=self.schedules.damping, dtype=cfg.inv_dtype, device=self.device,
-            precision=self.precondition_precision)
+            precision=self.precondition_precision,
+            host_decomposition_max_dim=cfg.host_decomposition_max_dim)
         decompositions = Decompositions(
             self.comm, DecompositionExchange(self.worker_comm, self.placement, self.dims,
                                              decomposer, self.comm.rank, dtype=cfg.inv_dtype,

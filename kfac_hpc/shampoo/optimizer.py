@@ -53,6 +53,7 @@ from kfac_hpc.shampoo.roots import inverse_roots
 from kfac_hpc.shampoo.stacks import BlockStack, Run, runs_of
 from kfac_hpc.shampoo.state import BlockShapes, ShampooStateDict
 from kfac_hpc.shampoo.state_io import describe_block_states, gather_block_states
+from kfac_hpc.symeig import DEFAULT_HOST_MAX_DIM
 
 __all__ = ["STATE_DICT_FORMAT", "STATE_DICT_VERSION", "DistributedShampoo"]
 
@@ -93,6 +94,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         communication_dtype: torch.dtype = torch.float32,
         max_consecutive_root_failures: int = 5,
         check_replicas: bool = True,
+        host_decomposition_max_dim: int = DEFAULT_HOST_MAX_DIM,
     ) -> None:
         """Split the parameters into blocks and assign every block an owner rank.
 
@@ -129,6 +131,9 @@ class DistributedShampoo(torch.optim.Optimizer):
             check_replicas: Check, collectively, that every rank holds the same parameters
                 (names, shapes, values) and settings; one ``ValueError`` on every rank
                 otherwise (different models would gather mismatched directions).
+            host_decomposition_max_dim: At a root step, factors up to this size on a CUDA
+                device are decomposed on the host while the device decomposes the larger
+                ones (0: all on the device; the CPU is unaffected).
 
         Raises:
             ValueError: A hyper-parameter is out of range, a parameter name repeats, a
@@ -152,6 +157,8 @@ class DistributedShampoo(torch.optim.Optimizer):
             "communication_dtype", communication_dtype, hyper.COMMUNICATION_DTYPES)
         self.max_consecutive_root_failures = hyper.validate_int(
             "max_consecutive_root_failures", max_consecutive_root_failures, 1)
+        self.host_decomposition_max_dim = hyper.validate_int(
+            "host_decomposition_max_dim", host_decomposition_max_dim, 0)
         self.comm: Communicator = comm if comm is not None else world()
         self._layout: Layout | None = None
         self._steps = 0
@@ -399,7 +406,8 @@ class DistributedShampoo(torch.optim.Optimizer):
         if not due:
             return 0
         requests = [root_requests(st, hp) for st, hp in due]
-        results = inverse_roots([r for per_run in requests for r in per_run])
+        results = inverse_roots([r for per_run in requests for r in per_run],
+                                host_max_dim=self.host_decomposition_max_dim)
         status, at = 0, 0
         for (st, hp), per_run in zip(due, requests):
             install_roots(st, results[at:at + len(per_run)], hp)

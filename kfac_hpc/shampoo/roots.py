@@ -10,9 +10,10 @@ non-finite result) is retried in float64; if that fails too
 matrices of one size and dtype go through one batched ``torch.linalg.eigh`` (on a
 GPU the eigensolver synchronises with the host once per call, so the number of
 synchronisations follows the number of distinct sizes, not of blocks), and the
-finiteness of every result is read on the host once. Matrices that fail there take
-the one-matrix path (:func:`inverse_root`, float64 retry included), so results are
-those of :func:`inverse_root` matrix by matrix.
+finiteness of every result is read on the host once (the small CUDA matrices are
+decomposed on the host, beside the device's: :mod:`kfac_hpc.symeig`). Matrices that
+fail there take the one-matrix path (:func:`inverse_root`, float64 retry included), so
+results are those of :func:`inverse_root` matrix by matrix.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from torch import Tensor
 
 from kfac_hpc.shampoo.errors import nonfinite_marks
+from kfac_hpc.symeig import DEFAULT_HOST_MAX_DIM, EighResult, eigh_batches
 
 __all__ = ["RootComputationError", "RootRequest", "RootResult", "inverse_root", "inverse_roots"]
 
@@ -145,17 +147,16 @@ def _prepared(requests: Sequence[RootRequest]) -> Tensor:
     return torch.nan_to_num(_cat(pieces), nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def _batched_roots(matrices: Tensor, requests: Sequence[RootRequest]
+def _batched_roots(decomposed: EighResult, requests: Sequence[RootRequest]
                    ) -> tuple[Tensor, Tensor] | None:
-    """Compute the roots of the stacked ``matrices`` by one ``eigh``, with a mark per matrix.
+    """Compute the roots of stacked matrices from their ``eigh``, with a mark per matrix.
 
     The mark is 0 if its eigenvalues and root are finite, else NaN (on the device); None
     if the eigensolver raised.
     """
-    try:
-        eigenvalues, eigenvectors = torch.linalg.eigh(matrices)
-    except RuntimeError:  # any matrix failing fails the batch: redone one by one
+    if isinstance(decomposed, Exception):  # any matrix failing fails the batch
         return None
+    eigenvalues, eigenvectors = decomposed
     scales = [(eigenvalues[rows].clamp(min=0) + members[0].epsilon).pow(-1.0 / members[0].p)
               for rows, members in _segments(requests, lambda r: (r.p, r.epsilon))]
     roots = (eigenvectors * _cat(scales).unsqueeze(-2)) @ eigenvectors.mT
@@ -171,9 +172,9 @@ class _SizeGroup:
         self.roots: Tensor | None = None
         self.marks: Tensor | None = None
 
-    def decompose(self) -> None:
-        """Compute the roots of every matrix and their finiteness marks (on the device)."""
-        computed = _batched_roots(self.matrices, self.requests)
+    def install(self, decomposed: EighResult) -> None:
+        """Compute the roots of every matrix and their finiteness marks from its ``eigh``."""
+        computed = _batched_roots(decomposed, self.requests)
         if computed is not None:
             self.roots, self.marks = computed
 
@@ -197,15 +198,19 @@ class _SizeGroup:
         return out
 
 
-def inverse_roots(requests: Sequence[RootRequest]) -> list[RootResult]:
+def inverse_roots(requests: Sequence[RootRequest], *,
+                  host_max_dim: int = DEFAULT_HOST_MAX_DIM) -> list[RootResult]:
     """Compute :func:`inverse_root` of every matrix of every request, batched by size and dtype.
 
-    One ``torch.linalg.eigh`` per distinct (size, dtype, device) over all requests, one
-    host read for the finiteness of all results; matrices that failed (and all those of
-    an eigensolver call that raised) are redone one by one.
+    One ``torch.linalg.eigh`` per distinct (size, dtype, device) over all requests (those
+    of CUDA matrices up to ``host_max_dim`` rows on the host, beside the device's:
+    :func:`kfac_hpc.symeig.eigh_batches`), one host read for the finiteness of all
+    results; matrices that failed (and all those of an eigensolver call that raised) are
+    redone one by one.
 
     Args:
         requests: the batches of factors.
+        host_max_dim: The largest CUDA matrix decomposed on the host (0: none).
 
     Returns:
         One result per request, in order.
@@ -218,8 +223,9 @@ def inverse_roots(requests: Sequence[RootRequest]) -> list[RootResult]:
         return []
     with torch.autocast(device_type=requests[0].factors.device.type, enabled=False):
         groups = [_SizeGroup([requests[k] for k in ks]) for ks in by_kind.values()]
-        for group in groups:
-            group.decompose()
+        for group, decomposed in zip(groups, eigh_batches([g.matrices for g in groups],
+                                                          host_max_dim)):
+            group.install(decomposed)
         marks = [g.marks for g in groups if g.marks is not None]
         # The one host read of the finiteness of every root (the eigensolver syncs anyway).
         finite = [mark == 0 for mark in _cat(marks).tolist()] if marks else []

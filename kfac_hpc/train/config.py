@@ -33,6 +33,7 @@ from kfac_hpc.kfac.options import (
     STRATEGIES,
     conflicts,
 )
+from kfac_hpc.symeig import DEFAULT_HOST_MAX_DIM
 
 __all__ = [
     "DATASETS",
@@ -221,6 +222,10 @@ class TrainConfig:
     amp_dtype: str = _opt("float16", "float16 (with a GradScaler) | bfloat16", "distributed")
     threads: int | None = _opt(None, "torch CPU threads per rank (default: cores / local ranks)",
                                "distributed")
+    host_decomposition_max_dim: int = _opt(
+        DEFAULT_HOST_MAX_DIM, "eigendecompositions (K-FAC's inverse updates, Shampoo's roots) "
+        "of matrices up to this size on a CUDA device run on the host CPU while the device "
+        "solves the larger ones; 0: all on the device", "distributed")
     # -- output
     out: str | None = _opt(None, "output directory (default runs/<timestamp>)", "output")
     progress: bool = _opt(True, "progress bar on rank 0 on a terminal, progress lines "
@@ -438,6 +443,8 @@ class TrainConfig:
         choice("amp_dtype", AMP_DTYPES)
         choice("phase_times", PHASE_TIMES)
         need(self.threads is None or self.threads >= 1, "threads", "must be >= 1")
+        need(self.host_decomposition_max_dim >= 0, "host_decomposition_max_dim",
+             "must be >= 0 (0: every decomposition on the device)")
         need(self.grad_bucket_mb > 0, "grad_bucket_mb", "must be > 0")
         # output
         need(self.log_every_steps >= 1, "log_every_steps", "must be >= 1")

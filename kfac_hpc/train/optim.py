@@ -135,7 +135,8 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module,
         # grafting, ...) go through --shampoo-options.
         kwargs: dict[str, Any] = {"lr": lr, "comm": comm}
         accepted = _parameters(DistributedShampoo)
-        for key, value in (("weight_decay", cfg.weight_decay), ("betas", tuple(cfg.betas))):
+        for key, value in (("weight_decay", cfg.weight_decay), ("betas", tuple(cfg.betas)),
+                           ("host_decomposition_max_dim", cfg.host_decomposition_max_dim)):
             if key in accepted:
                 kwargs[key] = value
         unknown = sorted(set(cfg.shampoo_options) - accepted) if accepted else []
@@ -208,6 +209,7 @@ def build_preconditioner(cfg: TrainConfig, model: nn.Module, comm: Communicator,
                                PRECISION_OPTIONS),
         precondition_precision=one_of("kfac_precondition_precision",
                                       cfg.kfac_precondition_precision, PRECISION_OPTIONS),
+        host_decomposition_max_dim=cfg.host_decomposition_max_dim,
     )
 
 

@@ -1,0 +1,74 @@
+"""Small eigendecompositions on the host beside the device's, on a real device.
+
+The batches are produced by kernels still in flight when ``eigh_batches`` is called (on
+the default and on a side stream), so a copy to the host that did not wait for them
+would decompose stale memory; the results must come back to the device and equal the
+host's ``eigh`` of the same values.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import Tensor
+
+from kfac_hpc import symeig
+
+pytestmark = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-only check")
+
+SIZES = (8, 40, 512, 600)  # three on the host (<= 512), one on the device
+
+
+def _batches(device: torch.device, dtype: torch.dtype) -> list[Tensor]:
+    """SPD batches made by GEMMs that are still running when this returns."""
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for n in SIZES:
+        x = torch.randn(2, 8 * n, n, generator=g, dtype=dtype).to(device)
+        out.append(x.mT @ x / (8 * n) + torch.eye(n, dtype=dtype, device=device))
+    return out
+
+
+def _check(batches: list[Tensor], results: list[symeig.EighResult], tol: float) -> None:
+    for batch, result in zip(batches, results):
+        assert not isinstance(result, Exception), result
+        evals, evecs = result
+        assert evals.device == batch.device and evecs.device == batch.device
+        reference = torch.linalg.eigvalsh(batch.cpu())
+        torch.testing.assert_close(evals.cpu(), reference, rtol=tol, atol=tol)
+        rebuilt = (evecs * evals.unsqueeze(-2)) @ evecs.mT
+        torch.testing.assert_close(rebuilt, batch, rtol=tol, atol=tol * float(evals.max()))
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
+def test_results_equal_the_host_eigh(device: torch.device, dtype: torch.dtype,
+                                     tol: float) -> None:
+    batches = _batches(device, dtype)
+    _check(batches, symeig.eigh_batches(batches, host_max_dim=512), tol)
+
+
+@needs_cuda
+def test_a_side_stream_is_waited_for_and_the_worker_used(device: torch.device,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    threads: list[str] = []
+    solve = symeig._solve_on_host
+
+    def recording(host: Tensor, ready: torch.cuda.Event | None) -> tuple[Tensor, Tensor]:
+        threads.append(threading.current_thread().name)
+        return solve(host, ready)
+
+    monkeypatch.setattr(symeig, "_solve_on_host", recording)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        batches = _batches(device, torch.float64)
+        results = symeig.eigh_batches(batches, host_max_dim=512)
+        kept = [(r[0].clone(), r[1].clone()) for r in results if not isinstance(r, Exception)]
+    torch.cuda.current_stream(device).wait_stream(side)
+    assert len(threads) == 3 and all(t.startswith("kfac-hpc-host-eigh") for t in threads)
+    assert len(kept) == len(SIZES)
+    _check(batches, list(kept), 1e-10)

@@ -1,0 +1,175 @@
+"""Small eigendecompositions on the host beside the device's (``kfac_hpc.symeig``).
+
+On CUDA, batches of matrices up to ``host_max_dim`` rows are decomposed by a host
+worker thread while the device decomposes the larger ones. Here that choice is forced on
+CPU tensors (fixture ``host_solves``), so the plumbing is checked without a GPU: which
+batches go to the worker, that each result lands in its batch's place (K-FAC's factors,
+Shampoo's roots, with and without the background decomposition lag), and that a
+failure there stays in its place.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+import torch
+from mpi4py import MPI
+from shared_cases import small_cnn, small_cnn_batches, train_kfac
+from torch import Tensor
+
+from kfac_hpc import KFACPreconditioner, symeig
+from kfac_hpc.comm import Communicator
+from kfac_hpc.kfac import layers, linalg
+from kfac_hpc.shampoo import DistributedShampoo
+from kfac_hpc.train.config import TrainConfig
+
+
+@pytest.fixture
+def solved_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, str]]]:
+    """Record ``(n, thread name)`` for every batch decomposed on the host."""
+    seen: list[tuple[int, str]] = []
+    solve = symeig._solve_on_host
+
+    def recording(host: Tensor, ready: torch.cuda.Event | None) -> tuple[Tensor, Tensor]:
+        seen.append((host.shape[-1], threading.current_thread().name))
+        return solve(host, ready)
+
+    monkeypatch.setattr(symeig, "_solve_on_host", recording)
+    yield seen
+
+
+@pytest.fixture
+def host_solves(monkeypatch: pytest.MonkeyPatch, solved_on: list[tuple[int, str]]
+                ) -> Iterator[list[tuple[int, str]]]:
+    """CPU batches up to ``host_max_dim`` rows go to the host worker, as CUDA ones do."""
+    monkeypatch.setattr(symeig, "solves_on_host",
+                        lambda batch, host_max_dim: 0 < batch.shape[-1] <= host_max_dim)
+    yield solved_on
+
+
+def _spd(n: int, batch: int = 2, seed: int = 0) -> Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, 3 * n, n, generator=g, dtype=torch.float64)
+    return x.mT @ x / (3 * n)
+
+
+def test_only_cuda_batches_up_to_the_size_go_to_the_host() -> None:
+    def batch(device: str, n: int) -> Tensor:
+        return SimpleNamespace(device=torch.device(device), shape=(2, n, n))  # type: ignore[return-value]
+
+    assert symeig.solves_on_host(batch("cuda", 512), 512)
+    assert not symeig.solves_on_host(batch("cuda", 513), 512)
+    assert not symeig.solves_on_host(batch("cuda", 8), 0)
+    assert not symeig.solves_on_host(batch("cpu", 8), 512)
+    assert not symeig.solves_on_host(batch("meta", 8), 512)
+
+
+def test_on_the_cpu_nothing_goes_to_the_worker(solved_on: list[tuple[int, str]]) -> None:
+    symeig.eigh_batches([_spd(4), _spd(9)], host_max_dim=512)
+    assert solved_on == []
+
+
+def test_host_batches_run_on_the_worker_and_equal_eigh(host_solves: list[tuple[int, str]]
+                                                       ) -> None:
+    batches = [_spd(6, seed=1), _spd(20, seed=2), _spd(3, batch=1, seed=3)]
+    results = symeig.eigh_batches(batches, host_max_dim=8)
+    assert sorted(n for n, _ in host_solves) == [3, 6]
+    assert all(name.startswith("kfac-hpc-host-eigh") for _, name in host_solves)
+    for batch, result in zip(batches, results):
+        assert not isinstance(result, Exception)
+        evals, evecs = torch.linalg.eigh(batch)
+        assert torch.equal(result[0], evals) and torch.equal(result[1], evecs)
+
+
+def test_a_failing_host_batch_keeps_its_place(monkeypatch: pytest.MonkeyPatch,
+                                              host_solves: list[tuple[int, str]]) -> None:
+    eigh = torch.linalg.eigh
+
+    def failing(a: Tensor) -> tuple[Tensor, Tensor]:
+        if a.shape[-1] == 5:
+            raise torch.linalg.LinAlgError("no convergence")
+        return eigh(a)
+
+    monkeypatch.setattr(torch.linalg, "eigh", failing)
+    results = symeig.eigh_batches([_spd(4), _spd(5), _spd(12)], host_max_dim=8)
+    assert isinstance(results[1], torch.linalg.LinAlgError)
+    assert not isinstance(results[0], Exception) and not isinstance(results[2], Exception)
+    assert len(host_solves) == 2
+
+
+def test_negative_size_is_refused() -> None:
+    with pytest.raises(ValueError, match="host_max_dim must be >= 0"):
+        symeig.eigh_batches([_spd(4)], host_max_dim=-1)
+
+
+def _kfac_run(lag: int, host_max_dim: int) -> list[Tensor]:
+    model = small_cnn()
+    pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), damping=0.01,
+                             inv_update_steps=2, inv_dtype=torch.float64,
+                             decomposition_lag=lag, host_decomposition_max_dim=host_max_dim)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train_kfac(model, opt, pre, small_cnn_batches(6))
+    pre.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_kfac_on_the_gpu_path_with_host_decompositions_is_unchanged(
+        monkeypatch: pytest.MonkeyPatch, host_solves: list[tuple[int, str]], lag: int) -> None:
+    """Every factor's decomposition lands in its own place: the run is bitwise the same.
+
+    The host's batches get the same ``eigh`` call on the same values as the device's.
+    """
+    for module in (linalg, layers):
+        monkeypatch.setattr(module, "uses_gpu_path", lambda device: True)
+    on_device = _kfac_run(lag, host_max_dim=0)
+    assert host_solves == []
+    with_host = _kfac_run(lag, host_max_dim=16)
+    sizes = {n for n, _ in host_solves}
+    assert sizes and max(sizes) <= 16
+    for a, b in zip(with_host, on_device):
+        assert torch.equal(a, b)
+
+
+def _shampoo_run(host_max_dim: int) -> list[Tensor]:
+    torch.manual_seed(0)
+    model = small_cnn()
+    opt = DistributedShampoo(model.named_parameters(), lr=0.01, max_preconditioner_dim=16,
+                             precondition_frequency=2, epsilon=1e-6,
+                             comm=Communicator(MPI.COMM_SELF), factor_dtype=torch.float64,
+                             host_decomposition_max_dim=host_max_dim)
+    for x, y in small_cnn_batches(5):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x.double()), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_shampoo_roots_with_host_decompositions_are_unchanged(
+        host_solves: list[tuple[int, str]]) -> None:
+    on_device = _shampoo_run(host_max_dim=0)
+    assert host_solves == []
+    with_host = _shampoo_run(host_max_dim=8)
+    assert host_solves and max(n for n, _ in host_solves) <= 8
+    for a, b in zip(with_host, on_device):
+        assert torch.equal(a, b)
+
+
+def test_shampoo_refuses_a_negative_size() -> None:
+    with pytest.raises(ValueError, match="host_decomposition_max_dim"):
+        DistributedShampoo(small_cnn().parameters(), comm=Communicator(MPI.COMM_SELF),
+                           host_decomposition_max_dim=-1)
+
+
+def test_kfac_refuses_a_negative_size() -> None:
+    with pytest.raises(ValueError, match="host_decomposition_max_dim must be an integer >= 0"):
+        KFACPreconditioner(small_cnn(), comm=Communicator(MPI.COMM_SELF),
+                           host_decomposition_max_dim=-1)
+
+
+def test_the_driver_refuses_a_negative_size() -> None:
+    with pytest.raises(ValueError, match="--host-decomposition-max-dim: must be >= 0"):
+        TrainConfig(host_decomposition_max_dim=-1).validate()
