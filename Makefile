@@ -41,7 +41,10 @@
 #                   machine, unpacked anywhere: make gpu-test GPU_MPI=<that folder>
 #                   (docs/cuda-aware-mpi.md).
 #   make gpu-compare  the head-to-head with the peers on one GPU (benchmarks/RESULTS.md):
-#                   vs_kaisa.py (SGD, KAISA, kfac_hpc by iteration kind), shampoo_step.py
+#                   vs_kaisa.py (SGD, KAISA, kfac_hpc by iteration kind; then SGD,
+#                   KAISA and kfac_hpc again after GPU_FACTOR_WARMUP (800) factor-only
+#                   updates, by when KAISA's factors are no longer near multiples of I),
+#                   shampoo_step.py
 #                   (AdamW, Meta's Shampoo, ours), gpu_profile.py (precisions, lags,
 #                   decompositions, kernels, accuracy) and train_throughput.py (kfac-hpc
 #                   train samples/s), each under GPU_COMPARE_TIMEOUT s (300) on GPU_MODEL
@@ -49,7 +52,8 @@
 #   Settings: GPU_PYTHON, GPU_RANKS (2), GPU_BATCH (per-rank batch, 32), GPU_OUT,
 #   GPU_MPI_TIMEOUT (s, per test module and per benchmark run), GPU_TEST_ARGS (pytest,
 #   e.g. -k), GPU_TEST_MODULES (space-separated test files), GPU_KFAC_ARGS /
-#   GPU_COLL_ARGS (extra benchmark arguments), GPU_WHEELS (.gpu-wheels), GPU_PREFIX
+#   GPU_COLL_ARGS (extra benchmark arguments), GPU_FACTOR_WARMUP (800: --factor-warmup
+#   of gpu-compare's second vs_kaisa.py run), GPU_WHEELS (.gpu-wheels), GPU_PREFIX
 #   (default ${TMPDIR:-/tmp}/kfac_hpc-gpu-prefix-<uid>), GPU_PYVER / GPU_ARCH (x86_64 or
 #   aarch64) for gpu-wheels, GPU_MPI (a prefix of make cuda-mpi: its bin, lib and
 #   OPAL_PREFIX for every GPU command, and its wheels/ as GPU_WHEELS).
@@ -102,6 +106,9 @@ GPU_KFAC_ARGS    ?=
 GPU_COLL_ARGS    ?=
 GPU_MODEL        ?= resnet50
 GPU_COMPARE_TIMEOUT ?= 300
+# The second vs_kaisa.py run of make gpu-compare: kfac_hpc and KAISA after this many
+# factor-only updates (KAISA's factors then data-dominated; about 115 s on an H200).
+GPU_FACTOR_WARMUP ?= 800
 GPU_MPI          ?=
 GPU_WHEELS       ?= $(if $(GPU_MPI),$(GPU_MPI)/wheels,.gpu-wheels)
 GPU_PREFIX       ?=
@@ -122,13 +129,13 @@ GPU_RUN = launch/with-wheels --wheels "$(GPU_WHEELS)" $(if $(GPU_PREFIX),--prefi
 # The machine's PATH without ./.venv/bin (put first by the export above); kfac_hpc from
 # this checkout (no pip install: its build isolation would need the network). With
 # GPU_MPI, that prefix's MPI first (OPAL_PREFIX: Open MPI relocated to where it lies).
-gpu-env gpu-test gpu-bench: export PATH := $(if $(GPU_MPI),$(abspath $(GPU_MPI))/bin:)$(subst $(abspath $(BIN)):,,$(PATH))
+gpu-env gpu-test gpu-bench gpu-compare: export PATH := $(if $(GPU_MPI),$(abspath $(GPU_MPI))/bin:)$(subst $(abspath $(BIN)):,,$(PATH))
 ifneq ($(GPU_MPI),)
-gpu-env gpu-test gpu-bench: export OPAL_PREFIX := $(abspath $(GPU_MPI))
-gpu-env gpu-test gpu-bench: export LD_LIBRARY_PATH := $(abspath $(GPU_MPI))/lib$(if $(LD_LIBRARY_PATH),:$(LD_LIBRARY_PATH))
+gpu-env gpu-test gpu-bench gpu-compare: export OPAL_PREFIX := $(abspath $(GPU_MPI))
+gpu-env gpu-test gpu-bench gpu-compare: export LD_LIBRARY_PATH := $(abspath $(GPU_MPI))/lib$(if $(LD_LIBRARY_PATH),:$(LD_LIBRARY_PATH))
 endif
-gpu-env gpu-test gpu-bench: export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
-gpu-env gpu-test gpu-bench: export KFAC_HPC_TEST_DEVICE := $(GPU_DEVICE)
+gpu-env gpu-test gpu-bench gpu-compare: export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
+gpu-env gpu-test gpu-bench gpu-compare: export KFAC_HPC_TEST_DEVICE := $(GPU_DEVICE)
 
 gpu-wheels:
 	$(PYTHON3) -m pip download --no-deps --only-binary=:all: --python-version $(GPU_PYVER) \
@@ -221,6 +228,7 @@ comma := ,
 gpu-compare: gpu-env
 	@mkdir -p $(GPU_OUT)
 	$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/vs_kaisa.py --device $(GPU_DEVICE) --models $(GPU_MODEL) --timing kinds --max-seconds 100 --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/vs_kaisa_$(GPU_MODEL)_$(GPU_DEVICE).txt'
+	$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/vs_kaisa.py --device $(GPU_DEVICE) --models $(GPU_MODEL) --timing kinds --configs sgd kfac_hpc kaisa --factor-warmup $(GPU_FACTOR_WARMUP) --max-seconds 240 --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/vs_kaisa_$(GPU_MODEL)_$(GPU_DEVICE)_warmup$(lastword $(GPU_FACTOR_WARMUP)).txt'
 	$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/shampoo_step.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --max-seconds 100 --profile --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/shampoo_step_$(GPU_MODEL)_$(GPU_DEVICE).txt'
 	$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/gpu_profile.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/gpu_profile_$(GPU_MODEL)_$(GPU_DEVICE).txt'
 	$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/train_throughput.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --shape $(GPU_SHAPE) --batch $(GPU_BATCH) --steps 60 --warmup 20 --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/train_throughput_$(GPU_MODEL)_$(GPU_DEVICE).txt'

@@ -20,9 +20,19 @@ stem), 1000 classes, one fixed synthetic batch, fp32 model, one process
   (decompositions in a worker thread on a side stream), against SGD.
 * ``decompositions``: one inverse update (``pre.decomps.update``) against the bare
   solver calls on the same factors: ``torch.linalg.eigh`` one factor at a time and
-  batched by size (``linalg.eigh_clamped_many``), and batched for the same factors plus
-  a large multiple of the identity (eigh's time depends on the spectrum); per size,
-  the count and ms per eigh.
+  batched by size (``linalg.eigh_clamped_many``). Then, per distinct factor size (one
+  factor ``F`` of that size, the count of that size), the ms of one
+  ``torch.linalg.eigh`` (median of 3 calls when the first takes under 0.25 s, else that
+  one call) of: ``F`` in float32 on the device (what the preconditioner decomposes),
+  ``F`` in float64 on the device, ``F`` in float32 on the host CPU (LAPACK), a KAISA-like
+  ``0.95·mean(diag F)·I + 0.05·F`` (a factor started at a multiple of ``I``, one update
+  of factor_decay 0.95 in) and ``F + 100·mean(diag F)·I``, both float32 on the device;
+  with the routine torch picks for float32 on the device (cuSOLVER's Jacobi ``syevj``
+  for 32..512 rows, divide and conquer ``syevd`` otherwise and for float64 always:
+  ``eigh_routine``) and a row of Σ count x ms per variant (an inverse update's solver
+  time if every factor of a size took as long as the one timed). Jacobi's sweeps stop
+  early on a matrix near diagonal and divide and conquer deflates more, so the spectrum
+  (data-dominated, or a multiple of ``I`` plus a small data term) moves these times.
 * ``profile``: ``torch.profiler`` of one ``f`` and one ``fi`` iteration: host time,
   device time, kernel launches and the top operators by device time.
 * ``accuracy``: for five layers of the model (the first, the last, and three between
@@ -206,8 +216,81 @@ def schedule_section(device: torch.device, batch: tuple[Tensor, Tensor],
     return out
 
 
+def _mean_diag(f: Tensor) -> float:
+    return float(f.diagonal().mean())
+
+
+def _plus_identity(f: Tensor, c: float) -> Tensor:
+    out = f.clone()
+    out.diagonal().add_(c)
+    return out
+
+
+def kaisa_like(f: Tensor) -> Tensor:
+    """``0.95·mean(diag F)·I + 0.05·F``: a factor started at a multiple of ``I`` one
+    update of ``factor_decay`` 0.95 ago (as KAISA's are, at the data's scale)."""
+    return _plus_identity(0.05 * f, 0.95 * _mean_diag(f))
+
+
+def identity_dominated(f: Tensor) -> Tensor:
+    """``F + 100·mean(diag F)·I``."""
+    return _plus_identity(f, 100 * _mean_diag(f))
+
+
+#: the variants of one factor ``F`` whose ``torch.linalg.eigh`` the decompositions
+#: section times, by column label: (where, dtype, the matrix from ``F``)
+EIGH_VARIANTS: dict[str, tuple[str, torch.dtype, Callable[[Tensor], Tensor]]] = {
+    "fp32": ("device", torch.float32, lambda f: f),
+    "fp64": ("device", torch.float64, lambda f: f),
+    "fp32 host": ("host", torch.float32, lambda f: f),
+    "KAISA-like fp32": ("device", torch.float32, kaisa_like),
+    "F+100·m·I fp32": ("device", torch.float32, identity_dominated),
+}
+CHEAP_S = 0.25  # an eigh faster than this is timed 3 times (median), a slower one once
+
+
+def eigh_routine(n: int, dtype: torch.dtype, device: torch.device) -> str:
+    """The solver torch's ``torch.linalg.eigh`` uses for one ``n x n`` matrix.
+
+    On CUDA (aten/src/ATen/native/cuda/linalg/BatchLinearAlgebraLib.cpp,
+    ``linalg_eigh_cusolver``): cuSOLVER's Jacobi solver ``syevj`` for float32 with 32 <=
+    n <= 512, divide and conquer ``syevd`` otherwise (float64 always); MAGMA instead when
+    ``torch.backends.cuda.preferred_linalg_library()`` says so. On the CPU: LAPACK's
+    ``syevd``.
+
+    Args:
+        n: The matrix size.
+        dtype: Its dtype.
+        device: Where it is decomposed.
+
+    Returns:
+        The routine's name.
+    """
+    if device.type != "cuda":
+        return "LAPACK syevd"
+    if torch.backends.cuda.preferred_linalg_library() == torch._C._LinalgBackend.Magma:
+        return "MAGMA syevd"
+    return "syevj" if dtype == torch.float32 and 32 <= n <= 512 else "syevd"
+
+
+def time_eigh(m: Tensor) -> float:
+    """ms of ``torch.linalg.eigh(m)`` where ``m`` lies: the median of 3 calls when the
+    first is cheaper than :data:`CHEAP_S`, else that one call (NaN if it fails)."""
+    times = []
+    for _ in range(3):
+        try:
+            times.append(timed(lambda: torch.linalg.eigh(m), m.device))
+        except torch.linalg.LinAlgError:
+            return float("nan")
+        if times[0] >= CHEAP_S:
+            break
+    return statistics.median(times) * 1e3
+
+
 def decompositions_section(device: torch.device, batch: tuple[Tensor, Tensor],
                            args: argparse.Namespace) -> dict[str, Any]:
+    """One inverse update against bare solver calls, and per factor size the solver's
+    time for the variants of :data:`EIGH_VARIANTS` (see the module docstring)."""
     trainer = Trainer(device, batch, args,
                       {"stats_precision": "full", "precondition_precision": "full"})
     for _ in range(2):
@@ -226,24 +309,41 @@ def decompositions_section(device: torch.device, batch: tuple[Tensor, Tensor],
     sizes: dict[int, list[Tensor]] = {}
     for f in factors:
         sizes.setdefault(f.shape[0], []).append(f)
-    # eigh's time depends on the spectrum: a factor dominated by a multiple of the
-    # identity (as a running average started from I with a small data term is, for the
-    # first hundreds of steps) deflates early in divide and conquer
-    shifted = [f + torch.eye(f.shape[0], device=f.device, dtype=f.dtype)
-               * (100 * float(f.diagonal().mean())) for f in factors]
-    identity_dominated = [timed(lambda: linalg.eigh_clamped_many(shifted), device)
-                          for _ in range(3)]
-    per_size = {}
+    host = torch.device("cpu")
+    for where in {device, host}:  # solver handles, workspaces, thread pools: first calls
+        for dtype in (torch.float32, torch.float64):
+            for n in (64, 600):
+                torch.linalg.eigh(torch.eye(n, dtype=dtype, device=where))
+    per_size: dict[int, dict[str, Any]] = {}
     for d, group in sorted(sizes.items()):
-        t = statistics.median(timed(lambda f=group[0]: torch.linalg.eigh(f), device)
-                              for _ in range(3))
-        per_size[d] = {"count": len(group), "ms per eigh": t * 1e3}
+        f = group[0].detach()
+        row: dict[str, Any] = {"count": len(group),
+                               "routine fp32": eigh_routine(d, torch.float32, device)}
+        for label, (where, dtype, make) in EIGH_VARIANTS.items():
+            m = make(f.to(torch.float64)).to(dtype)
+            row[label] = time_eigh(m.to(host) if where == "host" else m)
+        per_size[d] = row
+    totals = {label: sum(r["count"] * r[label] for r in per_size.values())
+              for label in EIGH_VARIANTS}
     trainer.close()
     return {"inverse update ms": statistics.median(update) * 1e3,
             "eigh one by one ms": statistics.median(each) * 1e3,
             "eigh batched by size ms": statistics.median(batched) * 1e3,
-            "eigh of F + 100·mean(diag F)·I ms": statistics.median(identity_dominated) * 1e3,
-            "factors": len(factors), "per size": per_size}
+            "factors": len(factors), "per size": per_size,
+            "sum of count x ms": totals,
+            "linalg library": str(torch.backends.cuda.preferred_linalg_library())
+            if device.type == "cuda" else None}
+
+
+def decompositions_table(dec: dict[str, Any], md: bool) -> str:
+    """Per factor size: count, fp32 routine, ms per eigh of each variant; a total row."""
+    labels = list(EIGH_VARIANTS)
+    rows = [[str(d), str(r["count"]), r["routine fp32"], *(f"{r[v]:.2f}" for v in labels)]
+            for d, r in dec["per size"].items()]
+    rows.append(["Σ count x ms", str(dec["factors"]), "",
+                 *(f"{dec['sum of count x ms'][v]:.0f}" for v in labels)])
+    return format_table(["dim", "count", "routine (fp32)", *(f"{v} ms" for v in labels)],
+                        rows, md)
 
 
 def profile_section(device: torch.device, batch: tuple[Tensor, Tensor],
@@ -391,12 +491,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["decompositions"] = dec
         print(f"\ninverse update {dec['inverse update ms']:.1f} ms; eigh one by one "
               f"{dec['eigh one by one ms']:.1f} ms; batched by size "
-              f"{dec['eigh batched by size ms']:.1f} ms ({dec['factors']} factors); the same "
-              f"factors dominated by a multiple of I: "
-              f"{dec['eigh of F + 100·mean(diag F)·I ms']:.1f} ms")
-        print(format_table(["dim", "count", "ms per eigh"],
-                           [[str(d), str(v["count"]), f"{v['ms per eigh']:.2f}"]
-                            for d, v in dec["per size"].items()], md), flush=True)
+              f"{dec['eigh batched by size ms']:.1f} ms ({dec['factors']} factors)")
+        where = (f"{result['gpu']}" if device.type == "cuda" else "the CPU (dry run)")
+        print(f"ms per torch.linalg.eigh of one factor per size (median of 3 below "
+              f"{CHEAP_S * 1e3:.0f} ms, else one call); fp32, fp64: our factor on {where}; "
+              "fp32 host: on the CPU (LAPACK); KAISA-like: 0.95·mean(diag F)·I + 0.05·F; "
+              "F+100·m·I: F + 100·mean(diag F)·I; routine: torch's choice for fp32 on the "
+              "device (fp64: syevd always)"
+              + (f"; preferred linalg library {dec['linalg library']}"
+                 if dec["linalg library"] else ""))
+        print(decompositions_table(dec, md), flush=True)
     if "profile" in args.sections:
         prof = profile_section(device, batch, args)
         result["profile"] = prof

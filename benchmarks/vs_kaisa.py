@@ -4,7 +4,8 @@
         [--device cpu|cuda] [--configs sgd kfac_hpc kfac_hpc-reduce kaisa]
         [--timing schedule|kinds] [--rounds 20] [--warmup 2] [--batch 32]
         [--image-size S] [--factor-steps 1] [--inv-steps 10] [--damping 0.003] [--lr 0.1]
-        [--threads T] [--clock wall|cpu] [--max-seconds S] [--kaisa-src DIR]
+        [--threads T] [--clock wall|cpu] [--max-seconds S] [--factor-warmup N [N ...]]
+        [--kaisa-src DIR]
         [--out benchmarks/out] [--json FILE] [--markdown]
     launch/local -n 1 python benchmarks/vs_kaisa.py --device cuda --models resnet50  # GPU
 
@@ -105,24 +106,59 @@ when torchvision imports, else ``kfac_hpc.models`` ``resnet50``, the same networ
 
 Wall time and defaults on CUDA. With ``--device cuda`` the defaults are ``--timing
 kinds``, all four configurations, ``--warmup 1``, ``--rounds 12`` and ``--max-seconds
-100``. On an H200 an iteration of ResNet-50 at batch 32 (fp32) takes about 1.5 s of
-K-FAC ``fi``, 0.15 s of ``f``, 0.05 s of ``p`` and 0.02 s of SGD, so a round of the four
-configurations is about 5.1 s; start-up (imports, CUDA context, model) about 20 s, the
-set-up pass about one round, 1 + 12 rounds about 67 s: about 90 s in all. rank 0
+100``. On an H200 an iteration of ResNet-50 at batch 32 (fp32) takes about 1.4 s of
+K-FAC ``fi``, 0.07 s of ``f``, 0.04 s of ``p`` and 0.025 s of SGD (:data:`NOMINAL_H200_S`,
+from ``benchmarks/RESULTS.md``), so a round of the four configurations is about 4.6 s;
+start-up (imports, CUDA context, model) about 20 s, the set-up pass about one round,
+1 + 12 rounds about 60 s: about 85 s in all; a factor warm-up of N updates adds about
+N x 0.07 s per K-FAC configuration (N = 800 of kfac_hpc and KAISA: about 115 s). rank 0
 prints this estimate at the start (``resnet50`` on CUDA only) and, after the set-up
 pass, one from the measured first iterations (an upper bound: they include one-time
 costs). ``--max-seconds S`` (0: no limit) ends the timed rounds early, after at least
 ``--min-rounds`` of them, once the elapsed time plus the last round's time would pass S
 (time since the process started; the decision is rank 0's, broadcast), so the script
 finishes within about S + 20 s even when an iteration is slower than assumed; the
-number of timed rounds is printed and recorded.
+number of timed rounds is printed and recorded. With several row sets
+(``--factor-warmup``), each set's rounds end at its share of S: what is left of S when
+the set begins, less the estimated time of the warm-ups still to come (from the last
+measured time per factor-only update), divided by the sets still to run.
 
-Prints on rank 0: with ``schedule``, per model a table of ms per iteration (median and
-mean) of kfac_hpc and KAISA, the ratio kfac_hpc/KAISA (< 1: kfac_hpc faster), bytes per
-step (K-FAC and gradient averaging) and K-FAC state memory per rank (Markdown); with
-``kinds``, the table described above (Markdown with ``--markdown``) and, at more than
-one rank, bytes per step per kind. Writes ``vs_kaisa_n<ranks>[_cuda].json`` under
-``--out`` (and to ``--json FILE`` when given).
+Factor warm-up (``--factor-warmup N [N ...]``, default 0: none). Jacobi's and divide and
+conquer's run times depend on the spectrum, and on CUDA ``torch.linalg.eigh`` sends
+float32 matrices of 32..512 rows (one matrix per call; batches of at most 32x32 go to the
+batched Jacobi solver) to cuSOLVER's Jacobi solver ``syevj``, whose sweeps stop early on
+a matrix near diagonal, and every other one (float64 always) to ``syevd``, divide and
+conquer (aten/src/ATen/native/cuda/linalg/BatchLinearAlgebraLib.cpp,
+``linalg_eigh_cusolver``). KAISA starts each factor at ``I`` and keeps ``0.95^U·I`` of it
+after U updates, while its statistics are scaled down by ``b²`` and (convolutions) by
+``T²`` (above); kfac_hpc's factors are the data's from the first update. So for its
+first hundreds of updates KAISA decomposes near-multiples of ``I``, which a training run
+leaves behind early (on ResNet-50 at batch 32, the mean diagonal of KAISA's batch
+factors at the initial weights is 7e-16 to 1.1: ``0.95^U`` falls below 1 % of it after
+U = 88 to 771 updates, 7,710 steps at ``factor_update_steps`` 10). Before the timed
+rounds each K-FAC configuration (SGD has no factors) runs N untimed iterations that
+update the factors and nothing else (:meth:`Lib.warm_up`: forward, backward, gradient
+averaging, ``step()`` with a factor update and no inverse update; the same batch, and
+no ``SGD.step()``, so that the weights do not fit that one batch), after the set-up pass
+(``--timing kinds``). Several increasing values give several sets of timed rounds ("row
+sets"), the warm-up continuing between them up to each value (``--factor-warmup 0
+800``: the rounds of a run without warm-up, then 800 more updates, then the same rounds
+again). Each table says the warm-up and, per configuration, the factor updates made
+before its rounds (the set-up pass's and earlier rounds' included) and the median over
+the factors of their off-diagonal share ``‖F − diag F‖_F / ‖F‖_F``
+(:meth:`Lib.factor_structure`; near 0: a multiple of ``I``). With ``--timing schedule``
+the warm-up comes first; its step 0 decomposes (both libraries' schedules do at step 0),
+the rest do not.
+
+Prints on rank 0: with ``schedule``, per model (and row set) a table of ms per
+iteration (median and mean) of kfac_hpc and KAISA, the ratio kfac_hpc/KAISA (< 1:
+kfac_hpc faster), bytes per step (K-FAC and gradient averaging), K-FAC state memory per
+rank and the factors' off-diagonal share (Markdown); with ``kinds``, per row set the
+table described above plus the factor updates and off-diagonal share (Markdown with
+``--markdown``) and, at more than one rank, bytes per step per kind. Writes
+``vs_kaisa_n<ranks>[_cuda][_warmup<N>].json`` (N: the last ``--factor-warmup``, when
+not 0) under ``--out`` (and to ``--json FILE`` when given); its ``models`` are keyed by
+model, or by ``"<model> warm-up <N>"`` with several row sets.
 
 Factor scaling (why the same ``damping`` number is not the same damping). kfac_hpc's
 curvature is per example of the **mean** loss: ``δ = b·∂L/∂y`` (b = per-rank batch), and
@@ -152,6 +188,7 @@ import argparse
 import contextlib
 import copy
 import importlib.metadata
+import itertools
 import os
 import socket
 import statistics
@@ -203,7 +240,7 @@ ITERATION = "it"  # the one kind of SGD, and of every configuration with --timin
 SCHEDULES = ((1, 10), (10, 100))
 NEVER = 10**9  # an update interval that no step number below it is a multiple of
 #: seconds per iteration on an H200, ResNet-50, batch 32, fp32 (the wall-time estimate)
-NOMINAL_H200_S = {"sgd": 0.02, "fi": 1.5, "f": 0.15, "p": 0.05}
+NOMINAL_H200_S = {"sgd": 0.025, "fi": 1.4, "f": 0.07, "p": 0.04}
 STARTUP_S = 20.0  # imports, MPI and CUDA start, model construction (nominal)
 CUDA_DEFAULTS = {"warmup": 1, "rounds": 12, "max_seconds": 100.0}
 CPU_DEFAULTS = {"warmup": 2, "rounds": 20, "max_seconds": 0.0}
@@ -400,10 +437,13 @@ class Lib:
         device: where the model copy, its batch and its state live.
         kinds: True: the update steps follow :attr:`mode` (``--timing kinds``); False:
             the constant schedule ``hp["factor_steps"]``, ``hp["inv_steps"]``.
+        warmup: whether :meth:`warm_up` will be called (with ``kinds`` False, the
+            schedule is then given as callables that :meth:`warm_up` switches to factor
+            updates only; without it, as the plain integers of earlier runs).
     """
 
     def __init__(self, config: str, model: nn.Module, hp: dict[str, Any], kaisa: Any,
-                 device: torch.device, kinds: bool) -> None:
+                 device: torch.device, kinds: bool, warmup: bool = False) -> None:
         self.config = config
         self.label = LABELS[config]
         self.device = device
@@ -415,6 +455,12 @@ class Lib:
         self.kfac_bytes: dict[str, list[int]] = defaultdict(list)
         self.grad_bytes: dict[str, list[int]] = defaultdict(list)
         self.first_s: dict[str, float] = {}
+        self.warming = False  # in warm_up(): factor updates only, whatever the schedule
+        self.steps_done = 0  # the preconditioner's step() calls so far
+        self.factor_updates = 0  # how many of them updated the factors
+        self.warmup_s_per_update: float | None = None  # measured by warm_up()
+        self.updates_before_rounds = 0  # factor_updates when the timed rounds began
+        self.offdiag: dict[str, float] = {}  # factor_structure() then
         self.cuda_peak = self.cuda_resident = 0
         self.is_kaisa = config == "kaisa"
         self.pre: Any = None
@@ -425,6 +471,11 @@ class Lib:
         if kinds:
             factor_steps = lambda k: 1 if self.mode.factor else NEVER
             inv_steps = lambda k: 1 if self.mode.inverse else NEVER
+        elif warmup:
+            every, inv_every = hp["factor_steps"], hp["inv_steps"]
+            factor_steps = lambda k: 1 if self.warming else every
+            inv_steps = lambda k: NEVER if self.warming else inv_every
+        self.factor_steps = factor_steps
         common = dict(factor_update_steps=factor_steps, inv_update_steps=inv_steps,
                       damping=hp["damping"], factor_decay=0.95, kl_clip=0.001, lr=hp["lr"])
         if not self.is_kaisa:
@@ -464,13 +515,9 @@ class Lib:
         grad = self.grad_comm.traffic().total_bytes if self.grad_comm is not None else 0
         return kfac, grad
 
-    def iteration(self, x: torch.Tensor, y: torch.Tensor, kind: str, record: bool) -> float:
-        """One timed iteration of ``kind``; returns its time (slowest rank, seconds)."""
-        self.mode.set(kind)
-        k0, g0 = self._counters()
-        WORLD.Barrier()
-        synchronize(self.device)
-        t0 = CLOCK[0]()
+    def _advance(self, x: torch.Tensor, y: torch.Tensor, train: bool = True) -> None:
+        """One iteration (the kind as :attr:`mode` and :attr:`warming` say); ``train``:
+        with ``SGD.step()``."""
         self.opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(self.model(x), y)
         loss.backward()
@@ -479,8 +526,22 @@ class Lib:
         else:
             self.averager.synchronize()
         if self.pre is not None:
+            # both libraries' rule: step k updates the factors when k % interval(k) == 0
+            k, every = self.steps_done, self.factor_steps
+            self.factor_updates += int(k % (every(k) if callable(every) else every) == 0)
             self.pre.step()
-        self.opt.step()
+            self.steps_done += 1
+        if train:
+            self.opt.step()
+
+    def iteration(self, x: torch.Tensor, y: torch.Tensor, kind: str, record: bool) -> float:
+        """One timed iteration of ``kind``; returns its time (slowest rank, seconds)."""
+        self.mode.set(kind)
+        k0, g0 = self._counters()
+        WORLD.Barrier()
+        synchronize(self.device)
+        t0 = CLOCK[0]()
+        self._advance(x, y)
         synchronize(self.device)
         dt = float(WORLD.allreduce(CLOCK[0]() - t0, op=MPI.MAX))
         if record:
@@ -489,6 +550,98 @@ class Lib:
             self.kfac_bytes[kind].append(k1 - k0)
             self.grad_bytes[kind].append(g1 - g0)
         return dt
+
+    def warm_up(self, x: torch.Tensor, y: torch.Tensor, updates: int) -> None:
+        """``updates`` untimed iterations that update the factors and nothing else.
+
+        Forward, backward, gradient averaging, the preconditioner's ``step()`` with a
+        factor update and without an inverse update (preconditioning with the
+        decompositions it has); the same batch each time and no ``SGD.step()``: the
+        weights stay, so the running averages converge to that batch's statistics at the
+        weights the timed rounds start from (hundreds of SGD steps on one fixed batch
+        would fit it, shrinking the output gradients and hence ``G``, which fresh batches
+        in training do not). A preconditioner that has never decomposed (``--timing
+        schedule``: nothing ran before) still decomposes at its step 0, as both
+        libraries' schedules do at ``k % interval == 0``. No-op for SGD.
+        """
+        if self.pre is None or updates <= 0:
+            return
+        self.mode.set("f")
+        self.warming = True
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        for _ in range(updates):
+            self._advance(x, y, train=False)
+        synchronize(self.device)
+        self.warmup_s_per_update = float(
+            WORLD.allreduce(time.perf_counter() - t0, op=MPI.MAX)) / updates
+        self.warming = False
+
+    def seconds_per_update(self) -> float:
+        """Time of one factor-only iteration: measured by :meth:`warm_up`, else the
+        median of the recorded ``f`` (``--timing schedule``: whole) iterations, else the
+        set-up pass's; 0 for SGD or when nothing ran yet."""
+        if self.pre is None:
+            return 0.0
+        if self.warmup_s_per_update is not None:
+            return self.warmup_s_per_update
+        kind = "f" if "f" in self.kinds else ITERATION
+        if self.times.get(kind):
+            return statistics.median(self.times[kind])
+        return self.first_s.get(kind, 0.0)
+
+    def begin_rounds(self) -> None:
+        """Before a set of timed rounds (collective): forget the recorded times and
+        bytes, note the factor updates so far and :meth:`factor_structure`."""
+        self.times.clear()
+        self.kfac_bytes.clear()
+        self.grad_bytes.clear()
+        self.updates_before_rounds = self.factor_updates
+        self.offdiag = self.factor_structure()
+
+    def factor_structure(self) -> dict[str, float]:
+        """How far the factors are from a multiple of ``I``, over all ranks (collective).
+
+        Per factor ``F`` (the running average, as the solver reads it: its lower
+        triangle mirrored), the off-diagonal share ``‖F − diag F‖_F / ‖F‖_F``: about 0
+        for ``c·I`` plus a small data term (KAISA's factors start at ``I`` and decay it by
+        ``factor_decay`` per update, and its statistics are scaled down by ``b²`` and
+        ``T²``), larger when the data dominates. Factors that are all zero are left out.
+
+        Returns:
+            ``{"median", "min", "max", "factors"}`` over the distinct factors the ranks
+            hold (empty for SGD and when none is held yet).
+        """
+        mine: dict[str, float] = {}
+        for name, f in self._factors():
+            f64 = f.detach().to(torch.float64)
+            off2 = 2.0 * float(torch.tril(f64, -1).square().sum())
+            total = off2 + float(f64.diagonal().square().sum())
+            if total > 0.0:
+                mine[name] = (off2 / total) ** 0.5
+        merged: dict[str, float] = {}
+        for part in WORLD.allgather(mine):
+            merged.update(part)
+        if not merged:
+            return {}
+        shares = sorted(merged.values())
+        return {"median": statistics.median(shares), "min": shares[0], "max": shares[-1],
+                "factors": len(shares)}
+
+    def _factors(self) -> list[tuple[str, torch.Tensor]]:
+        """The square factor averages this rank holds, by a name unique over ranks."""
+        out: list[tuple[str, torch.Tensor]] = []
+        if self.pre is None:
+            return out
+        if self.is_kaisa:
+            for name, layer in self.pre._layers.values():
+                for which, f in (("A", layer.a_factor), ("G", layer.g_factor)):
+                    if isinstance(f, torch.Tensor):
+                        out.append((f"{name}.{which}", f))
+        else:
+            out = [(name, s.average) for name, s in self.pre.factors.items()
+                   if s.average is not None]
+        return [(n, f) for n, f in out if f.dim() == 2 and f.shape[0] == f.shape[1]]
 
     def memory(self) -> int:
         """K-FAC state bytes of this rank (max over ranks; collective)."""
@@ -514,6 +667,9 @@ class Lib:
         out: dict[str, Any] = {"kinds": kinds, "kfac_state_bytes": self.memory(),
                                "first_iteration_ms": {k: 1e3 * v for k, v in
                                                       self.first_s.items()}}
+        if self.pre is not None:
+            out["factor_updates_before_rounds"] = self.updates_before_rounds
+            out["factor_offdiag_before_rounds"] = self.offdiag
         if self.device.type == "cuda" and self.first_s:
             out["cuda_peak_bytes"] = self.cuda_peak
             out["cuda_resident_bytes"] = self.cuda_resident
@@ -534,15 +690,17 @@ class Lib:
 
 
 def set_up(configs: list[str], model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-           hp: dict[str, Any], kaisa: Any, device: torch.device, kinds: bool) -> list[Lib]:
+           hp: dict[str, Any], kaisa: Any, device: torch.device, kinds: bool,
+           warmup: bool = False) -> list[Lib]:
     """Build the configurations one after the other; with ``kinds``, run each kind once
     per configuration right after building it (untimed warm-up) and record the
-    configuration's CUDA peak above what was allocated before it was built."""
+    configuration's CUDA peak above what was allocated before it was built. ``warmup``:
+    :meth:`Lib.warm_up` will be called."""
     libs = []
     for config in configs:
         reset_cuda_peak(device)
         before, _ = cuda_memory(device)
-        lib = Lib(config, model, hp, kaisa, device, kinds)
+        lib = Lib(config, model, hp, kaisa, device, kinds, warmup)
         if kinds:
             for kind in lib.kinds:
                 lib.first_s[kind] = lib.iteration(x, y, kind, record=False)
@@ -555,18 +713,21 @@ def set_up(configs: list[str], model: nn.Module, x: torch.Tensor, y: torch.Tenso
 
 
 def run_rounds(libs: list[Lib], x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace,
-               say: Callable[[str], None]) -> int:
+               say: Callable[[str], None], limit: float = 0.0) -> int:
     """Warm-up and timed rounds, round-robin; returns the number of timed rounds (fewer
-    than ``--rounds`` when ``--max-seconds`` ends them)."""
+    than ``--rounds`` when the rounds would end after ``limit`` seconds of the process,
+    0: no limit; see :func:`round_limit`)."""
     items = [(lib, kind) for lib in libs for kind in lib.kinds]
     timed = 0
+    for lib in libs:
+        lib.begin_rounds()
     for r in range(args.warmup + args.rounds):
         order = items if r % 2 == 0 else items[::-1]
         round_s = sum(lib.iteration(x, y, kind, record=r >= args.warmup) for lib, kind in order)
         timed += int(r >= args.warmup)
         left = args.warmup + args.rounds - r - 1
-        if args.max_seconds > 0 and left and timed >= args.min_rounds:
-            stop = process_seconds() + round_s > args.max_seconds
+        if limit > 0 and left and timed >= args.min_rounds:
+            stop = process_seconds() + round_s > limit
             if WORLD.bcast(stop, root=0):
                 say(f"# --max-seconds {args.max_seconds:g}: stopping after {timed} timed "
                     f"rounds ({left} left)")
@@ -574,16 +735,55 @@ def run_rounds(libs: list[Lib], x: torch.Tensor, y: torch.Tensor, args: argparse
     return timed
 
 
+def round_limit(libs: list[Lib], args: argparse.Namespace, index: int) -> float:
+    """When the timed rounds of row set ``index`` (of ``--factor-warmup``) must end.
+
+    The seconds left of ``--max-seconds``, less the later row sets' warm-up (estimated
+    from :meth:`Lib.seconds_per_update`), shared equally by this and the later row sets.
+
+    Returns:
+        Seconds since the process started (0: no limit).
+    """
+    if args.max_seconds <= 0:
+        return 0.0
+    later = args.factor_warmup[-1] - args.factor_warmup[index]
+    warm_s = later * sum(lib.seconds_per_update() for lib in libs)
+    now = process_seconds()
+    share = (args.max_seconds - now - warm_s) / (len(args.factor_warmup) - index)
+    return float(WORLD.bcast(now + max(share, 0.0), root=0))
+
+
+def warm_up(libs: list[Lib], x: torch.Tensor, y: torch.Tensor, updates: int,
+            say: Callable[[str], None]) -> None:
+    """``updates`` factor-only iterations of every K-FAC configuration (:meth:`Lib.warm_up`)."""
+    kfac = [lib for lib in libs if lib.pre is not None]
+    if updates <= 0 or not kfac:
+        return
+    guess = updates * sum(lib.seconds_per_update() for lib in kfac)
+    say(f"# factor warm-up: {updates} factor-only updates of "
+        f"{', '.join(lib.label for lib in kfac)}"
+        + (f" (about {guess:.0f} s)" if guess > 0 else ""))
+    for lib in kfac:
+        lib.warm_up(x, y, updates)
+    say("# factor warm-up done: " + ", ".join(
+        f"{lib.label} {1e3 * (lib.warmup_s_per_update or 0.0):.3g} ms/update" for lib in kfac)
+        + f"; {process_seconds():.0f} s so far")
+
+
 def estimate(libs: list[Lib], args: argparse.Namespace) -> str:
     """The rest of the run from the first iterations' times (an upper bound)."""
     round_s = sum(sum(lib.first_s.values()) for lib in libs)
+    warm_s = args.factor_warmup[-1] * sum(lib.first_s.get("f", 0.0) for lib in libs)
+    rounds = len(args.factor_warmup) * (args.warmup + args.rounds)
     elapsed = process_seconds()
-    total = elapsed + (args.warmup + args.rounds) * round_s
+    total = elapsed + rounds * round_s + warm_s
     capped = (f"; --max-seconds ends the timed rounds at about {args.max_seconds:g} s "
-              f"(at least {args.warmup + args.min_rounds} rounds run)"
+              f"(at least {args.warmup + args.min_rounds} rounds per row set run)"
               if args.max_seconds > 0 and total > args.max_seconds else "")
-    return (f"# estimated wall time: {elapsed:.0f} s so far + {args.warmup + args.rounds} "
-            f"rounds x {round_s:.2f} s (first iterations) = {total:.0f} s{capped}")
+    warm = (f" + {args.factor_warmup[-1]} factor warm-up updates x "
+            f"{warm_s / args.factor_warmup[-1]:.2f} s" if warm_s > 0 else "")
+    return (f"# estimated wall time: {elapsed:.0f} s so far + {rounds} rounds x "
+            f"{round_s:.2f} s (first iterations){warm} = {total:.0f} s{capped}")
 
 
 def nominal_estimate(configs: list[str], args: argparse.Namespace) -> float:
@@ -591,8 +791,9 @@ def nominal_estimate(configs: list[str], args: argparse.Namespace) -> float:
     round_s = sum(NOMINAL_H200_S["sgd"] if c == "sgd"
                   else NOMINAL_H200_S["fi"] + NOMINAL_H200_S["f"] + NOMINAL_H200_S["p"]
                   for c in configs)
-    rounds = 1 + args.warmup + args.rounds  # the set-up pass is about one round
-    total = STARTUP_S + rounds * round_s
+    rounds = 1 + len(args.factor_warmup) * (args.warmup + args.rounds)  # set-up: ~1 round
+    warm_s = args.factor_warmup[-1] * NOMINAL_H200_S["f"] * sum(c != "sgd" for c in configs)
+    total = STARTUP_S + rounds * round_s + warm_s
     return min(total, args.max_seconds) if args.max_seconds > 0 else total
 
 
@@ -604,10 +805,14 @@ def schedule_table(results: dict[str, Any]) -> str:
     def size(d: dict[str, Any] | None, key: str) -> str:
         return "–" if d is None else format_bytes(d[key], digits=2)
 
+    def share(d: dict[str, Any] | None) -> str:
+        return "–" if d is None else fmt_share(d.get("factor_offdiag_before_rounds", {}))
+
     lines = ["| model | ranks | kfac_hpc ms (median / mean) | KAISA ms (median / mean) "
              "| ratio median | ratio mean | K-FAC bytes/step ours / KAISA "
-             "| grad bytes/step ours / KAISA | K-FAC state/rank ours / KAISA |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| grad bytes/step ours / KAISA | K-FAC state/rank ours / KAISA "
+             "| factor off-diag ours / KAISA |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, res in results["models"].items():
         k = res.get("KAISA")
         ours: list[str | None] = [c for c in ("kfac_hpc", "kfac_hpc-reduce") if c in res]
@@ -623,12 +828,21 @@ def schedule_table(results: dict[str, Any]) -> str:
                 f"| {cell(k, 'median_ms')} / {cell(k, 'mean_ms')} | {ratio_med} | {ratio_mean} "
                 f"| {size(o, 'kfac_bytes_per_step')} / {size(k, 'kfac_bytes_per_step')} "
                 f"| {size(o, 'grad_bytes_per_step')} / {size(k, 'grad_bytes_per_step')} "
-                f"| {size(o, 'kfac_state_bytes')} / {size(k, 'kfac_state_bytes')} |")
+                f"| {size(o, 'kfac_state_bytes')} / {size(k, 'kfac_state_bytes')} "
+                f"| {share(o)} / {share(k)} |")
         if "SGD" in res:
             s = res["SGD"]
             lines.append(f"| {name} SGD | {SIZE} | {s['median_ms']:.1f} / {s['mean_ms']:.1f} "
-                         f"| | | | | {format_bytes(s['grad_bytes_per_step'], digits=2)} | |")
+                         f"| | | | | {format_bytes(s['grad_bytes_per_step'], digits=2)} | | |")
     return "\n".join(lines)
+
+
+def fmt_share(stats: dict[str, float]) -> str:
+    """The median off-diagonal share of :meth:`Lib.factor_structure` ("–": none)."""
+    if not stats:
+        return "–"
+    m = stats["median"]
+    return f"{m:.2f}" if m >= 0.01 else f"{m:.1e}"
 
 
 def fmt_ms(value: float) -> str:
@@ -647,6 +861,7 @@ def kinds_tables(res: dict[str, Any], markdown: bool, cuda: bool) -> str:
     for f, i in SCHEDULES:
         headers += [f"({f},{i}) ms", "x SGD", "x KAISA"]
     headers += ["peak GPU", "K-FAC state"] if cuda else ["K-FAC state"]
+    headers += ["factor updates", "off-diag"]
     rows = []
     for label, r in res.items():
         kinds = r["kinds"]
@@ -661,6 +876,8 @@ def kinds_tables(res: dict[str, Any], markdown: bool, cuda: bool) -> str:
             row.append(format_bytes(r["cuda_peak_bytes"], digits=2)
                        if "cuda_peak_bytes" in r else "–")
         row.append(format_bytes(r["kfac_state_bytes"], digits=2) if label != "SGD" else "–")
+        row += [str(r.get("factor_updates_before_rounds", "–")),
+                fmt_share(r.get("factor_offdiag_before_rounds", {}))]
         rows.append([label, *row])
     out = format_table(headers, rows, markdown=markdown)
     if SIZE > 1:
@@ -702,6 +919,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="end the timed rounds early when the run would pass this many "
                          "seconds (0: never; default 100 on CUDA, 0 on the CPU)")
+    ap.add_argument("--factor-warmup", type=int, nargs="+", default=[0], metavar="N",
+                    help="factor-only updates of each K-FAC configuration before the timed "
+                         "rounds (default 0); several increasing values: one set of timed "
+                         "rounds (row set) after each, the warm-up continuing in between")
     ap.add_argument("--batch", type=int, default=32, help="per-rank batch")
     ap.add_argument("--image-size", type=int, default=None,
                     help="input height/width of resnet20 (default 32) and resnet50 "
@@ -730,7 +951,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--symmetric-packing", action="store_true",
                     help="kfac_hpc only: factors travel as upper triangles")
     ap.add_argument("--out", type=Path, default=OUT_DIR,
-                    help=f"folder of vs_kaisa_n<ranks>[_cuda].json (default {OUT_DIR})")
+                    help=f"folder of vs_kaisa_n<ranks>[_cuda][_warmup<N>].json (default {OUT_DIR})")
     ap.add_argument("--json", default="", help="also write the JSON to this file")
     ap.add_argument("--markdown", action="store_true",
                     help="--timing kinds tables as Markdown (schedule's always are)")
@@ -749,6 +970,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--clock cpu measures host CPU time: not GPU work; use --clock wall")
     if args.rounds < 1 or args.warmup < 0:
         ap.error("--rounds must be >= 1 and --warmup >= 0")
+    warm = args.factor_warmup
+    if warm[0] < 0 or any(b <= a for a, b in itertools.pairwise(warm)):
+        ap.error(f"--factor-warmup {' '.join(map(str, warm))}: give counts >= 0 in "
+                 "increasing order, e.g. --factor-warmup 0 800")
     return args
 
 
@@ -794,12 +1019,13 @@ def main(argv: list[str] | None = None) -> int:
                 if kinds else f"(factor, inv) = ({args.factor_steps}, {args.inv_steps})")
     say(f"ranks {SIZE}, torch {torch.__version__}, {where}, {kaisa_from}, batch "
         f"{args.batch}/rank, configs {' '.join(args.configs)}, {schedule}, damping "
-        f"{args.damping}, rounds {args.rounds} after {args.warmup} warm-up, {args.clock} clock"
+        f"{args.damping}, factor warm-up {' then '.join(map(str, args.factor_warmup))}, "
+        f"rounds {args.rounds} after {args.warmup} warm-up, {args.clock} clock"
         + (f", --max-seconds {args.max_seconds:g}" if args.max_seconds > 0 else ""))
     if cuda and kinds and args.models == ["resnet50"]:
-        say(f"# nominal wall time on an H200 (ResNet-50, batch 32: fi 1.5 s, f 0.15 s, "
-            f"p 0.05 s, SGD 0.02 s per iteration): about "
-            f"{nominal_estimate(args.configs, args):.0f} s")
+        nominal = ", ".join(f"{k} {v:g} s" for k, v in NOMINAL_H200_S.items())
+        say(f"# nominal wall time on an H200 (ResNet-50, batch 32: {nominal} per "
+            f"iteration): about {nominal_estimate(args.configs, args):.0f} s")
     results: dict[str, Any] = {"ranks": SIZE, "device": str(device), "torch": torch.__version__,
                                "gpu": gpu_info() if cuda else None,
                                "kaisa_version": getattr(kaisa, "__version__", None),
@@ -807,38 +1033,55 @@ def main(argv: list[str] | None = None) -> int:
                                "timing": args.timing,
                                "schedules": [list(s) for s in SCHEDULES] if kinds else None,
                                "args": vars(args),
+                               "factor_warmup": args.factor_warmup,
                                "models": {}}
     for name in args.models:
         model, x, y, what = workload(name, args.batch, args.image_size, args.resnet50)
         x, y = x.to(device), y.to(device)
         say(f"## {name}: {what}")
-        libs = set_up(args.configs, model, x, y, hp, kaisa, device, kinds)
+        libs = set_up(args.configs, model, x, y, hp, kaisa, device, kinds,
+                      warmup=args.factor_warmup[-1] > 0)
         if kinds:
             say(estimate(libs, args))
-        timed = run_rounds(libs, x, y, args, say)
-        res = {lib.label: lib.summary() for lib in libs}
-        results["models"][name] = res
-        results.setdefault("timed_rounds", {})[name] = timed
         results.setdefault("model_description", {})[name] = what
-        if kinds:
-            say(f"\n{name}, {SIZE} rank(s), {where}: ms per iteration (median of {timed} "
-                f"rounds after {args.warmup} warm-up + the set-up pass); (F,I) = "
-                "fi/I + f(1/F - 1/I) + p(1 - 1/F); x SGD, x KAISA: ratio of (F,I) times"
-                + ("; peak GPU: own allocations of the configuration" if cuda else ""))
-            say(kinds_tables(res, args.markdown, cuda) + "\n")
-        elif "kfac_hpc" in res and "KAISA" in res:
-            ours, theirs = res["kfac_hpc"], res["KAISA"]
-            say(f"{name}: median ratio {ours['median_ms'] / theirs['median_ms']:.2f}, "
-                f"mean ratio {ours['mean_ms'] / theirs['mean_ms']:.2f}")
+        done = 0
+        for index, updates in enumerate(args.factor_warmup):
+            warm_up(libs, x, y, updates - done, say)
+            done = updates
+            timed = run_rounds(libs, x, y, args, say, round_limit(libs, args, index))
+            res = {lib.label: lib.summary() for lib in libs}
+            key = name if len(args.factor_warmup) == 1 else f"{name} warm-up {updates}"
+            results["models"][key] = res
+            results.setdefault("timed_rounds", {})[key] = timed
+            warm = (f"factor warm-up {updates} (factor-only updates of each K-FAC "
+                    "configuration before these rounds; factor updates: all so far)")
+            if kinds:
+                say(f"\n{name}, {SIZE} rank(s), {where}, {warm}: ms per iteration (median "
+                    f"of {timed} rounds after {args.warmup} warm-up + the set-up pass); "
+                    "(F,I) = fi/I + f(1/F - 1/I) + p(1 - 1/F); x SGD, x KAISA: ratio of "
+                    "(F,I) times"
+                    + ("; peak GPU: own allocations of the configuration" if cuda else "")
+                    + "; off-diag: median over the factors of ||F - diag F||/||F|| before "
+                    "the rounds (near 0: a multiple of I)")
+                say(kinds_tables(res, args.markdown, cuda) + "\n")
+            elif "kfac_hpc" in res and "KAISA" in res:
+                ours, theirs = res["kfac_hpc"], res["KAISA"]
+                say(f"{name}, {warm}: median ratio "
+                    f"{ours['median_ms'] / theirs['median_ms']:.2f}, mean ratio "
+                    f"{ours['mean_ms'] / theirs['mean_ms']:.2f}")
         del libs
         if cuda:
             torch.cuda.empty_cache()
     if not kinds:
-        say("\n" + schedule_table(results))
+        say(f"\nfactor warm-up {' then '.join(map(str, args.factor_warmup))} (factor-only "
+            "updates before the timed rounds); factor off-diag: median over the factors of "
+            "||F - diag F||/||F|| before the rounds (near 0: a multiple of I)")
+        say(schedule_table(results))
     results["wall_seconds"] = process_seconds()
     say(f"# wall time {results['wall_seconds']:.0f} s (since the process started)")
     if RANK == 0:
-        suffix = "_cuda" if cuda else ""
+        suffix = ("_cuda" if cuda else "") + (f"_warmup{args.factor_warmup[-1]}"
+                                              if args.factor_warmup[-1] > 0 else "")
         say(f"wrote {write_json(args.out / f'vs_kaisa_n{SIZE}{suffix}.json', results)}")
         if args.json:
             say(f"wrote {write_json(args.json, results)}")
