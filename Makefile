@@ -48,7 +48,8 @@
 #                   (AdamW, Meta's Shampoo, ours), gpu_profile.py (precisions, lags,
 #                   decompositions, kernels, accuracy) and train_throughput.py (kfac-hpc
 #                   train samples/s), each under GPU_COMPARE_TIMEOUT s (300) on GPU_MODEL
-#                   (resnet50); the peers' sources in .peers/kaisa, .peers/meta.
+#                   (resnet50); the peers' sources in .peers/kaisa, .peers/meta;
+#                   GPU_COMPARE_PARTS picks which of the five run.
 #   Settings: GPU_PYTHON, GPU_RANKS (2), GPU_BATCH (per-rank batch, 32), GPU_OUT,
 #   GPU_MPI_TIMEOUT (s, per test module and per benchmark run), GPU_TEST_ARGS (pytest,
 #   e.g. -k), GPU_TEST_MODULES (space-separated test files), GPU_KFAC_ARGS /
@@ -109,6 +110,12 @@ GPU_COMPARE_TIMEOUT ?= 300
 # The second vs_kaisa.py run of make gpu-compare: kfac_hpc and KAISA after this many
 # factor-only updates (KAISA's factors then data-dominated; about 115 s on an H200).
 GPU_FACTOR_WARMUP ?= 800
+# The parts of make gpu-compare to run, in this order, with their nominal times on an
+# H200 (each at most GPU_COMPARE_TIMEOUT): kaisa (vs_kaisa.py, ~100 s), kaisa-warm (the
+# same after GPU_FACTOR_WARMUP factor updates, ~175 s), shampoo (~100 s), profile
+# (gpu_profile.py, ~150 s), train (train_throughput.py, ~120 s). A device session with
+# 15 minutes runs a subset per call, e.g. GPU_COMPARE_PARTS="kaisa-warm profile".
+GPU_COMPARE_PARTS ?= kaisa kaisa-warm shampoo profile train
 GPU_MPI          ?=
 GPU_WHEELS       ?= $(if $(GPU_MPI),$(GPU_MPI)/wheels,.gpu-wheels)
 GPU_PREFIX       ?=
@@ -227,11 +234,11 @@ GPU_SHAPE = $(if $(filter resnet50,$(GPU_MODEL)),3$(comma)224$(comma)224,3$(comm
 comma := ,
 gpu-compare: gpu-env
 	@mkdir -p $(GPU_OUT)
-	$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/vs_kaisa.py --device $(GPU_DEVICE) --models $(GPU_MODEL) --timing kinds --max-seconds 100 --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/vs_kaisa_$(GPU_MODEL)_$(GPU_DEVICE).txt'
-	$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/vs_kaisa.py --device $(GPU_DEVICE) --models $(GPU_MODEL) --timing kinds --configs sgd kfac_hpc kaisa --factor-warmup $(GPU_FACTOR_WARMUP) --max-seconds 240 --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/vs_kaisa_$(GPU_MODEL)_$(GPU_DEVICE)_warmup$(lastword $(GPU_FACTOR_WARMUP)).txt'
-	$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/shampoo_step.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --max-seconds 100 --profile --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/shampoo_step_$(GPU_MODEL)_$(GPU_DEVICE).txt'
-	$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/gpu_profile.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/gpu_profile_$(GPU_MODEL)_$(GPU_DEVICE).txt'
-	$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/train_throughput.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --shape $(GPU_SHAPE) --batch $(GPU_BATCH) --steps 60 --warmup 20 --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/train_throughput_$(GPU_MODEL)_$(GPU_DEVICE).txt'
+	$(if $(filter kaisa,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/vs_kaisa.py --device $(GPU_DEVICE) --models $(GPU_MODEL) --timing kinds --max-seconds 100 --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/vs_kaisa_$(GPU_MODEL)_$(GPU_DEVICE).txt')
+	$(if $(filter kaisa-warm,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/vs_kaisa.py --device $(GPU_DEVICE) --models $(GPU_MODEL) --timing kinds --configs sgd kfac_hpc kaisa --factor-warmup $(GPU_FACTOR_WARMUP) --max-seconds 240 --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/vs_kaisa_$(GPU_MODEL)_$(GPU_DEVICE)_warmup$(lastword $(GPU_FACTOR_WARMUP)).txt')
+	$(if $(filter shampoo,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/shampoo_step.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --max-seconds 100 --profile --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/shampoo_step_$(GPU_MODEL)_$(GPU_DEVICE).txt')
+	$(if $(filter profile,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/gpu_profile.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/gpu_profile_$(GPU_MODEL)_$(GPU_DEVICE).txt')
+	$(if $(filter train,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/train_throughput.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --shape $(GPU_SHAPE) --batch $(GPU_BATCH) --steps 60 --warmup 20 --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/train_throughput_$(GPU_MODEL)_$(GPU_DEVICE).txt')
 
 # ------------------------------------------------------------------- CUDA-aware MPI
 CUDA_MPI_OUT     ?= .cuda-mpi

@@ -20,7 +20,9 @@ stem), 1000 classes, one fixed synthetic batch, fp32 model, one process
   (decompositions in a worker thread on a side stream), against SGD.
 * ``decompositions``: one inverse update (``pre.decomps.update``) against the bare
   solver calls on the same factors: ``torch.linalg.eigh`` one factor at a time and
-  batched by size (``linalg.eigh_clamped_many``). Then, per distinct factor size (one
+  batched by size (``linalg.eigh_clamped_many``, all on the device), and batched by size
+  with the CUDA factors up to each ``--host-max-dims`` value decomposed on the host
+  beside the device's (``host_decomposition_max_dim``; 0: none). Then, per distinct factor size (one
   factor ``F`` of that size, the count of that size), the ms of one
   ``torch.linalg.eigh`` (median of 3 calls when the first takes under 0.25 s, else that
   one call) of: ``F`` in float32 on the device (what the preconditioner decomposes),
@@ -305,7 +307,13 @@ def decompositions_section(device: torch.device, batch: tuple[Tensor, Tensor],
             torch.linalg.eigh(f)
 
     each = [timed(one_by_one, device) for _ in range(3)]
-    batched = [timed(lambda: linalg.eigh_clamped_many(factors), device) for _ in range(3)]
+    batched = [timed(lambda: linalg.eigh_clamped_many(factors, host_max_dim=0), device)
+               for _ in range(3)]
+    # host_decomposition_max_dim: CUDA factors up to this size on the host, beside the
+    # device's (kfac_hpc.symeig); the wall time of all of them, batched by size
+    by_host_max_dim = {h: statistics.median(
+        timed(lambda h=h: linalg.eigh_clamped_many(factors, host_max_dim=h), device)
+        for _ in range(3)) * 1e3 for h in args.host_max_dims}
     sizes: dict[int, list[Tensor]] = {}
     for f in factors:
         sizes.setdefault(f.shape[0], []).append(f)
@@ -329,6 +337,7 @@ def decompositions_section(device: torch.device, batch: tuple[Tensor, Tensor],
     return {"inverse update ms": statistics.median(update) * 1e3,
             "eigh one by one ms": statistics.median(each) * 1e3,
             "eigh batched by size ms": statistics.median(batched) * 1e3,
+            "batched by size, host_decomposition_max_dim -> ms": by_host_max_dim,
             "factors": len(factors), "per size": per_size,
             "sum of count x ms": totals,
             "linalg library": str(torch.backends.cuda.preferred_linalg_library())
@@ -459,6 +468,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="schedule section: factor_update_steps and inv_update_steps")
     p.add_argument("--lags", type=int, nargs="+", default=[0, 5, 9],
                    help="schedule section: decomposition_lag values")
+    p.add_argument("--host-max-dims", type=int, nargs="+", default=[0, 512, 1024, 1152],
+                   help="decompositions section: host_decomposition_max_dim values timed "
+                        "(all factors' decompositions, the small ones on the host)")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--out", type=Path, default=Path("benchmarks/out/gpu"))
     args = p.parse_args(argv)
@@ -492,6 +504,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\ninverse update {dec['inverse update ms']:.1f} ms; eigh one by one "
               f"{dec['eigh one by one ms']:.1f} ms; batched by size "
               f"{dec['eigh batched by size ms']:.1f} ms ({dec['factors']} factors)")
+        print("all decompositions batched by size, the CUDA factors up to "
+              "host_decomposition_max_dim on the host beside the device's: "
+              + ", ".join(f"{h}: {ms:.1f} ms" for h, ms in
+                          dec["batched by size, host_decomposition_max_dim -> ms"].items()))
         where = (f"{result['gpu']}" if device.type == "cuda" else "the CPU (dry run)")
         print(f"ms per torch.linalg.eigh of one factor per size (median of 3 below "
               f"{CHEAP_S * 1e3:.0f} ms, else one call); fp32, fp64: our factor on {where}; "
