@@ -10,15 +10,18 @@ Runs on every rank of ``comm`` (default: the world). Order of events:
    state in it: :mod:`kfac_hpc.train.extra`).
 4. Epochs of steps: ``lr`` from the schedule -> forward/backward (micro-batches) ->
    gradient averaging (``GradientAverager`` or DDP) -> ``preconditioner.step()``
-   -> ``optimizer.step()``; global loss/accuracy per step (one small allreduce on a
-   separate communicator that also carries the stop/checkpoint flags, so every rank
-   takes the same decision at the same step boundary).
+   -> ``optimizer.step()``; then one small host-only allreduce of the stop/checkpoint
+   flags on a separate communicator, so every rank takes the same decision at the same
+   step boundary. The step's loss and accuracy stay on the device
+   (:mod:`kfac_hpc.train.pending`) until the next *read point* (a logged step, a
+   progress line, a checkpoint, a stop, the end of the epoch or of the run): then all
+   of them are read in one go and accounted step by step, in order.
 5. Evaluation on the sharded test set, epoch records, final summary
    (:mod:`kfac_hpc.train.tracking`, :mod:`kfac_hpc.train.result`).
 
-Divergence (:mod:`kfac_hpc.train.divergence`): the global loss of every step (already
-reduced for the metrics, so checking it costs nothing) and every evaluation must be
-finite; K-FAC's and Shampoo's numerical errors (raised alike on every rank) and a
+Divergence (:mod:`kfac_hpc.train.divergence`): the global loss of every step (checked
+at the read point that reads it, before any checkpoint is written) and every evaluation
+must be finite; K-FAC's and Shampoo's numerical errors (raised alike on every rank) and a
 checkpoint refused for NaN/Inf state end the same way: :class:`TrainingDiverged` on
 every rank, naming the step, the epoch, the last finite checkpoint and the newest
 checkpoint taken before the loss left its running range (:data:`RANGE_FACTOR`); no
@@ -41,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from kfac_hpc.phases import Phase
@@ -69,6 +73,7 @@ from kfac_hpc.train.metrics import (
 )
 from kfac_hpc.train.optim import lr_schedule
 from kfac_hpc.train.outdirs import check_output_dirs
+from kfac_hpc.train.pending import PendingMetrics, StepInfo, StepMetrics
 from kfac_hpc.train.result import (
     LANGUAGE_DATASETS,
     StopReason,
@@ -195,6 +200,7 @@ class Trainer:
         self.progress = Progress(cfg, verbose=self.verbose)
         self._watchdog: Watchdog | None = None  # during fit()
         self._epoch = 0  # the epoch in progress (0-based)
+        self._wall0 = time.perf_counter()  # the origin of the records' wall times (fit())
         self._step_loss: torch.Tensor | None = None  # this rank's loss sum of the step
         self._numerical = numerical_errors()
         # What is acquired below is released by close(), in reverse order.
@@ -243,6 +249,7 @@ class Trainer:
                                                 say=self.progress.print, beat=self._beat)
             self._resources.callback(self.checkpoints.close)
             self.step = 0
+            self.pending = PendingMetrics(self.aux)  # the steps not read yet
             self.tally = RunTally()
             self.loss_range = LossRange()
             self.traffic = TrafficMeter(self.comm, ddp_bytes_per_step=(
@@ -376,17 +383,20 @@ class Trainer:
     def save_checkpoint(self, background: bool = False) -> None:
         """Write a checkpoint of the current state (all ranks call this together).
 
-        The write in flight, if any, is waited for first (its failure raised here).
+        The steps not read yet are read first (their losses checked: a NaN/Inf loss
+        ends the run here, before anything is written), then the write in flight, if
+        any, is waited for (its failure raised here).
 
         Args:
             background: Snapshot the state and write it while training goes on (when
                 enabled); otherwise it is on disk when this returns.
 
         Raises:
-            TrainingDiverged: The state holds NaN/Inf (nothing written).
+            TrainingDiverged: A loss or the state holds NaN/Inf (nothing written).
         """
         from kfac_hpc import checkpoint
 
+        self._read_pending()  # a read point precedes every save
         self.wait_for_checkpoint()  # at most one write in flight; its errors first
         try:
             with self.traffic.excluding():  # not training traffic
@@ -408,8 +418,9 @@ class Trainer:
     def _numerical_failure(self, exc: BaseException) -> TrainingDiverged:
         """K-FAC or Shampoo gave up on this step (on every rank).
 
-        If the step's loss was already NaN/Inf, that is the message (one allreduce, on
-        this path only).
+        The steps not read yet are read first: a NaN/Inf loss among them is the
+        divergence (as it would have stopped the run at its step). If the failed step's
+        loss was already NaN/Inf, that is the message (one allreduce, on this path only).
 
         Args:
             exc: Their numerical error.
@@ -417,6 +428,7 @@ class Trainer:
         Returns:
             The error to raise.
         """
+        self._read_pending()
         local = self._step_loss
         (loss,) = global_sums(self.aux, [float(local) if local is not None else 0.0])
         if not math.isfinite(loss):
@@ -426,14 +438,15 @@ class Trainer:
         return self._diverged(f"{what} statistics became NaN/Inf or unusable", self.step + 1,
                               exc)
 
-    def _diverged(self, what: str, step: int, cause: BaseException | None = None
-                  ) -> TrainingDiverged:
+    def _diverged(self, what: str, step: int, cause: BaseException | None = None, *,
+                  epoch: int | None = None) -> TrainingDiverged:
         """Build the one error of a diverged run (every rank builds the same one; collective).
 
         Args:
             what: What became NaN/Inf.
             step: The step.
             cause: The numerical error of K-FAC or Shampoo, if that was it.
+            epoch: The step's epoch (0-based; default: the epoch in progress).
 
         Returns:
             The error to raise.
@@ -443,7 +456,7 @@ class Trainer:
         # the checkpoints on disk are named only where this run writes them
         left = self.loss_range.left if self.checkpoints.directory else None
         before = self.checkpoints.newest_before(left.step) if left is not None else None
-        return diverged(what, step=step, epoch=self._epoch + 1,
+        return diverged(what, step=step, epoch=(self._epoch if epoch is None else epoch) + 1,
                         last_checkpoint=self.checkpoints.last,
                         checkpoint_dir=self.cfg.checkpoint_dir, left=left,
                         before_range=before, cause=cause)
@@ -477,15 +490,17 @@ class Trainer:
             return self.averager.no_sync()
         return contextlib.nullcontext()
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, int]:
-        """One optimizer step on this rank's batch.
+    def train_step(self, x: torch.Tensor, y: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """One optimizer step on this rank's batch (no host read of its own).
 
         Args:
             x: The inputs.
             y: The targets.
 
         Returns:
-            ``(mean loss, correct, samples)`` of this rank.
+            ``(loss sum, correct, samples)`` of this rank: the loss summed over the
+            samples and the correct predictions as 0-d tensors on the device, not read.
         """
         lr = self.lr_fn(self.step)
         for group in self.opt.param_groups:
@@ -526,7 +541,7 @@ class Trainer:
             else:
                 self.opt.step()
         self.step += 1
-        return float(loss_sum) / n, float(correct), n
+        return loss_sum, correct, n
 
     @torch.no_grad()
     def evaluate(self) -> WeightedMean:
@@ -605,6 +620,7 @@ class Trainer:
         self.progress.start(total_steps=self.total_steps, start_step=self.step)
         span = _Span(bytes_start=self.traffic.total(), steps_start=self.step,
                      wall0=time.perf_counter() - self.tally.train_time)
+        self._wall0 = span.wall0
         self.checkpoints.restart_clock()
         stopped = StopReason.COMPLETED
         target: tuple[float, int] | None = None  # (wall time, epochs) to the target
@@ -614,7 +630,7 @@ class Trainer:
         while epoch < cfg.epochs:
             self.train_loader.set_epoch(epoch)
             t_epoch = time.perf_counter()
-            if self.step < self.total_steps and self._run_epoch(epoch, span.wall0):
+            if self.step < self.total_steps and self._run_epoch(epoch):
                 stopped = StopReason.STOP_REQUESTED
                 break  # checkpointed; leave quickly, without evaluating
             ran_out = self.step >= self.total_steps
@@ -648,50 +664,76 @@ class Trainer:
                 self.checkpoints.mark_completed(self.step)
         return self._result(stopped, last_train, last_eval or WeightedMean(), span, target)
 
-    def _run_epoch(self, epoch: int, wall0: float) -> bool:
+    def _run_epoch(self, epoch: int) -> bool:
         """Run the steps of ``epoch`` from the loader's position.
+
+        A step reads nothing from the device: its loss and accuracy wait in
+        :attr:`pending` until the next read point (:meth:`_read_point`; the end of the
+        epoch is one), where :meth:`_read_pending` accounts them in order. Every step
+        agrees on the flags (a checkpoint due by time, a stop request) in a host-only
+        allreduce.
 
         Args:
             epoch: The epoch (0-based).
-            wall0: The origin of the records' wall times.
 
         Returns:
             True if a stop was requested (then the state is checkpointed).
         """
         self._epoch = epoch
-        t_step = time.perf_counter()
-        traffic0 = self.traffic.counts()
+        self.pending.restart_clock()
         for x, y in self.train_loader:
-            self._beat(f"step {self.step + 1} (epoch {epoch + 1})")
-            self.timer.start(self.phase_times and self._logged(self.step + 1))
+            step = self.step + 1
+            self._beat(f"step {step} (epoch {epoch + 1})")
+            logged = self._logged(step)
+            self.timer.start(self.phase_times and logged)
+            traffic0 = self.traffic.counts() if logged else None
             try:
-                loss, correct, n = self.train_step(x, y)
+                loss_sum, correct, n = self.train_step(x, y)
             except self._numerical as exc:  # agreed: the same error on every rank
                 raise self._numerical_failure(exc) from exc
-            want_stop = bool(self.should_stop is not None and self.should_stop())
-            # One reduction: global metrics plus the flags every rank must agree on.
-            g_loss, g_correct, g_n, g_ckpt, g_stop = global_sums(
-                self.aux, [loss * n, correct, n, float(self.checkpoints.due_by_time()),
-                           float(want_stop)])
-            dt = time.perf_counter() - t_step
-            self.tally.add_step(g_loss, g_correct, int(g_n), dt)
-            traffic0 = self._log_step(epoch, g_loss / g_n, g_correct / g_n, int(g_n), dt,
-                                      wall0, traffic0)
-            self.loss_range.track(self.step, g_loss / g_n)
-            if not math.isfinite(g_loss):  # the global sum: the same verdict on every rank
-                raise self._diverged("loss became NaN/Inf", self.step)
-            if g_stop > 0 or g_ckpt > 0 or self.checkpoints.due_by_step(self.step):
+            by_time, stop = self._agree_flags()
+            self.pending.add(self._step_info(epoch, traffic0), loss_sum, correct, n)
+            checkpoint = by_time or stop or self.checkpoints.due_by_step(self.step)
+            if checkpoint or self._read_point(self.step):
+                self._read_pending()
+            if checkpoint:
                 # periodic: in the background; on a stop: in the foreground (after the
                 # write in flight), so that the process exits with it on disk
-                self.save_checkpoint(background=g_stop <= 0)
+                self.save_checkpoint(background=not stop)
                 self.checkpoints.restart_clock()
-                traffic0 = self.traffic.counts()  # not the checkpoint's bytes
-            if g_stop > 0:
+                self.pending.restart_clock()  # not the steps' time
+            if stop:
                 return True
             if self.step >= self.total_steps:
                 return False
-            t_step = time.perf_counter()
+        self._read_pending()  # the end of the epoch
         return False
+
+    def _agree_flags(self) -> tuple[bool, bool]:
+        """Agree on the step boundary's decisions (host memory only: no device sync).
+
+        Returns:
+            ``(checkpoint due by time, stop requested)``: each true on every rank if
+            true on one.
+        """
+        want_stop = bool(self.should_stop is not None and self.should_stop())
+        flags = np.array([self.checkpoints.due_by_time(), want_stop], dtype=np.int32)
+        if self.size > 1:
+            self.aux.allreduce(flags, "max")
+        return bool(flags[0]), bool(flags[1])
+
+    def _read_point(self, step: int) -> bool:
+        """Whether the metrics are read after ``step`` (besides checkpoints and stops).
+
+        Args:
+            step: The step.
+
+        Returns:
+            True at a logged step (the last step included) and at a progress line's
+            step; the same on every rank.
+        """
+        cfg = self.cfg
+        return self._logged(step) or (cfg.progress and step % cfg.progress_every_steps == 0)
 
     def _logged(self, step: int) -> bool:
         """Whether ``step`` gets a step record (and its phase times).
@@ -704,36 +746,60 @@ class Trainer:
         """
         return step % self.cfg.log_every_steps == 0 or step == self.total_steps
 
-    def _log_step(self, epoch: int, loss: float, acc: float, samples: int, seconds: float,
-                  wall0: float, traffic0: dict[str, int]) -> dict[str, int]:
-        """Record and show the step just taken.
+    def _step_info(self, epoch: int, traffic0: dict[str, int] | None) -> StepInfo:
+        """What the host knows of the step just taken (read with its metrics later).
 
         Args:
             epoch: Its epoch (0-based).
-            loss: Its global mean loss.
-            acc: Its global accuracy.
-            samples: Its global number of samples.
-            seconds: Its wall time.
-            wall0: The origin of the records' wall times.
-            traffic0: :meth:`TrafficMeter.counts` before the step.
+            traffic0: :meth:`TrafficMeter.counts` before it, if it is logged.
 
         Returns:
-            :meth:`TrafficMeter.counts` after it.
+            Its host-side record.
         """
-        traffic1 = self.traffic.counts()
-        progress = epoch + self.train_loader.batch_index / self.steps_per_epoch
-        if self._logged(self.step):
+        fields: dict[str, float] | None = None
+        if traffic0 is not None:
+            traffic1 = self.traffic.counts()
+            fields = {**self.timer.record(),
+                      **{f"bytes_{k}": v1 - traffic0[k] for k, v1 in traffic1.items()}}
+        return StepInfo(step=self.step, epoch=epoch,
+                        epoch_progress=epoch + self.train_loader.batch_index
+                        / self.steps_per_epoch,
+                        lr=self.opt.param_groups[0]["lr"], fields=fields)
+
+    def _read_pending(self) -> None:
+        """A read point: account the steps not read yet, in order (collective).
+
+        Each step as it would have been alone: the totals, its record and progress, the
+        loss's running range, then the divergence check.
+
+        Raises:
+            TrainingDiverged: A step's global loss is NaN/Inf (named: that step).
+        """
+        for m in self.pending.read():
+            self.tally.add_step(m.loss_sum, m.correct, m.samples, m.seconds)
+            self._log_step(m)
+            self.loss_range.track(m.info.step, m.loss)
+            if not math.isfinite(m.loss_sum):  # the global sum: the same verdict everywhere
+                raise self._diverged("loss became NaN/Inf", m.info.step, epoch=m.info.epoch)
+
+    def _log_step(self, m: StepMetrics) -> None:
+        """Record and show a step just read.
+
+        Args:
+            m: Its global metrics.
+        """
+        info = m.info
+        if info.fields is not None:
             self.writer.step({
-                "step": self.step, "epoch": progress, "lr": self.opt.param_groups[0]["lr"],
-                "loss": loss, "acc": acc, "samples": samples,
-                "step_time": seconds, "samples_per_s": samples / seconds,
-                "wall_time": time.perf_counter() - wall0,
-                **self.timer.record(),
-                **{f"bytes_{k}": v1 - traffic0[k] for k, v1 in traffic1.items()},
+                "step": info.step, "epoch": info.epoch_progress, "lr": info.lr,
+                "loss": m.loss, "acc": m.acc, "samples": m.samples,
+                "step_time": m.seconds, "samples_per_s": m.samples / m.seconds,
+                "wall_time": time.perf_counter() - self._wall0,
+                **info.fields,
             })
-        self.progress.step(step=self.step, epoch=epoch, loss=loss, acc=acc, samples=samples,
-                           seconds=seconds, epoch_progress=progress)
-        return traffic1
+        self.progress.step(step=info.step, epoch=info.epoch, loss=m.loss, acc=m.acc,
+                           samples=m.samples, seconds=m.seconds,
+                           epoch_progress=info.epoch_progress)
 
     def _evaluation(self, epoch: int, ran_out: bool) -> WeightedMean | None:
         """Evaluate at the end of ``epoch`` when it is time.

@@ -1,0 +1,230 @@
+"""The driver reads the device only at read points (``kfac_hpc.train.pending``).
+
+A training step keeps its loss and accuracy on the device; they are read, all at once,
+at the next read point (a logged step, a progress line, a checkpoint, a stop, the end of
+an epoch or of the run). Checked here: steps between read points do no host read of a
+tensor value (on a GPU each would be a device sync); a run's records, checkpoints and
+final parameters do not depend on how often it reads; a NaN loss at a step that is not
+read at once is found at the next read point, named with its step, and nothing is
+checkpointed after it.
+
+MPI: ``launch/local -n 2 --timeout 600 python -m mpi4py -m pytest -q --with-mpi
+--only-mpi tests/test_train_reads.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from op_count import HostReads
+
+from kfac_hpc.train.config import TrainConfig
+from kfac_hpc.train.loop import Trainer, TrainingDiverged, train
+from kfac_hpc.train.metrics import read_jsonl
+from tests.test_train_loop import _nan_output_from, config, has_kfac, self_comm
+
+
+def shared_path(comm: Any, tmp_path: Path) -> Path:
+    """Rank 0's ``tmp_path`` on every rank (one run directory, one checkpoint directory)."""
+    return Path(comm.broadcast_object(str(tmp_path))) if comm.size > 1 else tmp_path
+
+
+def reads_per_step(comm: Any, cfg: TrainConfig) -> list[dict[str, int]]:
+    """Train ``cfg``; the host reads of tensor values from each step's start to the next's.
+
+    Step ``s``'s entry covers its ``train_step``, the flags' agreement, the read point
+    if it is one, and fetching the next batch. What K-FAC's own ``step()`` reads is the
+    library's, not the driver's: it is left out.
+    """
+    cfg.validate()
+    trainer = Trainer(cfg, comm, verbose=False)
+    reads = HostReads()
+    marks: list[dict[str, int]] = []
+    library: dict[str, int] = {}
+    train_step = trainer.train_step
+
+    def counted_train_step(x: torch.Tensor, y: torch.Tensor) -> Any:
+        marks.append({k: v - library.get(k, 0) for k, v in reads.calls.items()})
+        return train_step(x, y)
+
+    trainer.train_step = counted_train_step  # type: ignore[method-assign]
+    if trainer.pre is not None:
+        pre_step = trainer.pre.step
+
+        def uncounted_pre_step(*args: Any, **kwargs: Any) -> Any:
+            before = dict(reads.calls)
+            try:
+                return pre_step(*args, **kwargs)
+            finally:
+                for k, v in reads.calls.items():
+                    library[k] = library.get(k, 0) + v - before.get(k, 0)
+
+        trainer.pre.step = uncounted_pre_step  # type: ignore[method-assign]
+    try:
+        with reads:
+            trainer.fit()
+    finally:
+        trainer.close()
+    marks.append({k: v - library.get(k, 0) for k, v in reads.calls.items()})
+    return [{k: b[k] - a.get(k, 0) for k in b if b[k] != a.get(k, 0)}
+            for a, b in itertools.pairwise(marks)]
+
+
+def _check_reads(comm: Any, tmp_path: Path, pre: str, progress_every: int | None) -> None:
+    cfg = config(tmp_path, comm.size, epochs=1, max_steps=12, log_every_steps=5,
+                 preconditioner=pre, progress=progress_every is not None,
+                 progress_every_steps=progress_every or 100)
+    per_step = reads_per_step(comm, cfg)
+    assert len(per_step) == 12
+    read_points = {5, 10} | ({3, 6, 9} if progress_every else set())
+    for step, reads in enumerate(per_step[:-1], start=1):  # the last: the run's end
+        if step in read_points:
+            assert reads == {"tolist": 1}, (step, per_step)  # the one read of the block
+        else:
+            assert reads == {}, (step, per_step)
+
+
+@pytest.mark.parametrize("progress_every", [None, 3])
+@pytest.mark.parametrize("pre", ["none", "kfac"])
+def test_steps_between_read_points_read_no_tensor(tmp_path: Path, pre: str,
+                                                  progress_every: int | None) -> None:
+    """``--log-every-steps 5`` (and progress lines every 3 steps): the steps that are
+    not read points read nothing from a tensor; a read point reads once."""
+    if pre == "kfac" and not has_kfac():
+        pytest.skip("kfac_hpc.KFACPreconditioner missing")
+    _check_reads(self_comm(), tmp_path, pre, progress_every)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("pre", ["none", "kfac"])
+def test_steps_between_read_points_read_no_tensor_on_every_rank(comm: Any, tmp_path: Path,
+                                                                pre: str) -> None:
+    _check_reads(comm, tmp_path, pre, None)
+
+
+# ----------------------------------------------------------- the same run, read less often
+STEP_KEYS = ("step", "epoch", "lr", "loss", "acc", "samples")
+EPOCH_KEYS = ("epoch", "step", "lr", "train_loss", "train_acc", "test_loss", "test_acc")
+
+
+def _run(comm: Any, root: Path, name: str, **changes: Any) -> tuple[Any, list[dict[str, Any]]]:
+    cfg = config(root, comm.size, out=str(root / name / "run"),
+                 checkpoint_dir=str(root / name / "ck"), checkpoint_every_steps=4,
+                 checkpoint_keep=100, **changes)
+    result = train(cfg, comm, verbose=False)
+    records = read_jsonl(root / name / "run" / "metrics.jsonl") if comm.rank == 0 else []
+    return result, records
+
+
+def _checkpoint_state(path: Path) -> dict[str, Any]:
+    """The metrics a checkpoint keeps, and its parameters."""
+    from kfac_hpc import checkpoint
+    from kfac_hpc.models import build_model
+
+    model = build_model("mlp", input_dim=64, num_classes=10)
+    info = checkpoint.load(path, model=model, optimizer=None, comm=self_comm(),
+                           restore_rng=False)
+    metrics = info.extra["metrics"]
+    return {"step": info.step, "epoch_stats": list(metrics["epoch_stats"]),
+            "train_samples": metrics["train_samples"],
+            "window": list(metrics["loss_range"]["window"]),
+            "params": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def _check_same_run(comm: Any, tmp_path: Path, pre: str) -> None:
+    root = shared_path(comm, tmp_path)
+    every, every_rec = _run(comm, root, "every", log_every_steps=1, preconditioner=pre)
+    sparse, sparse_rec = _run(comm, root, "sparse", log_every_steps=5, preconditioner=pre)
+    assert sparse.checksum == every.checksum and sparse.steps == every.steps == 44
+    for key in ("train_loss", "train_acc", "test_loss", "test_acc"):
+        assert getattr(sparse, key) == getattr(every, key), key
+    if comm.rank != 0:
+        return
+    steps = {r["step"]: r for r in every_rec if r["kind"] == "step"}
+    logged = [r for r in sparse_rec if r["kind"] == "step"]
+    assert [r["step"] for r in logged] == [*range(5, 44, 5), 44]
+    for r in logged:  # bitwise: floats read back from JSON as written
+        assert {k: r[k] for k in STEP_KEYS} == {k: steps[r["step"]][k] for k in STEP_KEYS}
+    epochs = [[r[k] for k in EPOCH_KEYS] for r in every_rec if r["kind"] == "epoch"]
+    assert [[r[k] for k in EPOCH_KEYS] for r in sparse_rec if r["kind"] == "epoch"] == epochs
+    from kfac_hpc import checkpoint
+
+    files = {name: checkpoint.list_checkpoints(root / name / "ck") for name in ("every",
+                                                                               "sparse")}
+    assert [f.name for f in files["sparse"]] == [f.name for f in files["every"]]
+    assert len(files["every"]) == 11  # every 4 steps (the last: the final one)
+    for a, b in zip(files["every"], files["sparse"]):
+        sa, sb = _checkpoint_state(a), _checkpoint_state(b)
+        params_a, params_b = sa.pop("params"), sb.pop("params")
+        assert sa == sb, (a.name, sa, sb)
+        assert all(torch.equal(params_a[k], params_b[k]) for k in params_a), a.name
+
+
+@pytest.mark.parametrize("pre", ["none", "kfac"])
+def test_records_checkpoints_and_parameters_do_not_depend_on_the_reads(
+        tmp_path: Path, pre: str) -> None:
+    """Two epochs (22 steps each) with a checkpoint every 4 steps, step records every
+    step or every 5 steps: the records both have, the epoch records, the metrics each
+    checkpoint keeps, its parameters and the final checksum are bitwise the same."""
+    if pre == "kfac" and not has_kfac():
+        pytest.skip("kfac_hpc.KFACPreconditioner missing")
+    _check_same_run(self_comm(), tmp_path, pre)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("pre", ["none", "kfac"])
+def test_records_do_not_depend_on_the_reads_on_every_rank(comm: Any, tmp_path: Path,
+                                                          pre: str) -> None:
+    _check_same_run(comm, tmp_path, pre)
+
+
+# ------------------------------------------------------------------------ a late NaN
+def _check_late_nan(comm: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loss of step 6 is NaN; steps 5 (logged) and 4 (checkpointed) were read, step 6
+    is not a read point: steps 7 and 8 run, and the read point of step 8's checkpoint
+    finds step 6's loss before writing anything."""
+    from kfac_hpc import checkpoint
+
+    _nan_output_from(6, monkeypatch)
+    root = shared_path(comm, tmp_path)
+    ck = root / "ck"
+    cfg = config(root, comm.size, log_every_steps=5, checkpoint_dir=str(ck),
+                 checkpoint_every_steps=4, checkpoint_keep=3)
+    calls = {"n": 0}
+    original = Trainer.train_step
+
+    def counted(self: Trainer, x: torch.Tensor, y: torch.Tensor) -> Any:
+        calls["n"] += 1
+        return original(self, x, y)
+
+    monkeypatch.setattr(Trainer, "train_step", counted)
+    with pytest.raises(TrainingDiverged) as err:
+        train(cfg, comm, verbose=False)
+    exc = err.value
+    messages = comm.allgather_object(str(exc)) if comm.size > 1 else [str(exc)]
+    assert len(set(messages)) == 1, messages
+    assert calls["n"] == 8  # found late, at the read point of step 8
+    assert (exc.step, exc.epoch) == (6, 1)
+    assert str(exc) == (f"loss became NaN/Inf at step 6 (epoch 1); last finite checkpoint: "
+                        f"{ck / 'ckpt_00000004.h5'}; the loss left its running range at step "
+                        f"6 (NaN/Inf); newest checkpoint before that: {ck / 'ckpt_00000004.h5'}")
+    if comm.rank == 0:
+        assert [f.name for f in checkpoint.list_checkpoints(ck)] == ["ckpt_00000004.h5"]
+        records = [r for r in read_jsonl(root / "run" / "metrics.jsonl")
+                   if r["kind"] == "step"]
+        assert [r["step"] for r in records] == [5]  # no record after the NaN
+
+
+def test_nan_loss_between_read_points_is_found_at_the_next(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _check_late_nan(self_comm(), tmp_path, monkeypatch)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_nan_loss_between_read_points_is_found_on_every_rank(
+        comm: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _check_late_nan(comm, tmp_path, monkeypatch)
