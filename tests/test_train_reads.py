@@ -228,3 +228,55 @@ def test_nan_loss_between_read_points_is_found_at_the_next(
 def test_nan_loss_between_read_points_is_found_on_every_rank(
         comm: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _check_late_nan(comm, tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize("every", [1, 5])
+def test_nan_loss_between_read_points_is_named_before_a_later_kfac_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, every: int) -> None:
+    """The loss of step 6 is NaN and K-FAC raises its agreed error at step 8 (before any
+    read point after step 5): the steps not read yet are read first, so the run ends
+    with step 6's loss, as it would have when reading every step."""
+    if not has_kfac():
+        pytest.skip("kfac_hpc.KFACPreconditioner missing")
+    from kfac_hpc.kfac.errors import KFACNumericalError
+    from kfac_hpc.kfac.preconditioner import KFACPreconditioner
+
+    _nan_output_from(6, monkeypatch)
+    error = KFACNumericalError("K-FAC step 8: non-finite factor statistics", step=8, ranks=1,
+                               local=["0/A"])
+    real_step, calls = KFACPreconditioner.step, {"n": 0}
+
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 8:
+            raise error
+        if calls["n"] >= 6:  # NaN statistics: K-FAC would have raised at step 6 itself
+            return None
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(KFACPreconditioner, "step", step)
+    with pytest.raises(TrainingDiverged) as err:
+        train(config(tmp_path, preconditioner="kfac", log_every_steps=every), self_comm(),
+              verbose=False)
+    assert calls["n"] == (6 if every == 1 else 8)  # every step read: found at step 6
+    assert str(err.value).startswith("loss became NaN/Inf at step 6 (epoch 1); "
+                                     "last finite checkpoint: none"), str(err.value)
+
+
+def test_evaluation_reads_once_whatever_its_batches(tmp_path: Path) -> None:
+    """The evaluation reads its batches' losses in one go: as many host reads with 45
+    batches as with 6 (before: two per batch)."""
+    reads = {}
+    for batch in (8, 64):
+        cfg = config(tmp_path, epochs=1, max_steps=1, eval_batch_size=batch)
+        cfg.validate()
+        trainer = Trainer(cfg, self_comm(), verbose=False)
+        try:
+            counter = HostReads()
+            with counter:
+                stats = trainer.evaluate()
+            reads[batch] = dict(counter.calls)
+        finally:
+            trainer.close()
+        assert stats.count == 360  # the digits' test set
+    assert reads[8] == reads[64] and reads[8]["tolist"] == 1, reads

@@ -1,7 +1,8 @@
 """When a run has diverged, and the one message every rank raises for it.
 
 A run diverges when the global loss of a step (already reduced for the metrics, so
-checking it costs nothing) or an evaluation is NaN/Inf, when K-FAC or Shampoo raise
+checking it costs nothing; checked at the read point that reads it:
+:mod:`kfac_hpc.train.pending`) or an evaluation is NaN/Inf, when K-FAC or Shampoo raise
 their numerical errors (alike on every rank), or when a checkpoint is refused for
 NaN/Inf state. Every rank then raises the same :class:`TrainingDiverged`, naming the
 step, the epoch, the last finite checkpoint and the newest checkpoint taken before the

@@ -547,6 +547,9 @@ class Trainer:
     def evaluate(self) -> WeightedMean:
         """Global test loss/accuracy (sharded over ranks, weighted by samples).
 
+        The batches' losses and correct counts stay on the device until the last batch,
+        then are read in one go (no device sync per batch).
+
         Returns:
             The global sums (the same on every rank).
         """
@@ -558,7 +561,9 @@ class Trainer:
         loader = ShardedLoader(test, batch_size=bs, rank=self.rank, world_size=self.size,
                                seed=0, shuffle=False, drop_last=False,
                                **pipeline_options(self.cfg, self.device))
-        stats = WeightedMean()
+        losses: list[torch.Tensor] = []
+        correct: list[torch.Tensor] = []
+        counts: list[int] = []
         for i, (x, y) in enumerate(loader):  # epoch 0, un-augmented; empty batches skipped
             self._beat(f"evaluation batch {i + 1} after step {self.step}")
             if y.numel() == 0:
@@ -567,8 +572,15 @@ class Trainer:
             y = y.to(self.device, non_blocking=True)
             with self._autocast():
                 out, y = token_view(self.model(x), y)
-            loss = self.loss_fn(out.float(), y)
-            stats.add(float(loss), float((out.argmax(1) == y).sum()), int(y.numel()))
+            losses.append(self.loss_fn(out.float(), y))
+            correct.append((out.argmax(1) == y).sum())
+            counts.append(int(y.numel()))
+        stats = WeightedMean()
+        if counts:
+            values = torch.cat([torch.stack(losses).to(torch.float64),
+                                torch.stack(correct).to(torch.float64)]).tolist()  # one read
+            for j, n in enumerate(counts):
+                stats.add(values[j], values[len(counts) + j], n)
         return stats.reduced(self.aux)
 
     def _sync_buffers(self) -> None:
