@@ -310,7 +310,7 @@ def decompositions_section(device: torch.device, batch: tuple[Tensor, Tensor],
     batched = [timed(lambda: linalg.eigh_clamped_many(factors, host_max_dim=0), device)
                for _ in range(3)]
     # host_decomposition_max_dim: CUDA factors up to this size on the host, beside the
-    # device's (kfac_hpc.symeig); the wall time of all of them, batched by size
+    # device's (kfac_hpc.solves); the wall time of all of them, batched by size
     by_host_max_dim = {h: statistics.median(
         timed(lambda h=h: linalg.eigh_clamped_many(factors, host_max_dim=h), device)
         for _ in range(3)) * 1e3 for h in args.host_max_dims}

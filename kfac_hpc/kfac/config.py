@@ -42,7 +42,7 @@ from kfac_hpc.kfac.options import (
     conflicts,
     sends_factors,
 )
-from kfac_hpc.symeig import DEFAULT_HOST_MAX_DIM
+from kfac_hpc.solves import DEFAULT_HOST_MAX_DIM
 
 __all__ = ["KFACConfig", "Schedules", "batch_shape", "dtype_name"]
 

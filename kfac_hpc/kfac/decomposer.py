@@ -44,7 +44,7 @@ from kfac_hpc.kfac.options import (
     low_rank_cap,
 )
 from kfac_hpc.kfac.placement import FactorKey
-from kfac_hpc.symeig import DEFAULT_HOST_MAX_DIM
+from kfac_hpc.solves import DEFAULT_HOST_MAX_DIM
 
 __all__ = ["Decomposer", "EigenDecomposer", "Failures", "Held", "InverseDecomposer",
            "LowRankDecomposer", "make_decomposer", "message_numel"]
@@ -150,7 +150,7 @@ class _Full:
                   previous: Mapping[FactorKey, Held], failures: Failures
                   ) -> dict[PieceKey, Piece]:
         """See :meth:`Decomposer.decompose`."""
-        batched = self._batched(states, previous)
+        batched = self._batched(states, previous, step)
         out: dict[PieceKey, Piece] = {}
         for key, state in states.items():
             if state.average is None:  # never saw statistics: invalid, not preconditioned
@@ -167,12 +167,12 @@ class _Full:
         return out
 
     def _batched(self, states: Mapping[FactorKey, FactorState],
-                 previous: Mapping[FactorKey, Held]
-                 ) -> dict[FactorKey, tuple[Tensor, Tensor] | Exception]:
+                 previous: Mapping[FactorKey, Held], step: int
+                 ) -> dict[FactorKey, tuple[Tensor, ...] | Exception]:
         return {}
 
     def _one(self, key: FactorKey, average: Tensor, step: int,
-             batched: tuple[Tensor, Tensor] | None) -> dict[PieceKey, Piece]:
+             batched: tuple[Tensor, ...] | None) -> dict[PieceKey, Piece]:
         raise NotImplementedError
 
     def readback(self, key: FactorKey, n: int) -> tuple[PieceKey, ...]:
@@ -240,8 +240,8 @@ class EigenDecomposer(_Full):
         return [key for key, state in states.items() if state.average is not None]
 
     def _batched(self, states: Mapping[FactorKey, FactorState],
-                 previous: Mapping[FactorKey, Held]
-                 ) -> dict[FactorKey, tuple[Tensor, Tensor] | Exception]:
+                 previous: Mapping[FactorKey, Held], step: int
+                 ) -> dict[FactorKey, tuple[Tensor, ...] | Exception]:
         """Compute the full eigendecompositions of ``states``, batched by size.
 
         Full eigendecompositions, batched by size
@@ -254,7 +254,7 @@ class EigenDecomposer(_Full):
         bases = {key: previous[key]["Q"] for key in keys
                  if self.refresh == "subspace" and key in previous}
         fresh = [key for key in keys if key not in bases]
-        out: dict[FactorKey, tuple[Tensor, Tensor] | Exception] = dict(zip(
+        out: dict[FactorKey, tuple[Tensor, ...] | Exception] = dict(zip(
             fresh, linalg.eigh_clamped_many(
                 [cast(Tensor, states[key].average) for key in fresh], dtype=self.dtype,
                 host_max_dim=self.host_max_dim)))
@@ -265,7 +265,7 @@ class EigenDecomposer(_Full):
         return out
 
     def _one(self, key: FactorKey, average: Tensor, step: int,
-             batched: tuple[Tensor, Tensor] | None) -> dict[PieceKey, Piece]:
+             batched: tuple[Tensor, ...] | None) -> dict[PieceKey, Piece]:
         q, lam = batched if batched is not None else linalg.eigh_clamped(average,
                                                                          dtype=self.dtype)
         return {PieceKey(key, Part.Q): q, PieceKey(key, Part.LAMBDA): lam,
@@ -281,7 +281,8 @@ class InverseDecomposer(_Full):
     """The damped inverse ``(F + √γ·I)⁻¹`` (``damping`` of the inverse step)."""
 
     def __init__(self, *, dtype: torch.dtype, device: torch.device, damping: Schedule,
-                 precision: MatmulPrecision = "full") -> None:
+                 precision: MatmulPrecision = "full",
+                 host_max_dim: int = DEFAULT_HOST_MAX_DIM) -> None:
         """Invert into ``dtype`` on ``device``.
 
         Args:
@@ -289,17 +290,35 @@ class InverseDecomposer(_Full):
             device: Where they live.
             damping: The damping schedule (the inverse step's value is used).
             precision: The operand precision of preconditioning's GEMMs.
+            host_max_dim: CUDA factors up to this size are inverted on the host while
+                the device inverts the larger ones (0: none).
         """
         super().__init__(dtype=dtype, device=device)
-        self.damping, self.precision = damping, precision
+        self.damping, self.precision, self.host_max_dim = damping, precision, host_max_dim
 
     def parts(self, n: int) -> tuple[tuple[Part, int], ...]:
         """The inverse (``n x n``)."""
         return ((Part.INV, n * n),)
 
+    def _batched(self, states: Mapping[FactorKey, FactorState],
+                 previous: Mapping[FactorKey, Held], step: int
+                 ) -> dict[FactorKey, tuple[Tensor, ...] | Exception]:
+        """Invert every factor, batched by size on the GPU path.
+
+        :func:`~kfac_hpc.kfac.linalg.damped_inverse_many`: one Cholesky per distinct
+        size, the small CUDA ones on the host beside the device's.
+        """
+        keys = [key for key, state in states.items() if state.average is not None]
+        inverses = linalg.damped_inverse_many(
+            [cast(Tensor, states[key].average) for key in keys], self.damping(step),
+            dtype=self.dtype, host_max_dim=self.host_max_dim)
+        return {key: inv if isinstance(inv, Exception) else (inv,)
+                for key, inv in zip(keys, inverses)}
+
     def _one(self, key: FactorKey, average: Tensor, step: int,
-             batched: tuple[Tensor, Tensor] | None) -> dict[PieceKey, Piece]:
-        inv = linalg.damped_inverse(average, self.damping(step), dtype=self.dtype)
+             batched: tuple[Tensor, ...] | None) -> dict[PieceKey, Piece]:
+        inv = batched[0] if batched is not None else linalg.damped_inverse(
+            average, self.damping(step), dtype=self.dtype)
         return {PieceKey(key, Part.INV): inv, PieceKey(key, Part.VALID): 1.0}
 
     def precondition(self, grad: Tensor, a: Held, g: Held, damping: float) -> Tensor:
@@ -366,7 +385,7 @@ class LowRankDecomposer(EigenDecomposer):
         return [key for key in super()._full_keys(states) if self.cap(states[key].dim) is None]
 
     def _one(self, key: FactorKey, average: Tensor, step: int,
-             batched: tuple[Tensor, Tensor] | None) -> dict[PieceKey, Piece]:
+             batched: tuple[Tensor, ...] | None) -> dict[PieceKey, Piece]:
         cap = self.cap(average.shape[0])
         if cap is None:
             return super()._one(key, average, step, batched)
@@ -510,7 +529,8 @@ def make_decomposer(*, compute_method: str, low_rank: int | None = None,
     match compute_method, low_rank:
         case "inverse", _:
             return InverseDecomposer(dtype=dtype, device=where, precision=precision,
-                                     damping=damping or positive("damping", 0.001))
+                                     damping=damping or positive("damping", 0.001),
+                                     host_max_dim=host_decomposition_max_dim)
         case "eigen", None:
             return EigenDecomposer(dtype=dtype, device=where, precision=precision,
                                    refresh=eigen_refresh,

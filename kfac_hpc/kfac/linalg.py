@@ -23,12 +23,13 @@ import torch
 from torch import Tensor
 
 from kfac_hpc.kfac.precision import MatmulPrecision, matmul
-from kfac_hpc.symeig import DEFAULT_HOST_MAX_DIM, eigh_batches
+from kfac_hpc.solves import DEFAULT_HOST_MAX_DIM, eigh_batches, solve_batches
 
 __all__ = [
     "column_covariance",
     "covariance",
     "damped_inverse",
+    "damped_inverse_many",
     "default_gram_blocks",
     "eigh_clamped",
     "eigh_clamped_many",
@@ -295,7 +296,7 @@ def eigh_clamped_many(factors: list[Tensor], dtype: torch.dtype = torch.float32,
     distinct sizes, not of factors (cuSOLVER may pick its batched Jacobi solver for
     batches of matrices up to 32x32: equal to rounding); the batches of CUDA factors of
     at most ``host_max_dim`` rows are decomposed on the host meanwhile
-    (:func:`kfac_hpc.symeig.eigh_batches`). On the CPU, where a call costs
+    (:func:`kfac_hpc.solves.eigh_batches`). On the CPU, where a call costs
     no sync, every factor is solved alone as before: a matrix inside a stacked batch
     sits at another alignment, which BLAS libraries that choose kernels by alignment
     (MKL) could answer with other bits, and the world-size invariance is bitwise.
@@ -426,6 +427,62 @@ def damped_inverse(F: Tensor, damping: float, dtype: torch.dtype | None = None) 
         except torch.linalg.LinAlgError:
             inv = torch.linalg.pinv(m64, hermitian=True)
     return ((inv + inv.t()) / 2).to(out_dtype)
+
+
+def damped_inverse_many(factors: list[Tensor], damping: float, dtype: torch.dtype | None = None,
+                        *, host_max_dim: int = DEFAULT_HOST_MAX_DIM
+                        ) -> list[Tensor | Exception]:
+    """:func:`damped_inverse` of every factor, one batched Cholesky per size.
+
+    As :func:`eigh_clamped_many`: on the GPU path the factors of one size and dtype are
+    damped, factored and inverted together (one solver call, one host read of its error
+    flags), the CUDA batches of at most ``host_max_dim`` rows on the host meanwhile
+    (:func:`kfac_hpc.solves.solve_batches`); on the CPU every factor alone, as before. A
+    batch whose Cholesky fails is redone factor by factor with :func:`damped_inverse`'s
+    fallbacks; a factor that still fails gets its exception in its place.
+
+    Args:
+        factors: Symmetric PSD factors.
+        damping: ``γ``; ``sqrt(γ)`` is added to the diagonals.
+        dtype: The dtype of the results (default: each factor's dtype).
+        host_max_dim: The largest CUDA factor inverted on the host (0: none).
+
+    Returns:
+        Per factor, ``(F + sqrt(γ)·I)⁻¹`` (symmetrised) or the exception it raised.
+    """
+    if damping < 0:
+        raise ValueError(f"damping must be >= 0, got {damping}")
+    out: dict[int, Tensor | Exception] = {}
+    groups = _same_kind(factors)
+    batched = [members for members in groups if uses_gpu_path(factors[members[0]].device)]
+    stacks = []
+    for members in batched:
+        stack = torch.stack([factors[i] for i in members])
+        stack = stack.to(_linalg_dtype(stack))
+        stack.diagonal(dim1=-2, dim2=-1).add_(math.sqrt(damping))
+        stacks.append(stack)
+    for members, result in zip(batched, solve_batches(stacks, _cholesky_inverse,
+                                                       host_max_dim)):
+        if isinstance(result, Exception):
+            continue  # one by one below, with the float64 and LU fallbacks
+        (inv,) = result
+        inv = ((inv + inv.mT) / 2).to(dtype or factors[members[0]].dtype)
+        for j, i in enumerate(members):
+            out[i] = inv[j]
+    for members in groups:
+        for i in members:
+            if i in out:
+                continue
+            try:
+                out[i] = damped_inverse(factors[i], damping, dtype)
+            except Exception as exc:  # reported per factor by the caller
+                out[i] = exc
+    return [out[i] for i in range(len(factors))]
+
+
+def _cholesky_inverse(batch: Tensor) -> tuple[Tensor, ...]:
+    """The inverses of a batch of symmetric positive definite matrices (Cholesky)."""
+    return (torch.cholesky_inverse(torch.linalg.cholesky(batch)),)
 
 
 def precondition_inverse(grad: Tensor, a_inv: Tensor, g_inv: Tensor,

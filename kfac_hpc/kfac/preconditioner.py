@@ -86,7 +86,7 @@ from kfac_hpc.kfac.placement import (
 from kfac_hpc.kfac.shapes import rows_per_sample
 from kfac_hpc.kfac.state import KFACStateDict
 from kfac_hpc.phases import Phase, PhaseTimer, timed
-from kfac_hpc.symeig import DEFAULT_HOST_MAX_DIM
+from kfac_hpc.solves import DEFAULT_HOST_MAX_DIM
 
 if TYPE_CHECKING:
     from kfac_hpc.plan.profile import Profile

@@ -11,7 +11,7 @@ matrices of one size and dtype go through one batched ``torch.linalg.eigh`` (on 
 GPU the eigensolver synchronises with the host once per call, so the number of
 synchronisations follows the number of distinct sizes, not of blocks), and the
 finiteness of every result is read on the host once (the small CUDA matrices are
-decomposed on the host, beside the device's: :mod:`kfac_hpc.symeig`). Matrices that
+decomposed on the host, beside the device's: :mod:`kfac_hpc.solves`). Matrices that
 fail there take the one-matrix path (:func:`inverse_root`, float64 retry included), so
 results are those of :func:`inverse_root` matrix by matrix.
 """
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from kfac_hpc.shampoo.errors import nonfinite_marks
-from kfac_hpc.symeig import DEFAULT_HOST_MAX_DIM, EighResult, eigh_batches
+from kfac_hpc.solves import DEFAULT_HOST_MAX_DIM, EighResult, eigh_batches
 
 __all__ = ["RootComputationError", "RootRequest", "RootResult", "inverse_root", "inverse_roots"]
 
@@ -204,7 +204,7 @@ def inverse_roots(requests: Sequence[RootRequest], *,
 
     One ``torch.linalg.eigh`` per distinct (size, dtype, device) over all requests (those
     of CUDA matrices up to ``host_max_dim`` rows on the host, beside the device's:
-    :func:`kfac_hpc.symeig.eigh_batches`), one host read for the finiteness of all
+    :func:`kfac_hpc.solves.eigh_batches`), one host read for the finiteness of all
     results; matrices that failed (and all those of an eigensolver call that raised) are
     redone one by one.
 

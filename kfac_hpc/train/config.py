@@ -33,7 +33,7 @@ from kfac_hpc.kfac.options import (
     STRATEGIES,
     conflicts,
 )
-from kfac_hpc.symeig import DEFAULT_HOST_MAX_DIM
+from kfac_hpc.solves import DEFAULT_HOST_MAX_DIM
 
 __all__ = [
     "DATASETS",

@@ -1,4 +1,4 @@
-"""Small eigendecompositions on the host beside the device's (``kfac_hpc.symeig``).
+"""Small eigendecompositions on the host beside the device's (``kfac_hpc.solves``).
 
 On CUDA, batches of matrices up to ``host_max_dim`` rows are decomposed by a host
 worker thread while the device decomposes the larger ones. Here that choice is forced on
@@ -20,7 +20,7 @@ from mpi4py import MPI
 from shared_cases import small_cnn, small_cnn_batches, train_kfac
 from torch import Tensor
 
-from kfac_hpc import KFACPreconditioner, symeig
+from kfac_hpc import KFACPreconditioner, solves
 from kfac_hpc.comm import Communicator
 from kfac_hpc.kfac import layers, linalg
 from kfac_hpc.shampoo import DistributedShampoo
@@ -31,13 +31,14 @@ from kfac_hpc.train.config import TrainConfig
 def solved_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, str]]]:
     """Record ``(n, thread name)`` for every batch decomposed on the host."""
     seen: list[tuple[int, str]] = []
-    solve = symeig._solve_on_host
+    solve = solves._solve_on_host
 
-    def recording(host: Tensor, ready: torch.cuda.Event | None) -> tuple[Tensor, Tensor]:
+    def recording(host: Tensor, ready: torch.cuda.Event | None,
+                  solver: solves.Solver) -> tuple[Tensor, ...]:
         seen.append((host.shape[-1], threading.current_thread().name))
-        return solve(host, ready)
+        return solve(host, ready, solver)
 
-    monkeypatch.setattr(symeig, "_solve_on_host", recording)
+    monkeypatch.setattr(solves, "_solve_on_host", recording)
     yield seen
 
 
@@ -45,7 +46,7 @@ def solved_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, str]]
 def host_solves(monkeypatch: pytest.MonkeyPatch, solved_on: list[tuple[int, str]]
                 ) -> Iterator[list[tuple[int, str]]]:
     """CPU batches up to ``host_max_dim`` rows go to the host worker, as CUDA ones do."""
-    monkeypatch.setattr(symeig, "solves_on_host",
+    monkeypatch.setattr(solves, "solves_on_host",
                         lambda batch, host_max_dim: 0 < batch.shape[-1] <= host_max_dim)
     yield solved_on
 
@@ -60,22 +61,22 @@ def test_only_cuda_batches_up_to_the_size_go_to_the_host() -> None:
     def batch(device: str, n: int) -> Tensor:
         return SimpleNamespace(device=torch.device(device), shape=(2, n, n))  # type: ignore[return-value]
 
-    assert symeig.solves_on_host(batch("cuda", 512), 512)
-    assert not symeig.solves_on_host(batch("cuda", 513), 512)
-    assert not symeig.solves_on_host(batch("cuda", 8), 0)
-    assert not symeig.solves_on_host(batch("cpu", 8), 512)
-    assert not symeig.solves_on_host(batch("meta", 8), 512)
+    assert solves.solves_on_host(batch("cuda", 512), 512)
+    assert not solves.solves_on_host(batch("cuda", 513), 512)
+    assert not solves.solves_on_host(batch("cuda", 8), 0)
+    assert not solves.solves_on_host(batch("cpu", 8), 512)
+    assert not solves.solves_on_host(batch("meta", 8), 512)
 
 
 def test_on_the_cpu_nothing_goes_to_the_worker(solved_on: list[tuple[int, str]]) -> None:
-    symeig.eigh_batches([_spd(4), _spd(9)], host_max_dim=512)
+    solves.eigh_batches([_spd(4), _spd(9)], host_max_dim=512)
     assert solved_on == []
 
 
 def test_host_batches_run_on_the_worker_and_equal_eigh(host_solves: list[tuple[int, str]]
                                                        ) -> None:
     batches = [_spd(6, seed=1), _spd(20, seed=2), _spd(3, batch=1, seed=3)]
-    results = symeig.eigh_batches(batches, host_max_dim=8)
+    results = solves.eigh_batches(batches, host_max_dim=8)
     assert sorted(n for n, _ in host_solves) == [3, 6]
     assert all(name.startswith("kfac-hpc-host-eigh") for _, name in host_solves)
     for batch, result in zip(batches, results):
@@ -94,7 +95,7 @@ def test_a_failing_host_batch_keeps_its_place(monkeypatch: pytest.MonkeyPatch,
         return eigh(a)
 
     monkeypatch.setattr(torch.linalg, "eigh", failing)
-    results = symeig.eigh_batches([_spd(4), _spd(5), _spd(12)], host_max_dim=8)
+    results = solves.eigh_batches([_spd(4), _spd(5), _spd(12)], host_max_dim=8)
     assert isinstance(results[1], torch.linalg.LinAlgError)
     assert not isinstance(results[0], Exception) and not isinstance(results[2], Exception)
     assert len(host_solves) == 2
@@ -102,32 +103,35 @@ def test_a_failing_host_batch_keeps_its_place(monkeypatch: pytest.MonkeyPatch,
 
 def test_negative_size_is_refused() -> None:
     with pytest.raises(ValueError, match="host_max_dim must be >= 0"):
-        symeig.eigh_batches([_spd(4)], host_max_dim=-1)
+        solves.eigh_batches([_spd(4)], host_max_dim=-1)
 
 
-def _kfac_run(lag: int, host_max_dim: int) -> list[Tensor]:
+def _kfac_run(lag: int, host_max_dim: int, method: str = "eigen") -> list[Tensor]:
     model = small_cnn()
     pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), damping=0.01,
                              inv_update_steps=2, inv_dtype=torch.float64,
-                             decomposition_lag=lag, host_decomposition_max_dim=host_max_dim)
+                             compute_method=method, decomposition_lag=lag,
+                             host_decomposition_max_dim=host_max_dim)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     train_kfac(model, opt, pre, small_cnn_batches(6))
     pre.close()
     return [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("lag", [0, 1])
+@pytest.mark.parametrize("lag, method", [(0, "eigen"), (1, "eigen"), (0, "inverse"),
+                                         (1, "inverse")])
 def test_kfac_on_the_gpu_path_with_host_decompositions_is_unchanged(
-        monkeypatch: pytest.MonkeyPatch, host_solves: list[tuple[int, str]], lag: int) -> None:
+        monkeypatch: pytest.MonkeyPatch, host_solves: list[tuple[int, str]], lag: int,
+        method: str) -> None:
     """Every factor's decomposition lands in its own place: the run is bitwise the same.
 
-    The host's batches get the same ``eigh`` call on the same values as the device's.
+    The host's batches get the same solver call on the same values as the device's.
     """
     for module in (linalg, layers):
         monkeypatch.setattr(module, "uses_gpu_path", lambda device: True)
-    on_device = _kfac_run(lag, host_max_dim=0)
+    on_device = _kfac_run(lag, host_max_dim=0, method=method)
     assert host_solves == []
-    with_host = _kfac_run(lag, host_max_dim=16)
+    with_host = _kfac_run(lag, host_max_dim=16, method=method)
     sizes = {n for n, _ in host_solves}
     assert sizes and max(sizes) <= 16
     for a, b in zip(with_host, on_device):
@@ -173,3 +177,17 @@ def test_kfac_refuses_a_negative_size() -> None:
 def test_the_driver_refuses_a_negative_size() -> None:
     with pytest.raises(ValueError, match="--host-decomposition-max-dim: must be >= 0"):
         TrainConfig(host_decomposition_max_dim=-1).validate()
+
+
+def test_batched_damped_inverses_equal_one_by_one_and_survive_a_bad_factor(
+        monkeypatch: pytest.MonkeyPatch, host_solves: list[tuple[int, str]]) -> None:
+    """A batch whose Cholesky fails is redone factor by factor: the others are unharmed."""
+    monkeypatch.setattr(linalg, "uses_gpu_path", lambda device: True)
+    factors = [*_spd(5, batch=3, seed=4).unbind(), *_spd(9, batch=2, seed=5).unbind()]
+    bad = -torch.eye(5, dtype=torch.float64)  # negative definite: Cholesky fails
+    factors.insert(1, bad)
+    got = linalg.damped_inverse_many(factors, 1e-4, host_max_dim=6)
+    assert sorted(n for n, _ in host_solves) == [5]
+    for f, inv in zip(factors, got):
+        assert not isinstance(inv, Exception)
+        torch.testing.assert_close(inv, linalg.damped_inverse(f, 1e-4), rtol=1e-12, atol=1e-12)

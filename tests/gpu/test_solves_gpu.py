@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from kfac_hpc import symeig
+from kfac_hpc import solves
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-only check")
@@ -32,7 +32,7 @@ def _batches(device: torch.device, dtype: torch.dtype) -> list[Tensor]:
     return out
 
 
-def _check(batches: list[Tensor], results: list[symeig.EighResult], tol: float) -> None:
+def _check(batches: list[Tensor], results: list[solves.EighResult], tol: float) -> None:
     for batch, result in zip(batches, results):
         assert not isinstance(result, Exception), result
         evals, evecs = result
@@ -47,7 +47,7 @@ def _check(batches: list[Tensor], results: list[symeig.EighResult], tol: float) 
 def test_results_equal_the_host_eigh(device: torch.device, dtype: torch.dtype,
                                      tol: float) -> None:
     batches = _batches(device, dtype)
-    _check(batches, symeig.eigh_batches(batches, host_max_dim=512), tol)
+    _check(batches, solves.eigh_batches(batches, host_max_dim=512), tol)
 
 
 @needs_cuda
@@ -55,18 +55,19 @@ def test_a_side_stream_is_waited_for_and_the_worker_used(device: torch.device,
                                                          monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
     threads: list[str] = []
-    solve = symeig._solve_on_host
+    solve = solves._solve_on_host
 
-    def recording(host: Tensor, ready: torch.cuda.Event | None) -> tuple[Tensor, Tensor]:
+    def recording(host: Tensor, ready: torch.cuda.Event | None,
+                  solver: solves.Solver) -> tuple[Tensor, ...]:
         threads.append(threading.current_thread().name)
-        return solve(host, ready)
+        return solve(host, ready, solver)
 
-    monkeypatch.setattr(symeig, "_solve_on_host", recording)
+    monkeypatch.setattr(solves, "_solve_on_host", recording)
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         batches = _batches(device, torch.float64)
-        results = symeig.eigh_batches(batches, host_max_dim=512)
+        results = solves.eigh_batches(batches, host_max_dim=512)
         kept = [(r[0].clone(), r[1].clone()) for r in results if not isinstance(r, Exception)]
     torch.cuda.current_stream(device).wait_stream(side)
     assert len(threads) == 3 and all(t.startswith("kfac-hpc-host-eigh") for t in threads)
