@@ -7,6 +7,7 @@ compute the expected result of the whole collective with numpy on its own.
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -558,8 +559,6 @@ def test_late_device_work_on_one_rank_keeps_the_order(comm, monkeypatch):
 # ------------------------------------------------------------------- threads
 @mpi()
 def test_calls_from_another_thread_need_a_thread_level(monkeypatch):
-    import threading
-
     from mpi4py import MPI
 
     from kfac_hpc.comm import threads
@@ -617,11 +616,18 @@ def test_pinned_pool_reuses_buffers_after_their_copies():
 # ------------------------------------------- the CUDA code paths, on a CPU stand-in
 class CudaStandIn(torch.Tensor):
     """A CPU tensor that says it is on CUDA: it drives the staged and device-direct code
-    paths without a GPU (with the fixture below: plain copies, fake events)."""
+    paths without a GPU (with the fixture below: plain copies, fake events, and fake
+    streams: ``record_stream`` notes the stream in :data:`RECORDED`)."""
 
     @property
     def is_cuda(self) -> bool:  # type: ignore[override]
         return True
+
+    def record_stream(self, stream) -> None:  # type: ignore[override]
+        RECORDED.append((self, stream))
+
+
+RECORDED: list[tuple[torch.Tensor, object]] = []
 
 
 class LaterEvent(FakeEvent):
@@ -658,10 +664,17 @@ def cuda_stand_in(monkeypatch):
     monkeypatch.setattr(staging, "stage_out", stage_out)
     monkeypatch.setattr(staging, "land_in", lambda host, device: (host.clone(), event()))
     monkeypatch.setattr(staging, "record_event", event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    # each thread's current stream: "main", or what a test sets in FAKE_STREAMS.current
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: getattr(FAKE_STREAMS, "current", "main"))
     staging.reset_warning()
+    RECORDED.clear()
     yield pool, events
+    RECORDED.clear()
     staging.reset_warning()
+
+
+FAKE_STREAMS = threading.local()
 
 
 @mpi()
@@ -723,3 +736,102 @@ def test_cuda_code_paths_on_a_stand_in(cuda_stand_in, path, dtype, strided, bloc
         assert pool.allocations + pool.reuses > 0 and pool.reuses > 0
     else:
         assert pool.allocations == 0  # device memory went to MPI directly
+
+
+def test_device_reductions_widen_every_16_bit_float(cuda_stand_in):
+    """Reductions on device memory handed to MPI widen float16 as well as bfloat16 (no MPI
+    documents 16-bit float arithmetic on device memory), on the device; staged ones keep
+    the host's half type where the library has one; data movement never widens."""
+    from kfac_hpc.comm.buffers import to_wire
+
+    for dtype in (torch.float16, torch.bfloat16):
+        x = torch.ones(6, dtype=dtype).as_subclass(CudaStandIn)
+        direct = to_wire(x, reduction=True, device_ok=True)
+        assert direct.data.dtype == torch.float32 and direct.copy_back and not direct.staged
+        assert isinstance(direct.data, CudaStandIn)  # widened on the "device", not staged
+        assert direct.ready is not None  # MPI waits for the widening
+        moved = to_wire(x, reduction=False, device_ok=True)
+        assert moved.data.element_size() == 2 and not moved.staged
+        staged = to_wire(x, reduction=True, device_ok=False)
+        assert staged.staged and staged.data.dtype == (
+            torch.float32 if dtype in WIDENED_DTYPES else dtype)
+        staged.release()
+        receive = to_wire(x, reduction=True, device_ok=True, need_input=False)
+        assert receive.data.dtype == torch.float32 and receive.copy_back
+
+
+@mpi()
+@pytest.mark.parametrize("path", ["staged", "device"])
+def test_fp16_device_reductions_are_exact_on_the_wire(cuda_stand_in, path):
+    """float16 sums through the device path (widened) equal the staged path's, and the
+    traffic counters count what travelled."""
+    comm = Communicator(cuda_aware=False if path == "staged" else "all")
+    x = rank_data(comm.rank, 10, torch.float16).as_subclass(CudaStandIn)
+    comm.reset_traffic()
+    comm.allreduce(x)
+    assert x.dtype == torch.float16
+    np.testing.assert_array_equal(as_np(x), all_data(comm, 10, torch.float16).sum(0))
+    wide = path == "device" or torch.float16 in WIDENED_DTYPES
+    assert comm.stats.bytes_of("allreduce") == (40 if wide else 20) * (comm.size > 1)
+
+
+@mpi()
+@pytest.mark.parametrize("path", ["staged", "device"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_results_landed_on_another_stream_are_marked_used_there(cuda_stand_in, path, dtype):
+    """A call made on a hook thread (its current stream "hook") and completed on the main
+    thread (stream "main"): the landing queues work on "main", so every device tensor it
+    touches (the wire's device buffer, the caller's tensor) is marked as used by "main"
+    (``record_stream``), or the caching allocator could hand that memory to the "hook"
+    stream while "main" still reads or writes it."""
+    comm = Communicator(cuda_aware=False if path == "staged" else "all")
+    made: dict[str, object] = {}
+
+    def hook() -> None:
+        FAKE_STREAMS.current = "hook"
+        x = rank_data(comm.rank, 8, dtype).as_subclass(CudaStandIn)
+        part = rank_data(comm.rank, 2 * comm.size, dtype).as_subclass(CudaStandIn)
+        out = torch.zeros(2, dtype=dtype).as_subclass(CudaStandIn)  # as K-FAC's hooks do
+        made.update(x=x, handle=comm.iallreduce(x, "avg"), out=out,
+                    scatter=comm.ireduce_scatter(part, [2] * comm.size, out=out))
+
+    worker = threading.Thread(target=hook)
+    worker.start()
+    worker.join()
+    assert not RECORDED  # nothing landed yet
+    wire_data = made["handle"]._keep.data
+    out = made["handle"].wait()
+    assert out is made["x"]
+    np.testing.assert_allclose(as_np(out), all_data(comm, 8, dtype).mean(0),
+                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+    marked = [(t, stream) for t, stream in RECORDED]
+    assert all(stream == "main" for _, stream in marked)
+    assert any(t is out for t, _ in marked)  # the caller's tensor, written on "main"
+    if path == "device":  # MPI's device buffer (the tensor itself, or its fp32 copy)
+        assert any(t is wire_data for t, _ in marked)
+    RECORDED.clear()
+    assert made["scatter"].wait() is made["out"]
+    assert [stream for t, stream in RECORDED if t is made["out"]] == ["main"]
+
+
+@mpi()
+def test_calls_an_aware_library_leaves_out_are_staged_with_per_call_advice(cuda_stand_in, caplog):
+    """Open MPI without UCX: blocking calls take device memory, non-blocking ones are
+    staged; the staging warning names the call and does not ask for a CUDA-aware MPI."""
+    import logging
+
+    from kfac_hpc.comm import staging
+    from kfac_hpc.comm.cuda import BLOCKING, OPEN_MPI, CudaSupport
+
+    pool, _ = cuda_stand_in
+    comm = Communicator(cuda=CudaSupport(OPEN_MPI, True, BLOCKING, "test"))
+    x = rank_data(comm.rank, 6, torch.float32).as_subclass(CudaStandIn)
+    comm.allreduce(x)
+    assert pool.allocations == 0  # blocking: device memory to MPI
+    with caplog.at_level(logging.DEBUG, logger="kfac_hpc.comm"):
+        comm.iallreduce(x).wait()
+    assert pool.allocations == 1  # non-blocking reduction: staged
+    np.testing.assert_array_equal(as_np(x), all_data(comm, 6, torch.float32).sum(0) * comm.size)
+    text = "".join(r.getMessage() for r in caplog.records if r.name == "kfac_hpc.comm")
+    assert "Open MPI does not take device memory in iallreduce" in text
+    assert staging.PER_CALL_ADVICE in text and staging.NOT_AWARE_ADVICE not in text

@@ -86,6 +86,21 @@ def test_open_mpi_cuda_aware_ob1_takes_blocking_calls_only() -> None:
     assert support.device_ok("allreduce") and support.device_ok("reduce_scatter")
 
 
+def test_the_evidence_says_what_happens_to_device_reductions() -> None:
+    """Where a reduction goes direct, the evidence (``kfac-hpc info``) says 16-bit floats
+    are widened on the device first; for Open MPI, that the library reduces on the CPU."""
+    for support in (fake(OPEN_MPI_VERSION, query=1), fake(MPICH_VERSION, query=1),
+                    fake(MVAPICH_VERSION, env={"MV2_USE_CUDA": "1"}),
+                    fake(MPICH_VERSION, query=0, override="all")):
+        assert support.aware and cuda.SIXTEEN_BIT_NOTE in support.evidence, support.summary()
+    assert cuda.OPEN_MPI_REDUCTION_NOTE in fake(OPEN_MPI_VERSION, query=1).evidence
+    assert cuda.OPEN_MPI_REDUCTION_NOTE not in fake(MPICH_VERSION, query=1).evidence
+    for support in (fake(OPEN_MPI_VERSION, query=0), fake(MPICH_VERSION, query=1, override=False)):
+        assert not support.aware
+        assert cuda.SIXTEEN_BIT_NOTE not in support.evidence
+        assert cuda.OPEN_MPI_REDUCTION_NOTE not in support.evidence
+
+
 def test_open_mpi_with_ucx_cuda_adds_nonblocking_movement_never_reductions() -> None:
     support = fake(OPEN_MPI_VERSION, query=1, maps=maps_with(LIBMPI, *UCX, UCX_CUDA))
     assert support.device_calls == BLOCKING | NONBLOCKING_MOVEMENT
@@ -307,6 +322,15 @@ def test_staging_warning_names_the_cost_once(caplog: pytest.LogCaptureFixture) -
     assert "device-to-host and a host-to-device copy" in text and "KFAC_HPC_CUDA_AWARE=1" in text
     expected = logging.WARNING if MPI.COMM_WORLD.Get_rank() == 0 else logging.DEBUG
     assert records[0].levelno == expected
+    staging.reset_warning()
+    # a CUDA-aware library whose table leaves out some calls: no "use a CUDA-aware MPI"
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="kfac_hpc.comm"):
+        staging.warn_staging_once("iallreduce", 64, "Open MPI does not take device memory in "
+                                  "iallreduce", ("iallreduce",), staging.PER_CALL_ADVICE)
+    text = "".join(r.getMessage() for r in caplog.records if r.name == "kfac_hpc.comm")
+    assert "per-call table" in text and "KFAC_HPC_CUDA_AWARE=all" in text
+    assert "Use a CUDA-aware MPI" not in text
     staging.reset_warning()
 
 

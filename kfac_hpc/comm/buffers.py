@@ -7,12 +7,16 @@ Rules (documented in the README):
 * Tensors that require grad are used through ``.detach()`` (same memory, no copy).
 * Non-contiguous tensors travel through a contiguous copy; results are copied back.
 * bfloat16 has no MPI datatype: reductions run in float32 and are cast back;
-  data movement (broadcast, gather) sends the raw 16-bit words, exactly.
+  data movement (broadcast, gather) sends the raw 16-bit words, exactly. float16 is
+  treated the same where the MPI library has no 16-bit float type, and in reductions
+  on CUDA memory handed to MPI directly (widened on the device first).
 * CUDA tensors: every conversion (contiguous copy, widening) is queued on the current
   stream first; then either MPI gets the device memory once an event recorded after
   those conversions has completed (a call the library takes device memory for, see
   :mod:`kfac_hpc.comm.cuda`), or the data is staged through a pooled pinned host
-  buffer (:mod:`kfac_hpc.comm.staging`). Results land back on the current stream.
+  buffer (:mod:`kfac_hpc.comm.staging`). Results land back on the current stream of
+  the thread that completes the call, and every CUDA tensor that landing touches is
+  marked as used by that stream (it may differ from the stream the call was made on).
 * CuPy arrays (zero-copy through DLPack, stream-ordered) and NumPy arrays are accepted
   by :func:`as_torch`.
 """
@@ -44,6 +48,10 @@ _HALF = _half_type()
 # dtypes without an MPI datatype here: reductions widen them to float32, data
 # movement sends their raw 16-bit words.
 WIDENED_DTYPES = (torch.bfloat16,) if _HALF is not None else (torch.bfloat16, torch.float16)
+# Reductions on device memory handed to MPI widen every 16-bit float, half type or not: no
+# CUDA-aware MPI documents arithmetic on 16-bit floats in device memory (the widening runs
+# on the device, before MPI sees the buffer; staged reductions keep the host half type).
+DEVICE_WIDENED_DTYPES = (torch.bfloat16, torch.float16)
 
 _MPI_TYPES: dict[torch.dtype, Any] = {
     torch.float32: MPI.FLOAT,
@@ -253,13 +261,18 @@ class Wire:
             self.pinned.release(event)
         if divide_by > 1:
             result.div_(divide_by)
-        if not self.copy_back:
-            return self.user
-        if result.dtype != self.user.dtype:
-            same_width = result.element_size() == self.user.element_size()
-            result = result.view(self.user.dtype) if same_width else result.to(self.user.dtype)
-        with torch.no_grad():
-            self.user.copy_(result.view(self.user.shape))
+        if self.copy_back:
+            if result.dtype != self.user.dtype:
+                same_width = result.element_size() == self.user.element_size()
+                result = (result.view(self.user.dtype) if same_width
+                          else result.to(self.user.dtype))
+            with torch.no_grad():
+                self.user.copy_(result.view(self.user.shape))
+        # The work above is queued on this thread's current stream; the call may have been
+        # made on another (a hook's): the caching allocator must not hand out the memory
+        # of the wire's device buffer or of the user's tensor to the stream they were
+        # allocated on before this stream is done with them.
+        staging.used_on_current_stream(self.data, self.user)
         return self.user
 
     def release(self) -> None:
@@ -283,7 +296,8 @@ def to_wire(
 
     Args:
         tensor: The caller's tensor.
-        reduction: The collective does arithmetic (bf16 is widened to fp32).
+        reduction: The collective does arithmetic (bf16 is widened to fp32, and so is
+            fp16 where it has no MPI type or its device memory goes to MPI directly).
         device_ok: CUDA memory may be handed to MPI directly (else it is staged).
         need_input: The tensor's current values are sent (False for pure receive
             buffers).
@@ -305,6 +319,7 @@ def to_wire(
     data = tensor.detach()
     copy_back = False
     staged = data.is_cuda and not device_ok
+    widened = DEVICE_WIDENED_DTYPES if data.is_cuda and device_ok else WIDENED_DTYPES
     if staged:
         pool = pool if pool is not None else staging.pinned_pool()
     if staged and not need_input:  # a pure receive: nothing to convert on the device
@@ -317,13 +332,12 @@ def to_wire(
         data = data.contiguous() if need_input else torch.empty(
             data.shape, dtype=data.dtype, device=data.device)
         copy_back = True
-    if data.dtype in WIDENED_DTYPES:
-        if reduction:
-            data = data.float() if need_input else torch.empty(
-                data.shape, dtype=torch.float32, device=data.device)
-            copy_back = True
-        else:
-            data = data.view(torch.int16)
+    if reduction and data.dtype in widened:
+        data = data.float() if need_input else torch.empty(
+            data.shape, dtype=torch.float32, device=data.device)
+        copy_back = True
+    elif data.dtype in WIDENED_DTYPES:  # data movement: the raw 16-bit words
+        data = data.view(torch.int16)
     if not data.is_cuda:
         return Wire(user=user, data=data, copy_back=copy_back)
     if device_ok:

@@ -239,7 +239,9 @@ class Communicator:
                    if self.cuda.aware else
                    f"the MPI library ({self.cuda.vendor}) is not CUDA-aware here: "
                    f"{'; '.join(self.cuda.evidence[:2]) or 'no evidence of CUDA support'}")
-            staging.warn_staging_once(call, wire.data.nbytes, why, self.cuda.staged_calls)
+            staging.warn_staging_once(
+                call, wire.data.nbytes, why, self.cuda.staged_calls,
+                staging.PER_CALL_ADVICE if self.cuda.aware else staging.NOT_AWARE_ADVICE)
         return wire
 
     def _flush(self, upto: Handle[Any] | None = None, block: bool = True) -> None:

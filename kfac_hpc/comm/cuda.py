@@ -72,6 +72,16 @@ TABLES: dict[str, frozenset[str]] = {
     UNKNOWN: BLOCKING,
 }
 OPEN_MPI_UCX_EXTRA = NONBLOCKING_MOVEMENT
+REDUCTIONS = frozenset({"allreduce", "reduce", "reduce_scatter"}) | NONBLOCKING_REDUCTIONS
+# What the Communicator does to reductions on device memory, whatever the library (see
+# kfac_hpc.comm.buffers): stated in the evidence wherever a reduction goes direct.
+SIXTEEN_BIT_NOTE = ("reductions of bfloat16/float16 device memory: widened to float32 on the "
+                    "device before MPI sees them (no CUDA-aware MPI documents 16-bit float "
+                    "arithmetic on device memory)")
+OPEN_MPI_REDUCTION_NOTE = ("Open MPI reduces device memory on the CPU: its coll cuda component "
+                           "copies allreduce/reduce buffers to host memory (not pinned) and back "
+                           "inside the call; reduce_scatter's algorithms reduce host "
+                           "temporaries")
 
 
 @dataclass(frozen=True)
@@ -405,6 +415,7 @@ def _open_mpi(query: int | None, libraries: list[str], env: Mapping[str, str],
     if aware:
         notes.append("Open MPI: non-blocking reductions never take device memory" +
                      ("" if ucx else "; non-blocking movement only through UCX"))
+        notes.append(OPEN_MPI_REDUCTION_NOTE)
     return aware, calls, notes
 
 
@@ -531,5 +542,7 @@ def detect(override: str | bool | None = None, *,
             aware, calls = True, ALL
     if not aware:
         calls = frozenset()
+    elif calls & REDUCTIONS:
+        notes.append(SIXTEEN_BIT_NOTE)
     return CudaSupport(vendor, aware and bool(calls), frozenset(calls), source, tuple(notes),
                        first_line)

@@ -185,6 +185,23 @@ def stage_out(data: torch.Tensor, pool: PinnedPool,
         return pinned, record_event(side)
 
 
+def used_on_current_stream(*tensors: torch.Tensor) -> None:
+    """Mark CUDA tensors as used by the current stream (``record_stream``; others: nothing).
+
+    The caching allocator then keeps their memory from the stream each was allocated on
+    until the work queued on the current stream so far is done: a tensor allocated by a
+    hook on autograd's stream and read or written here on another stays valid. Nothing
+    happens for the stream a tensor was allocated on, nor for memory torch did not
+    allocate (CuPy's, through DLPack).
+
+    Args:
+        tensors: Tensors the current stream has queued work on.
+    """
+    for t in tensors:
+        if t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+
+
 def land_in(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
     """Copy ``host`` to ``device`` (non-blocking, on the current stream).
 
@@ -203,7 +220,15 @@ def land_in(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any
 _warned = threading.Event()
 
 
-def warn_staging_once(call: str, nbytes: int, why: str, staged_calls: tuple[str, ...]) -> None:
+NOT_AWARE_ADVICE = ("Use a CUDA-aware MPI, or set KFAC_HPC_CUDA_AWARE=1 if this library is "
+                    "CUDA-aware and detection missed it (`kfac-hpc info` shows the evidence)")
+PER_CALL_ADVICE = ("The other calls take device memory here (`kfac-hpc info` shows the per-call "
+                   "table); KFAC_HPC_CUDA_AWARE=all hands device memory to every call, only for "
+                   "a library known to take it in these calls")
+
+
+def warn_staging_once(call: str, nbytes: int, why: str, staged_calls: tuple[str, ...],
+                      advice: str = NOT_AWARE_ADVICE) -> None:
     """Say once per process (loudly on world rank 0) that CUDA tensors go through host memory.
 
     Args:
@@ -211,6 +236,8 @@ def warn_staging_once(call: str, nbytes: int, why: str, staged_calls: tuple[str,
         nbytes: Its message size.
         why: Why it is staged.
         staged_calls: Every call that stages here.
+        advice: What to do about it (:data:`NOT_AWARE_ADVICE` where the library takes no
+            device memory; :data:`PER_CALL_ADVICE` where it does in other calls).
     """
     if _warned.is_set():
         return
@@ -223,10 +250,8 @@ def warn_staging_once(call: str, nbytes: int, why: str, staged_calls: tuple[str,
             "(first: %s of %d bytes). Each staged call adds a device-to-host and a "
             "host-to-device copy of its buffers (about 2 x bytes / PCIe bandwidth, e.g. "
             "8 ms per 100 MB at 25 GB/s), and MPI works on host memory (reductions on the "
-            "CPU). Cause: %s. Use a "
-            "CUDA-aware MPI, or set KFAC_HPC_CUDA_AWARE=1 if this library is CUDA-aware "
-            "and detection missed it (`kfac-hpc info` shows the evidence). This warning "
-            "is shown once.", ", ".join(staged_calls) or call, call, nbytes, why)
+            "CPU). Cause: %s. %s. This warning is shown once.",
+            ", ".join(staged_calls) or call, call, nbytes, why, advice)
 
 
 def reset_warning() -> None:
