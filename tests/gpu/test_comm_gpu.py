@@ -14,7 +14,10 @@ file, not of CUDA); CUDA-only tests skip themselves there.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -231,3 +234,69 @@ def test_cupy_arrays_zero_copy(device: torch.device) -> None:
                                    [2] * comm.size)
         assert isinstance(part, cupy.ndarray)
         np.testing.assert_array_equal(cupy.asnumpy(part), np.full(2, comm.size))
+
+
+@cuda_only
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("path", PATHS)
+def test_earlier_readers_of_a_receive_buffer_see_its_old_values(device: torch.device,
+                                                                path: str) -> None:
+    """A kernel queued (behind a sleep) to read a receive buffer before the call must read
+    the old values: MPI may write device memory only once the work queued before the
+    call is done (the direct path's event covers receive buffers too)."""
+    comm = direct_or_staged(path, device)
+    n, root = 1 << 16, 0
+    for blocking in (True, False):
+        y = torch.full((n,), -1.0, device=device)
+        torch.cuda.synchronize(device)
+        torch.cuda._sleep(int(1e8))  # tens of milliseconds of GPU time on this stream
+        seen = y.clone()  # reads the old values, behind the sleep
+        if comm.rank == root:
+            y.fill_(7.0)
+        got = comm.broadcast(y, root) if blocking else comm.ibroadcast(y, root).wait()
+        assert torch.equal(got.cpu(), torch.full((n,), 7.0)), (path, blocking)
+        if comm.rank != root:
+            assert torch.equal(seen.cpu(), torch.full((n,), -1.0)), (path, blocking)
+        out = torch.full((n,), -1.0, device=device)  # a reduce-scatter's out, read first
+        torch.cuda._sleep(int(1e8))
+        seen = out.clone()
+        src = torch.ones(n * comm.size, device=device)
+        got = comm.reduce_scatter(src, [n] * comm.size, out=out) if blocking else \
+            comm.ireduce_scatter(src, [n] * comm.size, out=out).wait()
+        assert got is out and torch.equal(out.cpu(), torch.full((n,), float(comm.size)))
+        assert torch.equal(seen.cpu(), torch.full((n,), -1.0)), (path, blocking)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("path", PATHS)
+def test_calls_made_on_another_thread_and_stream_complete_on_the_main_one(
+        device: torch.device, path: str) -> None:
+    """As a backward hook does: the buffers are written (behind a sleep) on a side stream
+    of another thread, the calls made there; the main thread completes them on its own
+    stream and reads the results."""
+    comm = direct_or_staged(path, device)
+    handles: dict[str, Any] = {}
+
+    def hook() -> None:
+        side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            if side is not None:
+                torch.cuda._sleep(int(1e8))
+            x = torch.full((4096,), float(comm.rank + 1), device=device)
+            handles["x"] = x
+            handles["sum"] = comm.iallreduce(x)
+            handles["part"] = comm.ireduce_scatter(torch.ones(8 * comm.size, device=device),
+                                                   [8] * comm.size)
+            handles["root"] = comm.ibroadcast(x.clone(), root=comm.size - 1)
+
+    worker = threading.Thread(target=hook, name="hook")
+    worker.start()
+    worker.join()
+    total = float(sum(r + 1 for r in range(comm.size)))
+    assert handles["sum"].wait() is handles["x"]
+    assert torch.equal(handles["x"].cpu(), torch.full((4096,), total))
+    part = handles["part"].wait()
+    assert part.device == device and torch.equal(part.cpu(), torch.full((8,), float(comm.size)))
+    root = handles["root"].wait()
+    assert torch.equal(root.cpu(), torch.full((4096,), float(comm.size)))
+    assert comm.pending() == 0
