@@ -16,8 +16,9 @@
 #      build time and opens libcuda.so.1 at run time, so no GPU and no libcuda are
 #      needed here), make, make install into OUT/NAME, stripped.
 #   3. wheels: mpi4py (MPI4PY_VERSION, from its sdist) built with this MPI's mpicc and
-#      headers for each --python (default: python3), each imported against it, plus the pure-Python test plugins that
-#      `make gpu-test` needs (pytest-mpi, pytest-timeout), into OUT/NAME/wheels.
+#      headers for each --python (default: python3), each imported against it, plus
+#      the pure-Python test plugins that `make gpu-test` needs (pytest-mpi,
+#      pytest-timeout), into OUT/NAME/wheels.
 #   4. env.sh (sourced: OPAL_PREFIX, PATH, LD_LIBRARY_PATH from where it lies, so the
 #      prefix can be unpacked anywhere) and the tarball OUT/NAME-ARCH.tar.gz.
 #
