@@ -50,16 +50,16 @@ _worker_lock = threading.Lock()
 
 
 def _host_worker() -> ThreadPoolExecutor:
-    """The one host thread that runs the host's decompositions, in submission order."""
+    """The one host thread that runs the host's solves, in submission order."""
     global _worker
     with _worker_lock:
         if _worker is None:
-            _worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kfac-hpc-host-eigh")
+            _worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kfac-hpc-host-solves")
         return _worker
 
 
 def solves_on_host(batch: Tensor, host_max_dim: int) -> bool:
-    """Whether :func:`eigh_batches` decomposes ``batch`` on the host.
+    """Whether :func:`solve_batches` solves ``batch`` on the host.
 
     Args:
         batch: Stacked square matrices ``(..., n, n)``.

@@ -78,7 +78,7 @@ def test_host_batches_run_on_the_worker_and_equal_eigh(host_solves: list[tuple[i
     batches = [_spd(6, seed=1), _spd(20, seed=2), _spd(3, batch=1, seed=3)]
     results = solves.eigh_batches(batches, host_max_dim=8)
     assert sorted(n for n, _ in host_solves) == [3, 6]
-    assert all(name.startswith("kfac-hpc-host-eigh") for _, name in host_solves)
+    assert all(name.startswith("kfac-hpc-host-solves") for _, name in host_solves)
     for batch, result in zip(batches, results):
         assert not isinstance(result, Exception)
         evals, evecs = torch.linalg.eigh(batch)

@@ -70,6 +70,6 @@ def test_a_side_stream_is_waited_for_and_the_worker_used(device: torch.device,
         results = solves.eigh_batches(batches, host_max_dim=512)
         kept = [(r[0].clone(), r[1].clone()) for r in results if not isinstance(r, Exception)]
     torch.cuda.current_stream(device).wait_stream(side)
-    assert len(threads) == 3 and all(t.startswith("kfac-hpc-host-eigh") for t in threads)
+    assert len(threads) == 3 and all(t.startswith("kfac-hpc-host-solves") for t in threads)
     assert len(kept) == len(SIZES)
     _check(batches, list(kept), 1e-10)
