@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["DEFAULT_HOST_MAX_DIM", "BatchResult", "EighResult", "Solver", "eigh_batches",
-           "solve_batches", "solves_on_host"]
+           "solve_batches", "solves_on_host", "symmetric_eigh"]
 
 #: Matrices up to this size are decomposed on the host when they live on a CUDA device:
 #: torch's Jacobi range for float32 on CUDA (32..512), where the device is slowest
@@ -99,7 +99,7 @@ def _solve_on_host(host: Tensor, ready: torch.cuda.Event | None, solve: Solver
 def _collect(future: Future[tuple[Tensor, ...]], device: torch.device) -> BatchResult:
     try:
         results = future.result()
-    except RuntimeError as exc:  # torch.linalg.LinAlgError and backend errors
+    except Exception as exc:  # LinAlgError, backend errors: in the batch's place
         return exc
     return tuple(t.to(device, non_blocking=True) for t in results)
 
@@ -136,7 +136,7 @@ def solve_batches(batches: Sequence[Tensor], solve: Solver,
             continue
         try:
             out[i] = tuple(solve(batch))
-        except RuntimeError as exc:
+        except Exception as exc:  # in the batch's place, as the host's
             out[i] = exc
     for i, future in on_host.items():
         out[i] = _collect(future, batches[i].device)
@@ -157,8 +157,9 @@ def eigh_batches(batches: Sequence[Tensor], host_max_dim: int = DEFAULT_HOST_MAX
     Returns:
         Per batch, ``(eigenvalues, eigenvectors)`` in ascending order, or the exception.
     """
-    return cast(list[EighResult], solve_batches(batches, _eigh, host_max_dim))
+    return cast(list[EighResult], solve_batches(batches, symmetric_eigh, host_max_dim))
 
 
-def _eigh(batch: Tensor) -> tuple[Tensor, ...]:
+def symmetric_eigh(batch: Tensor) -> tuple[Tensor, ...]:
+    """``torch.linalg.eigh`` as a :data:`Solver`: ``(eigenvalues, eigenvectors)``."""
     return tuple(torch.linalg.eigh(batch))

@@ -17,13 +17,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import torch
 from torch import Tensor
 
 from kfac_hpc.kfac.precision import MatmulPrecision, matmul
-from kfac_hpc.solves import DEFAULT_HOST_MAX_DIM, eigh_batches, solve_batches
+from kfac_hpc.solves import DEFAULT_HOST_MAX_DIM, Solver, solve_batches, symmetric_eigh
 
 __all__ = [
     "column_covariance",
@@ -48,6 +49,7 @@ __all__ = [
 ]
 
 _LINALG_DTYPES = (torch.float32, torch.float64)
+_R = TypeVar("_R")  # a per-factor result of _solve_each
 
 
 def _no_autocast(t: Tensor) -> contextlib.AbstractContextManager[None]:
@@ -296,7 +298,7 @@ def eigh_clamped_many(factors: list[Tensor], dtype: torch.dtype = torch.float32,
     distinct sizes, not of factors (cuSOLVER may pick its batched Jacobi solver for
     batches of matrices up to 32x32: equal to rounding); the batches of CUDA factors of
     at most ``host_max_dim`` rows are decomposed on the host meanwhile
-    (:func:`kfac_hpc.solves.eigh_batches`). On the CPU, where a call costs
+    (:func:`kfac_hpc.solves.solve_batches`). On the CPU, where a call costs
     no sync, every factor is solved alone as before: a matrix inside a stacked batch
     sits at another alignment, which BLAS libraries that choose kernels by alignment
     (MKL) could answer with other bits, and the world-size invariance is bitwise.
@@ -312,25 +314,38 @@ def eigh_clamped_many(factors: list[Tensor], dtype: torch.dtype = torch.float32,
     Returns:
         Per factor, ``(Q, λ)`` or the exception its decomposition raised.
     """
-    out: dict[int, tuple[Tensor, Tensor] | Exception] = {}
-    groups = _same_kind(factors)
-    batched = [members for members in groups
-               if uses_gpu_path(factors[members[0]].device)]
-    stacks = [torch.stack([factors[i] for i in members]) for members in batched]
-    solved = eigh_batches([s.to(_linalg_dtype(s)) for s in stacks], host_max_dim)
-    for members, result in zip(batched, solved):
-        if isinstance(result, Exception):
-            continue  # one by one below, with the float64 retry
+    def split(result: tuple[Tensor, ...], _: Tensor) -> list[tuple[Tensor, Tensor]]:
         evals, evecs = result
         q, lam = evecs.to(dtype), evals.clamp(min=0.0).to(dtype)
-        for j, i in enumerate(members):
-            out[i] = (q[j], lam[j])
-    for members in groups:
-        for i in members:
-            if i in out:
-                continue
+        return list(zip(q.unbind(), lam.unbind()))
+
+    return _solve_each(factors, lambda stack: stack.to(_linalg_dtype(stack)), symmetric_eigh,
+                       split, lambda f: eigh_clamped(f, dtype), host_max_dim)
+
+
+def _solve_each(factors: list[Tensor], prepare: Callable[[Tensor], Tensor], solve: Solver,
+                split: Callable[[tuple[Tensor, ...], Tensor], list[_R]],
+                one: Callable[[Tensor], _R], host_max_dim: int) -> list[_R | Exception]:
+    """Solve every factor: one batched call per size and dtype on the GPU path.
+
+    On the GPU path the factors of one size and dtype are stacked, ``prepare``d and
+    solved together (:func:`kfac_hpc.solves.solve_batches`: the small CUDA ones on the
+    host meanwhile) and ``split`` into per-factor results (given the result and one
+    member). Every factor not solved that way (the CPU path, a batch whose solver
+    raised) gets ``one(factor)`` (with its own fallbacks); an exception it raises takes
+    the factor's place.
+    """
+    out: dict[int, _R | Exception] = {}
+    batched = [members for members in _same_kind(factors)
+               if uses_gpu_path(factors[members[0]].device)]
+    stacks = [prepare(torch.stack([factors[i] for i in members])) for members in batched]
+    for members, result in zip(batched, solve_batches(stacks, solve, host_max_dim)):
+        if not isinstance(result, Exception):  # else one by one below, with the fallbacks
+            out.update(zip(members, split(result, factors[members[0]])))
+    for i, factor in enumerate(factors):
+        if i not in out:
             try:
-                out[i] = eigh_clamped(factors[i], dtype)
+                out[i] = one(factor)
             except Exception as exc:  # reported per factor by the caller
                 out[i] = exc
     return [out[i] for i in range(len(factors))]
@@ -452,32 +467,17 @@ def damped_inverse_many(factors: list[Tensor], damping: float, dtype: torch.dtyp
     """
     if damping < 0:
         raise ValueError(f"damping must be >= 0, got {damping}")
-    out: dict[int, Tensor | Exception] = {}
-    groups = _same_kind(factors)
-    batched = [members for members in groups if uses_gpu_path(factors[members[0]].device)]
-    stacks = []
-    for members in batched:
-        stack = torch.stack([factors[i] for i in members])
+    def damped(stack: Tensor) -> Tensor:
         stack = stack.to(_linalg_dtype(stack))
         stack.diagonal(dim1=-2, dim2=-1).add_(math.sqrt(damping))
-        stacks.append(stack)
-    for members, result in zip(batched, solve_batches(stacks, _cholesky_inverse,
-                                                       host_max_dim)):
-        if isinstance(result, Exception):
-            continue  # one by one below, with the float64 and LU fallbacks
+        return stack
+
+    def split(result: tuple[Tensor, ...], member: Tensor) -> list[Tensor]:
         (inv,) = result
-        inv = ((inv + inv.mT) / 2).to(dtype or factors[members[0]].dtype)
-        for j, i in enumerate(members):
-            out[i] = inv[j]
-    for members in groups:
-        for i in members:
-            if i in out:
-                continue
-            try:
-                out[i] = damped_inverse(factors[i], damping, dtype)
-            except Exception as exc:  # reported per factor by the caller
-                out[i] = exc
-    return [out[i] for i in range(len(factors))]
+        return list(((inv + inv.mT) / 2).to(dtype or member.dtype).unbind())
+
+    return _solve_each(factors, damped, _cholesky_inverse, split,
+                       lambda f: damped_inverse(f, damping, dtype), host_max_dim)
 
 
 def _cholesky_inverse(batch: Tensor) -> tuple[Tensor, ...]:
