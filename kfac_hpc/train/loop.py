@@ -73,7 +73,7 @@ from kfac_hpc.train.metrics import (
 )
 from kfac_hpc.train.optim import lr_schedule
 from kfac_hpc.train.outdirs import check_output_dirs
-from kfac_hpc.train.pending import PendingMetrics, StepInfo, StepMetrics
+from kfac_hpc.train.pending import PendingMetrics, StepInfo, StepMetrics, read_columns
 from kfac_hpc.train.result import (
     LANGUAGE_DATASETS,
     StopReason,
@@ -577,10 +577,8 @@ class Trainer:
             counts.append(int(y.numel()))
         stats = WeightedMean()
         if counts:
-            values = torch.cat([torch.stack(losses).to(torch.float64),
-                                torch.stack(correct).to(torch.float64)]).tolist()  # one read
-            for j, n in enumerate(counts):
-                stats.add(values[j], values[len(counts) + j], n)
+            for loss, right, n in zip(*read_columns(losses, correct), counts):  # one read
+                stats.add(loss, right, n)
         return stats.reduced(self.aux)
 
     def _sync_buffers(self) -> None:

@@ -26,7 +26,7 @@ import torch
 if TYPE_CHECKING:
     from kfac_hpc.comm import Communicator
 
-__all__ = ["PendingMetrics", "StepInfo", "StepMetrics"]
+__all__ = ["PendingMetrics", "StepInfo", "StepMetrics", "read_columns"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,20 @@ class StepMetrics:
     def acc(self) -> float:
         """The global share of correct predictions."""
         return self.correct / self.samples
+
+
+def read_columns(*columns: list[torch.Tensor]) -> list[list[float]]:
+    """Read lists of 0-d device tensors to the host in one read (one sync on a GPU).
+
+    Args:
+        columns: Lists of equal length of 0-d tensors (any dtype, one device).
+
+    Returns:
+        Per column, its values as float64 Python floats, in order.
+    """
+    values = torch.cat([torch.stack(c).to(torch.float64) for c in columns]).tolist()
+    n = len(columns[0])
+    return [values[i * n:(i + 1) * n] for i in range(len(columns))]
 
 
 @dataclass
@@ -137,13 +151,11 @@ class PendingMetrics:
         if not steps:
             return []
         k = len(steps)
-        values = torch.cat([torch.stack([s.loss_sum for s in steps]).to(torch.float64),
-                            torch.stack([s.correct for s in steps]).to(torch.float64)])
-        host = values.tolist()  # the one read (a sync on a GPU)
+        losses, correct = read_columns([s.loss_sum for s in steps], [s.correct for s in steps])
         local = np.empty((k, 3), dtype=np.float64)
         for i, s in enumerate(steps):
             # as a step read alone: its mean loss to a Python float, times its samples
-            local[i] = ((host[i] / s.samples) * s.samples, host[k + i], s.samples)
+            local[i] = ((losses[i] / s.samples) * s.samples, correct[i], s.samples)
         total = self._sum_over_ranks(local)
         seconds = (time.perf_counter() - self._since) / k
         self._since = time.perf_counter()
