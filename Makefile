@@ -31,7 +31,9 @@
 #                   benchmarks/gpu_collectives.py on 2 ranks (staged vs device-direct
 #                   allreduce/reduce-scatter/broadcast, 1 KiB..256 MiB); tables (Markdown)
 #                   to the terminal and, with JSON and plots, under benchmarks/out/gpu/
-#                   (GPU_OUT).
+#                   (GPU_OUT). Its halves alone: make gpu-bench-step, gpu-bench-collectives.
+#   make gpu-info   kfac-hpc info on 2 ranks with that MPI: CUDA-awareness, its evidence,
+#                   and which calls go to MPI on device memory.
 #   make cuda-mpi   where a package index and Debian's archive are reachable (no GPU
 #                   needed): tools/build-cuda-aware-mpi.sh builds a CUDA-aware Open MPI
 #                   (Debian's source of Open MPI 4.1.4, --with-cuda=CUDA_HOME) into
@@ -53,7 +55,7 @@
 #   Settings: GPU_PYTHON, GPU_RANKS (2), GPU_BATCH (per-rank batch, 32), GPU_OUT,
 #   GPU_MPI_TIMEOUT (s, per test module and per benchmark run), GPU_TEST_ARGS (pytest,
 #   e.g. -k), GPU_TEST_MODULES (space-separated test files), GPU_KFAC_ARGS /
-#   GPU_COLL_ARGS (extra benchmark arguments), GPU_FACTOR_WARMUP (800: --factor-warmup
+#   GPU_COLL_ARGS / GPU_PROFILE_ARGS (extra benchmark arguments), GPU_FACTOR_WARMUP (800: --factor-warmup
 #   of gpu-compare's second vs_kaisa.py run), GPU_WHEELS (.gpu-wheels), GPU_PREFIX
 #   (default ${TMPDIR:-/tmp}/kfac_hpc-gpu-prefix-<uid>), GPU_PYVER / GPU_ARCH (x86_64 or
 #   aarch64) for gpu-wheels, GPU_MPI (a prefix of make cuda-mpi: its bin, lib and
@@ -65,7 +67,7 @@ VENV    ?= .venv
 BIN      = $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install test lint demo bench clean gpu-wheels gpu-env gpu-test gpu-bench gpu-compare cuda-mpi
+.PHONY: install test lint demo bench clean gpu-wheels gpu-env gpu-test gpu-bench gpu-bench-step gpu-bench-collectives gpu-info gpu-compare cuda-mpi
 
 install: $(VENV)/.installed
 
@@ -105,6 +107,7 @@ GPU_TEST_ARGS    ?=
 GPU_TEST_MODULES ?=
 GPU_KFAC_ARGS    ?=
 GPU_COLL_ARGS    ?=
+GPU_PROFILE_ARGS ?=
 GPU_MODEL        ?= resnet50
 GPU_COMPARE_TIMEOUT ?= 300
 # The second vs_kaisa.py run of make gpu-compare: kfac_hpc and KAISA after this many
@@ -133,16 +136,17 @@ GPU_WHEELS_EXTRA   ?=
 GPU_RUN = launch/with-wheels --wheels "$(GPU_WHEELS)" $(if $(GPU_PREFIX),--prefix $(GPU_PREFIX)) \
           --python $(GPU_PYTHON) --
 
+GPU_TARGETS = gpu-env gpu-test gpu-bench gpu-bench-step gpu-bench-collectives gpu-info gpu-compare
 # The machine's PATH without ./.venv/bin (put first by the export above); kfac_hpc from
 # this checkout (no pip install: its build isolation would need the network). With
 # GPU_MPI, that prefix's MPI first (OPAL_PREFIX: Open MPI relocated to where it lies).
-gpu-env gpu-test gpu-bench gpu-compare: export PATH := $(if $(GPU_MPI),$(abspath $(GPU_MPI))/bin:)$(subst $(abspath $(BIN)):,,$(PATH))
+$(GPU_TARGETS): export PATH := $(if $(GPU_MPI),$(abspath $(GPU_MPI))/bin:)$(subst $(abspath $(BIN)):,,$(PATH))
 ifneq ($(GPU_MPI),)
-gpu-env gpu-test gpu-bench gpu-compare: export OPAL_PREFIX := $(abspath $(GPU_MPI))
-gpu-env gpu-test gpu-bench gpu-compare: export LD_LIBRARY_PATH := $(abspath $(GPU_MPI))/lib$(if $(LD_LIBRARY_PATH),:$(LD_LIBRARY_PATH))
+$(GPU_TARGETS): export OPAL_PREFIX := $(abspath $(GPU_MPI))
+$(GPU_TARGETS): export LD_LIBRARY_PATH := $(abspath $(GPU_MPI))/lib$(if $(LD_LIBRARY_PATH),:$(LD_LIBRARY_PATH))
 endif
-gpu-env gpu-test gpu-bench gpu-compare: export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
-gpu-env gpu-test gpu-bench gpu-compare: export KFAC_HPC_TEST_DEVICE := $(GPU_DEVICE)
+$(GPU_TARGETS): export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
+$(GPU_TARGETS): export KFAC_HPC_TEST_DEVICE := $(GPU_DEVICE)
 
 gpu-wheels:
 	$(PYTHON3) -m pip download --no-deps --only-binary=:all: --python-version $(GPU_PYVER) \
@@ -223,10 +227,20 @@ gpu-test: gpu-env
 	@$(GPU_RUN) env PYTHON=$(GPU_PYTHON) RANKS=$(GPU_RANKS) MPI_TIMEOUT=$(GPU_MPI_TIMEOUT) \
 	  GPU_TEST_MODULES="$(GPU_TEST_MODULES)" tests/run_gpu.sh $(GPU_TEST_ARGS)
 
-gpu-bench: gpu-env
+gpu-bench: gpu-bench-step gpu-bench-collectives
+
+gpu-bench-step: gpu-env
 	@mkdir -p $(GPU_OUT)
 	$(GPU_RUN) bash -o pipefail -c 'launch/local -n 1 --timeout $(GPU_MPI_TIMEOUT) $(GPU_PYTHON) benchmarks/kfac_step.py --device $(GPU_DEVICE) --model resnet50 --batch $(GPU_BATCH) --markdown --out $(GPU_OUT) $(GPU_KFAC_ARGS) 2>&1 | tee $(GPU_OUT)/kfac_step_resnet50_n1_$(GPU_DEVICE).txt'
+
+gpu-bench-collectives: gpu-env
+	@mkdir -p $(GPU_OUT)
 	$(GPU_RUN) bash -o pipefail -c 'launch/local -n 2 --timeout $(GPU_MPI_TIMEOUT) $(GPU_PYTHON) benchmarks/gpu_collectives.py --device $(GPU_DEVICE) --markdown --out $(GPU_OUT) $(GPU_COLL_ARGS) 2>&1 | tee $(GPU_OUT)/gpu_collectives_n2_$(GPU_DEVICE).txt'
+
+# kfac-hpc info on 2 ranks with the MPI GPU_MPI (or the wheels) gives: CUDA-awareness and
+# its evidence, the per-call table.
+gpu-info: gpu-env
+	$(GPU_RUN) launch/local -n 2 --timeout 80 $(GPU_PYTHON) -m kfac_hpc info
 
 # The head-to-head on one GPU (benchmarks/RESULTS.md, GPU): each run under its own time
 # limit (GPU_COMPARE_TIMEOUT s); the peers' sources from .peers/ (kaisa/, meta/).
@@ -238,7 +252,7 @@ gpu-compare: gpu-env
 	$(if $(filter kaisa,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/vs_kaisa.py --device $(GPU_DEVICE) --models $(GPU_MODEL) --timing kinds --max-seconds 100 --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/vs_kaisa_$(GPU_MODEL)_$(GPU_DEVICE).txt')
 	$(if $(filter kaisa-warm,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/vs_kaisa.py --device $(GPU_DEVICE) --models $(GPU_MODEL) --timing kinds --configs sgd kfac_hpc kaisa --factor-warmup $(GPU_FACTOR_WARMUP) --max-seconds 240 --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/vs_kaisa_$(GPU_MODEL)_$(GPU_DEVICE)_warmup$(lastword $(GPU_FACTOR_WARMUP)).txt')
 	$(if $(filter shampoo,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/shampoo_step.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --max-seconds 100 --profile --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/shampoo_step_$(GPU_MODEL)_$(GPU_DEVICE).txt')
-	$(if $(filter profile,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/gpu_profile.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --image-size $(GPU_IMAGE) --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/gpu_profile_$(GPU_MODEL)_$(GPU_DEVICE).txt')
+	$(if $(filter profile,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/gpu_profile.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --image-size $(GPU_IMAGE) --markdown --out $(GPU_OUT) $(GPU_PROFILE_ARGS) 2>&1 | tee $(GPU_OUT)/gpu_profile_$(GPU_MODEL)_$(GPU_DEVICE).txt')
 	$(if $(filter train,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/train_throughput.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --shape $(GPU_SHAPE) --batch $(GPU_BATCH) --steps 60 --warmup 20 --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/train_throughput_$(GPU_MODEL)_$(GPU_DEVICE).txt')
 
 # ------------------------------------------------------------------- CUDA-aware MPI

@@ -223,6 +223,16 @@ def pyplot() -> Any:
     return plt
 
 
+def figure_note(draw: Callable[..., Path], *args: Any) -> str:
+    """``"wrote <path>"`` after ``draw(*args)`` draws and saves a figure; where matplotlib
+    is not installed (GPU machines often lack it), ``"figure skipped: ..."`` instead, so a
+    benchmark's tables and JSON never depend on it."""
+    try:
+        return f"wrote {draw(*args)}"
+    except ImportError as e:
+        return f"figure skipped: {e}"
+
+
 def save_figure(fig: Any, path: str | os.PathLike[str], dpi: int = 120) -> Path:
     """Save a matplotlib figure (creating folders) and close it; returns the path."""
     path = Path(path)

@@ -53,6 +53,7 @@ import torch
 from common import (
     OUT_DIR,
     describe,
+    figure_note,
     format_table,
     machine,
     pyplot,
@@ -326,8 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         comm.free()
     if rank == 0:
         stem = f"gpu_collectives_n{size}_{device.type}"
-        say(f"wrote {plot(record, args.out / f'{stem}.png')}")
         say(f"wrote {write_json(args.out / f'{stem}.json', record)}")
+        say(figure_note(plot, record, args.out / f"{stem}.png"))
     return 0 if all(all(c.values()) for c in record["checks"].values()) else 1
 
 

@@ -149,6 +149,7 @@ import torch.nn.functional as F
 from common import (
     OUT_DIR,
     describe,
+    figure_note,
     format_table,
     machine,
     matmul_throughput,
@@ -1273,19 +1274,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 bars = {k.replace("K-FAC ", ""): c["split_s"] for k, c in res["composed"].items()}
                 where = (f"{device.type}" if device.type == "cuda"
                          else f"{threads} thread(s)/rank, {info['cores']} cores")
-                p = plot_split(bars, f"{name}, {size} rank(s), {where}: time split per "
-                               f"iteration", args.out / f"kfac_step_{name}_n{size}{suffix}"
-                               f"_split.png")
-                say(f"wrote {p}")
+                say(figure_note(
+                    plot_split,
+                    bars, f"{name}, {size} rank(s), {where}: time split per iteration",
+                    args.out / f"kfac_step_{name}_n{size}{suffix}_split.png"))
         if "matrix" in args.sections and size > 1:
             res = matrix_section(work, grad_comm, run_args, say)
             record["matrix"] = res
             say("\n" + matrix_tables(res, args.markdown))
             if rank == 0:
-                p = plot_matrix(res, f"{name}, {size} ranks, {device.type}, (1,1): bytes, "
-                                f"time split and memory per strategy", args.out /
-                                f"kfac_step_{name}_n{size}{suffix}_matrix.png")
-                say(f"wrote {p}")
+                say(figure_note(
+                    plot_matrix,
+                    res, f"{name}, {size} ranks, {device.type}, (1,1): bytes, time split "
+                    "and memory per strategy",
+                    args.out / f"kfac_step_{name}_n{size}{suffix}_matrix.png"))
         if "eigh" in args.sections:
             res = eigh_section(work, device, args, say)
             record["eigh"] = res

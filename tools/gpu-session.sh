@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# One short device session (docs/gpu.md): the GPU work in parts, each under its own time
+# limit, every part's output saved as it runs, so a session cut short still returns
+# what it did.
+#
+#   tools/gpu-session.sh OUT PART[=SECONDS]...
+#
+# PARTs, in the order given: probe (the machine, the MPI, `kfac-hpc info` on 2 ranks;
+# without a working GPU_MPI it falls back to .gpu-wheels' MPI for the parts after it),
+# test (make gpu-test), collectives (benchmarks/gpu_collectives.py on 2 ranks), and the
+# parts of make gpu-compare (kaisa, kaisa-warm, shampoo, profile, train). Each part's
+# output goes to OUT/<part>.txt, its files under OUT/gpu/, and a line
+# "=== part <name>: exit R in S s" to the terminal and OUT/session.txt.
+# GPU_MPI (default .cuda-mpi/openmpi-4.1.4-cuda13 when present), GPU_PYTHON (python3) and
+# GPU_DEVICE (cuda; cpu is the dry run) are passed on to make.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+[[ $# -ge 2 ]] || { echo "usage: tools/gpu-session.sh OUT PART[=SECONDS]..." >&2; exit 2; }
+out="$1"; shift
+mkdir -p "$out/gpu" || exit 2
+default_mpi=".cuda-mpi/openmpi-4.1.4-cuda13"
+mpi="${GPU_MPI-$([[ -x $default_mpi/bin/mpiexec ]] && echo "$PWD/$default_mpi")}"
+python="${GPU_PYTHON:-python3}"
+device="${GPU_DEVICE:-cuda}"
+status=0
+{ date -u; nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"; } > "$out/session.txt"
+
+note() { echo "$*" | tee -a "$out/session.txt"; }
+
+run_part() {  # name seconds command...
+    local name="$1" seconds="$2"; shift 2
+    local start=$SECONDS rc
+    note "=== part $name: start (limit ${seconds} s, GPU_MPI=${mpi:-none})"
+    timeout --kill-after=10 "$seconds" "$@" > "$out/$name.txt" 2>&1
+    rc=$?
+    tail -n 30 "$out/$name.txt"
+    note "=== part $name: exit $rc in $((SECONDS - start)) s"
+    [[ $rc -eq 0 ]] || status=1
+    return $rc
+}
+
+make_args() {
+    echo GPU_PYTHON="$python" GPU_DEVICE="$device" GPU_OUT="$out/gpu" GPU_MPI="$mpi"
+}
+
+for spec in "$@"; do
+    name="${spec%%=*}"
+    seconds=600
+    [[ "$spec" == *=* ]] && seconds="${spec#*=}"
+    # shellcheck disable=SC2046
+    case "$name" in
+        probe)
+            # The MPI must start 2 ranks and report; else the wheels' MPI takes over.
+            if ! run_part probe "$seconds" make gpu-info $(make_args) && [[ -n "$mpi" ]]; then
+                note "=== GPU_MPI=$mpi does not work here: the parts after this use .gpu-wheels"
+                mpi=""
+                run_part probe-wheels "$seconds" make gpu-info $(make_args)
+            fi
+            ;;
+        test)
+            run_part test "$seconds" make gpu-test $(make_args) GPU_MPI_TIMEOUT="$((seconds / 3))" ;;
+        collectives)
+            run_part collectives "$seconds" make gpu-bench-collectives $(make_args) \
+                GPU_MPI_TIMEOUT="$((seconds - 10))" ;;
+        kaisa|kaisa-warm|shampoo|profile|train)
+            run_part "$name" "$seconds" make gpu-compare $(make_args) GPU_COMPARE_PARTS="$name" \
+                GPU_COMPARE_TIMEOUT="$((seconds - 15))" ;;
+        *) echo "gpu-session: unknown part $name" >&2; exit 2 ;;
+    esac
+done
+note "=== session: $([[ $status -eq 0 ]] && echo all parts passed || echo some part failed)"
+exit $status
