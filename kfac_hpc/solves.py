@@ -1,21 +1,28 @@
-"""Batched solves of small symmetric matrices on the host, beside the device's.
+"""Batched solves of symmetric matrices: the solver's precision, and where it runs.
 
 K-FAC's inverse updates and Shampoo's root steps decompose (or invert) many symmetric
-matrices, one batched call per distinct size. On CUDA each call is latency bound for
-small matrices: torch loops over a batch one matrix at a time, syncing for its error
-flags, and hands float32 matrices of 32 to 512 rows to cuSOLVER's Jacobi solver
-(``syevj``; everything else to divide and conquer, ``syevd``), whose time grows with how
-far a matrix is from diagonal (a 512x512 ResNet-50 factor took 14 ms on an H200, a
-1024x1024 one 11 ms). The host's LAPACK solves those sizes in a few milliseconds on one
-core, while the device is busy with the large ones. So :func:`solve_batches` sends
-every batch of at most ``host_max_dim`` rows that lives on a CUDA device to one host
-worker thread (copied out after the device has produced it, copied back without
-blocking) and solves the rest on the device meanwhile; the two overlap, and an update
-costs about its large matrices' time. :func:`eigh_batches` is the eigendecomposition.
+matrices, one batched call per distinct size. On CUDA, torch hands float32 matrices of
+32 to 512 rows to cuSOLVER's Jacobi solver (``syevj``) and everything else to divide and
+conquer (``syevd``); a batch is solved one matrix at a time either way. Jacobi's time
+grows with how far a matrix is from diagonal, and on real factors it is the slow choice:
+on an NVIDIA H200, ResNet-50's K-FAC factors took (ms per matrix, float32 ``syevj``
+against float64 ``syevd``) 147 rows 2.24 vs 1.22, 256 rows 4.68 vs 2.10, 512 rows 14.02
+vs 4.66 (64 and 128 rows: equal). So :func:`symmetric_eigh` decomposes float32 CUDA
+matrices of that range in float64 (:func:`eigh_dtype`): faster, and more accurate; the
+results come back in float32.
+
+:func:`solve_batches` can also send every CUDA batch of at most ``host_max_dim`` rows to
+one host worker thread (copied out after the device has produced it, solved by LAPACK,
+copied back without blocking) while the device solves the others. It is off by default
+(:data:`DEFAULT_HOST_MAX_DIM`): on the H200's host, LAPACK took 35.8 ms per 512-row
+factor, and one ResNet-50 K-FAC inverse update took 1340 ms with the factors up to 512
+rows on the host against 1482 ms on the device in float32 Jacobi; the float64 device
+solves above take those factors from about 420 ms of device time to about 175 ms. It can
+pay where the host is fast and the device small.
 
 Results equal those of the same solver on the host for the host's batches (the same
-LAPACK call); which batches go there depends only on their size and device, so a run
-and its resumption compute alike.
+LAPACK call); which batches go where, and in which precision, depends only on their
+size, dtype and device, so a run and its resumption compute alike.
 """
 
 from __future__ import annotations
@@ -28,15 +35,16 @@ from typing import cast
 import torch
 from torch import Tensor
 
-__all__ = ["DEFAULT_HOST_MAX_DIM", "BatchResult", "EighResult", "Solver", "eigh_batches",
-           "solve_batches", "solves_on_host", "symmetric_eigh"]
+__all__ = ["DEFAULT_HOST_MAX_DIM", "JACOBI_ROWS", "BatchResult", "EighResult", "Solver",
+           "eigh_batches", "eigh_dtype", "solve_batches", "solves_on_host", "symmetric_eigh"]
 
-#: Matrices up to this size are decomposed on the host when they live on a CUDA device:
-#: torch's Jacobi range for float32 on CUDA (32..512), where the device is slowest
-#: per flop, and small enough that the host (one core, LAPACK) keeps up with the
-#: device's large factors (ResNet-50's K-FAC factors up to 512 rows: 0.27 s on one core
-#: of a 2-core Xeon, against about 1 s of device time for the larger ones).
-DEFAULT_HOST_MAX_DIM = 512
+#: The largest CUDA matrix decomposed on the host by default: none (0). Measured on an
+#: NVIDIA H200 (module docstring): the device, with :func:`eigh_dtype`, is faster.
+DEFAULT_HOST_MAX_DIM = 0
+
+#: The rows of the float32 CUDA matrices torch decomposes with cuSOLVER's Jacobi solver
+#: (``linalg_eigh_cusolver`` in ATen: ``syevj`` for 32 <= n <= 512), inclusive.
+JACOBI_ROWS = (32, 512)
 
 #: What a solver returned for a batch, or the error it raised.
 BatchResult = tuple[Tensor, ...] | Exception
@@ -160,6 +168,34 @@ def eigh_batches(batches: Sequence[Tensor], host_max_dim: int = DEFAULT_HOST_MAX
     return cast(list[EighResult], solve_batches(batches, symmetric_eigh, host_max_dim))
 
 
+def eigh_dtype(batch: Tensor) -> torch.dtype:
+    """The dtype :func:`symmetric_eigh` decomposes ``batch`` in.
+
+    float64 for a float32 batch on a CUDA device with rows in :data:`JACOBI_ROWS` (where
+    torch would pick cuSOLVER's Jacobi solver; in float64 it picks divide and conquer,
+    2-3x faster there on real factors: module docstring); else ``batch``'s own dtype.
+
+    Args:
+        batch: Stacked square matrices ``(..., n, n)``.
+
+    Returns:
+        The dtype to decompose in.
+    """
+    low, high = JACOBI_ROWS
+    if (batch.device.type == "cuda" and batch.dtype == torch.float32
+            and low <= batch.shape[-1] <= high):
+        return torch.float64
+    return batch.dtype
+
+
 def symmetric_eigh(batch: Tensor) -> tuple[Tensor, ...]:
-    """``torch.linalg.eigh`` as a :data:`Solver`: ``(eigenvalues, eigenvectors)``."""
-    return tuple(torch.linalg.eigh(batch))
+    """``torch.linalg.eigh`` as a :data:`Solver`: ``(eigenvalues, eigenvectors)``.
+
+    Computed in :func:`eigh_dtype` (float64 for float32 CUDA batches of Jacobi's range)
+    and returned in ``batch``'s dtype.
+    """
+    work = eigh_dtype(batch)
+    if work == batch.dtype:
+        return tuple(torch.linalg.eigh(batch))
+    values, vectors = torch.linalg.eigh(batch.to(work))
+    return values.to(batch.dtype), vectors.to(batch.dtype)

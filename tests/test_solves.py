@@ -68,6 +68,33 @@ def test_only_cuda_batches_up_to_the_size_go_to_the_host() -> None:
     assert not solves.solves_on_host(batch("meta", 8), 512)
 
 
+@pytest.mark.parametrize("device, dtype, n, want", [
+    ("cuda", torch.float32, 31, torch.float32),
+    ("cuda", torch.float32, 32, torch.float64),
+    ("cuda", torch.float32, 512, torch.float64),
+    ("cuda", torch.float32, 513, torch.float32),
+    ("cuda", torch.float64, 256, torch.float64),
+    ("cpu", torch.float32, 256, torch.float32),
+    ("meta", torch.float32, 256, torch.float32),
+])
+def test_float32_cuda_batches_of_jacobis_range_are_decomposed_in_float64(
+        device: str, dtype: torch.dtype, n: int, want: torch.dtype) -> None:
+    batch = SimpleNamespace(device=torch.device(device), dtype=dtype, shape=(3, n, n))
+    assert solves.eigh_dtype(batch) == want  # type: ignore[arg-type]
+
+
+def test_a_widened_eigh_returns_the_float64_results_in_the_batch_dtype(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU batches forced through the widening: float64 ``eigh``, cast back."""
+    monkeypatch.setattr(solves, "eigh_dtype", lambda batch: torch.float64)
+    batch = _spd(40).float()
+    values, vectors = solves.symmetric_eigh(batch)
+    want_values, want_vectors = torch.linalg.eigh(batch.double())
+    assert values.dtype == vectors.dtype == torch.float32
+    assert torch.equal(values, want_values.float())
+    assert torch.equal(vectors, want_vectors.float())
+
+
 def test_on_the_cpu_nothing_goes_to_the_worker(solved_on: list[tuple[int, str]]) -> None:
     solves.eigh_batches([_spd(4), _spd(9)], host_max_dim=512)
     assert solved_on == []

@@ -73,3 +73,21 @@ def test_a_side_stream_is_waited_for_and_the_worker_used(device: torch.device,
     assert len(threads) == 3 and all(t.startswith("kfac-hpc-host-solves") for t in threads)
     assert len(kept) == len(SIZES)
     _check(batches, list(kept), 1e-10)
+
+
+@needs_cuda
+def test_float32_factors_of_jacobis_range_are_decomposed_in_float64(device: torch.device
+                                                                   ) -> None:
+    """A 256-row float32 factor: the float64 decomposition, cast back, and closer to the
+    exact one than cuSOLVER's float32 Jacobi result."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 1024, 256, generator=g).to(device)
+    batch = x.mT @ x / 1024
+    values, vectors = solves.symmetric_eigh(batch)
+    want_values, want_vectors = torch.linalg.eigh(batch.double())
+    assert values.dtype == vectors.dtype == torch.float32
+    assert torch.equal(values, want_values.float()) and torch.equal(vectors, want_vectors.float())
+    # the nearest float32 to each float64 eigenvalue: no float32 solver can be closer
+    jacobi_values, _ = torch.linalg.eigh(batch)
+    assert ((values.double() - want_values).abs().max()
+            <= (jacobi_values.double() - want_values).abs().max())
