@@ -11,12 +11,15 @@ vector the collective operates on, as the library's traffic counters count it), 
 
 * ``staged``: ``Communicator(cuda_aware=False)`` on CUDA tensors: every call copies its
   buffers device -> pinned host, runs MPI on host memory, and copies back.
-* ``direct``: ``Communicator(cuda_aware=True)`` on CUDA tensors: device pointers go to
-  MPI. Measured only where the MPI library is CUDA-aware, as ``Communicator()`` (no
+* ``direct``: ``Communicator(cuda_aware="all")`` on CUDA tensors: device pointers go to
+  MPI in every call measured, including those a routing rule stages by default because
+  they measured faster staged (Open MPI without UCX: the blocking reductions; see
+  ``kfac_hpc.comm.cuda.ROUTING``), so the column is the library's own device path.
+  Measured only where the MPI library is CUDA-aware, as ``Communicator()`` (no
   override: ``KFAC_HPC_CUDA_AWARE``, then its detection) decides on every rank;
   otherwise the column is skipped with the reason. ``--direct force`` measures it anyway
   (on a library that is not CUDA-aware that may crash or give wrong sums), ``skip``
-  never does.
+  never does. Where a routing rule applies, the header names the calls it stages.
 * ``host`` (CUDA only): the same calls on CPU tensors, the MPI library's host-memory
   speed: ``staged`` minus ``host`` is the cost of the copies.
 
@@ -177,6 +180,10 @@ def direct_decision(args: argparse.Namespace, world: MPI.Comm) -> tuple[bool, st
         return False, "skipped (--direct skip)"
     probe = Communicator(world.Dup(), name="detect")  # no override: env, then evidence
     summary = str(getattr(getattr(probe, "cuda", None), "summary", lambda: "")())
+    routed = sorted(getattr(getattr(probe, "cuda", None), "routed", ()))
+    if routed:
+        summary += (f"; by default {', '.join(routed)} are staged by routing (faster staged "
+                    f"here); the direct column hands them to MPI")
     verdicts = world.allgather(bool(probe.cuda_aware))
     probe.free()
     said = f" ({summary})" if summary else ""
@@ -287,7 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     modes: dict[str, tuple[Communicator, torch.device]] = {
         "staged": (Communicator(world.Dup(), cuda_aware=False, name="staged"), device)}
     if direct:
-        modes["direct"] = (Communicator(world.Dup(), cuda_aware=True, name="direct"), device)
+        # "all": the library's own device path, routing rules off (the header says which)
+        modes["direct"] = (Communicator(world.Dup(), cuda_aware="all", name="direct"), device)
     if device.type == "cuda":
         modes["host"] = (Communicator(world.Dup(), cuda_aware=False, name="host"),
                          torch.device("cpu"))

@@ -105,7 +105,9 @@ def held_tensors(opt: Any) -> dict[str, Tensor]:
 
 def direct_or_staged(path: str, device: torch.device) -> Any:
     """A Communicator that stages every CUDA tensor (``"staged"``), or one that hands device
-    memory to the calls the MPI library takes it for (skips where it is not CUDA-aware)."""
+    memory to every call the MPI library takes it for (skips where it is not CUDA-aware),
+    routing rules undone: the library's device path is what these tests check, and the
+    routed default is made of the two paths."""
     import os
 
     import pytest
@@ -120,4 +122,4 @@ def direct_or_staged(path: str, device: torch.device) -> Any:
         if not found.aware:
             pytest.skip(f"device-direct path: the MPI library is not CUDA-aware here "
                         f"({found.summary()}; {'; '.join(found.evidence)})")
-    return Communicator(cuda_aware=True)
+    return Communicator(cuda=detect(True).unrouted())

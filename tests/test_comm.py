@@ -835,3 +835,78 @@ def test_calls_an_aware_library_leaves_out_are_staged_with_per_call_advice(cuda_
     text = "".join(r.getMessage() for r in caplog.records if r.name == "kfac_hpc.comm")
     assert "Open MPI does not take device memory in iallreduce" in text
     assert staging.PER_CALL_ADVICE in text and staging.NOT_AWARE_ADVICE not in text
+
+
+OB1 = "Open MPI v4.1.4, package: Open MPI root@build Distribution, ident: 4.1.4"
+
+
+def comm_messages(caplog, level: int) -> str:
+    return "".join(r.getMessage() for r in caplog.records
+                   if r.name == "kfac_hpc.comm" and r.levelno >= level)
+
+
+@mpi()
+def test_routed_reductions_are_staged_without_a_warning(cuda_stand_in, caplog):
+    """Open MPI without UCX, as detected: the blocking reductions are staged by routing
+    (no warning: it is the intended route, said once at INFO), data movement goes direct,
+    and the non-blocking calls the library leaves out are warned about with that cause."""
+    import logging
+
+    from kfac_hpc.comm import staging
+    from kfac_hpc.comm.cuda import detect
+
+    pool, _ = cuda_stand_in
+    comm = Communicator(cuda=detect(env={}, library=OB1, query=lambda: 1, maps="",
+                                    opal_cuda=lambda: True))
+    assert comm.cuda.aware and comm.cuda.routed == {"allreduce", "reduce", "reduce_scatter"}
+    x = rank_data(comm.rank, 6, torch.float32).as_subclass(CudaStandIn)
+    with caplog.at_level(logging.DEBUG, logger="kfac_hpc.comm"):
+        comm.allreduce(x)
+        assert pool.allocations == 1  # staged, by routing
+        comm.broadcast(x, root=0)
+        assert pool.allocations == 1 and pool.reuses == 0  # direct: no pinned buffer
+        comm.reduce_scatter(rank_data(comm.rank, 2 * comm.size, torch.float32)
+                            .as_subclass(CudaStandIn), [2] * comm.size)
+        assert pool.allocations + pool.reuses >= 2  # staged, by routing
+        assert comm_messages(caplog, logging.WARNING) == ""
+        notes = [r for r in caplog.records if r.name == "kfac_hpc.comm"]
+        assert len(notes) == 1  # once, whichever routed call came first
+        text = notes[0].getMessage()
+        assert notes[0].levelno <= logging.INFO
+        assert "allreduce, reduce, reduce_scatter on CUDA tensors are staged" in text
+        assert "by design" in text and "2-3.5x slower direct" in text
+        assert "not CUDA-aware" not in text and "Use a CUDA-aware MPI" not in text
+        comm.iallreduce(x).wait()  # outside Open MPI's table: warned, with that cause
+    np.testing.assert_array_equal(as_np(x), all_data(comm, 6, torch.float32).sum(0) * comm.size)
+    warnings = [r for r in caplog.records if r.name == "kfac_hpc.comm" and "Cause:" in
+                r.getMessage()]
+    assert len(warnings) == 1
+    text = warnings[0].getMessage()
+    assert "staged through pinned host memory for iallreduce, ireduce, ireduce_scatter, " \
+           "ibcast, iallgather, iallgatherv (first: iallreduce" in text
+    assert "Cause: Open MPI does not take device memory in iallreduce." in text
+    assert staging.PER_CALL_ADVICE in text and "not CUDA-aware" not in text
+
+
+@mpi()
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_forced_staging_says_it_was_forced(cuda_stand_in, caplog, monkeypatch, how):
+    """A CUDA-aware library staged by ``cuda_aware=False`` or ``KFAC_HPC_CUDA_AWARE=0``: the
+    warning names the override, not a library that is not CUDA-aware."""
+    import logging
+
+    from kfac_hpc.comm import staging
+    from kfac_hpc.comm.cuda import CUDA_AWARE_ENV, detect
+
+    env = {CUDA_AWARE_ENV: "0"} if how == "environment" else {}
+    support = detect(False if how == "argument" else None, env=env, library=OB1,
+                     query=lambda: 1, maps="", opal_cuda=lambda: True)
+    comm = Communicator(cuda=support)
+    x = rank_data(comm.rank, 4, torch.float32).as_subclass(CudaStandIn)
+    with caplog.at_level(logging.DEBUG, logger="kfac_hpc.comm"):
+        comm.broadcast(x, root=0)
+    text = comm_messages(caplog, logging.DEBUG)
+    source = "Communicator(cuda_aware=False)" if how == "argument" else f"{CUDA_AWARE_ENV}=0"
+    assert f"Cause: staging forced by {source} (detected: CUDA-aware)." in text
+    assert staging.FORCED_ADVICE in text
+    assert "not CUDA-aware here" not in text and staging.NOT_AWARE_ADVICE not in text

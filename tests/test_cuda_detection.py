@@ -15,6 +15,7 @@ from kfac_hpc.comm import Communicator, cuda, staging, threads
 from kfac_hpc.comm.cuda import (
     ALL,
     BLOCKING,
+    BLOCKING_REDUCTIONS,
     CALLS,
     CRAY_MPICH,
     INTEL_MPI,
@@ -24,6 +25,7 @@ from kfac_hpc.comm.cuda import (
     NONBLOCKING_REDUCTIONS,
     OPEN_MPI,
     UNKNOWN,
+    StagingCause,
     detect,
     vendor_of,
 )
@@ -78,23 +80,49 @@ def test_open_mpi_without_cuda_stages_everything() -> None:
     assert set(support.table().values()) == {"staged"}
 
 
+MOVEMENT = BLOCKING - BLOCKING_REDUCTIONS  # bcast, allgather(v), send, recv
+
+
 def test_open_mpi_cuda_aware_ob1_takes_blocking_calls_only() -> None:
+    """Without UCX, Open MPI takes device memory in the blocking calls; the routing rule
+    stages its blocking reductions (coll cuda reduces on the CPU, measured slower) and
+    leaves the data movement direct."""
     support = fake(OPEN_MPI_VERSION, query=1, maps=maps_with(LIBMPI))
-    assert support.aware and support.device_calls == BLOCKING
-    for call in NONBLOCKING_REDUCTIONS | NONBLOCKING_MOVEMENT:
+    assert support.aware and support.device_calls == MOVEMENT
+    assert support.routed == BLOCKING_REDUCTIONS == {"allreduce", "reduce", "reduce_scatter"}
+    for call in NONBLOCKING_REDUCTIONS | NONBLOCKING_MOVEMENT | BLOCKING_REDUCTIONS:
         assert not support.device_ok(call), call
-    assert support.device_ok("allreduce") and support.device_ok("reduce_scatter")
+    assert support.device_ok("bcast") and support.device_ok("allgatherv")
+    assert support.device_ok("send") and support.device_ok("recv")
+    # the library's own table, routing undone (what tests and benchmarks measure)
+    unrouted = support.unrouted()
+    assert unrouted.device_calls == BLOCKING and unrouted.routed == frozenset()
+    assert unrouted.device_ok("allreduce") and unrouted.device_ok("reduce_scatter")
+    assert cuda.SIXTEEN_BIT_NOTE in unrouted.evidence
+    assert not any(e.startswith("routing (") for e in unrouted.evidence)
 
 
 def test_the_evidence_says_what_happens_to_device_reductions() -> None:
     """Where a reduction goes direct, the evidence (``kfac-hpc info``) says 16-bit floats
     are widened on the device first; for Open MPI, that the library reduces on the CPU."""
-    for support in (fake(OPEN_MPI_VERSION, query=1), fake(MPICH_VERSION, query=1),
+    ucx = maps_with(LIBMPI, *UCX, UCX_CUDA)
+    for support in (fake(OPEN_MPI_VERSION, query=1, maps=ucx), fake(MPICH_VERSION, query=1),
                     fake(MVAPICH_VERSION, env={"MV2_USE_CUDA": "1"}),
-                    fake(MPICH_VERSION, query=0, override="all")):
+                    fake(MPICH_VERSION, query=0, override="all"),
+                    fake(OPEN_MPI_VERSION, query=1, override="all")):
         assert support.aware and cuda.SIXTEEN_BIT_NOTE in support.evidence, support.summary()
-    assert cuda.OPEN_MPI_REDUCTION_NOTE in fake(OPEN_MPI_VERSION, query=1).evidence
+    assert cuda.OPEN_MPI_REDUCTION_NOTE in fake(OPEN_MPI_VERSION, query=1, maps=ucx).evidence
     assert cuda.OPEN_MPI_REDUCTION_NOTE not in fake(MPICH_VERSION, query=1).evidence
+    # without UCX no reduction gets device memory (routing): no widening note, but the
+    # reason, and the rule with its measurement
+    routed = fake(OPEN_MPI_VERSION, query=1)
+    assert cuda.SIXTEEN_BIT_NOTE not in routed.evidence
+    assert cuda.OPEN_MPI_REDUCTION_NOTE in routed.evidence
+    rule = cuda.ROUTING[cuda.OPEN_MPI_COLL_CUDA]
+    assert rule.note() in routed.evidence
+    assert rule.note().startswith("routing (Open MPI without UCX): allreduce, reduce, "
+                                  "reduce_scatter staged through pinned host memory on purpose")
+    assert "2-3.5x slower direct" in rule.note() and "NVIDIA H200" in rule.note()
     for support in (fake(OPEN_MPI_VERSION, query=0), fake(MPICH_VERSION, query=1, override=False)):
         assert not support.aware
         assert cuda.SIXTEEN_BIT_NOTE not in support.evidence
@@ -112,7 +140,7 @@ def test_open_mpi_with_ucx_cuda_adds_nonblocking_movement_never_reductions() -> 
 def test_open_mpi_ucx_tls_without_cuda_drops_the_ucx_calls() -> None:
     support = fake(OPEN_MPI_VERSION, query=1, env={"UCX_TLS": "rc,sm,self"},
                    maps=maps_with(LIBMPI, *UCX, UCX_CUDA))
-    assert support.device_calls == BLOCKING
+    assert support.device_calls == MOVEMENT and support.routed == BLOCKING_REDUCTIONS
     assert any("excludes the CUDA transports" in e for e in support.evidence)
     assert cuda.ucx_tls_allows_cuda("rc,cuda_copy,cuda_ipc")
     assert cuda.ucx_tls_allows_cuda("all") and cuda.ucx_tls_allows_cuda("^ib")
@@ -156,7 +184,8 @@ def test_open_mpi_4_built_with_cuda_but_off_at_run_time_is_not_aware() -> None:
 def test_open_mpi_4_with_cuda_on_at_run_time_takes_blocking_calls() -> None:
     support = detect(env={}, library=OPEN_MPI_4_VERSION, query=lambda: 1,
                      maps=maps_with(LIBMPI, LIBOPEN_PAL, LIBCUDA), opal_cuda=True)
-    assert support.aware and support.device_calls == BLOCKING
+    assert support.aware and support.device_calls == MOVEMENT  # reductions: routing
+    assert support.routed == BLOCKING_REDUCTIONS
     assert "opal_cuda_support (run time) = true; libcuda.so loaded in this process" \
         in support.evidence
     unknown = detect(env={}, library=OPEN_MPI_4_VERSION, query=lambda: 1, maps="",
@@ -231,15 +260,92 @@ def test_env_override_off(value: str) -> None:
 
 
 def test_env_override_on_uses_the_vendor_table() -> None:
+    """``1``: as if detected, the vendor's table with its routing rules."""
     support = fake(OPEN_MPI_VERSION, query=0, env={cuda.CUDA_AWARE_ENV: "1"})
-    assert support.aware and support.device_calls == BLOCKING  # still no non-blocking reductions
+    assert support.aware and support.unrouted().device_calls == BLOCKING  # no i-reductions
+    assert support.device_calls == MOVEMENT and support.routed == BLOCKING_REDUCTIONS
+    with_ucx = fake(OPEN_MPI_VERSION, query=0, env={cuda.CUDA_AWARE_ENV: "1"},
+                    maps=maps_with(LIBMPI, *UCX, UCX_CUDA))
+    assert with_ucx.device_calls == BLOCKING | NONBLOCKING_MOVEMENT and not with_ucx.routed
 
 
 def test_env_override_all_and_argument_beats_env() -> None:
     support = fake(OPEN_MPI_VERSION, query=0, env={cuda.CUDA_AWARE_ENV: "all"})
     assert support.device_calls == ALL
     argument = fake(OPEN_MPI_VERSION, query=1, env={cuda.CUDA_AWARE_ENV: "all"}, override=False)
-    assert not argument.aware and argument.source == "Communicator(cuda_aware=...)"
+    assert not argument.aware and argument.source == "Communicator(cuda_aware=False)"
+    assert argument.detected_aware is True and argument.routed == frozenset()
+
+
+@pytest.mark.parametrize("override", ["all", "0", "1", None])
+def test_the_routing_rule_follows_the_override(override: str | None) -> None:
+    """``all`` hands device memory to every call, routed ones too; ``0`` stages everything
+    (nothing routed: staging is forced); ``1`` and detection route."""
+    support = fake(OPEN_MPI_VERSION, query=1, maps=maps_with(LIBMPI), override=override)
+    routed = any(e.startswith("routing (") for e in support.evidence)
+    if override == "all":
+        assert support.device_calls == ALL and not support.routed and not routed
+    elif override == "0":
+        assert support.device_calls == frozenset() and not support.routed and not routed
+    else:
+        assert support.device_calls == MOVEMENT and support.routed == BLOCKING_REDUCTIONS
+        assert routed and support.as_dict()["routed"] == ["allreduce", "reduce",
+                                                           "reduce_scatter"]
+
+
+@pytest.mark.parametrize(("name", "support", "expected"), [
+    ("Open MPI + UCX", fake(OPEN_MPI_VERSION, query=1, maps=maps_with(LIBMPI, *UCX, UCX_CUDA)),
+     BLOCKING | NONBLOCKING_MOVEMENT),
+    ("MPICH", fake(MPICH_VERSION, query=1), ALL),
+    ("Cray MPICH (GTL)", fake(CRAY_VERSION, env={"MPICH_GPU_SUPPORT_ENABLED": "1"},
+                              maps=maps_with(GTL_CUDA)), ALL),
+    ("MVAPICH2-GDR", fake(MVAPICH_VERSION, env={"MV2_USE_CUDA": "1"}), BLOCKING),
+    ("Intel MPI", fake(INTEL_VERSION, env={"I_MPI_OFFLOAD": "1"}), BLOCKING),
+    ("unknown", fake("Weird MPI 9", query=1), BLOCKING),
+    ("MPICH, KFAC_HPC_CUDA_AWARE=1", fake(MPICH_VERSION, query=0, override="1"), ALL),
+])
+def test_other_libraries_keep_their_routing(name: str, support: cuda.CudaSupport,
+                                            expected: frozenset[str]) -> None:
+    """The routing rule is Open MPI's without UCX only: every other library's reductions
+    take device memory where its table says so."""
+    assert support.device_calls == expected, name
+    assert support.routing is None and support.routed == frozenset(), name
+    assert support.unrouted() is support
+    assert not any(e.startswith("routing (") for e in support.evidence), name
+    assert support.device_ok("allreduce") and support.device_ok("bcast"), name
+
+
+def test_why_staged_names_the_real_cause() -> None:
+    ob1 = fake(OPEN_MPI_VERSION, query=1, maps=maps_with(LIBMPI))
+    cause, why = ob1.why_staged("allreduce")
+    assert cause is StagingCause.ROUTED
+    assert why == cuda.ROUTING[cuda.OPEN_MPI_COLL_CUDA].note() and "not CUDA-aware" not in why
+    cause, why = ob1.why_staged("iallreduce")
+    assert cause is StagingCause.NOT_IN_TABLE
+    assert why == "Open MPI does not take device memory in iallreduce"
+    assert ob1.calls_staged_for(StagingCause.ROUTED) == ("allreduce", "reduce", "reduce_scatter")
+    assert ob1.calls_staged_for(StagingCause.NOT_IN_TABLE) == (
+        "iallreduce", "ireduce", "ireduce_scatter", "ibcast", "iallgather", "iallgatherv")
+    with pytest.raises(ValueError, match="bcast takes device memory here"):
+        ob1.why_staged("bcast")
+
+    forced = fake(OPEN_MPI_VERSION, query=1, env={cuda.CUDA_AWARE_ENV: "0"})
+    cause, why = forced.why_staged("allreduce")
+    assert cause is StagingCause.FORCED
+    assert why == "staging forced by KFAC_HPC_CUDA_AWARE=0 (detected: CUDA-aware)"
+    argument = fake(MPICH_VERSION, query=0, override=False)
+    assert argument.why_staged("bcast") == (
+        StagingCause.FORCED, "staging forced by Communicator(cuda_aware=False) "
+                             "(detected: not CUDA-aware)")
+    selfcheck = cuda.CudaSupport.staged(OPEN_MPI, "selfcheck")
+    assert selfcheck.why_staged("send") == (StagingCause.FORCED, "staging forced by selfcheck")
+
+    not_aware = fake(OPEN_MPI_VERSION, query=0)
+    cause, why = not_aware.why_staged("allreduce")
+    assert cause is StagingCause.NOT_AWARE
+    assert why.startswith("the MPI library (Open MPI) is not CUDA-aware here: "
+                          "MPIX_Query_cuda_support() = 0")
+    assert not_aware.calls_staged_for(StagingCause.NOT_AWARE) == CALLS
 
 
 def test_bad_override_names_the_choices() -> None:
@@ -251,9 +357,10 @@ def test_table_summary_and_unknown_call() -> None:
     support = fake(OPEN_MPI_VERSION, query=1)
     table = support.table()
     assert list(table) == list(CALLS)
-    assert table["allreduce"] == "device" and table["iallreduce"] == "staged"
-    assert "iallreduce" in support.staged_calls
-    assert support.summary().startswith("Open MPI: CUDA-aware for allreduce")
+    assert table["bcast"] == "device" and table["iallreduce"] == "staged"
+    assert table["allreduce"] == "staged"  # routing
+    assert "iallreduce" in support.staged_calls and "allreduce" in support.staged_calls
+    assert support.summary().startswith("Open MPI: CUDA-aware for bcast, allgather")
     assert support.as_dict()["table"] == table
     with pytest.raises(ValueError, match="unknown MPI call 'alltoall'"):
         support.device_ok("alltoall")
@@ -332,6 +439,23 @@ def test_staging_warning_names_the_cost_once(caplog: pytest.LogCaptureFixture) -
     assert "per-call table" in text and "KFAC_HPC_CUDA_AWARE=all" in text
     assert "Use a CUDA-aware MPI" not in text
     staging.reset_warning()
+
+
+def test_info_names_the_routed_calls() -> None:
+    from kfac_hpc.runtime.info import format_table
+
+    def lines(support: cuda.CudaSupport) -> list[str]:
+        detection = support.as_dict() | {"override": "KFAC_HPC_CUDA_AWARE=0|1|all"}
+        return format_table({"mpi_library": support.library,
+                             "cuda_detection": detection}).splitlines()
+
+    ob1 = lines(fake(OPEN_MPI_4_VERSION, query=1, maps=maps_with(LIBMPI)))
+    assert "  device memory to MPI: bcast, allgather, allgatherv, send, recv" in ob1
+    assert ("  of which staged by routing, faster than the library's device path: "
+            "allreduce, reduce, reduce_scatter") in ob1
+    assert any(line.startswith("  evidence: routing (Open MPI without UCX)") for line in ob1)
+    ucx = lines(fake(OPEN_MPI_4_VERSION, query=1, maps=maps_with(LIBMPI, *UCX, UCX_CUDA)))
+    assert not any("staged by routing" in line for line in ucx)
 
 
 def test_hook_thread_level_is_checked() -> None:

@@ -202,8 +202,9 @@ class Communicator:
             mpi_comm: The MPI communicator (default ``MPI.COMM_WORLD``).
             cuda_aware: Overrides the detection of which calls take CUDA device memory:
                 ``False`` stages every CUDA tensor through host memory, ``True`` trusts the
-                MPI vendor's table, ``"all"`` hands device memory to every call; ``None``
-                reads ``KFAC_HPC_CUDA_AWARE`` and then the evidence
+                MPI vendor's table (with its routing rules, as if detected), ``"all"``
+                hands device memory to every call (no routing rules); ``None`` reads
+                ``KFAC_HPC_CUDA_AWARE`` and then the evidence
                 (:func:`kfac_hpc.comm.cuda.detect`).
             name: The name in messages and ``repr``.
             cuda: A ready :class:`~kfac_hpc.comm.cuda.CudaSupport`, instead of a detection
@@ -235,13 +236,7 @@ class Communicator:
         wire = to_wire(tensor, reduction=reduction, device_ok=self.cuda.device_ok(call),
                        need_input=need_input)
         if wire.staged:
-            why = (f"{self.cuda.vendor} does not take device memory in {call}"
-                   if self.cuda.aware else
-                   f"the MPI library ({self.cuda.vendor}) is not CUDA-aware here: "
-                   f"{'; '.join(self.cuda.evidence[:2]) or 'no evidence of CUDA support'}")
-            staging.warn_staging_once(
-                call, wire.data.nbytes, why, self.cuda.staged_calls,
-                staging.PER_CALL_ADVICE if self.cuda.aware else staging.NOT_AWARE_ADVICE)
+            staging.report_staging(self.cuda, call, wire.data.nbytes)
         return wire
 
     def _flush(self, upto: Handle[Any] | None = None, block: bool = True) -> None:

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from kfac_hpc.comm.cuda import CudaSupport, StagingCause
+
 log = logging.getLogger("kfac_hpc.comm")
 
 MIN_CLASS_BYTES = 512
@@ -218,6 +220,7 @@ def land_in(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any
 
 
 _warned = threading.Event()
+_noted = threading.Event()
 
 
 NOT_AWARE_ADVICE = ("Use a CUDA-aware MPI, or set KFAC_HPC_CUDA_AWARE=1 if this library is "
@@ -225,6 +228,10 @@ NOT_AWARE_ADVICE = ("Use a CUDA-aware MPI, or set KFAC_HPC_CUDA_AWARE=1 if this 
 PER_CALL_ADVICE = ("The other calls take device memory here (`kfac-hpc info` shows the per-call "
                    "table); KFAC_HPC_CUDA_AWARE=all hands device memory to every call, only for "
                    "a library known to take it in these calls")
+FORCED_ADVICE = ("Leave KFAC_HPC_CUDA_AWARE unset and Communicator(cuda_aware=None) to let "
+                 "detection decide (`kfac-hpc info` shows what it finds)")
+ADVICE = {StagingCause.NOT_AWARE: NOT_AWARE_ADVICE, StagingCause.NOT_IN_TABLE: PER_CALL_ADVICE,
+          StagingCause.FORCED: FORCED_ADVICE}
 
 
 def warn_staging_once(call: str, nbytes: int, why: str, staged_calls: tuple[str, ...],
@@ -235,9 +242,10 @@ def warn_staging_once(call: str, nbytes: int, why: str, staged_calls: tuple[str,
         call: The call that staged first.
         nbytes: Its message size.
         why: Why it is staged.
-        staged_calls: Every call that stages here.
+        staged_calls: Every call that stages here for that reason.
         advice: What to do about it (:data:`NOT_AWARE_ADVICE` where the library takes no
-            device memory; :data:`PER_CALL_ADVICE` where it does in other calls).
+            device memory; :data:`PER_CALL_ADVICE` where it does in other calls;
+            :data:`FORCED_ADVICE` where an override staged it).
     """
     if _warned.is_set():
         return
@@ -254,6 +262,37 @@ def warn_staging_once(call: str, nbytes: int, why: str, staged_calls: tuple[str,
             ", ".join(staged_calls) or call, call, nbytes, why, advice)
 
 
+def report_staging(support: CudaSupport, call: str, nbytes: int) -> None:
+    """Say why a CUDA tensor of ``call`` was staged, once per process and cause group.
+
+    A call staged by a routing rule (faster staged than on the library's own device
+    path) is the intended route: said once at INFO level, never as a warning. Any other
+    cause (not CUDA-aware, an override, a call outside the library's table) is warned
+    about once (:func:`warn_staging_once`), naming that cause and the calls it stages.
+
+    Args:
+        support: The detection that routed the call.
+        call: The call that staged (one of ``support.staged_calls``).
+        nbytes: Its message size.
+    """
+    routed = call in support.routed
+    if (_noted if routed else _warned).is_set():
+        return
+    cause, why = support.why_staged(call)
+    if routed:
+        _noted.set()
+        from mpi4py import MPI
+
+        log.log(logging.INFO if MPI.COMM_WORLD.Get_rank() == 0 else logging.DEBUG,
+                "kfac_hpc.comm: %s on CUDA tensors are staged through pinned host memory "
+                "by design (first: %s of %d bytes): %s. `kfac-hpc info` shows the per-call "
+                "table. Said once.", ", ".join(support.calls_staged_for(cause)), call, nbytes,
+                why)
+        return
+    warn_staging_once(call, nbytes, why, support.calls_staged_for(cause), ADVICE[cause])
+
+
 def reset_warning() -> None:
-    """Forget that the staging warning was shown (tests)."""
+    """Forget that the staging warning and the routing note were shown (tests)."""
     _warned.clear()
+    _noted.clear()

@@ -137,5 +137,9 @@ def format_table(info: dict[str, Any]) -> str:
         staged = [c for c, how in table.items() if how == "staged"]
         lines.append(f"  device memory to MPI: {', '.join(device) or '(none)'}")
         lines.append(f"  staged through pinned host memory: {', '.join(staged) or '(none)'}")
+        routed = detection.get("routed") or []
+        if routed:
+            lines.append(f"  of which staged by routing, faster than the library's device "
+                         f"path: {', '.join(routed)}")
         lines.append(f"  override: {detection['override']}")
     return "\n".join(lines)

@@ -2,7 +2,8 @@
 
 The matrix: every collective, blocking and non-blocking, x float32/float64/bfloat16/
 float16/int64 x contiguous/strided x staged (``cuda_aware=False``) / device-direct
-(``cuda_aware=True``: the vendor's table; skipped where the library is not
+(the vendor's table with the routing rules undone, ``detect(True).unrouted()``, so the
+library's own device reductions are checked too; skipped where the library is not
 CUDA-aware, where handing it device memory would crash). Inputs are small integers,
 exact in every dtype, so sums are compared exactly. On CUDA each case also checks the
 route taken: a staged call draws a pinned buffer from the pool, a device-direct one
