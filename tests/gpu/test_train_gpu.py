@@ -40,6 +40,14 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
+def launch_env() -> dict[str, str]:
+    """This environment for a job of its own on this node through ``launch/local``:
+    without a scheduler's variables, with every MPI setting made here (the machine's
+    ``OMPI_MCA_*`` may be what lets Open MPI start at all; launch/local itself drops
+    what an MPI runtime set for this process)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "FLUX_", "PALS_"))}
+
+
 def selection(local_rank: int, **extra: str) -> str:
     """What a fresh process with launcher-set ``SLURM_LOCALID`` selects."""
     code = textwrap.dedent(f"""
@@ -82,7 +90,7 @@ def test_train_on_two_ranks_agrees(tmp_path: Path, optimizer: list[str]) -> None
     cmd = [str(ROOT / "launch" / "local"), "-n", "2", "--timeout", "400", sys.executable, "-m",
            "kfac_hpc", "train", *device, *optimizer, "--dataset", "synthetic", "--epochs", "1",
            "--max-steps", "12", "--no-progress", "--out", str(out)]
-    p = subprocess.run(cmd, cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+    p = subprocess.run(cmd, cwd=tmp_path, env=launch_env(), capture_output=True, text=True,
                        timeout=500, check=False)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     assert "RANKS DIFFER" not in p.stdout and "differ between ranks" not in p.stdout
