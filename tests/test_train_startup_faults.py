@@ -176,6 +176,7 @@ def test_requeue_status_is_the_preemption_modules() -> None:
 
 def test_startup_signals_hand_over_and_restore() -> None:
     before = signal.getsignal(signal.SIGUSR2)
+    before_int = signal.getsignal(signal.SIGINT)  # SIG_IGN where the suite runs in the background
     startup = train_cli.StartupSignals(["USR1", "USR2", "nonsense"]).install()
     assert signal.getsignal(signal.SIGUSR2) == startup._handle
     assert signal.getsignal(signal.SIGINT) == startup._handle
@@ -184,7 +185,7 @@ def test_startup_signals_hand_over_and_restore() -> None:
         startup.hand_over([signal.SIGUSR1])
         assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
         assert signal.getsignal(signal.SIGUSR2) == before
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGINT) == before_int
     finally:
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)
     names = {s.name for s in train_cli.StartupSignals.from_argv(
@@ -195,13 +196,23 @@ def test_startup_signals_hand_over_and_restore() -> None:
 # ------------------------------------------------------------------------ Ctrl-C
 
 
+def _as_in_a_terminal() -> None:
+    """SIGINT handled by default, as in a terminal's foreground job.
+
+    A suite started in the background (``cmd &`` without job control, ``nohup``) passes
+    SIGINT on ignored, and a shell cannot trap a signal ignored when it started.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_checkpoints_says_what_was_written_and_exits_130(tmp_path: Path) -> None:
     """Today: exit 1 half a second later with no message (Open MPI's mpiexec SIGTERMs and
     then SIGKILLs the ranks), although a stop checkpoint was written."""
     p = subprocess.Popen([LAUNCH, "-n", "2", "--timeout", "240", sys.executable, "-m",
                           "kfac_hpc", "train", "--checkpoint-dir", "ck", "--epochs", "100"],
                          cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+                         stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         preexec_fn=_as_in_a_terminal)
     assert p.stdout is not None
     for line in p.stdout:
         if line.startswith("epoch 1/"):
