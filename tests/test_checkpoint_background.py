@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from fresh_env import fresh_env
 from test_checkpoint_support import FakeKFAC, Net, make_optimizer, weights_equal
 from torch import nn
 
@@ -142,7 +143,7 @@ def test_kill_minus_nine_during_background_write_keeps_the_previous_checkpoint(
         tmp_path: Path) -> None:
     script = tmp_path / "kill.py"
     script.write_text(KILL_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    env = fresh_env()
     d = tmp_path / "ckpt"
     for trial in range(5):
         child = subprocess.Popen([sys.executable, str(script), str(d)], cwd=ROOT, env=env,

@@ -15,12 +15,12 @@ names must verify, load into a fresh model with the values saved, and every
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from fresh_env import fresh_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TRIALS = 30
@@ -130,10 +130,7 @@ def test_kill_minus_nine_during_save_never_loses_the_previous_checkpoint(tmp_pat
     script = tmp_path / "crash.py"
     script.write_text(SCRIPT)
     directory = tmp_path / "ckpt"
-    env = dict(os.environ)
-    for var in list(env):  # not an MPI job, even when pytest runs under mpiexec
-        if var.startswith(("OMPI_", "PMIX_", "PMI_")):
-            del env[var]
+    env = fresh_env()  # not an MPI job, even when pytest runs under mpiexec
     done = subprocess.run([sys.executable, str(script), str(directory), str(TRIALS),
                            str(SEED)], capture_output=True, text=True, timeout=500,
                           env=env, cwd=ROOT)

@@ -33,6 +33,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from fresh_env import fresh_env
 from test_checkpoint_support import (
     FakeKFAC,
     Net,
@@ -310,7 +311,7 @@ def test_full_file_system_ends_cleanly(tmp_path: Path, ranks: int, when: str) ->
     python = [sys.executable, "-m", "mpi4py", str(script), str(mountpoint / "ck"), "2000",
               when]  # 4 MB of parameters
     launch = [str(ROOT / "launch" / "local"), "-n", str(ranks), "--timeout", "240"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
+    env = fresh_env()
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     done = subprocess.run([*prefix, *launch, *python], capture_output=True, text=True,
                           timeout=300, check=False, env=env, cwd=ROOT)

@@ -18,6 +18,7 @@ from typing import Any
 import h5py
 import pytest
 import torch
+from fresh_env import fresh_env
 from mpi4py import MPI
 from torch import Tensor, nn
 
@@ -322,7 +323,7 @@ def test_driver_flags_end_to_end(tmp_path: Path) -> None:
            "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every-steps", "5",
            "--out", str(tmp_path / "run")]
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env=_clean_env())
+                          env=fresh_env())
     assert done.returncode == 0, done.stderr
     from kfac_hpc import checkpoint
 
@@ -335,10 +336,3 @@ def test_driver_flags_end_to_end(tmp_path: Path) -> None:
     assert low and all(v[0] >= 64 for v in low.values()), shapes
     assert any(k.endswith("A_rho") for k in shapes)
     assert '"low_rank": 8' in str(config) and '"low_rank_remainder": "zero"' in str(config)
-
-
-def _clean_env() -> dict[str, str]:
-    import os
-
-    prefixes = ("OMPI_", "PMIX_", "PRTE_", "PMI_")
-    return {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import types
@@ -18,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fresh_env import fresh_env
 
 from kfac_hpc.comm import Communicator, ReduceOp
 from kfac_hpc.comm.selfcheck import (
@@ -144,7 +144,7 @@ def test_alpha_beta_fit_recovers_a_model() -> None:
 @pytest.mark.skipif(world_size() > 1, reason="runs the benchmark as a serial subprocess")
 def test_benchmark_quick(tmp_path: Path) -> None:
     """The benchmark script end to end, tiny: tables, JSON and PNG (gloo included)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
+    env = fresh_env()
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks/comm.py"), "--quick", "--max-bytes", "1K",
          "--repeat", "2", "--out", str(tmp_path)],

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fresh_env import fresh_env
 
 from kfac_hpc.cli import main
 from kfac_hpc.train.metrics import MetricsWriter, WeightedMean, read_jsonl
@@ -21,11 +22,8 @@ KFAC_HPC = [sys.executable, "-m", "kfac_hpc"]
 
 
 def clean_env() -> dict[str, str]:
-    """The environment minus the MPI variables of this (possibly MPI-launched) process."""
-    prefixes = ("OMPI_", "PMIX_", "PRTE_", "PMI_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
-    env["OMPI_MCA_btl_tcp_if_include"] = "lo"
-    return env
+    """The environment of a new job (:func:`fresh_env`), TCP on the loopback only."""
+    return fresh_env(OMPI_MCA_btl_tcp_if_include="lo")
 
 
 def run(cmd: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:

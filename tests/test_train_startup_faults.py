@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fresh_env import fresh_env
 
 from kfac_hpc.train import cli as train_cli
 
@@ -57,12 +58,8 @@ runpy.run_module("kfac_hpc.train", run_name="__main__", alter_sys=True)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """The environment minus the MPI variables of this (possibly MPI-launched) process."""
-    prefixes = ("OMPI_", "PMIX_", "PRTE_", "PMI_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
-    env["OMPI_MCA_btl_tcp_if_include"] = "lo"
-    env.update(extra)
-    return env
+    """The environment of a new job (:func:`fresh_env`), TCP on the loopback only."""
+    return fresh_env(OMPI_MCA_btl_tcp_if_include="lo", **extra)
 
 
 def wrapper(tmp_path: Path) -> str:
