@@ -66,7 +66,8 @@ def run_one(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
            "--synthetic-train-size", str(args.batch * (args.steps + 1)),
            "--synthetic-test-size", str(args.batch), "--model", args.model,
            "--batch-size", str(args.batch), "--max-steps", str(args.steps),
-           "--log-every-steps", str(args.warmup), "--device", args.device,
+           "--log-every-steps", str(args.warmup), "--read-every-steps", str(args.warmup),
+           "--device", args.device,
            "--no-progress", "--out", str(run_dir), *CONFIGS[name], *args.extra]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_DIR), env.get("PYTHONPATH")]))
@@ -103,7 +104,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=10,
-                   help="steps left out of the timing (also the step-record interval)")
+                   help="steps left out of the timing (also the interval of the step records "
+                        "and of the reads: a record's wall_time is its read's)")
     p.add_argument("--configs", default=None,
                    help=f"comma-separated, of {', '.join(CONFIGS)} (default: all; no AMP on a CPU)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per configuration")

@@ -74,10 +74,12 @@ def reads_per_step(comm: Any, cfg: TrainConfig) -> list[dict[str, int]]:
             for a, b in itertools.pairwise(marks)]
 
 
-def _check_reads(comm: Any, tmp_path: Path, pre: str, progress_every: int | None) -> None:
-    cfg = config(tmp_path, comm.size, epochs=1, max_steps=12, log_every_steps=5,
-                 preconditioner=pre, progress=progress_every is not None,
-                 progress_every_steps=progress_every or 100)
+def _check_reads(comm: Any, tmp_path: Path, pre: str, progress_every: int | None,
+                 **every: int) -> None:
+    """Reads at steps 5 and 10 (``every``: ``log_every_steps`` or ``read_every_steps``)."""
+    cfg = config(tmp_path, comm.size, epochs=1, max_steps=12, preconditioner=pre,
+                 progress=progress_every is not None,
+                 progress_every_steps=progress_every or 100, **(every or {"log_every_steps": 5}))
     per_step = reads_per_step(comm, cfg)
     assert len(per_step) == 12
     read_points = {5, 10} | ({3, 6, 9} if progress_every else set())
@@ -97,6 +99,15 @@ def test_steps_between_read_points_read_no_tensor(tmp_path: Path, pre: str,
     if pre == "kfac" and not has_kfac():
         pytest.skip("kfac_hpc.KFACPreconditioner missing")
     _check_reads(self_comm(), tmp_path, pre, progress_every)
+
+
+@pytest.mark.parametrize("pre", ["none", "kfac"])
+def test_every_step_logged_but_read_every_5(tmp_path: Path, pre: str) -> None:
+    """``--log-every-steps 1 --read-every-steps 5``: a record for every step, but only
+    every fifth step reads, as a GPU run does by default (every 50)."""
+    if pre == "kfac" and not has_kfac():
+        pytest.skip("kfac_hpc.KFACPreconditioner missing")
+    _check_reads(self_comm(), tmp_path, pre, None, log_every_steps=1, read_every_steps=5)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -137,31 +148,37 @@ def _checkpoint_state(path: Path) -> dict[str, Any]:
 
 def _check_same_run(comm: Any, tmp_path: Path, pre: str) -> None:
     root = shared_path(comm, tmp_path)
-    every, every_rec = _run(comm, root, "every", log_every_steps=1, preconditioner=pre)
-    sparse, sparse_rec = _run(comm, root, "sparse", log_every_steps=5, preconditioner=pre)
-    assert sparse.checksum == every.checksum and sparse.steps == every.steps == 44
-    for key in ("train_loss", "train_acc", "test_loss", "test_acc"):
-        assert getattr(sparse, key) == getattr(every, key), key
-    if comm.rank != 0:
-        return
-    steps = {r["step"]: r for r in every_rec if r["kind"] == "step"}
-    logged = [r for r in sparse_rec if r["kind"] == "step"]
-    assert [r["step"] for r in logged] == [*range(5, 44, 5), 44]
-    for r in logged:  # bitwise: floats read back from JSON as written
-        assert {k: r[k] for k in STEP_KEYS} == {k: steps[r["step"]][k] for k in STEP_KEYS}
-    epochs = [[r[k] for k in EPOCH_KEYS] for r in every_rec if r["kind"] == "epoch"]
-    assert [[r[k] for k in EPOCH_KEYS] for r in sparse_rec if r["kind"] == "epoch"] == epochs
+    every, every_rec = _run(comm, root, "every", log_every_steps=1, read_every_steps=1,
+                            preconditioner=pre)
+    runs = {"sparse": _run(comm, root, "sparse", log_every_steps=5, read_every_steps=5,
+                           preconditioner=pre),
+            "read5": _run(comm, root, "read5", log_every_steps=1, read_every_steps=5,
+                          preconditioner=pre)}
+    logged_steps = {"sparse": [*range(5, 44, 5), 44], "read5": list(range(1, 45))}
     from kfac_hpc import checkpoint
 
-    files = {name: checkpoint.list_checkpoints(root / name / "ck") for name in ("every",
-                                                                               "sparse")}
-    assert [f.name for f in files["sparse"]] == [f.name for f in files["every"]]
+    files = {"every": checkpoint.list_checkpoints(root / "every" / "ck")}
     assert len(files["every"]) == 11  # every 4 steps (the last: the final one)
-    for a, b in zip(files["every"], files["sparse"]):
-        sa, sb = _checkpoint_state(a), _checkpoint_state(b)
-        params_a, params_b = sa.pop("params"), sb.pop("params")
-        assert sa == sb, (a.name, sa, sb)
-        assert all(torch.equal(params_a[k], params_b[k]) for k in params_a), a.name
+    for name, (result, records) in runs.items():
+        assert result.checksum == every.checksum and result.steps == every.steps == 44
+        for key in ("train_loss", "train_acc", "test_loss", "test_acc"):
+            assert getattr(result, key) == getattr(every, key), (name, key)
+        if comm.rank != 0:
+            continue
+        steps = {r["step"]: r for r in every_rec if r["kind"] == "step"}
+        logged = [r for r in records if r["kind"] == "step"]
+        assert [r["step"] for r in logged] == logged_steps[name]
+        for r in logged:  # bitwise: floats read back from JSON as written
+            assert {k: r[k] for k in STEP_KEYS} == {k: steps[r["step"]][k] for k in STEP_KEYS}
+        epochs = [[r[k] for k in EPOCH_KEYS] for r in every_rec if r["kind"] == "epoch"]
+        assert [[r[k] for k in EPOCH_KEYS] for r in records if r["kind"] == "epoch"] == epochs
+        files[name] = checkpoint.list_checkpoints(root / name / "ck")
+        assert [f.name for f in files[name]] == [f.name for f in files["every"]]
+        for a, b in zip(files["every"], files[name]):
+            sa, sb = _checkpoint_state(a), _checkpoint_state(b)
+            params_a, params_b = sa.pop("params"), sb.pop("params")
+            assert sa == sb, (name, a.name, sa, sb)
+            assert all(torch.equal(params_a[k], params_b[k]) for k in params_a), (name, a.name)
 
 
 @pytest.mark.parametrize("pre", ["none", "kfac"])
@@ -280,3 +297,16 @@ def test_evaluation_reads_once_whatever_its_batches(tmp_path: Path) -> None:
             trainer.close()
         assert stats.count == 360  # the digits' test set
     assert reads[8] == reads[64] and reads[8]["tolist"] == 1, reads
+
+
+@pytest.mark.parametrize("device, log_every, read_every, want", [
+    ("cpu", 1, None, 1), ("cpu", 5, None, 5), ("cuda", 1, None, 50), ("cuda", 80, None, 80),
+    ("cuda", 1, 3, 3), ("cpu", 5, 2, 2),
+])
+def test_reads_default_to_the_logged_steps_on_a_cpu_and_every_50_on_a_gpu(
+        tmp_path: Path, device: str, log_every: int, read_every: int | None, want: int) -> None:
+    from types import SimpleNamespace
+
+    cfg = config(tmp_path, log_every_steps=log_every, read_every_steps=read_every)
+    host = SimpleNamespace(cfg=cfg, device=torch.device(device))
+    assert Trainer.read_every_steps.fget(host) == want  # type: ignore[attr-defined]

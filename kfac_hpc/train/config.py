@@ -56,6 +56,9 @@ PATH_DATASETS = ("cifar10", "imagefolder")
 DEVICES = ("auto", "cpu", "cuda")
 AMP_DTYPES = ("float16", "bfloat16")
 PHASE_TIMES = ("auto", "on", "off")
+#: ``read_every_steps`` on a GPU when unset: the host queues up to this many steps
+#: ahead of the device between reads of their losses (docs/training.md, Output).
+GPU_READ_EVERY_STEPS = 50
 #: --checkpoint-keep-best: the metrics of an epoch's record it may monitor, and whether
 #: a larger value (+1) or a smaller one (-1) is better.
 KEEP_BEST_METRICS = {"test_acc": 1, "test_loss": -1, "train_loss": -1}
@@ -231,6 +234,10 @@ class TrainConfig:
     progress: bool = _opt(True, "progress bar on rank 0 on a terminal, progress lines "
                           "otherwise (--progress-every-*)", "output")
     log_every_steps: int = _opt(1, "write a step record every N steps", "output")
+    read_every_steps: int | None = _opt(
+        None, "read the steps' losses from the device every N steps (a GPU sync each; the "
+        "records of the steps in between are written then); default --log-every-steps on "
+        f"a CPU device, at least {GPU_READ_EVERY_STEPS} on a GPU", "output")
     phase_times: str = _opt(
         "auto", "per-phase times in the step records: on | off | auto (on for a CPU "
         "device; off on a GPU, where timing synchronises the device around every phase)",
@@ -448,6 +455,9 @@ class TrainConfig:
         need(self.grad_bucket_mb > 0, "grad_bucket_mb", "must be > 0")
         # output
         need(self.log_every_steps >= 1, "log_every_steps", "must be >= 1")
+        need(self.read_every_steps is None or self.read_every_steps >= 1, "read_every_steps",
+             "must be >= 1 (or unset: --log-every-steps on a CPU device, at least "
+             f"{GPU_READ_EVERY_STEPS} on a GPU)")
         need(self.progress_every_steps >= 1, "progress_every_steps", "must be >= 1")
         need(self.progress_every_minutes >= 0, "progress_every_minutes", "must be >= 0")
         # checkpoints

@@ -51,7 +51,7 @@ from kfac_hpc.phases import Phase
 from kfac_hpc.runtime.watchdog import Watchdog
 from kfac_hpc.shampoo.optimizer import DistributedShampoo
 from kfac_hpc.train.checkpoints import KFAC_DROPPED, CheckpointPolicy, Resumed, wants_checkpoints
-from kfac_hpc.train.config import TrainConfig
+from kfac_hpc.train.config import GPU_READ_EVERY_STEPS, TrainConfig
 from kfac_hpc.train.data import ShardedLoader, rescaled_batch_size
 from kfac_hpc.train.divergence import (
     DIVERGED_EXIT_CODE,
@@ -739,11 +739,29 @@ class Trainer:
             step: The step.
 
         Returns:
-            True at a logged step (the last step included) and at a progress line's
-            step; the same on every rank.
+            True every :attr:`read_every_steps` steps, at the last step and at a
+            progress line's step; the same on every rank. A logged step is read with
+            its block: its record is written then.
         """
         cfg = self.cfg
-        return self._logged(step) or (cfg.progress and step % cfg.progress_every_steps == 0)
+        return (step % self.read_every_steps == 0 or step == self.total_steps
+                or (cfg.progress and step % cfg.progress_every_steps == 0))
+
+    @property
+    def read_every_steps(self) -> int:
+        """How often the steps' metrics are read: ``--read-every-steps``, else by device.
+
+        Returns:
+            The option; unset, ``--log-every-steps`` on a CPU device (a read costs
+            nothing there: each record is written at its step) and at least
+            :data:`~kfac_hpc.train.config.GPU_READ_EVERY_STEPS` on any other.
+        """
+        cfg = self.cfg
+        if cfg.read_every_steps is not None:
+            return cfg.read_every_steps
+        if self.device.type == "cpu":
+            return cfg.log_every_steps
+        return max(cfg.log_every_steps, GPU_READ_EVERY_STEPS)
 
     def _logged(self, step: int) -> bool:
         """Whether ``step`` gets a step record (and its phase times).
