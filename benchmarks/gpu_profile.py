@@ -22,7 +22,9 @@ stem), 1000 classes, one fixed synthetic batch, fp32 model, one process
   solver calls on the same factors: ``torch.linalg.eigh`` one factor at a time and
   batched by size (``linalg.eigh_clamped_many``, all on the device), and batched by size
   with the CUDA factors up to each ``--host-max-dims`` value decomposed on the host
-  beside the device's (``host_decomposition_max_dim``; 0: none). Then, per distinct factor size (one
+  beside the device's (``host_decomposition_max_dim``; 0: none), and all on the device
+  spread over each ``--device-streams`` count of CUDA streams and worker threads
+  (``kfac_hpc.solves.eigh_batches(device_streams=S)``). Then, per distinct factor size (one
   factor ``F`` of that size, the count of that size), the ms of one
   ``torch.linalg.eigh`` (median of 3 calls when the first takes under 0.25 s, else that
   one call) of: ``F`` in float32 on the device (what the preconditioner decomposes),
@@ -65,7 +67,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import format_table, machine, write_json
 
-from kfac_hpc import KFACPreconditioner
+from kfac_hpc import KFACPreconditioner, solves
 from kfac_hpc.comm import Communicator
 from kfac_hpc.kfac import linalg
 from kfac_hpc.kfac.layers import LayerCurvature, register_layers
@@ -317,6 +319,11 @@ def decompositions_section(device: torch.device, batch: tuple[Tensor, Tensor],
     sizes: dict[int, list[Tensor]] = {}
     for f in factors:
         sizes.setdefault(f.shape[0], []).append(f)
+    # kfac_hpc.solves: the device's batches spread over S streams and worker threads
+    stacks = [torch.stack(group) for group in sizes.values()]
+    by_streams = {s: statistics.median(
+        timed(lambda s=s: solves.eigh_batches(stacks, host_max_dim=0, device_streams=s),
+              device) for _ in range(3)) * 1e3 for s in args.device_streams}
     host = torch.device("cpu")
     for where in {device, host}:  # solver handles, workspaces, thread pools: first calls
         for dtype in (torch.float32, torch.float64):
@@ -338,6 +345,7 @@ def decompositions_section(device: torch.device, batch: tuple[Tensor, Tensor],
             "eigh one by one ms": statistics.median(each) * 1e3,
             "eigh batched by size ms": statistics.median(batched) * 1e3,
             "batched by size, host_decomposition_max_dim -> ms": by_host_max_dim,
+            "batched by size, device streams -> ms": by_streams,
             "factors": len(factors), "per size": per_size,
             "sum of count x ms": totals,
             "linalg library": str(torch.backends.cuda.preferred_linalg_library())
@@ -468,6 +476,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="schedule section: factor_update_steps and inv_update_steps")
     p.add_argument("--lags", type=int, nargs="+", default=[0, 5, 9],
                    help="schedule section: decomposition_lag values")
+    p.add_argument("--device-streams", type=int, nargs="+", default=[1, 2, 4, 8],
+                   help="decompositions: the device's batches spread over this many "
+                        "streams (kfac_hpc.solves.eigh_batches)")
     p.add_argument("--host-max-dims", type=int, nargs="+", default=[0, 512, 1024, 1152],
                    help="decompositions section: host_decomposition_max_dim values timed "
                         "(all factors' decompositions, the small ones on the host)")
@@ -508,6 +519,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               "host_decomposition_max_dim on the host beside the device's: "
               + ", ".join(f"{h}: {ms:.1f} ms" for h, ms in
                           dec["batched by size, host_decomposition_max_dim -> ms"].items()))
+        print("all decompositions batched by size, on the device, spread over S streams: "
+              + ", ".join(f"{s}: {ms:.1f} ms" for s, ms in
+                          dec["batched by size, device streams -> ms"].items()))
         where = (f"{result['gpu']}" if device.type == "cuda" else "the CPU (dry run)")
         print(f"ms per torch.linalg.eigh of one factor per size (median of 3 below "
               f"{CHEAP_S * 1e3:.0f} ms, else one call); fp32, fp64: our factor on {where}; "

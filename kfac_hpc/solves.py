@@ -20,6 +20,15 @@ rows on the host against 1482 ms on the device in float32 Jacobi; the float64 de
 solves above take those factors from about 420 ms of device time to about 175 ms. It can
 pay where the host is fast and the device small.
 
+With ``device_streams`` > 1, :func:`solve_batches` also spreads the device's batches
+(of more than 32 rows) over that many worker threads, each on its own CUDA stream: a
+batch is split into chunks of matrices, and the chunks go to the streams by cost
+(n³ per matrix, the largest first). cuSOLVER decomposes one matrix at a time and is far
+from filling a large GPU with a 1024x1024 matrix (10.5 ms on an H200, against 25 ms for
+eight times the flops at 2048), so independent solves on separate streams may overlap.
+Every matrix is solved by the same call as on one stream, so the results are the same
+bits whatever the spread. Not a default yet: ``benchmarks/gpu_profile.py`` measures it.
+
 Results equal those of the same solver on the host for the host's batches (the same
 LAPACK call); which batches go where, and in which precision, depends only on their
 size, dtype and device, so a run and its resumption compute alike.
@@ -55,6 +64,10 @@ Solver = Callable[[Tensor], tuple[Tensor, ...]]
 
 _worker: ThreadPoolExecutor | None = None
 _worker_lock = threading.Lock()
+_lanes: ThreadPoolExecutor | None = None
+_lane_streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
+#: A chunk of a batch: (batch index, chunk index, its matrices).
+_Piece = tuple[int, int, Tensor]
 
 
 def _host_worker() -> ThreadPoolExecutor:
@@ -112,8 +125,130 @@ def _collect(future: Future[tuple[Tensor, ...]], device: torch.device) -> BatchR
     return tuple(t.to(device, non_blocking=True) for t in results)
 
 
+def spreads_over_streams(batch: Tensor, device_streams: int) -> bool:
+    """Whether :func:`solve_batches` spreads ``batch`` over ``device_streams`` streams.
+
+    Args:
+        batch: Stacked square matrices ``(..., n, n)``.
+        device_streams: The streams asked for.
+
+    Returns:
+        True for a batch on a CUDA device with more than 32 rows (at most 32, cuSOLVER
+        may solve a batch in one batched Jacobi call, which chunks would change) when
+        more than one stream is asked for.
+    """
+    return device_streams > 1 and batch.device.type == "cuda" and batch.shape[-1] > 32
+
+
+def _lane_pool(lanes: int) -> ThreadPoolExecutor:
+    """The worker threads of the streams (grown to ``lanes`` threads when asked)."""
+    global _lanes
+    with _worker_lock:
+        if _lanes is None or _lanes._max_workers < lanes:
+            _lanes = ThreadPoolExecutor(max_workers=lanes,
+                                        thread_name_prefix="kfac-hpc-stream-solves")
+        return _lanes
+
+
+def _lane_stream(device: torch.device, lane: int) -> torch.cuda.Stream:
+    with _worker_lock:
+        key = (device, lane)
+        if key not in _lane_streams:
+            _lane_streams[key] = torch.cuda.Stream(device)
+        return _lane_streams[key]
+
+
+def _solve_lane(pieces: list[_Piece], solve: Solver, lane: int,
+                ready: torch.cuda.Event | None, consumer: torch.cuda.Stream | None
+                ) -> tuple[torch.cuda.Event | None, dict[tuple[int, int], BatchResult]]:
+    """Solve ``pieces`` in order on lane ``lane``'s stream (after ``ready``).
+
+    Returns the event that marks the lane's end and every piece's result (or error).
+    """
+    results: dict[tuple[int, int], BatchResult] = {}
+    device = pieces[0][2].device
+    if ready is None or consumer is None:  # the CPU (tests): no streams
+        for i, j, chunk in pieces:
+            try:
+                results[(i, j)] = tuple(solve(chunk))
+            except Exception as exc:  # in the piece's place
+                results[(i, j)] = exc
+        return None, results
+    stream = _lane_stream(device, lane)
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        stream.wait_event(ready)
+        for i, j, chunk in pieces:
+            chunk.record_stream(stream)  # made on the consumer's stream, read on this one
+            try:
+                solved = tuple(solve(chunk))
+            except Exception as exc:  # in the piece's place
+                results[(i, j)] = exc
+                continue
+            for t in solved:
+                t.record_stream(consumer)  # made on this stream, read on the consumer's
+            results[(i, j)] = solved
+        done = torch.cuda.Event()
+        done.record(stream)
+    return done, results
+
+
+def _solve_on_streams(batches: dict[int, Tensor], solve: Solver, lanes: int
+                      ) -> dict[int, BatchResult]:
+    """Solve ``batches`` spread over ``lanes`` worker threads and streams.
+
+    Each batch is split into up to ``lanes`` chunks of matrices; the chunks go to the
+    lanes by cost (``n³`` per matrix, the largest first, each to the least loaded
+    lane). The caller's current stream waits for every lane before the results,
+    concatenated per batch, are used.
+    """
+    pieces: list[_Piece] = []
+    for i, batch in batches.items():
+        chunks = torch.tensor_split(batch, min(lanes, batch.shape[0])) if batch.dim() > 2 \
+            else (batch,)
+        pieces.extend((i, j, chunk) for j, chunk in enumerate(chunks))
+
+    def cost(piece: _Piece) -> float:
+        chunk = piece[2]
+        return float(chunk.shape[-1]) ** 3 * (chunk.numel() // chunk.shape[-1] ** 2)
+
+    plan: list[list[_Piece]] = [[] for _ in range(lanes)]
+    load = [0.0] * lanes
+    for piece in sorted(pieces, key=cost, reverse=True):
+        lane = min(range(lanes), key=load.__getitem__)
+        plan[lane].append(piece)
+        load[lane] += cost(piece)
+    device = pieces[0][2].device
+    ready: torch.cuda.Event | None = None
+    consumer: torch.cuda.Stream | None = None
+    if device.type == "cuda":
+        consumer = torch.cuda.current_stream(device)
+        ready = torch.cuda.Event()
+        ready.record(consumer)
+    pool = _lane_pool(lanes)
+    futures = [pool.submit(_solve_lane, lane_pieces, solve, lane, ready, consumer)
+               for lane, lane_pieces in enumerate(plan) if lane_pieces]
+    solved: dict[tuple[int, int], BatchResult] = {}
+    for future in futures:
+        done, results = future.result()
+        if done is not None and consumer is not None:
+            consumer.wait_event(done)
+        solved.update(results)
+    out: dict[int, BatchResult] = {}
+    for i in batches:
+        parts = [solved[key] for key in sorted(k for k in solved if k[0] == i)]
+        failed = next((p for p in parts if isinstance(p, Exception)), None)
+        if failed is not None:
+            out[i] = failed
+            continue
+        ordered = cast(list[tuple[Tensor, ...]], parts)
+        out[i] = ordered[0] if len(ordered) == 1 else tuple(
+            torch.cat([r[t] for r in ordered]) for t in range(len(ordered[0])))
+    return out
+
+
 def solve_batches(batches: Sequence[Tensor], solve: Solver,
-                  host_max_dim: int = DEFAULT_HOST_MAX_DIM) -> list[BatchResult]:
+                  host_max_dim: int = DEFAULT_HOST_MAX_DIM,
+                  device_streams: int = 1) -> list[BatchResult]:
     """``solve`` every batch; the small CUDA ones on the host meanwhile.
 
     The host's batches (:func:`solves_on_host`) are queued first, to one worker thread,
@@ -127,20 +262,29 @@ def solve_batches(batches: Sequence[Tensor], solve: Solver,
         solve: The batched solver, the same function on both sides, returning a tuple
             of tensors.
         host_max_dim: The largest ``n`` solved on the host (0: all on their device).
+        device_streams: The CUDA streams (and worker threads) the device's batches
+            are spread over (1: the calling thread's stream; module docstring).
 
     Returns:
         Per batch, what ``solve`` returned, or the exception it raised.
     """
     if host_max_dim < 0:
         raise ValueError(f"host_max_dim must be >= 0, got {host_max_dim}")
+    if device_streams < 1:
+        raise ValueError(f"device_streams must be >= 1, got {device_streams}")
     on_host: dict[int, Future[tuple[Tensor, ...]]] = {}
     for i, batch in enumerate(batches):
         if solves_on_host(batch, host_max_dim):
             host, ready = _to_host(batch)
             on_host[i] = _host_worker().submit(_solve_on_host, host, ready, solve)
     out: list[BatchResult | None] = [None] * len(batches)
+    spread = {i: b for i, b in enumerate(batches)
+              if i not in on_host and spreads_over_streams(b, device_streams)}
+    if spread:
+        for i, result in _solve_on_streams(spread, solve, device_streams).items():
+            out[i] = result
     for i, batch in enumerate(batches):
-        if i in on_host:
+        if i in on_host or i in spread:
             continue
         try:
             out[i] = tuple(solve(batch))
@@ -151,8 +295,8 @@ def solve_batches(batches: Sequence[Tensor], solve: Solver,
     return cast(list[BatchResult], out)
 
 
-def eigh_batches(batches: Sequence[Tensor], host_max_dim: int = DEFAULT_HOST_MAX_DIM
-                 ) -> list[EighResult]:
+def eigh_batches(batches: Sequence[Tensor], host_max_dim: int = DEFAULT_HOST_MAX_DIM,
+                 device_streams: int = 1) -> list[EighResult]:
     """``torch.linalg.eigh`` of every batch; the small CUDA ones on the host meanwhile.
 
     :func:`solve_batches` with the symmetric eigensolver, which reads only the lower
@@ -161,11 +305,13 @@ def eigh_batches(batches: Sequence[Tensor], host_max_dim: int = DEFAULT_HOST_MAX
     Args:
         batches: Stacked symmetric matrices ``(..., n, n)``, any devices and sizes.
         host_max_dim: The largest ``n`` decomposed on the host (0: all on their device).
+        device_streams: The CUDA streams the device's batches are spread over.
 
     Returns:
         Per batch, ``(eigenvalues, eigenvectors)`` in ascending order, or the exception.
     """
-    return cast(list[EighResult], solve_batches(batches, symmetric_eigh, host_max_dim))
+    return cast(list[EighResult], solve_batches(batches, symmetric_eigh, host_max_dim,
+                                                device_streams))
 
 
 def eigh_dtype(batch: Tensor) -> torch.dtype:

@@ -218,3 +218,66 @@ def test_batched_damped_inverses_equal_one_by_one_and_survive_a_bad_factor(
     for f, inv in zip(factors, got):
         assert not isinstance(inv, Exception)
         torch.testing.assert_close(inv, linalg.damped_inverse(f, 1e-4), rtol=1e-12, atol=1e-12)
+
+
+# --------------------------------------------------- the device's batches over streams
+def test_only_cuda_batches_of_more_than_32_rows_spread_over_streams() -> None:
+    def batch(device: str, n: int) -> Tensor:
+        return SimpleNamespace(device=torch.device(device), shape=(4, n, n))  # type: ignore[return-value]
+
+    assert solves.spreads_over_streams(batch("cuda", 33), 2)
+    assert not solves.spreads_over_streams(batch("cuda", 32), 2)
+    assert not solves.spreads_over_streams(batch("cuda", 600), 1)
+    assert not solves.spreads_over_streams(batch("cpu", 600), 4)
+
+
+@pytest.fixture
+def lanes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, list[tuple[int, int]]]]]:
+    """CPU batches of more than 2 rows spread over the lanes, as CUDA ones of more than
+    32 do; records each lane's thread and the (batch, chunk) pieces it solved."""
+    seen: list[tuple[str, list[tuple[int, int]]]] = []
+    solve_lane = solves._solve_lane
+
+    def recording(pieces: list[tuple[int, int, Tensor]], *args: object) -> object:
+        seen.append((threading.current_thread().name, [(i, j) for i, j, _ in pieces]))
+        return solve_lane(pieces, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(solves, "_solve_lane", recording)
+    monkeypatch.setattr(solves, "spreads_over_streams",
+                        lambda batch, k: k > 1 and batch.shape[-1] > 2)
+    yield seen
+
+
+def test_spread_batches_are_split_by_cost_and_equal_one_stream(
+        lanes: list[tuple[str, list[tuple[int, int]]]]) -> None:
+    batches = [_spd(12, batch=5, seed=1), _spd(2, batch=3, seed=2), _spd(30, batch=2, seed=3)]
+    spread = solves.eigh_batches(batches, host_max_dim=0, device_streams=3)
+    alone = [torch.linalg.eigh(b) for b in batches]
+    for got, want in zip(spread, alone):
+        assert not isinstance(got, Exception)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert all(name.startswith("kfac-hpc-stream-solves") for name, _ in lanes)
+    pieces = sorted(p for _, lane in lanes for p in lane)
+    # 5 matrices of 12 rows in 3 chunks, 2 of 30 rows in 2; the 2-row batch stays whole
+    assert pieces == [(0, 0), (0, 1), (0, 2), (2, 0), (2, 1)]
+    first = {lane[0] for _, lane in lanes}
+    assert first == {(2, 0), (2, 1), (0, 0)}  # the largest pieces first, one per lane
+
+
+def test_a_failing_chunk_fails_its_batch_only(lanes: list[tuple[str, list[tuple[int, int]]]]
+                                              ) -> None:
+    def solve(batch: Tensor) -> tuple[Tensor, ...]:
+        if batch.shape[-1] == 12 and bool((batch[0] == batches[0][3]).all()):
+            raise torch.linalg.LinAlgError("the chunk with matrix 3")
+        return solves.symmetric_eigh(batch)
+
+    batches = [_spd(12, batch=5, seed=1), _spd(30, batch=2, seed=3)]
+    results = solves.solve_batches(batches, solve, host_max_dim=0, device_streams=2)
+    assert isinstance(results[0], torch.linalg.LinAlgError)
+    assert not isinstance(results[1], Exception)
+    assert torch.equal(results[1][1], torch.linalg.eigh(batches[1])[1])
+
+
+def test_device_streams_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="device_streams must be >= 1"):
+        solves.eigh_batches([_spd(4)], device_streams=0)

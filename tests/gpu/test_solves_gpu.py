@@ -91,3 +91,21 @@ def test_float32_factors_of_jacobis_range_are_decomposed_in_float64(device: torc
     jacobi_values, _ = torch.linalg.eigh(batch)
     assert ((values.double() - want_values).abs().max()
             <= (jacobi_values.double() - want_values).abs().max())
+
+
+@needs_cuda
+def test_batches_spread_over_streams_equal_one_stream(device: torch.device) -> None:
+    """Batches still being computed on a side stream, spread over 3 streams: the same
+    bits as on the calling stream, and the caller's stream waits for them."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        batches = _batches(device, torch.float32)
+        one = solves.eigh_batches(batches, host_max_dim=0, device_streams=1)
+        spread = solves.eigh_batches(batches, host_max_dim=0, device_streams=3)
+        pairs = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(one, spread)
+                 if not isinstance(a, Exception) and not isinstance(b, Exception)]
+    torch.cuda.current_stream(device).wait_stream(side)
+    assert len(pairs) == len(SIZES)
+    for dvalues, dvectors in pairs:
+        assert not dvalues.any() and not dvectors.any()
