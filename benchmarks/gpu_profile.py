@@ -24,7 +24,7 @@ stem), 1000 classes, one fixed synthetic batch, fp32 model, one process
   with the CUDA factors up to each ``--host-max-dims`` value decomposed on the host
   beside the device's (``host_decomposition_max_dim``; 0: none), and all on the device
   spread over each ``--device-streams`` count of CUDA streams and worker threads
-  (``kfac_hpc.solves.eigh_batches(device_streams=S)``). Then, per distinct factor size (one
+  (``kfac_hpc.solves.SolvePlacement(device_streams=S)``). Then, per distinct factor size (one
   factor ``F`` of that size, the count of that size), the ms of one
   ``torch.linalg.eigh`` (median of 3 calls when the first takes under 0.25 s, else that
   one call) of: ``F`` in float32 on the device (what the preconditioner decomposes),
@@ -72,6 +72,7 @@ from kfac_hpc.comm import Communicator
 from kfac_hpc.kfac import linalg
 from kfac_hpc.kfac.layers import LayerCurvature, register_layers
 from kfac_hpc.models import build_model
+from kfac_hpc.solves import SolvePlacement
 
 PRECISION_PAIRS = [("full", "full"), ("tf32", "full"), ("tf32", "tf32"), ("bf16", "tf32")]
 
@@ -309,12 +310,12 @@ def decompositions_section(device: torch.device, batch: tuple[Tensor, Tensor],
             torch.linalg.eigh(f)
 
     each = [timed(one_by_one, device) for _ in range(3)]
-    batched = [timed(lambda: linalg.eigh_clamped_many(factors, host_max_dim=0), device)
+    batched = [timed(lambda: linalg.eigh_clamped_many(factors, placement=SolvePlacement(0)), device)
                for _ in range(3)]
     # host_decomposition_max_dim: CUDA factors up to this size on the host, beside the
     # device's (kfac_hpc.solves); the wall time of all of them, batched by size
     by_host_max_dim = {h: statistics.median(
-        timed(lambda h=h: linalg.eigh_clamped_many(factors, host_max_dim=h), device)
+        timed(lambda h=h: linalg.eigh_clamped_many(factors, placement=SolvePlacement(h)), device)
         for _ in range(3)) * 1e3 for h in args.host_max_dims}
     sizes: dict[int, list[Tensor]] = {}
     for f in factors:
@@ -322,7 +323,7 @@ def decompositions_section(device: torch.device, batch: tuple[Tensor, Tensor],
     # kfac_hpc.solves: the device's batches spread over S streams and worker threads
     stacks = [torch.stack(group) for group in sizes.values()]
     by_streams = {s: statistics.median(
-        timed(lambda s=s: solves.eigh_batches(stacks, host_max_dim=0, device_streams=s),
+        timed(lambda s=s: solves.eigh_batches(stacks, SolvePlacement(0, s)),
               device) for _ in range(3)) * 1e3 for s in args.device_streams}
     host = torch.device("cpu")
     for where in {device, host}:  # solver handles, workspaces, thread pools: first calls

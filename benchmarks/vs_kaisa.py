@@ -432,7 +432,7 @@ class Lib:
         config: one of :data:`CONFIGS`.
         model: the model to copy (CPU).
         hp: hyper-parameters (``lr``, ``damping``, ``factor_steps``, ``inv_steps``,
-            ``low_rank``, ``factor_sync``, ``symmetric_packing``).
+            ``low_rank``, ``factor_sync``, ``symmetric_packing``, ``decomposition_streams``).
         kaisa: KAISA's ``kfac`` module (``kaisa`` configuration only).
         device: where the model copy, its batch and its state live.
         kinds: True: the update steps follow :attr:`mode` (``--timing kinds``); False:
@@ -489,6 +489,7 @@ class Lib:
                                           compute_method="eigen", low_rank=hp["low_rank"],
                                           factor_sync=hp["factor_sync"],
                                           symmetric_packing=hp["symmetric_packing"],
+                                          decomposition_streams=hp["decomposition_streams"],
                                           kfac_approx=approx, **common)
         elif self.is_kaisa:
             self.pre = kaisa.preconditioner.KFACPreconditioner(
@@ -950,6 +951,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "(the same preconditioned gradients, fewer bytes)")
     ap.add_argument("--symmetric-packing", action="store_true",
                     help="kfac_hpc only: factors travel as upper triangles")
+    ap.add_argument("--decomposition-streams", type=int, default=1, metavar="S",
+                    help="kfac_hpc only: its decompositions spread over S CUDA streams")
     ap.add_argument("--out", type=Path, default=OUT_DIR,
                     help=f"folder of vs_kaisa_n<ranks>[_cuda][_warmup<N>].json (default {OUT_DIR})")
     ap.add_argument("--json", default="", help="also write the JSON to this file")
@@ -1004,6 +1007,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = device.type == "cuda"
     hp = {"lr": args.lr, "damping": args.damping, "low_rank": args.low_rank,
           "factor_sync": args.factor_sync, "symmetric_packing": args.symmetric_packing,
+          "decomposition_streams": args.decomposition_streams,
           "factor_steps": args.factor_steps, "inv_steps": args.inv_steps}
 
     def say(msg: str) -> None:

@@ -39,13 +39,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import cast
 
 import torch
 from torch import Tensor
 
-__all__ = ["DEFAULT_HOST_MAX_DIM", "JACOBI_ROWS", "BatchResult", "EighResult", "Solver",
-           "eigh_batches", "eigh_dtype", "solve_batches", "solves_on_host", "symmetric_eigh"]
+__all__ = ["DEFAULT_HOST_MAX_DIM", "DEFAULT_PLACEMENT", "JACOBI_ROWS", "BatchResult", "EighResult",
+           "SolvePlacement", "Solver", "eigh_batches", "eigh_dtype", "solve_batches",
+           "solves_on_host", "spreads_over_streams", "symmetric_eigh"]
 
 #: The largest CUDA matrix decomposed on the host by default: none (0). Measured on an
 #: NVIDIA H200 (module docstring): the device, with :func:`eigh_dtype`, is faster.
@@ -54,6 +56,38 @@ DEFAULT_HOST_MAX_DIM = 0
 #: The rows of the float32 CUDA matrices torch decomposes with cuSOLVER's Jacobi solver
 #: (``linalg_eigh_cusolver`` in ATen: ``syevj`` for 32 <= n <= 512), inclusive.
 JACOBI_ROWS = (32, 512)
+
+
+
+@dataclass(frozen=True)
+class SolvePlacement:
+    """Where :func:`solve_batches` runs the batches of CUDA matrices (module docstring).
+
+    Attributes:
+        host_max_dim: Batches of at most this many rows go to the host worker (0: none;
+            ``host_decomposition_max_dim`` of K-FAC and Shampoo).
+        device_streams: The CUDA streams, each with a worker thread, the device's
+            batches are spread over (1: the calling thread's stream;
+            ``decomposition_streams``).
+    """
+
+    host_max_dim: int = DEFAULT_HOST_MAX_DIM
+    device_streams: int = 1
+
+    def __post_init__(self) -> None:
+        """Validate both (one error naming the first problem and its fix)."""
+        if not isinstance(self.host_max_dim, int) or isinstance(self.host_max_dim, bool) \
+                or self.host_max_dim < 0:
+            raise ValueError(f"host_decomposition_max_dim must be an integer >= 0 (0: every "
+                             f"decomposition on the device), got {self.host_max_dim!r}")
+        if not isinstance(self.device_streams, int) or isinstance(self.device_streams, bool) \
+                or self.device_streams < 1:
+            raise ValueError(f"decomposition_streams must be an integer >= 1 (1: the calling "
+                             f"thread's stream), got {self.device_streams!r}")
+
+
+#: The default placement: everything on the calling thread's device stream.
+DEFAULT_PLACEMENT = SolvePlacement()
 
 #: What a solver returned for a batch, or the error it raised.
 BatchResult = tuple[Tensor, ...] | Exception
@@ -247,8 +281,7 @@ def _solve_on_streams(batches: dict[int, Tensor], solve: Solver, lanes: int
 
 
 def solve_batches(batches: Sequence[Tensor], solve: Solver,
-                  host_max_dim: int = DEFAULT_HOST_MAX_DIM,
-                  device_streams: int = 1) -> list[BatchResult]:
+                  placement: SolvePlacement = DEFAULT_PLACEMENT) -> list[BatchResult]:
     """``solve`` every batch; the small CUDA ones on the host meanwhile.
 
     The host's batches (:func:`solves_on_host`) are queued first, to one worker thread,
@@ -261,17 +294,12 @@ def solve_batches(batches: Sequence[Tensor], solve: Solver,
         batches: Stacked square matrices ``(..., n, n)``, any devices and sizes.
         solve: The batched solver, the same function on both sides, returning a tuple
             of tensors.
-        host_max_dim: The largest ``n`` solved on the host (0: all on their device).
-        device_streams: The CUDA streams (and worker threads) the device's batches
-            are spread over (1: the calling thread's stream; module docstring).
+        placement: The batches for the host and the device's streams.
 
     Returns:
         Per batch, what ``solve`` returned, or the exception it raised.
     """
-    if host_max_dim < 0:
-        raise ValueError(f"host_max_dim must be >= 0, got {host_max_dim}")
-    if device_streams < 1:
-        raise ValueError(f"device_streams must be >= 1, got {device_streams}")
+    host_max_dim, device_streams = placement.host_max_dim, placement.device_streams
     on_host: dict[int, Future[tuple[Tensor, ...]]] = {}
     for i, batch in enumerate(batches):
         if solves_on_host(batch, host_max_dim):
@@ -295,8 +323,8 @@ def solve_batches(batches: Sequence[Tensor], solve: Solver,
     return cast(list[BatchResult], out)
 
 
-def eigh_batches(batches: Sequence[Tensor], host_max_dim: int = DEFAULT_HOST_MAX_DIM,
-                 device_streams: int = 1) -> list[EighResult]:
+def eigh_batches(batches: Sequence[Tensor], placement: SolvePlacement = DEFAULT_PLACEMENT
+                 ) -> list[EighResult]:
     """``torch.linalg.eigh`` of every batch; the small CUDA ones on the host meanwhile.
 
     :func:`solve_batches` with the symmetric eigensolver, which reads only the lower
@@ -304,14 +332,12 @@ def eigh_batches(batches: Sequence[Tensor], host_max_dim: int = DEFAULT_HOST_MAX
 
     Args:
         batches: Stacked symmetric matrices ``(..., n, n)``, any devices and sizes.
-        host_max_dim: The largest ``n`` decomposed on the host (0: all on their device).
-        device_streams: The CUDA streams the device's batches are spread over.
+        placement: The batches for the host and the device's streams.
 
     Returns:
         Per batch, ``(eigenvalues, eigenvectors)`` in ascending order, or the exception.
     """
-    return cast(list[EighResult], solve_batches(batches, symmetric_eigh, host_max_dim,
-                                                device_streams))
+    return cast(list[EighResult], solve_batches(batches, symmetric_eigh, placement))
 
 
 def eigh_dtype(batch: Tensor) -> torch.dtype:

@@ -109,7 +109,7 @@ def test_failure_in_the_background_is_raised_at_the_swap(monkeypatch):
         one_step(model, pre, opt, x, y)
     old = {k: {p: t.clone() for p, t in parts.items()} for k, parts in pre.decompositions.items()}
 
-    def eigh_fails(factors, dtype=torch.float32, host_max_dim=0):
+    def eigh_fails(factors, dtype=torch.float32, placement=None):
         return [torch.linalg.LinAlgError("injected") for _ in factors]
 
     monkeypatch.setattr(linalg, "eigh_clamped_many", eigh_fails)

@@ -24,6 +24,7 @@ from kfac_hpc import KFACPreconditioner, solves
 from kfac_hpc.comm import Communicator
 from kfac_hpc.kfac import layers, linalg
 from kfac_hpc.shampoo import DistributedShampoo
+from kfac_hpc.solves import SolvePlacement
 from kfac_hpc.train.config import TrainConfig
 
 
@@ -96,14 +97,14 @@ def test_a_widened_eigh_returns_the_float64_results_in_the_batch_dtype(
 
 
 def test_on_the_cpu_nothing_goes_to_the_worker(solved_on: list[tuple[int, str]]) -> None:
-    solves.eigh_batches([_spd(4), _spd(9)], host_max_dim=512)
+    solves.eigh_batches([_spd(4), _spd(9)], SolvePlacement(512))
     assert solved_on == []
 
 
 def test_host_batches_run_on_the_worker_and_equal_eigh(host_solves: list[tuple[int, str]]
                                                        ) -> None:
     batches = [_spd(6, seed=1), _spd(20, seed=2), _spd(3, batch=1, seed=3)]
-    results = solves.eigh_batches(batches, host_max_dim=8)
+    results = solves.eigh_batches(batches, SolvePlacement(8))
     assert sorted(n for n, _ in host_solves) == [3, 6]
     assert all(name.startswith("kfac-hpc-host-solves") for _, name in host_solves)
     for batch, result in zip(batches, results):
@@ -122,23 +123,25 @@ def test_a_failing_host_batch_keeps_its_place(monkeypatch: pytest.MonkeyPatch,
         return eigh(a)
 
     monkeypatch.setattr(torch.linalg, "eigh", failing)
-    results = solves.eigh_batches([_spd(4), _spd(5), _spd(12)], host_max_dim=8)
+    results = solves.eigh_batches([_spd(4), _spd(5), _spd(12)], SolvePlacement(8))
     assert isinstance(results[1], torch.linalg.LinAlgError)
     assert not isinstance(results[0], Exception) and not isinstance(results[2], Exception)
     assert len(host_solves) == 2
 
 
 def test_negative_size_is_refused() -> None:
-    with pytest.raises(ValueError, match="host_max_dim must be >= 0"):
-        solves.eigh_batches([_spd(4)], host_max_dim=-1)
+    with pytest.raises(ValueError, match="host_decomposition_max_dim must be an integer >= 0"):
+        SolvePlacement(host_max_dim=-1)
 
 
-def _kfac_run(lag: int, host_max_dim: int, method: str = "eigen") -> list[Tensor]:
+def _kfac_run(lag: int, host_max_dim: int, method: str = "eigen", streams: int = 1
+              ) -> list[Tensor]:
     model = small_cnn()
     pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), damping=0.01,
                              inv_update_steps=2, inv_dtype=torch.float64,
                              compute_method=method, decomposition_lag=lag,
-                             host_decomposition_max_dim=host_max_dim)
+                             host_decomposition_max_dim=host_max_dim,
+                             decomposition_streams=streams)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     train_kfac(model, opt, pre, small_cnn_batches(6))
     pre.close()
@@ -165,13 +168,14 @@ def test_kfac_on_the_gpu_path_with_host_decompositions_is_unchanged(
         assert torch.equal(a, b)
 
 
-def _shampoo_run(host_max_dim: int) -> list[Tensor]:
+def _shampoo_run(host_max_dim: int, streams: int = 1) -> list[Tensor]:
     torch.manual_seed(0)
     model = small_cnn()
     opt = DistributedShampoo(model.named_parameters(), lr=0.01, max_preconditioner_dim=16,
                              precondition_frequency=2, epsilon=1e-6,
                              comm=Communicator(MPI.COMM_SELF), factor_dtype=torch.float64,
-                             host_decomposition_max_dim=host_max_dim)
+                             host_decomposition_max_dim=host_max_dim,
+                             decomposition_streams=streams)
     for x, y in small_cnn_batches(5):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x.double()), y).backward()
@@ -213,7 +217,7 @@ def test_batched_damped_inverses_equal_one_by_one_and_survive_a_bad_factor(
     factors = [*_spd(5, batch=3, seed=4).unbind(), *_spd(9, batch=2, seed=5).unbind()]
     bad = -torch.eye(5, dtype=torch.float64)  # negative definite: Cholesky fails
     factors.insert(1, bad)
-    got = linalg.damped_inverse_many(factors, 1e-4, host_max_dim=6)
+    got = linalg.damped_inverse_many(factors, 1e-4, placement=SolvePlacement(6))
     assert sorted(n for n, _ in host_solves) == [5]
     for f, inv in zip(factors, got):
         assert not isinstance(inv, Exception)
@@ -251,7 +255,7 @@ def lanes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, list[tupl
 def test_spread_batches_are_split_by_cost_and_equal_one_stream(
         lanes: list[tuple[str, list[tuple[int, int]]]]) -> None:
     batches = [_spd(12, batch=5, seed=1), _spd(2, batch=3, seed=2), _spd(30, batch=2, seed=3)]
-    spread = solves.eigh_batches(batches, host_max_dim=0, device_streams=3)
+    spread = solves.eigh_batches(batches, SolvePlacement(0, 3))
     alone = [torch.linalg.eigh(b) for b in batches]
     for got, want in zip(spread, alone):
         assert not isinstance(got, Exception)
@@ -272,12 +276,44 @@ def test_a_failing_chunk_fails_its_batch_only(lanes: list[tuple[str, list[tuple[
         return solves.symmetric_eigh(batch)
 
     batches = [_spd(12, batch=5, seed=1), _spd(30, batch=2, seed=3)]
-    results = solves.solve_batches(batches, solve, host_max_dim=0, device_streams=2)
+    results = solves.solve_batches(batches, solve, SolvePlacement(0, 2))
     assert isinstance(results[0], torch.linalg.LinAlgError)
     assert not isinstance(results[1], Exception)
     assert torch.equal(results[1][1], torch.linalg.eigh(batches[1])[1])
 
 
 def test_device_streams_must_be_positive() -> None:
-    with pytest.raises(ValueError, match="device_streams must be >= 1"):
-        solves.eigh_batches([_spd(4)], device_streams=0)
+    with pytest.raises(ValueError, match="decomposition_streams must be an integer >= 1"):
+        SolvePlacement(device_streams=0)
+    with pytest.raises(ValueError, match="decomposition_streams must be an integer >= 1"):
+        KFACPreconditioner(small_cnn(), decomposition_streams=0)
+    with pytest.raises(ValueError, match="decomposition_streams"):
+        DistributedShampoo(small_cnn().named_parameters(), decomposition_streams=0)
+    with pytest.raises(ValueError, match="--decomposition-streams: must be >= 1"):
+        TrainConfig(decomposition_streams=0).validate()
+
+
+@pytest.mark.parametrize("lag, method", [(0, "eigen"), (1, "eigen"), (0, "inverse")])
+def test_kfac_with_decompositions_spread_over_streams_is_unchanged(
+        monkeypatch: pytest.MonkeyPatch, lanes: list[tuple[str, list[tuple[int, int]]]],
+        lag: int, method: str) -> None:
+    """``decomposition_streams=3`` (the spread forced on CPU tensors): bitwise the run on
+    the calling thread, the lanes used."""
+    for module in (linalg, layers):
+        monkeypatch.setattr(module, "uses_gpu_path", lambda device: True)
+    alone = _kfac_run(lag, host_max_dim=0, method=method)
+    assert lanes == []
+    spread = _kfac_run(lag, host_max_dim=0, method=method, streams=3)
+    assert len(lanes) >= 2  # lane calls with pieces
+    for a, b in zip(spread, alone):
+        assert torch.equal(a, b)
+
+
+def test_shampoo_roots_spread_over_streams_are_unchanged(
+        lanes: list[tuple[str, list[tuple[int, int]]]]) -> None:
+    alone = _shampoo_run(host_max_dim=0)
+    assert lanes == []
+    spread = _shampoo_run(host_max_dim=0, streams=3)
+    assert lanes
+    for a, b in zip(spread, alone):
+        assert torch.equal(a, b)

@@ -42,7 +42,7 @@ from kfac_hpc.kfac.options import (
     conflicts,
     sends_factors,
 )
-from kfac_hpc.solves import DEFAULT_HOST_MAX_DIM
+from kfac_hpc.solves import DEFAULT_HOST_MAX_DIM, SolvePlacement
 
 __all__ = ["KFACConfig", "Schedules", "batch_shape", "dtype_name"]
 
@@ -99,6 +99,17 @@ class KFACConfig:
     stats_precision: PrecisionOption = "auto"
     precondition_precision: PrecisionOption = "auto"
     host_decomposition_max_dim: int = DEFAULT_HOST_MAX_DIM
+    decomposition_streams: int = 1
+
+    @property
+    def solve_placement(self) -> SolvePlacement:
+        """Where the batched decompositions of CUDA factors run (``kfac_hpc.solves``).
+
+        Raises:
+            ValueError: ``host_decomposition_max_dim`` or ``decomposition_streams`` is
+                out of range.
+        """
+        return SolvePlacement(self.host_decomposition_max_dim, self.decomposition_streams)
 
     def __post_init__(self) -> None:
         """Validate every option (one error naming the first problem and its fix)."""
@@ -128,11 +139,7 @@ class KFACConfig:
         if problems:
             raise ValueError(f"{problems[0].option} {problems[0].text()}")
         self._check_rank_fits()
-        if not isinstance(self.host_decomposition_max_dim, int) \
-                or self.host_decomposition_max_dim < 0:
-            raise ValueError(f"host_decomposition_max_dim must be an integer >= 0 (0: every "
-                             f"decomposition on the device), got "
-                             f"{self.host_decomposition_max_dim!r}")
+        self.solve_placement  # noqa: B018 (validates both options)
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
         if isinstance(self.skip_layers, str):
@@ -219,6 +226,7 @@ class KFACConfig:
                 "decomposition_lag": self.decomposition_lag,
                 "eigen_refresh": self.eigen_refresh,
                 "host_decomposition_max_dim": self.host_decomposition_max_dim,
+                "decomposition_streams": self.decomposition_streams,
                 "stats_precision": stats_precision,
                 "precondition_precision": precondition_precision,
                 "accumulation_steps": self.accumulation_steps, "world_size": world_size,

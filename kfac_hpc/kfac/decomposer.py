@@ -44,7 +44,7 @@ from kfac_hpc.kfac.options import (
     low_rank_cap,
 )
 from kfac_hpc.kfac.placement import FactorKey
-from kfac_hpc.solves import DEFAULT_HOST_MAX_DIM
+from kfac_hpc.solves import DEFAULT_PLACEMENT, SolvePlacement
 
 __all__ = ["Decomposer", "EigenDecomposer", "Failures", "Held", "InverseDecomposer",
            "LowRankDecomposer", "make_decomposer", "message_numel"]
@@ -218,7 +218,7 @@ class EigenDecomposer(_Full):
 
     def __init__(self, *, dtype: torch.dtype, device: torch.device,
                  precision: MatmulPrecision = "full", refresh: EigenRefresh = "eigh",
-                 host_max_dim: int = DEFAULT_HOST_MAX_DIM) -> None:
+                 placement: SolvePlacement = DEFAULT_PLACEMENT) -> None:
         """Decompose into ``dtype`` on ``device``.
 
         Args:
@@ -226,11 +226,10 @@ class EigenDecomposer(_Full):
             device: Where they live.
             precision: The operand precision of preconditioning's GEMMs.
             refresh: How an eigenbasis is renewed (``"eigh"``, ``"subspace"``).
-            host_max_dim: CUDA factors up to this size are decomposed on the host while
-                the device decomposes the larger ones (0: none).
+            placement: Which CUDA batches the host and the device's streams decompose.
         """
         super().__init__(dtype=dtype, device=device)
-        self.precision, self.refresh, self.host_max_dim = precision, refresh, host_max_dim
+        self.precision, self.refresh, self.placement = precision, refresh, placement
 
     def parts(self, n: int) -> tuple[tuple[Part, int], ...]:
         """``Q`` (``n x n``) and ``λ`` (``n``)."""
@@ -257,7 +256,7 @@ class EigenDecomposer(_Full):
         out: dict[FactorKey, tuple[Tensor, ...] | Exception] = dict(zip(
             fresh, linalg.eigh_clamped_many(
                 [cast(Tensor, states[key].average) for key in fresh], dtype=self.dtype,
-                host_max_dim=self.host_max_dim)))
+                placement=self.placement)))
         refreshed = list(bases)
         out.update(zip(refreshed, linalg.refresh_eigenbases(
             [cast(Tensor, states[key].average) for key in refreshed],
@@ -282,7 +281,7 @@ class InverseDecomposer(_Full):
 
     def __init__(self, *, dtype: torch.dtype, device: torch.device, damping: Schedule,
                  precision: MatmulPrecision = "full",
-                 host_max_dim: int = DEFAULT_HOST_MAX_DIM) -> None:
+                 placement: SolvePlacement = DEFAULT_PLACEMENT) -> None:
         """Invert into ``dtype`` on ``device``.
 
         Args:
@@ -290,11 +289,10 @@ class InverseDecomposer(_Full):
             device: Where they live.
             damping: The damping schedule (the inverse step's value is used).
             precision: The operand precision of preconditioning's GEMMs.
-            host_max_dim: CUDA factors up to this size are inverted on the host while
-                the device inverts the larger ones (0: none).
+            placement: Which CUDA batches the host and the device's streams invert.
         """
         super().__init__(dtype=dtype, device=device)
-        self.damping, self.precision, self.host_max_dim = damping, precision, host_max_dim
+        self.damping, self.precision, self.placement = damping, precision, placement
 
     def parts(self, n: int) -> tuple[tuple[Part, int], ...]:
         """The inverse (``n x n``)."""
@@ -311,7 +309,7 @@ class InverseDecomposer(_Full):
         keys = [key for key, state in states.items() if state.average is not None]
         inverses = linalg.damped_inverse_many(
             [cast(Tensor, states[key].average) for key in keys], self.damping(step),
-            dtype=self.dtype, host_max_dim=self.host_max_dim)
+            dtype=self.dtype, placement=self.placement)
         return {key: inv if isinstance(inv, Exception) else (inv,)
                 for key, inv in zip(keys, inverses)}
 
@@ -342,7 +340,7 @@ class LowRankDecomposer(EigenDecomposer):
                  min_dim: int, energy: float | None = None,
                  remainder: LowRankRemainder = "mean", precision: MatmulPrecision = "full",
                  refresh: EigenRefresh = "eigh",
-                 host_max_dim: int = DEFAULT_HOST_MAX_DIM) -> None:
+                 placement: SolvePlacement = DEFAULT_PLACEMENT) -> None:
         """Decompose into ``dtype`` on ``device``, low rank above the cap.
 
         Args:
@@ -354,10 +352,11 @@ class LowRankDecomposer(EigenDecomposer):
             remainder: The remainder eigenvalue's rule (``"mean"``, ``"zero"``).
             precision: The operand precision of preconditioning's GEMMs.
             refresh: How full eigenbases are renewed.
-            host_max_dim: Full CUDA factors up to this size are decomposed on the host.
+            placement: Which CUDA batches of full factors the host and the device's
+                streams decompose.
         """
         super().__init__(dtype=dtype, device=device, precision=precision, refresh=refresh,
-                         host_max_dim=host_max_dim)
+                         placement=placement)
         self.low_rank, self.min_dim = low_rank, min_dim
         self.energy, self.remainder = energy, remainder
 
@@ -505,7 +504,7 @@ def make_decomposer(*, compute_method: str, low_rank: int | None = None,
                     dtype: torch.dtype = torch.float32,
                     device: torch.device | None = None,
                     precision: MatmulPrecision = "full",
-                    host_decomposition_max_dim: int = DEFAULT_HOST_MAX_DIM) -> Decomposer:
+                    placement: SolvePlacement = DEFAULT_PLACEMENT) -> Decomposer:
     """The decomposer of a compute method (the one place that chooses it).
 
     Args:
@@ -519,8 +518,7 @@ def make_decomposer(*, compute_method: str, low_rank: int | None = None,
         dtype: The dtype of decompositions (``inv_dtype``).
         device: Where they live (default: the CPU).
         precision: The operand precision of preconditioning's GEMMs.
-        host_decomposition_max_dim: Eigendecompositions of CUDA factors up to this size
-            run on the host, beside the device's (0: none).
+        placement: Which CUDA batches the host and the device's streams solve.
 
     Returns:
         The decomposer (sizes alone need no ``damping`` nor ``device``).
@@ -530,16 +528,16 @@ def make_decomposer(*, compute_method: str, low_rank: int | None = None,
         case "inverse", _:
             return InverseDecomposer(dtype=dtype, device=where, precision=precision,
                                      damping=damping or positive("damping", 0.001),
-                                     host_max_dim=host_decomposition_max_dim)
+                                     placement=placement)
         case "eigen", None:
             return EigenDecomposer(dtype=dtype, device=where, precision=precision,
                                    refresh=eigen_refresh,
-                                   host_max_dim=host_decomposition_max_dim)
+                                   placement=placement)
         case "eigen", int():
             return LowRankDecomposer(dtype=dtype, device=where, low_rank=low_rank,
                                      min_dim=low_rank_min_dim, energy=low_rank_energy,
                                      remainder=low_rank_remainder, precision=precision,
                                      refresh=eigen_refresh,
-                                     host_max_dim=host_decomposition_max_dim)
+                                     placement=placement)
     raise ValueError(f"compute_method must be one of ('eigen', 'inverse'), "
                      f"got {compute_method!r}")

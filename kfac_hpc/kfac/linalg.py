@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from kfac_hpc.kfac.precision import MatmulPrecision, matmul
-from kfac_hpc.solves import DEFAULT_HOST_MAX_DIM, Solver, solve_batches, symmetric_eigh
+from kfac_hpc.solves import DEFAULT_PLACEMENT, SolvePlacement, Solver, solve_batches, symmetric_eigh
 
 __all__ = [
     "column_covariance",
@@ -288,7 +288,7 @@ def _same_kind(tensors: list[Tensor]) -> list[list[int]]:
 
 
 def eigh_clamped_many(factors: list[Tensor], dtype: torch.dtype = torch.float32, *,
-                      host_max_dim: int = DEFAULT_HOST_MAX_DIM
+                      placement: SolvePlacement = DEFAULT_PLACEMENT
                       ) -> list[tuple[Tensor, Tensor] | Exception]:
     """:func:`eigh_clamped` of every factor, one batched ``eigh`` per size.
 
@@ -297,7 +297,7 @@ def eigh_clamped_many(factors: list[Tensor], dtype: torch.dtype = torch.float32,
     ``torch.linalg.eigh`` together: the syncs (and launches) grow with the number of
     distinct sizes, not of factors (cuSOLVER may pick its batched Jacobi solver for
     batches of matrices up to 32x32: equal to rounding); the batches of CUDA factors of
-    at most ``host_max_dim`` rows are decomposed on the host meanwhile
+    at most ``placement.host_max_dim`` rows are decomposed on the host meanwhile
     (:func:`kfac_hpc.solves.solve_batches`). On the CPU, where a call costs
     no sync, every factor is solved alone as before: a matrix inside a stacked batch
     sits at another alignment, which BLAS libraries that choose kernels by alignment
@@ -309,7 +309,7 @@ def eigh_clamped_many(factors: list[Tensor], dtype: torch.dtype = torch.float32,
     Args:
         factors: Symmetric factors (only their lower triangles are read).
         dtype: The dtype of the results.
-        host_max_dim: The largest CUDA factor decomposed on the host (0: none).
+        placement: Which CUDA batches the host and the device's streams solve.
 
     Returns:
         Per factor, ``(Q, λ)`` or the exception its decomposition raised.
@@ -320,12 +320,13 @@ def eigh_clamped_many(factors: list[Tensor], dtype: torch.dtype = torch.float32,
         return list(zip(q.unbind(), lam.unbind()))
 
     return _solve_each(factors, lambda stack: stack.to(_linalg_dtype(stack)), symmetric_eigh,
-                       split, lambda f: eigh_clamped(f, dtype), host_max_dim)
+                       split, lambda f: eigh_clamped(f, dtype), placement)
 
 
 def _solve_each(factors: list[Tensor], prepare: Callable[[Tensor], Tensor], solve: Solver,
                 split: Callable[[tuple[Tensor, ...], Tensor], list[_R]],
-                one: Callable[[Tensor], _R], host_max_dim: int) -> list[_R | Exception]:
+                one: Callable[[Tensor], _R], placement: SolvePlacement
+                ) -> list[_R | Exception]:
     """Solve every factor: one batched call per size and dtype on the GPU path.
 
     On the GPU path the factors of one size and dtype are stacked, ``prepare``d and
@@ -339,7 +340,7 @@ def _solve_each(factors: list[Tensor], prepare: Callable[[Tensor], Tensor], solv
     batched = [members for members in _same_kind(factors)
                if uses_gpu_path(factors[members[0]].device)]
     stacks = [prepare(torch.stack([factors[i] for i in members])) for members in batched]
-    for members, result in zip(batched, solve_batches(stacks, solve, host_max_dim)):
+    for members, result in zip(batched, solve_batches(stacks, solve, placement)):
         if not isinstance(result, Exception):  # else one by one below, with the fallbacks
             out.update(zip(members, split(result, factors[members[0]])))
     for i, factor in enumerate(factors):
@@ -445,13 +446,13 @@ def damped_inverse(F: Tensor, damping: float, dtype: torch.dtype | None = None) 
 
 
 def damped_inverse_many(factors: list[Tensor], damping: float, dtype: torch.dtype | None = None,
-                        *, host_max_dim: int = DEFAULT_HOST_MAX_DIM
+                        *, placement: SolvePlacement = DEFAULT_PLACEMENT
                         ) -> list[Tensor | Exception]:
     """:func:`damped_inverse` of every factor, one batched Cholesky per size.
 
     As :func:`eigh_clamped_many`: on the GPU path the factors of one size and dtype are
     damped, factored and inverted together (one solver call, one host read of its error
-    flags), the CUDA batches of at most ``host_max_dim`` rows on the host meanwhile
+    flags), the CUDA batches of at most ``placement.host_max_dim`` rows on the host meanwhile
     (:func:`kfac_hpc.solves.solve_batches`); on the CPU every factor alone, as before. A
     batch whose Cholesky fails is redone factor by factor with :func:`damped_inverse`'s
     fallbacks; a factor that still fails gets its exception in its place.
@@ -460,7 +461,7 @@ def damped_inverse_many(factors: list[Tensor], damping: float, dtype: torch.dtyp
         factors: Symmetric PSD factors.
         damping: ``γ``; ``sqrt(γ)`` is added to the diagonals.
         dtype: The dtype of the results (default: each factor's dtype).
-        host_max_dim: The largest CUDA factor inverted on the host (0: none).
+        placement: Which CUDA batches the host and the device's streams solve.
 
     Returns:
         Per factor, ``(F + sqrt(γ)·I)⁻¹`` (symmetrised) or the exception it raised.
@@ -477,7 +478,7 @@ def damped_inverse_many(factors: list[Tensor], damping: float, dtype: torch.dtyp
         return list(((inv + inv.mT) / 2).to(dtype or member.dtype).unbind())
 
     return _solve_each(factors, damped, _cholesky_inverse, split,
-                       lambda f: damped_inverse(f, damping, dtype), host_max_dim)
+                       lambda f: damped_inverse(f, damping, dtype), placement)
 
 
 def _cholesky_inverse(batch: Tensor) -> tuple[Tensor, ...]:

@@ -156,6 +156,7 @@ class KFACPreconditioner:
         stats_precision: PrecisionOption = "auto",
         precondition_precision: PrecisionOption = "auto",
         host_decomposition_max_dim: int = DEFAULT_HOST_MAX_DIM,
+        decomposition_streams: int = 1,
     ) -> None:
         """Register ``model``'s layers, place their factors and build the parts.
 
@@ -206,6 +207,9 @@ class KFACPreconditioner:
                 on a CUDA device run on the host while the device solves the larger
                 ones (0, the default: all on the device, faster on an H200;
                 ``kfac_hpc.solves``; the CPU is unaffected).
+            decomposition_streams: On CUDA, the device's decompositions of more than 32
+                rows are spread over this many streams and worker threads (1, the
+                default: the calling thread's stream; the same results either way).
 
         Raises:
             ValueError: An option, or a combination of options, is invalid (the message
@@ -244,7 +248,8 @@ class KFACPreconditioner:
             low_rank_min_dim=low_rank_min_dim, low_rank_remainder=low_rank_remainder,
             decomposition_lag=decomposition_lag, eigen_refresh=eigen_refresh,
             stats_precision=stats_precision, precondition_precision=precondition_precision,
-            host_decomposition_max_dim=host_decomposition_max_dim)
+            host_decomposition_max_dim=host_decomposition_max_dim,
+            decomposition_streams=decomposition_streams)
         cfg = self.options
         self.comm = comm if comm is not None else world()
         self.schedules = cfg.schedules
@@ -319,7 +324,7 @@ class KFACPreconditioner:
             low_rank_remainder=cfg.low_rank_remainder, eigen_refresh=cfg.eigen_refresh,
             damping=self.schedules.damping, dtype=cfg.inv_dtype, device=self.device,
             precision=self.precondition_precision,
-            host_decomposition_max_dim=cfg.host_decomposition_max_dim)
+            placement=cfg.solve_placement)
         decompositions = Decompositions(
             self.comm, DecompositionExchange(self.worker_comm, self.placement, self.dims,
                                              decomposer, self.comm.rank, dtype=cfg.inv_dtype,

@@ -53,7 +53,7 @@ from kfac_hpc.shampoo.roots import inverse_roots
 from kfac_hpc.shampoo.stacks import BlockStack, Run, runs_of
 from kfac_hpc.shampoo.state import BlockShapes, ShampooStateDict
 from kfac_hpc.shampoo.state_io import describe_block_states, gather_block_states
-from kfac_hpc.solves import DEFAULT_HOST_MAX_DIM
+from kfac_hpc.solves import DEFAULT_HOST_MAX_DIM, SolvePlacement
 
 __all__ = ["STATE_DICT_FORMAT", "STATE_DICT_VERSION", "DistributedShampoo"]
 
@@ -95,6 +95,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         max_consecutive_root_failures: int = 5,
         check_replicas: bool = True,
         host_decomposition_max_dim: int = DEFAULT_HOST_MAX_DIM,
+        decomposition_streams: int = 1,
     ) -> None:
         """Split the parameters into blocks and assign every block an owner rank.
 
@@ -135,6 +136,9 @@ class DistributedShampoo(torch.optim.Optimizer):
                 device are decomposed on the host while the device decomposes the larger
                 ones (0, the default: all on the device, faster on an H200;
                 ``kfac_hpc.solves``; the CPU is unaffected).
+            decomposition_streams: At a root step on CUDA, the device's decompositions
+                of more than 32 rows are spread over this many streams and worker threads
+                (1, the default: the calling thread's stream; the same results).
 
         Raises:
             ValueError: A hyper-parameter is out of range, a parameter name repeats, a
@@ -158,8 +162,9 @@ class DistributedShampoo(torch.optim.Optimizer):
             "communication_dtype", communication_dtype, hyper.COMMUNICATION_DTYPES)
         self.max_consecutive_root_failures = hyper.validate_int(
             "max_consecutive_root_failures", max_consecutive_root_failures, 1)
-        self.host_decomposition_max_dim = hyper.validate_int(
-            "host_decomposition_max_dim", host_decomposition_max_dim, 0)
+        self.solve_placement = SolvePlacement(
+            hyper.validate_int("host_decomposition_max_dim", host_decomposition_max_dim, 0),
+            hyper.validate_int("decomposition_streams", decomposition_streams, 1))
         self.comm: Communicator = comm if comm is not None else world()
         self._layout: Layout | None = None
         self._steps = 0
@@ -408,7 +413,7 @@ class DistributedShampoo(torch.optim.Optimizer):
             return 0
         requests = [root_requests(st, hp) for st, hp in due]
         results = inverse_roots([r for per_run in requests for r in per_run],
-                                host_max_dim=self.host_decomposition_max_dim)
+                                placement=self.solve_placement)
         status, at = 0, 0
         for (st, hp), per_run in zip(due, requests):
             install_roots(st, results[at:at + len(per_run)], hp)

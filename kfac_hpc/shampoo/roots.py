@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from kfac_hpc.shampoo.errors import nonfinite_marks
-from kfac_hpc.solves import DEFAULT_HOST_MAX_DIM, EighResult, eigh_batches
+from kfac_hpc.solves import DEFAULT_PLACEMENT, EighResult, SolvePlacement, eigh_batches
 
 __all__ = ["RootComputationError", "RootRequest", "RootResult", "inverse_root", "inverse_roots"]
 
@@ -199,18 +199,18 @@ class _SizeGroup:
 
 
 def inverse_roots(requests: Sequence[RootRequest], *,
-                  host_max_dim: int = DEFAULT_HOST_MAX_DIM) -> list[RootResult]:
+                  placement: SolvePlacement = DEFAULT_PLACEMENT) -> list[RootResult]:
     """Compute :func:`inverse_root` of every matrix of every request, batched by size and dtype.
 
     One ``torch.linalg.eigh`` per distinct (size, dtype, device) over all requests (those
-    of CUDA matrices up to ``host_max_dim`` rows on the host, beside the device's:
+    of CUDA matrices up to ``placement.host_max_dim`` rows on the host, beside the device's:
     :func:`kfac_hpc.solves.eigh_batches`), one host read for the finiteness of all
     results; matrices that failed (and all those of an eigensolver call that raised) are
     redone one by one.
 
     Args:
         requests: the batches of factors.
-        host_max_dim: The largest CUDA matrix decomposed on the host (0: none).
+        placement: Which CUDA batches the host and the device's streams decompose.
 
     Returns:
         One result per request, in order.
@@ -224,7 +224,7 @@ def inverse_roots(requests: Sequence[RootRequest], *,
     with torch.autocast(device_type=requests[0].factors.device.type, enabled=False):
         groups = [_SizeGroup([requests[k] for k in ks]) for ks in by_kind.values()]
         for group, decomposed in zip(groups, eigh_batches([g.matrices for g in groups],
-                                                          host_max_dim)):
+                                                          placement)):
             group.install(decomposed)
         marks = [g.marks for g in groups if g.marks is not None]
         # The one host read of the finiteness of every root (the eigensolver syncs anyway).

@@ -229,6 +229,10 @@ class TrainConfig:
         DEFAULT_HOST_MAX_DIM, "eigendecompositions (K-FAC's inverse updates, Shampoo's roots) "
         "of matrices up to this size on a CUDA device run on the host CPU while the device "
         "solves the larger ones; 0: all on the device", "distributed")
+    decomposition_streams: int = _opt(
+        1, "on CUDA, spread the device's decompositions (K-FAC's inverse updates, Shampoo's "
+        "roots) of more than 32 rows over N streams and worker threads (the same results)",
+        "distributed")
     # -- output
     out: str | None = _opt(None, "output directory (default runs/<timestamp>)", "output")
     progress: bool = _opt(True, "progress bar on rank 0 on a terminal, progress lines "
@@ -450,6 +454,7 @@ class TrainConfig:
         choice("amp_dtype", AMP_DTYPES)
         choice("phase_times", PHASE_TIMES)
         need(self.threads is None or self.threads >= 1, "threads", "must be >= 1")
+        need(self.decomposition_streams >= 1, "decomposition_streams", "must be >= 1")
         need(self.host_decomposition_max_dim >= 0, "host_decomposition_max_dim",
              "must be >= 0 (0: every decomposition on the device)")
         need(self.grad_bucket_mb > 0, "grad_bucket_mb", "must be > 0")

@@ -136,7 +136,8 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module,
         kwargs: dict[str, Any] = {"lr": lr, "comm": comm}
         accepted = _parameters(DistributedShampoo)
         for key, value in (("weight_decay", cfg.weight_decay), ("betas", tuple(cfg.betas)),
-                           ("host_decomposition_max_dim", cfg.host_decomposition_max_dim)):
+                           ("host_decomposition_max_dim", cfg.host_decomposition_max_dim),
+                           ("decomposition_streams", cfg.decomposition_streams)):
             if key in accepted:
                 kwargs[key] = value
         unknown = sorted(set(cfg.shampoo_options) - accepted) if accepted else []
@@ -210,6 +211,7 @@ def build_preconditioner(cfg: TrainConfig, model: nn.Module, comm: Communicator,
         precondition_precision=one_of("kfac_precondition_precision",
                                       cfg.kfac_precondition_precision, PRECISION_OPTIONS),
         host_decomposition_max_dim=cfg.host_decomposition_max_dim,
+        decomposition_streams=cfg.decomposition_streams,
     )
 
 

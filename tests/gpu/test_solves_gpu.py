@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from kfac_hpc import solves
+from kfac_hpc.solves import SolvePlacement
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-only check")
@@ -47,7 +48,7 @@ def _check(batches: list[Tensor], results: list[solves.EighResult], tol: float) 
 def test_results_equal_the_host_eigh(device: torch.device, dtype: torch.dtype,
                                      tol: float) -> None:
     batches = _batches(device, dtype)
-    _check(batches, solves.eigh_batches(batches, host_max_dim=512), tol)
+    _check(batches, solves.eigh_batches(batches, SolvePlacement(512)), tol)
 
 
 @needs_cuda
@@ -67,7 +68,7 @@ def test_a_side_stream_is_waited_for_and_the_worker_used(device: torch.device,
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         batches = _batches(device, torch.float64)
-        results = solves.eigh_batches(batches, host_max_dim=512)
+        results = solves.eigh_batches(batches, SolvePlacement(512))
         kept = [(r[0].clone(), r[1].clone()) for r in results if not isinstance(r, Exception)]
     torch.cuda.current_stream(device).wait_stream(side)
     assert len(threads) == 3 and all(t.startswith("kfac-hpc-host-solves") for t in threads)
@@ -101,8 +102,8 @@ def test_batches_spread_over_streams_equal_one_stream(device: torch.device) -> N
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         batches = _batches(device, torch.float32)
-        one = solves.eigh_batches(batches, host_max_dim=0, device_streams=1)
-        spread = solves.eigh_batches(batches, host_max_dim=0, device_streams=3)
+        one = solves.eigh_batches(batches, SolvePlacement(0, 1))
+        spread = solves.eigh_batches(batches, SolvePlacement(0, 3))
         pairs = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(one, spread)
                  if not isinstance(a, Exception) and not isinstance(b, Exception)]
     torch.cuda.current_stream(device).wait_stream(side)
