@@ -58,10 +58,13 @@ def _spd(n: int, batch: int = 2, seed: int = 0) -> Tensor:
     return x.mT @ x / (3 * n)
 
 
-def test_only_cuda_batches_up_to_the_size_go_to_the_host() -> None:
-    def batch(device: str, n: int) -> Tensor:
-        return SimpleNamespace(device=torch.device(device), shape=(2, n, n))  # type: ignore[return-value]
+def batch(device: str, n: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """A stand-in of a stack of 3 ``n x n`` matrices: its device, dtype and shape."""
+    return SimpleNamespace(device=torch.device(device), dtype=dtype,  # type: ignore[return-value]
+                           shape=(3, n, n))
 
+
+def test_only_cuda_batches_up_to_the_size_go_to_the_host() -> None:
     assert solves.solves_on_host(batch("cuda", 512), 512)
     assert not solves.solves_on_host(batch("cuda", 513), 512)
     assert not solves.solves_on_host(batch("cuda", 8), 0)
@@ -80,8 +83,7 @@ def test_only_cuda_batches_up_to_the_size_go_to_the_host() -> None:
 ])
 def test_float32_cuda_batches_of_jacobis_range_are_decomposed_in_float64(
         device: str, dtype: torch.dtype, n: int, want: torch.dtype) -> None:
-    batch = SimpleNamespace(device=torch.device(device), dtype=dtype, shape=(3, n, n))
-    assert solves.eigh_dtype(batch) == want  # type: ignore[arg-type]
+    assert solves.eigh_dtype(batch(device, n, dtype)) == want
 
 
 def test_a_widened_eigh_returns_the_float64_results_in_the_batch_dtype(
@@ -226,9 +228,6 @@ def test_batched_damped_inverses_equal_one_by_one_and_survive_a_bad_factor(
 
 # --------------------------------------------------- the device's batches over streams
 def test_only_cuda_batches_of_more_than_32_rows_spread_over_streams() -> None:
-    def batch(device: str, n: int) -> Tensor:
-        return SimpleNamespace(device=torch.device(device), shape=(4, n, n))  # type: ignore[return-value]
-
     assert solves.spreads_over_streams(batch("cuda", 33), 2)
     assert not solves.spreads_over_streams(batch("cuda", 32), 2)
     assert not solves.spreads_over_streams(batch("cuda", 600), 1)
