@@ -276,3 +276,50 @@ def test_restored_state_is_laid_out_like_the_live_state_ranks(comm, strategy, op
                                                               tmp_path_factory):
     root = tmp_path_factory.mktemp("layout") if comm.rank == 0 else None
     assert_restored_like_live(comm, strategy, options, comm.broadcast_object(root))
+
+
+def batched_failure_run(comm: Communicator, monkeypatch: pytest.MonkeyPatch | None,
+                        failing_rank: int) -> list[torch.Tensor]:
+    """Six steps (inverse updates at 0, 2, 4); with ``monkeypatch``, the batched
+    eigendecompositions raise as a whole on ``failing_rank`` (as an out-of-memory error
+    stacking a size's factors would)."""
+    if monkeypatch is not None and comm.rank == failing_rank:
+        def out_of_memory(*args: object, **kwargs: object) -> object:
+            raise torch.OutOfMemoryError("injected: out of memory stacking the factors")
+
+        monkeypatch.setattr(linalg, "eigh_clamped_many", out_of_memory)
+    model = mlp()
+    pre = kfac(model, comm, "comm-opt")
+    for step in range(6):
+        backward(model, *batch(step, comm.rank))
+        pre.step()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+    pre.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def check_batched_failure(comm: Communicator, monkeypatch: pytest.MonkeyPatch,
+                          caplog: pytest.LogCaptureFixture) -> None:
+    """The failing rank decomposes its factors one by one (the same solver per factor
+    as the CPU's batched path): no rank waits, and the run equals the normal one."""
+    normal = batched_failure_run(comm, None, 0)
+    with caplog.at_level("WARNING", logger="kfac_hpc"):
+        degraded = batched_failure_run(comm, monkeypatch, 0)
+    if comm.rank == 0:
+        assert "decomposing the factors one by one" in caplog.text
+    for a, b in zip(degraded, normal):
+        assert torch.equal(a, b)
+
+
+def test_a_batched_decomposition_that_raises_falls_back_to_one_by_one(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    check_batched_failure(Communicator(MPI.COMM_SELF), monkeypatch, caplog)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_batched_decomposition_that_raises_on_one_rank_hangs_no_rank(
+        comm: Communicator, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    check_batched_failure(comm, monkeypatch, caplog)

@@ -21,6 +21,7 @@ raises after the agreement (:func:`kfac_hpc.kfac.agree.raise_failed_decompositio
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Protocol, cast
 
@@ -45,6 +46,8 @@ from kfac_hpc.kfac.options import (
 )
 from kfac_hpc.kfac.placement import FactorKey
 from kfac_hpc.solves import DEFAULT_PLACEMENT, SolvePlacement
+
+log = logging.getLogger("kfac_hpc")
 
 __all__ = ["Decomposer", "EigenDecomposer", "Failures", "Held", "InverseDecomposer",
            "LowRankDecomposer", "make_decomposer", "message_numel"]
@@ -149,8 +152,19 @@ class _Full:
     def decompose(self, states: Mapping[FactorKey, FactorState], step: int,
                   previous: Mapping[FactorKey, Held], failures: Failures
                   ) -> dict[PieceKey, Piece]:
-        """See :meth:`Decomposer.decompose`."""
-        batched = self._batched(states, previous, step)
+        """See :meth:`Decomposer.decompose`.
+
+        A batched computation that raises as a whole (out of memory stacking a size's
+        factors, say) leaves every factor to be decomposed alone: a factor that fails
+        then is invalid on its own, and this rank still sends its pieces, so the other
+        ranks never wait on it.
+        """
+        try:
+            batched = self._batched(states, previous, step)
+        except Exception as exc:  # one by one below, each with its own fallbacks
+            log.warning("K-FAC: the batched decompositions of step %d failed (%s: %s); "
+                        "decomposing the factors one by one", step, type(exc).__name__, exc)
+            batched = {}
         out: dict[PieceKey, Piece] = {}
         for key, state in states.items():
             if state.average is None:  # never saw statistics: invalid, not preconditioned
