@@ -36,8 +36,9 @@ size, dtype and device, so a run and its resumption compute alike.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import cast
@@ -56,7 +57,6 @@ DEFAULT_HOST_MAX_DIM = 0
 #: The rows of the float32 CUDA matrices torch decomposes with cuSOLVER's Jacobi solver
 #: (``linalg_eigh_cusolver`` in ATen: ``syevj`` for 32 <= n <= 512), inclusive.
 JACOBI_ROWS = (32, 512)
-
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,7 @@ Solver = Callable[[Tensor], tuple[Tensor, ...]]
 _worker: ThreadPoolExecutor | None = None
 _worker_lock = threading.Lock()
 _lanes: ThreadPoolExecutor | None = None
+_lane_threads = 0
 _lane_streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
 #: A chunk of a batch: (batch index, chunk index, its matrices).
 _Piece = tuple[int, int, Tensor]
@@ -176,11 +177,12 @@ def spreads_over_streams(batch: Tensor, device_streams: int) -> bool:
 
 def _lane_pool(lanes: int) -> ThreadPoolExecutor:
     """The worker threads of the streams (grown to ``lanes`` threads when asked)."""
-    global _lanes
+    global _lanes, _lane_threads
     with _worker_lock:
-        if _lanes is None or _lanes._max_workers < lanes:
+        if _lanes is None or _lane_threads < lanes:
             _lanes = ThreadPoolExecutor(max_workers=lanes,
                                         thread_name_prefix="kfac-hpc-stream-solves")
+            _lane_threads = lanes
         return _lanes
 
 
@@ -201,29 +203,36 @@ def _solve_lane(pieces: list[_Piece], solve: Solver, lane: int,
     """
     results: dict[tuple[int, int], BatchResult] = {}
     device = pieces[0][2].device
-    if ready is None or consumer is None:  # the CPU (tests): no streams
+    # the CPU (tests) has no streams: the same loop, nothing to order
+    stream = _lane_stream(device, lane) if consumer is not None else None
+    with (contextlib.ExitStack() if stream is None else
+          _on_stream(device, stream, cast(torch.cuda.Event, ready))):
         for i, j, chunk in pieces:
-            try:
-                results[(i, j)] = tuple(solve(chunk))
-            except Exception as exc:  # in the piece's place
-                results[(i, j)] = exc
-        return None, results
-    stream = _lane_stream(device, lane)
-    with torch.cuda.device(device), torch.cuda.stream(stream):
-        stream.wait_event(ready)
-        for i, j, chunk in pieces:
-            chunk.record_stream(stream)  # made on the consumer's stream, read on this one
+            if stream is not None:
+                chunk.record_stream(stream)  # made on the consumer's stream, read here
             try:
                 solved = tuple(solve(chunk))
             except Exception as exc:  # in the piece's place
                 results[(i, j)] = exc
                 continue
-            for t in solved:
-                t.record_stream(consumer)  # made on this stream, read on the consumer's
+            if consumer is not None:
+                for t in solved:
+                    t.record_stream(consumer)  # made on this stream, read on the consumer's
             results[(i, j)] = solved
-        done = torch.cuda.Event()
-        done.record(stream)
+    if stream is None:
+        return None, results
+    done = torch.cuda.Event()
+    done.record(stream)
     return done, results
+
+
+@contextlib.contextmanager
+def _on_stream(device: torch.device, stream: torch.cuda.Stream, ready: torch.cuda.Event
+               ) -> Iterator[None]:
+    """Make ``stream`` current on ``device`` in this thread, after ``ready``."""
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        stream.wait_event(ready)
+        yield
 
 
 def _solve_on_streams(batches: dict[int, Tensor], solve: Solver, lanes: int

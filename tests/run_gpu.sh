@@ -24,14 +24,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
 PYTHON="${PYTHON:-python3}"
-# Open MPI 4 on a machine without ssh or rsh: a process that calls MPI_Init without
-# mpiexec (every serial run: pytest --with-mpi) starts its own ORTE daemon, which stops
-# at once as mpiexec does there ("plm_rsh_agent: ssh : rsh ... could not be found");
-# its local-node launcher starts it (launch/local does the same for mpiexec). A
-# launcher or agent chosen in this environment stays.
-if "${MPIEXEC:-mpiexec}" --version 2>/dev/null | grep -qi openrte \
-        && ! [[ -x "$(type -P ssh)" || -x "$(type -P rsh)" ]] \
-        && [[ -z "${OMPI_MCA_plm+set}${OMPI_MCA_plm_rsh_agent+set}${OMPI_MCA_orte_rsh_agent+set}" ]]; then
+# Open MPI 4 on a machine without ssh or rsh: every serial run (pytest --with-mpi calls
+# MPI_Init without mpiexec) needs its local-node launcher, as launch/local gives mpiexec.
+# shellcheck source=launch/ompi4.sh
+source launch/ompi4.sh
+if ompi4_needs_isolated "$("${MPIEXEC:-mpiexec}" --version 2>/dev/null)"; then
     export OMPI_MCA_plm=isolated
 fi
 RANKS="${RANKS:-2}"

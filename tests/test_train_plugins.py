@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from fresh_env import fresh_env
 
 from kfac_hpc.train.config import ConfigError, TrainConfig
 from kfac_hpc.train.plugins import (
@@ -31,14 +32,12 @@ EXAMPLE = "examples.custom_model"
 
 
 def clean_env(**extra: str) -> dict[str, str]:
+    """A new job's environment (:func:`fresh_env`) that imports this checkout's examples."""
     import os
 
-    prefixes = ("OMPI_", "PMIX_", "PRTE_", "PMI_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
-    env["OMPI_MCA_btl_tcp_if_include"] = "lo"
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(extra)
-    return env
+    pythonpath = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    return fresh_env(**{"OMPI_MCA_btl_tcp_if_include": "lo", "PYTHONPATH": pythonpath,
+                        **extra})
 
 
 def run(cmd: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
