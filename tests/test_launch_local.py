@@ -106,3 +106,35 @@ def test_launch_from_a_rank() -> None:
     job = world.bcast(job, root=0)
     assert job is not None
     check(job)
+
+
+# Names the MPI runtimes set (dropped) and settings users make (kept).
+RUNTIME_NAMES = ("OMPI_MCA_ess", "OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_RANK",
+                 "OMPI_MCA_num_procs", "PMIX_RANK", "PMIX_SERVER_URI41", "PMI_RANK",
+                 "PRTE_LAUNCHED", "MV2_COMM_WORLD_SIZE", "HYDI_CONTROL_FD")
+USER_NAMES = ("OMPI_MCA_btl_tcp_if_include", "OMPI_MCA_plm", "OMPI_MCA_mpi_warn_on_fork",
+              "PMIX_MCA_gds", "PRTE_MCA_ras", "OMPI_ALLOW_RUN_AS_ROOT", "OPAL_PREFIX",
+              "SLURM_PROCID", "MPIR_CVAR_CH4_NETMOD", "PATH")
+
+
+def test_launch_local_and_the_tests_drop_the_same_variables(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """launch/local (bash globs) and fresh_env (fnmatch) read one list the same way."""
+    from fresh_env import fresh_env, mpi_runtime_var
+
+    names = RUNTIME_NAMES + USER_NAMES
+    script = ('source "$1"; shift; for n in "$@"; do '
+              'if mpi_runtime_var "$n"; then echo drop; else echo keep; fi; done')
+    sourced = str(Path(LAUNCH).parent / "mpi-runtime-vars.sh")
+    p = subprocess.run(["bash", "-c", script, "bash", sourced, *names], capture_output=True,
+                       text=True, timeout=30, check=True)
+    in_bash = dict(zip(names, (line == "drop" for line in p.stdout.split())))
+    in_python = {n: mpi_runtime_var(n) for n in names}
+    assert in_bash == in_python
+    assert all(in_python[n] for n in RUNTIME_NAMES), in_python
+    assert not any(in_python[n] for n in USER_NAMES), in_python
+    for n in names:
+        if n != "PATH":
+            monkeypatch.setenv(n, "1")
+    kept = fresh_env()
+    assert set(USER_NAMES) <= set(kept) and not set(RUNTIME_NAMES) & set(kept)
