@@ -37,8 +37,9 @@ stem), 1000 classes, one fixed synthetic batch, fp32 model, one process
   time if every factor of a size took as long as the one timed). Jacobi's sweeps stop
   early on a matrix near diagonal and divide and conquer deflates more, so the spectrum
   (data-dominated, or a multiple of ``I`` plus a small data term) moves these times.
-* ``profile``: ``torch.profiler`` of one ``f`` and one ``fi`` iteration: host time,
-  device time, kernel launches and the top operators by device time.
+* ``profile``: ``torch.profiler`` of one SGD iteration and one ``f``, ``fi`` and ``p``
+  iteration: wall time under the profiler, host time, device time, kernel launches and
+  the top operators by device time (host time near or above device time: launch-bound).
 * ``accuracy``: for five layers of the model (the first, the last, and three between
   at 15, 50 and 85 % of the K-FAC layers in model order) the factors of one batch in
   fp32 full/TF32/bf16 against float64 on the same device (the worst entry error normalised by
@@ -369,17 +370,22 @@ def profile_section(device: torch.device, batch: tuple[Tensor, Tensor],
     from torch.profiler import ProfilerActivity, profile
 
     trainer = Trainer(device, batch, args, {})
+    baseline = Trainer(device, batch, args, None)
     for kind in ("fi", "f"):
         trainer.run(kind)
+    baseline.run("sgd")
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     out: dict[str, Any] = {}
-    for kind in ("f", "fi", "p"):
+    for kind in ("sgd", "f", "fi", "p"):
+        runner = baseline if kind == "sgd" else trainer
         sync(device)
+        start = time.perf_counter()
         with profile(activities=activities) as prof:
-            trainer.run(kind)
+            runner.run(kind)
             sync(device)
+        wall = time.perf_counter() - start
         events = prof.key_averages()
         device_attr = "self_device_time_total"
         launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel",
@@ -387,12 +393,14 @@ def profile_section(device: torch.device, batch: tuple[Tensor, Tensor],
                                                             "cudaLaunchKernelExC"))
         top = sorted(events, key=lambda e: getattr(e, device_attr, 0.0), reverse=True)[:12]
         out[kind] = {
+            "wall ms (profiled)": wall * 1e3,
             "host ms": sum(e.self_cpu_time_total for e in events) / 1e3,
             "device ms": sum(getattr(e, device_attr, 0.0) for e in events) / 1e3,
             "kernel launches": launches,
             "top": [(e.key, e.count, getattr(e, device_attr, 0.0) / 1e3) for e in top],
         }
     trainer.close()
+    baseline.close()
     return out
 
 
@@ -536,7 +544,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         prof = profile_section(device, batch, args)
         result["profile"] = prof
         for kind, v in prof.items():
-            print(f"\n{kind}: host {v['host ms']:.1f} ms, device {v['device ms']:.1f} ms, "
+            print(f"\n{kind}: wall {v['wall ms (profiled)']:.1f} ms (profiled), host "
+                  f"{v['host ms']:.1f} ms, device {v['device ms']:.1f} ms, "
                   f"{v['kernel launches']} kernel launches")
             print(format_table(["op", "calls", "device ms"],
                                [[k[:60], str(c), f"{t:.2f}"] for k, c, t in v["top"]], md),
