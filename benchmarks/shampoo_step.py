@@ -146,6 +146,7 @@ CONFIGS = ("adam", "adamw", "shampoo", "meta")
 SHAMPOOS = ("shampoo", "meta")
 BASELINES = ("adam", "adamw")
 ROOT, PLAIN, STEP = "root", "plain", "step"
+FWD_BWD = "fwd+bwd"  # a profiled forward and backward, not a kind of step
 CUDA_DEFAULTS = {"steps": 8, "warmup": 0, "max_seconds": 100.0}  # the set-up steps warm up
 #: seconds on an H200, ResNet-50, batch 32, fp32 (the nominal wall-time estimate): fwd+bwd,
 #: an Adam(W) step, a Shampoo step with stale roots, one recomputing every root
@@ -260,11 +261,15 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
 
 def profile_steps(runner: Runner, x: torch.Tensor, y: torch.Tensor,
                   top: int = 12) -> dict[str, Any]:
-    """One optimizer step of each kind of ``runner`` under ``torch.profiler``.
+    """One forward+backward and one optimizer step of each kind of ``runner`` under
+    ``torch.profiler``.
 
     Per kind: host (CPU) and device milliseconds summed over the step's operators,
     kernel launches, and the operators with the most device time (self), so a run on a
     GPU says where a step's time goes (GEMMs, the eigensolver, element-wise kernels).
+    The forward+backward (:data:`FWD_BWD`, the same for every optimizer but for what
+    each leaves behind: memory, parameter layouts) shows whether one optimizer makes
+    the model's own kernels slower.
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -272,14 +277,23 @@ def profile_steps(runner: Runner, x: torch.Tensor, y: torch.Tensor,
     if runner.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     out: dict[str, Any] = {}
-    for kind in runner.kinds:
-        runner.set_kind(kind)
+
+    def forward_backward() -> None:
         runner.opt.zero_grad(set_to_none=True)
         nn.functional.cross_entropy(runner.model(x), y).backward()
         runner.averager.synchronize()
         synchronize(runner.device)
+
+    for kind in (FWD_BWD, *runner.kinds):
+        if kind != FWD_BWD:
+            runner.set_kind(kind)
+            forward_backward()
+        synchronize(runner.device)
         with profile(activities=activities) as prof:
-            runner.opt.step()
+            if kind == FWD_BWD:  # after the timed rounds' steps: what the optimizer left
+                forward_backward()
+            else:
+                runner.opt.step()
             synchronize(runner.device)
         events = prof.key_averages()
         launches = sum(e.count for e in events if e.key in (
@@ -437,8 +451,7 @@ def run_model(name: str, args: argparse.Namespace, comm: Communicator, device: t
         for c, r in runners.items()}
     layout = getattr(ours, "layout", None)
     blocks = list(getattr(layout, "blocks", []))
-    profiles = {c: profile_steps(r, x, y) for c, r in runners.items()
-                if args.profile and c in SHAMPOOS}
+    profiles = {c: profile_steps(r, x, y) for c, r in runners.items() if args.profile}
     return {
         "profiles": profiles,
         "model": name, "model_description": what, "params": n_params,
@@ -497,7 +510,8 @@ def report(result: dict[str, Any], markdown: bool) -> str:
          "state MiB/rank (max)", "state MiB, all blocks"], _plain(rows), markdown=markdown))
     for config, kinds in result.get("profiles", {}).items():
         for kind, prof in kinds.items():
-            lines.append(f"\n{config} {kind} step under torch.profiler: host "
+            what = "forward+backward" if kind == FWD_BWD else f"{kind} step"
+            lines.append(f"\n{config} {what} under torch.profiler: host "
                          f"{prof['host ms']:.1f} ms, device {prof['device ms']:.1f} ms, "
                          f"{prof['kernel launches']} kernel launches")
             lines.append(format_table(
@@ -552,8 +566,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "<repo>/.peers/meta when present, else /tmp/meta_src)")
     parser.add_argument("--quick", action="store_true", help="3 steps, 1 warmup (smoke test)")
     parser.add_argument("--profile", action="store_true",
-                        help="after the timing, one root and one plain step of each Shampoo "
-                             "under torch.profiler: host/device ms, kernel launches, top "
+                        help="after the timing, per configuration one forward+backward and "
+                             "one step of each kind (root and plain for a Shampoo) under "
+                             "torch.profiler: host/device ms, kernel launches, top "
                              "operators by device time")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--out", type=Path, default=OUT_DIR)
