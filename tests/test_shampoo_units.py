@@ -8,9 +8,16 @@ import math
 import pytest
 import torch
 
-from kfac_hpc.shampoo import Layout, RootComputationError, block_param, inverse_root, merge_dims
+from kfac_hpc.shampoo import (
+    Layout,
+    RootComputationError,
+    block_param,
+    inverse_root,
+    kronecker,
+    merge_dims,
+)
 from kfac_hpc.shampoo.blocking import split_dim
-from kfac_hpc.shampoo.kronecker import accumulate_factors, precondition
+from kfac_hpc.shampoo.kronecker import accumulate_factors, gram_operand, mode_matrices, precondition
 
 
 @pytest.mark.parametrize("shape,max_dim,merged", [
@@ -153,6 +160,37 @@ def test_factors_and_preconditioning_against_kron(shape: tuple[int, ...]) -> Non
             kron = torch.kron(kron, r[n])
         torch.testing.assert_close(out[n], (kron @ x[n].reshape(-1)).reshape(shape),
                                    rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(5,), (3, 4), (2, 3, 4)])
+def test_gram_operands_are_row_major_on_cuda(shape: tuple[int, ...]) -> None:
+    """On CUDA every ``X_(i)`` reaches the GEMM row-major (a matrix block's second mode
+    is a transposed view otherwise); elsewhere the view stays; the values are the same."""
+    x = torch.randn(3, *shape, dtype=torch.float64)
+    views = [mode_matrices(x, i) for i in range(len(shape))]
+    if len(shape) == 2:
+        assert not views[1].is_contiguous()  # what the rule is for
+    for i, view in enumerate(views):
+        on_cuda = gram_operand(x, i, "cuda")
+        assert on_cuda.is_contiguous() and torch.equal(on_cuda, view)
+        on_cpu = gram_operand(x, i, "cpu")
+        assert on_cpu.stride() == view.stride() and torch.equal(on_cpu, view)
+
+
+@pytest.mark.parametrize("shape", [(3, 4), (2, 3, 4), (6, 5)])
+def test_factors_equal_in_either_gram_layout(shape: tuple[int, ...],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The row-major operands (CUDA's) give the factors of the views (the CPU's), up to
+    the summation order of one GEMM (float64: ~1e-16 relative)."""
+    x = torch.randn(4, *shape, dtype=torch.float64)
+    start = [torch.randn(4, d, d, dtype=torch.float64) for d in shape]
+    views = [f.clone() for f in start]
+    accumulate_factors(views, x, 0.9)
+    monkeypatch.setattr(kronecker, "ROW_MAJOR_GRAM_DEVICES", frozenset({"cpu"}))
+    rows = [f.clone() for f in start]
+    accumulate_factors(rows, x, 0.9)
+    for a, b in zip(views, rows):
+        torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-14)
 
 
 def test_running_average_of_factors() -> None:
