@@ -4,8 +4,10 @@ A :class:`Decomposer` owns everything that depends on K-FAC's ``compute_method``
 ``low_rank``): the parts of a decomposition and their sizes in a message (which the
 exchanges and the planner both lay out from :meth:`Decomposer.parts`), computing them
 for a set of factors (batched where the method allows), what a rank keeps of a received
-message, preconditioning a layer's gradient from its two factors' decompositions, the
-form ``state_dict()`` stores and the check that a stored form can be restored.
+message, what preconditions a layer's gradient given its two factors' decompositions
+and the damping (a :class:`LayerSolve`, built once and kept by
+:class:`~kfac_hpc.kfac.decompositions.Decompositions` until either changes), the form
+``state_dict()`` stores and the check that a stored form can be restored.
 :func:`make_decomposer` chooses the implementation once:
 
 * :class:`EigenDecomposer` — ``F = Q diag(λ) Qᵀ`` (``eigh``, batched by size; or a
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Protocol, cast
 
 import torch
@@ -34,7 +37,7 @@ from kfac_hpc.kfac.factor_store import FactorState
 from kfac_hpc.kfac.hyperparams import Schedule, positive
 from kfac_hpc.kfac.lowrank import (
     LowRankFactor,
-    precondition_lowrank,
+    lowrank_solve,
     randomized_eigh,
     sketch_generator,
 )
@@ -49,11 +52,63 @@ from kfac_hpc.solves import DEFAULT_PLACEMENT, SolvePlacement
 
 log = logging.getLogger("kfac_hpc")
 
-__all__ = ["Decomposer", "EigenDecomposer", "Failures", "Held", "InverseDecomposer",
-           "LowRankDecomposer", "make_decomposer", "message_numel"]
+__all__ = ["Decomposer", "EigenDecomposer", "EigenSolve", "Failures", "Held",
+           "InverseDecomposer", "InverseSolve", "LayerSolve", "LowRankDecomposer",
+           "make_decomposer", "message_numel"]
 
 Held = dict[str, Tensor]  # a kept decomposition by part name: {"Q", "lambda"}, {"inv"}, ...
 Failures = dict[FactorKey, BaseException]
+
+
+class LayerSolve(Protocol):
+    """A layer's preconditioning for fixed decompositions and damping: ``solve(grad)``.
+
+    What does not depend on the gradient is computed when it is built; calling it does
+    the gradient's GEMMs and element-wise products only.
+    """
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes it holds beyond the decompositions themselves."""
+        ...
+
+    def __call__(self, grad: Tensor) -> Tensor:
+        """The preconditioned gradient of ``grad`` (``g_dim x a_dim``)."""
+        ...
+
+
+@dataclass(frozen=True)
+class EigenSolve:
+    """:func:`~kfac_hpc.kfac.linalg.precondition_eigen` (four GEMMs) with its operands."""
+
+    qa: Tensor
+    la: Tensor
+    qg: Tensor
+    lg: Tensor
+    damping: float
+    precision: MatmulPrecision
+
+    nbytes = 0  # the decompositions' own tensors only
+
+    def __call__(self, grad: Tensor) -> Tensor:
+        """``Q_G [(Q_Gᵀ ∇W̄ Q_A) / (λ_G λ_Aᵀ + γ)] Q_Aᵀ``."""
+        return linalg.precondition_eigen(grad, self.qa, self.la, self.qg, self.lg,
+                                         self.damping, self.precision)
+
+
+@dataclass(frozen=True)
+class InverseSolve:
+    """:func:`~kfac_hpc.kfac.linalg.precondition_inverse` (two GEMMs) with its operands."""
+
+    a_inv: Tensor
+    g_inv: Tensor
+    precision: MatmulPrecision
+
+    nbytes = 0  # the decompositions' own tensors only
+
+    def __call__(self, grad: Tensor) -> Tensor:
+        """``(G + √γI)⁻¹ ∇W̄ (A + √γI)⁻¹``."""
+        return linalg.precondition_inverse(grad, self.a_inv, self.g_inv, self.precision)
 
 
 class Decomposer(Protocol):
@@ -96,8 +151,17 @@ class Decomposer(Protocol):
         """What a rank keeps of a received valid decomposition (each part its own copy)."""
         ...
 
-    def precondition(self, grad: Tensor, a: Held, g: Held, damping: float) -> Tensor:
-        """A layer's preconditioned gradient (``grad``: ``g_dim x a_dim``)."""
+    def solve(self, a: Held, g: Held, damping: float) -> LayerSolve:
+        """What preconditions a layer's gradient, from its factors' decompositions.
+
+        Args:
+            a: The held decomposition of the layer's ``A``.
+            g: The held decomposition of its ``G``.
+            damping: The damping ``γ``.
+
+        Returns:
+            The solve (everything that does not depend on the gradient done).
+        """
         ...
 
     def stored(self, held: Held) -> dict[str, Tensor]:
@@ -284,10 +348,9 @@ class EigenDecomposer(_Full):
         return {PieceKey(key, Part.Q): q, PieceKey(key, Part.LAMBDA): lam,
                 PieceKey(key, Part.VALID): 1.0}
 
-    def precondition(self, grad: Tensor, a: Held, g: Held, damping: float) -> Tensor:
-        """:func:`~kfac_hpc.kfac.linalg.precondition_eigen` (four GEMMs)."""
-        return linalg.precondition_eigen(grad, a["Q"], a["lambda"], g["Q"], g["lambda"],
-                                         damping, self.precision)
+    def solve(self, a: Held, g: Held, damping: float) -> LayerSolve:
+        """:class:`EigenSolve` (nothing to compute ahead)."""
+        return EigenSolve(a["Q"], a["lambda"], g["Q"], g["lambda"], damping, self.precision)
 
 
 class InverseDecomposer(_Full):
@@ -333,9 +396,9 @@ class InverseDecomposer(_Full):
             average, self.damping(step), dtype=self.dtype)
         return {PieceKey(key, Part.INV): inv, PieceKey(key, Part.VALID): 1.0}
 
-    def precondition(self, grad: Tensor, a: Held, g: Held, damping: float) -> Tensor:
-        """:func:`~kfac_hpc.kfac.linalg.precondition_inverse` (two GEMMs)."""
-        return linalg.precondition_inverse(grad, a["inv"], g["inv"], self.precision)
+    def solve(self, a: Held, g: Held, damping: float) -> LayerSolve:
+        """:class:`InverseSolve` (the damping is in the inverses already)."""
+        return InverseSolve(a["inv"], g["inv"], self.precision)
 
 
 class LowRankDecomposer(EigenDecomposer):
@@ -450,16 +513,16 @@ class LowRankDecomposer(EigenDecomposer):
                 Part.LAMBDA.value: own_copy(pieces[PieceKey(key, Part.LAMBDA)][:k]),
                 Part.RHO.value: own_copy(pieces[PieceKey(key, Part.RHO)])}
 
-    def precondition(self, grad: Tensor, a: Held, g: Held, damping: float) -> Tensor:
-        """Precondition a layer; exact for the approximated factors.
+    def solve(self, a: Held, g: Held, damping: float) -> LayerSolve:
+        """Precondition a layer exactly for the approximated factors.
 
-        Exact for the approximated factors when either is low rank
-        (:func:`~kfac_hpc.kfac.lowrank.precondition_lowrank`), else eigen's.
+        When either factor is low rank, :func:`~kfac_hpc.kfac.lowrank.lowrank_solve`
+        (its coefficients, scaled bases and core computed here, once); else eigen's.
         """
-        g_dim, a_dim = grad.shape
+        a_dim, g_dim = (int(parts[Part.Q.value].shape[0]) for parts in (a, g))
         if self.cap(a_dim) is None and self.cap(g_dim) is None:
-            return super().precondition(grad, a, g, damping)
-        return precondition_lowrank(grad, _low_rank_factor(a), _low_rank_factor(g), damping)
+            return super().solve(a, g, damping)
+        return lowrank_solve(_low_rank_factor(a), _low_rank_factor(g), damping)
 
     def stored(self, held: Held) -> dict[str, Tensor]:
         """Low rank: ``{"Q" (d x k), "lambda" (k), "rho" (1), "rank" (1)}``."""
@@ -501,7 +564,7 @@ class LowRankDecomposer(EigenDecomposer):
 
 
 def _low_rank_factor(parts: Mapping[str, Tensor]) -> LowRankFactor:
-    """Return a layer's decomposition in the form :func:`precondition_lowrank` takes.
+    """Return a layer's decomposition in the form :func:`lowrank_solve` takes.
 
     A full one is the low-rank form with ``k = d`` and ``ρ = 0``.
     """

@@ -8,6 +8,13 @@ failures (:func:`~kfac_hpc.kfac.agree.agree`) and keeps the valid ones. Local (s
 factors are decomposed by every worker of their layer. After a load, the stored
 decompositions are restored in place of the first renewal.
 
+What preconditions a layer given its decompositions and the damping
+(:class:`~kfac_hpc.kfac.decomposer.LayerSolve`: for low-rank factors their coefficients,
+scaled bases and core) is built at the layer's first step after an installation and
+kept (:meth:`Decompositions.solve`) until the decompositions are replaced (an inverse
+update, a restore, a load) or the damping changes: steps between inverse updates do
+only the gradient's GEMMs and products. It is derived state, never stored.
+
 When a renewal is computed is a plug-in (:class:`Renewal`), chosen once from
 ``decomposition_lag``: :class:`InStep` decomposes in the inverse step;
 :class:`Lagged` decomposes a snapshot in a
@@ -25,7 +32,7 @@ from torch import Tensor
 from kfac_hpc.comm import Communicator
 from kfac_hpc.kfac.agree import agree, decomposition_failure
 from kfac_hpc.kfac.background import BackgroundJob, Decomposed
-from kfac_hpc.kfac.decomposer import Decomposer, Failures, Held
+from kfac_hpc.kfac.decomposer import Decomposer, Failures, Held, LayerSolve
 from kfac_hpc.kfac.exchange import Part, Piece, PieceKey
 from kfac_hpc.kfac.exchanges import DecompositionExchange
 from kfac_hpc.kfac.factor_store import FactorState, FactorStore
@@ -52,10 +59,45 @@ class Decompositions:
         """
         self.comm, self.exchange, self.decomposer = comm, exchange, decomposer
         self.store, self.local = store, local
-        self.held: dict[FactorKey, Held] = {}
+        self._held: dict[FactorKey, Held] = {}
+        self._solves: dict[str, tuple[float, LayerSolve]] = {}  # by layer: (damping, solve)
         self.decomposed_at: int | None = None  # the step of the last installation
         self.restored: dict[PieceKey, Tensor] | None = None  # loaded (owned), to restore
         self.phase_timer: PhaseTimer | None = None  # times the decomposition phases
+
+    @property
+    def held(self) -> dict[FactorKey, Held]:
+        """The decompositions held now, by factor."""
+        return self._held
+
+    @held.setter
+    def held(self, held: dict[FactorKey, Held]) -> None:
+        """Replace the decompositions held; the solves built from the old ones go."""
+        self._held = held
+        self._solves.clear()
+
+    def solve(self, layer: str, damping: float) -> LayerSolve | None:
+        """Return what preconditions ``layer`` with the held decompositions and ``damping``.
+
+        Built by the decomposer on first use and kept until the decompositions are
+        replaced or the damping differs.
+
+        Args:
+            layer: The layer's name.
+            damping: This step's damping.
+
+        Returns:
+            The solve, or ``None`` when a factor of the layer has no decomposition.
+        """
+        kept = self._solves.get(layer)
+        if kept is not None and kept[0] == damping:
+            return kept[1]
+        a, g = self._held.get(FactorKey(layer, "A")), self._held.get(FactorKey(layer, "G"))
+        if a is None or g is None:
+            return None
+        solve = self.decomposer.solve(a, g, damping)
+        self._solves[layer] = (damping, solve)
+        return solve
 
     def states(self, local: bool, states: Mapping[FactorKey, FactorState] | None = None
                ) -> dict[FactorKey, FactorState]:
@@ -229,6 +271,7 @@ class Decompositions:
                 else:
                     restored.update(pieces)
         self.decomposed_at = None  # restored or recomputed at the next step
+        self._solves.clear()  # rebuilt from whatever is installed next
         # restoring is a collective path: decided together (a rank that owns nothing
         # has no decompositions of its own to restore)
         self.restored = restored if self.comm.any(bool(restored)) else None
@@ -238,6 +281,10 @@ class Decompositions:
         """Bytes of the decompositions held."""
         return sum(t.numel() * t.element_size()
                    for parts in self.held.values() for t in parts.values())
+
+    def solve_bytes(self) -> int:
+        """Bytes the kept solves hold beyond the decompositions (low rank: scaled bases)."""
+        return sum(solve.nbytes for _, solve in self._solves.values())
 
 
 class Renewal(Protocol):

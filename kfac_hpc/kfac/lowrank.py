@@ -47,7 +47,13 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "CompleteASolve",
+    "CompleteGSolve",
+    "CompleteSolve",
     "LowRankFactor",
+    "LowRankSolve",
+    "TwoSidedSolve",
+    "lowrank_solve",
     "precondition_lowrank",
     "randomized_eigh",
     "sketch_generator",
@@ -224,29 +230,189 @@ def randomized_eigh(
     return LowRankFactor(q=q.contiguous(), lam=lam.contiguous(), rho=rho, exact=exact)
 
 
+def _coefficients(a: LowRankFactor, g: LowRankFactor, damping: float
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``s``, ``u`` (``k_G``), ``v`` (``k_A``) and ``W`` (``k_G x k_A``) of the module docstring."""
+    s = 1.0 / (g.rho * a.rho + damping)
+    u = 1.0 / (g.lam * a.rho + damping)
+    v = 1.0 / (g.rho * a.lam + damping)
+    w = 1.0 / (torch.outer(g.lam, a.lam) + damping)
+    return s, u, v, w
+
+
+def _cast(grad: Tensor, dtype: torch.dtype) -> Tensor:
+    return grad if grad.dtype == dtype else grad.to(dtype)
+
+
+def _nbytes(*tensors: Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass(frozen=True)
+class TwoSidedSolve:
+    """``(Ã ⊗ G̃ + γI)⁻¹`` when both factors have a complement (``k < d``): 8 kernels.
+
+    ``V = s·X + (Q_G D_u) GX + (X (Q_A D_v) + Q_G K) Q_Aᵀ`` with ``K = C ⊙ core``,
+    ``core = W − u − v + s``, ``D_u = diag(u − s)``, ``D_v = diag(v − s)`` (module
+    docstring). Holds ``Q_G``, ``Q_A`` (the decompositions' own tensors), the scaled bases
+    ``Q_G D_u``, ``Q_A D_v``, ``core`` and ``s`` (0-dim, on the device).
+    """
+
+    qg: Tensor
+    qa: Tensor
+    qg_u: Tensor
+    qa_v: Tensor
+    core: Tensor
+    s: Tensor
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held beyond the decompositions (the scaled bases, ``core``, ``s``)."""
+        return _nbytes(self.qg_u, self.qa_v, self.core, self.s)
+
+    def __call__(self, grad: Tensor) -> Tensor:
+        """``V`` for ``grad`` (``g x a``): four GEMMs, two fused GEMM-adds, two products."""
+        with torch.autocast(device_type=grad.device.type, enabled=False):
+            x = _cast(grad, self.qa.dtype)
+            gx = self.qg.t() @ x  # (k_G, a)
+            k = (gx @ self.qa).mul_(self.core)  # K = C ⊙ core  (k_G, k_A)
+            t = (x @ self.qa_v).addmm_(self.qg, k)  # (g, k_A)
+            out = (x * self.s).addmm_(self.qg_u, gx).addmm_(t, self.qa.t())
+        return _cast(out, grad.dtype)
+
+
+@dataclass(frozen=True)
+class CompleteGSolve:
+    """``(Ã ⊗ G̃ + γI)⁻¹`` when ``G``'s decomposition is complete (``k_G = g``): 6 kernels.
+
+    ``Q_G Q_Gᵀ = I`` folds ``s·X`` and the ``v`` terms into the ``G`` eigenbasis:
+    ``V = Q_G [u ⊙_rows GX + (C ⊙ (W − u 1ᵀ)) Q_Aᵀ]`` (``ρ_G`` drops out). Holds
+    ``Q_G``, ``Q_A``, ``u`` (a ``(g, 1)`` column) and ``core = W − u 1ᵀ``.
+    """
+
+    qg: Tensor
+    qa: Tensor
+    u: Tensor
+    core: Tensor
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held beyond the decompositions (``u``, ``core``)."""
+        return _nbytes(self.u, self.core)
+
+    def __call__(self, grad: Tensor) -> Tensor:
+        """``V`` for ``grad`` (``g x a``): three GEMMs, one fused GEMM-add, two products."""
+        with torch.autocast(device_type=grad.device.type, enabled=False):
+            x = _cast(grad, self.qa.dtype)
+            y = self.qg.t() @ x  # (g, a)
+            k = (y @ self.qa).mul_(self.core)  # (g, k_A)
+            out = self.qg @ (y * self.u).addmm_(k, self.qa.t())
+        return _cast(out, grad.dtype)
+
+
+@dataclass(frozen=True)
+class CompleteASolve:
+    """``(Ã ⊗ G̃ + γI)⁻¹`` when ``A``'s decomposition is complete (``k_A = a``): 6 kernels.
+
+    ``Q_A Q_Aᵀ = I`` folds ``s·X`` and the ``u`` terms into the ``A`` eigenbasis:
+    ``V = [XA ⊙_cols v + Q_G (C ⊙ (W − 1 vᵀ))] Q_Aᵀ`` (``ρ_A`` drops out). Holds
+    ``Q_G``, ``Q_A``, ``v`` and ``core = W − 1 vᵀ``.
+    """
+
+    qg: Tensor
+    qa: Tensor
+    v: Tensor
+    core: Tensor
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held beyond the decompositions (``v``, ``core``)."""
+        return _nbytes(self.v, self.core)
+
+    def __call__(self, grad: Tensor) -> Tensor:
+        """``V`` for ``grad`` (``g x a``): three GEMMs, one fused GEMM-add, two products."""
+        with torch.autocast(device_type=grad.device.type, enabled=False):
+            x = _cast(grad, self.qa.dtype)
+            xa = x @ self.qa  # (g, a)
+            k = (self.qg.t() @ xa).mul_(self.core)  # (k_G, a)
+            out = (xa * self.v).addmm_(self.qg, k) @ self.qa.t()
+        return _cast(out, grad.dtype)
+
+
+@dataclass(frozen=True)
+class CompleteSolve:
+    """``(Ã ⊗ G̃ + γI)⁻¹`` when both decompositions are complete: 5 kernels.
+
+    The eigen preconditioner ``V = Q_G (C ⊙ W) Q_Aᵀ`` with ``W`` held.
+    """
+
+    qg: Tensor
+    qa: Tensor
+    w: Tensor
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held beyond the decompositions (``W``)."""
+        return _nbytes(self.w)
+
+    def __call__(self, grad: Tensor) -> Tensor:
+        """``V`` for ``grad`` (``g x a``): four GEMMs and one product."""
+        with torch.autocast(device_type=grad.device.type, enabled=False):
+            x = _cast(grad, self.qa.dtype)
+            out = self.qg @ ((self.qg.t() @ x @ self.qa).mul_(self.w)) @ self.qa.t()
+        return _cast(out, grad.dtype)
+
+
+LowRankSolve = TwoSidedSolve | CompleteGSolve | CompleteASolve | CompleteSolve
+
+
+def lowrank_solve(a: LowRankFactor, g: LowRankFactor, damping: float) -> LowRankSolve:
+    """Everything of ``(Ã ⊗ G̃ + γI)⁻¹`` that does not depend on the gradient.
+
+    Computed once per pair of decompositions and damping (the preconditioner keeps it
+    until either changes); applying it to a gradient is then only its GEMMs and
+    products. The form follows which decompositions are complete (``k = d``: no
+    complement): :class:`CompleteSolve` (both), :class:`CompleteGSolve`,
+    :class:`CompleteASolve` (one), :class:`TwoSidedSolve` (neither). All give
+    ``V`` of the module docstring; they differ from its one-shot evaluation only in
+    rounding (where the products are scaled and summed).
+
+    Args:
+        a: ``A``'s decomposition.
+        g: ``G``'s decomposition (same dtype and device).
+        damping: ``γ``, finite and ``>= 0``.
+
+    Returns:
+        The solve; call it with a ``g x a`` gradient.
+
+    Raises:
+        ValueError: ``damping`` negative or not finite.
+    """
+    if damping < 0 or not math.isfinite(damping):
+        raise ValueError(f"damping must be finite and >= 0, got {damping}")
+    with torch.autocast(device_type=a.q.device.type, enabled=False):
+        s, u, v, w = _coefficients(a, g, damping)
+        if g.rank == g.dim and a.rank == a.dim:
+            return CompleteSolve(qg=g.q, qa=a.q, w=w)
+        if g.rank == g.dim:
+            return CompleteGSolve(qg=g.q, qa=a.q, u=u[:, None], core=w - u[:, None])
+        if a.rank == a.dim:
+            return CompleteASolve(qg=g.q, qa=a.q, v=v, core=w - v[None, :])
+        return TwoSidedSolve(qg=g.q, qa=a.q, qg_u=g.q * (u - s), qa_v=a.q * (v - s),
+                             core=w - u[:, None] - v[None, :] + s, s=s)
+
+
 def precondition_lowrank(grad: Tensor, a: LowRankFactor, g: LowRankFactor,
                          damping: float) -> Tensor:
     """Precondition exactly for low-rank-plus-remainder factors.
 
     ``V = (Ã ⊗ G̃ + damping·I)⁻¹ vec(∇W̄)`` exactly, for low-rank-plus-remainder
-    factors (formula in the module docstring). ``grad`` is ``(g_dim, a_dim)``; computed
-    in the factors' dtype, returned in ``grad``'s.
+    factors (formula in the module docstring): :func:`lowrank_solve` applied once.
+    ``grad`` is ``(g_dim, a_dim)``; computed in the factors' dtype, returned in
+    ``grad``'s.
     """
     if damping < 0 or not math.isfinite(damping):
         raise ValueError(f"damping must be finite and >= 0, got {damping}")
     if tuple(grad.shape) != (g.dim, a.dim):
         raise ValueError(f"grad shape {tuple(grad.shape)} != {(g.dim, a.dim)}")
-    with torch.autocast(device_type=grad.device.type, enabled=False):
-        x = grad.to(a.q.dtype)
-        qa, qg = a.q, g.q
-        s = 1.0 / (g.rho * a.rho + damping)
-        u = 1.0 / (g.lam * a.rho + damping)  # (k_G,)
-        v = 1.0 / (g.rho * a.lam + damping)  # (k_A,)
-        w = 1.0 / (torch.outer(g.lam, a.lam) + damping)
-        gx = qg.t() @ x  # (k_G, a)
-        xa = x @ qa  # (g, k_A)
-        c = gx @ qa  # (k_G, k_A)
-        core = c * (w - u[:, None] - v[None, :] + s)
-        inner = (u - s)[:, None] * gx + core @ qa.t()  # (k_G, a)
-        out = x * s + qg @ inner + (xa * (v - s)[None, :]) @ qa.t()
-    return out.to(grad.dtype)
+    return lowrank_solve(a, g, damping)(grad)

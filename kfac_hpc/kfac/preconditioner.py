@@ -416,16 +416,15 @@ class KFACPreconditioner:
     @timed(Phase.KFAC_PRECONDITION)
     def _precondition_my_layers(self, k: int) -> dict[str, Tensor]:
         """The preconditioned gradients of the layers this rank is a gradient worker of."""
-        damping, held = self.schedules.damping(k), self.decomps.held
+        damping = self.schedules.damping(k)
         out: dict[str, Tensor] = {}
         for name, curv in self.layers.items():
-            if not self.placement.is_grad_worker(name, self.comm.rank):
+            if not self.placement.is_grad_worker(name, self.comm.rank) \
+                    or curv.module.weight.grad is None:
                 continue
-            a, g = held.get(FactorKey(name, "A")), held.get(FactorKey(name, "G"))
-            if a is None or g is None or curv.module.weight.grad is None:
-                continue
-            out[name] = self.decomposer.precondition(curv.grad_matrix(self.options.inv_dtype),
-                                                     a, g, damping)
+            solve = self.decomps.solve(name, damping)  # kept between inverse updates
+            if solve is not None:
+                out[name] = solve(curv.grad_matrix(self.options.inv_dtype))
         return out
 
     def _apply(self, updates: Mapping[str, Tensor], k: int) -> None:
@@ -592,9 +591,15 @@ class KFACPreconditioner:
 
     # ----------------------------------------------------------- introspection
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes of K-FAC state held by this rank: factors and decompositions."""
+        """Bytes of K-FAC state held by this rank.
+
+        Factors, decompositions, and what the layers' kept solves hold beyond them
+        (``"solves"``: low-rank layers' scaled bases and cores, built at their first step
+        after an inverse update).
+        """
         return {"factors": self.store.memory_bytes(),
-                "decompositions": self.decomps.memory_bytes()}
+                "decompositions": self.decomps.memory_bytes(),
+                "solves": self.decomps.solve_bytes()}
 
     def describe(self) -> str:
         """Registered layers, factor sizes, owners and this rank's memory."""
