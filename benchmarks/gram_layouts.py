@@ -29,6 +29,11 @@ of ResNet-50 (torchvision's when it imports, else ``kfac_hpc.models``'), the ms 
 The totals row sums count x ms per column (a shortcut column counts "now" where it
 was not timed).
 
+A third table (``precondition``) times K-FAC's eigen preconditioning of every distinct
+ResNet-50 layer shape with its eigenbases column-major (as ``eigh`` returns them: one
+rank, and the owners), row-major (as other ranks receive them) and with the transposes
+kept as well: four GEMMs whose layouts follow the eigenbases'.
+
 "now" names the layout the library has today for that shape (Shampoo: mode 0 of a
 block is ``x·xᵀ``, the other modes ``yᵀ·y``; K-FAC: ``yᵀ·y``), so the table's totals say
 what a per-shape choice of layout would save. K-FAC's rows are timed in full fp32 and
@@ -157,6 +162,61 @@ def variants(n: int, d: int, k: int, device: torch.device) -> dict[str, Callable
     return out
 
 
+def precondition_variants(g: int, a: int, device: torch.device
+                          ) -> dict[str, Callable[[], object]]:
+    """K-FAC's eigen preconditioning ``Q_G [(Q_Gᵀ ∇W Q_A) / (λ_G λ_Aᵀ + γ)] Q_Aᵀ`` of one
+    ``(g, a)`` gradient, the eigenbases in three layouts (fp32):
+
+    * ``Q col-major``: as ``torch.linalg.eigh`` returns them (the owner's, and one
+      rank's): products "nn", "tn", "nt", "nn";
+    * ``Q row-major``: as a rank receives them packed: "nt", "nn", "nn", "tn";
+    * ``Q and Qᵀ row-major``: both kept contiguous (twice the memory): all "nn".
+    """
+    gen = torch.Generator(device="cpu").manual_seed(g * 31 + a)
+    grad = torch.randn(g, a, generator=gen).to(device)
+    qa_rows = torch.randn(a, a, generator=gen).to(device)
+    qg_rows = torch.randn(g, g, generator=gen).to(device)
+    la, lg = torch.rand(a, generator=gen).to(device), torch.rand(g, generator=gen).to(device)
+    qa_cols, qg_cols = qa_rows.t().contiguous().t(), qg_rows.t().contiguous().t()
+    qa_t, qg_t = qa_rows.t().contiguous(), qg_rows.t().contiguous()
+
+    def chain(qg: Tensor, qgt: Tensor, qa: Tensor, qat: Tensor) -> Tensor:
+        v = (qgt @ grad) @ qa
+        v.div_(torch.outer(lg, la).add_(1e-3))
+        return (qg @ v) @ qat
+
+    return {
+        "Q col-major": lambda: chain(qg_cols, qg_cols.t(), qa_cols, qa_cols.t()),
+        "Q row-major": lambda: chain(qg_rows, qg_rows.t(), qa_rows, qa_rows.t()),
+        "Q and Qᵀ row-major": lambda: chain(qg_rows, qg_t, qa_rows, qa_t),
+    }
+
+
+PRECONDITION_COLUMNS = ["Q col-major", "Q row-major", "Q and Qᵀ row-major"]
+
+
+def measure_preconditioning(model: nn.Module, device: torch.device, reps: int
+                            ) -> list[dict[str, Any]]:
+    curvs, _ = register_layers(model)
+    shapes = Counter((c.g_dim, c.a_dim) for c in curvs.values())
+    rows = []
+    for (g, a), count in sorted(shapes.items(), key=lambda s: -s[0][0] * s[0][1]):
+        ms = {name: timed_ms(fn, device, reps)
+              for name, fn in precondition_variants(g, a, device).items()}
+        rows.append({"g": g, "a": a, "count": count, "ms": ms,
+                     "gflop": 4.0 * g * a * (g + a) / 1e9})
+    return rows
+
+
+def preconditioning_table(rows: list[dict[str, Any]], markdown: bool) -> str:
+    body = [[str(r["g"]), str(r["a"]), str(r["count"]), f"{r['gflop']:.2f}",
+             *[f"{r['ms'][c]:.3f}" for c in PRECONDITION_COLUMNS]] for r in rows]
+    body.append(["Σ count·ms", "", "", f"{sum(r['count'] * r['gflop'] for r in rows):.1f}",
+                 *[f"{sum(r['count'] * r['ms'][c] for r in rows):.2f}"
+                   for c in PRECONDITION_COLUMNS]])
+    return format_table(["g", "a", "count", "GFLOP", *PRECONDITION_COLUMNS], body, markdown)
+
+
 COLUMNS = ["x·xᵀ", "yᵀ·y", "copy+x·xᵀ", "copy+yᵀ·y", "split-K", "outer"]
 SHORTCUTS = ("split-K", "outer")  # timed for some shapes only
 
@@ -206,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=32, help="K-FAC's batch (rows = batch·positions)")
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--max-dim", type=int, default=1024, help="Shampoo's max_preconditioner_dim")
-    p.add_argument("--sets", nargs="+", default=["shampoo", "kfac"], choices=["shampoo", "kfac"])
+    p.add_argument("--sets", nargs="+", default=["shampoo", "kfac", "precondition"],
+                   choices=["shampoo", "kfac", "precondition"])
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--out", type=Path, default=Path("benchmarks/out/gpu"))
     args = p.parse_args(argv)
@@ -232,6 +293,11 @@ def main(argv: list[str] | None = None) -> int:
         rows = measure(shapes, device, args.reps, tf32)
         result[title] = rows
         print(f"\n{title}: ms per product\n" + table(rows, args.markdown), flush=True)
+    if "precondition" in args.sets:
+        rows = measure_preconditioning(resnet50(), device, args.reps)
+        result["K-FAC preconditioning"] = rows
+        print("\nK-FAC eigen preconditioning (fp32) by eigenbasis layout: ms per layer\n"
+              + preconditioning_table(rows, args.markdown), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"\nwrote {write_json(args.out / f'gram_layouts_{device.type}.json', result)}")
     return 0
