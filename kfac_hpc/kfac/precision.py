@@ -33,38 +33,82 @@ from torch import Tensor
 
 from kfac_hpc.kfac.options import PRECISIONS, MatmulPrecision
 
-__all__ = ["PRECISIONS", "MatmulPrecision", "matmul", "round_operand", "tf32_products"]
+__all__ = ["PRECISIONS", "MatmulPrecision", "full_precision_products", "matmul", "round_operand",
+           "tf32_products"]
 
 _TF32_DROPPED_BITS = 13  # float32 has 23 mantissa bits, TF32 keeps 10
+
+
+@contextlib.contextmanager
+def _cuda_fp32_products(mode: str) -> Iterator[None]:
+    """CuBLAS float32 products in ``mode`` (``"tf32"`` or ``"ieee"``) inside the block.
+
+    Uses ``torch.backends.cuda.matmul.fp32_precision`` where torch has it (2.9+), else
+    the legacy ``allow_tf32`` flag, and restores the user's setting afterwards, so it is
+    never changed outside the block. Setting ``fp32_precision`` makes torch refuse to
+    read ``allow_tf32`` (a "mix of the legacy and new APIs"); where the user's code could
+    read it before the block, it is set back too, so it stays readable.
+    """
+    matmul_flags = torch.backends.cuda.matmul
+    try:
+        legacy: bool | None = bool(matmul_flags.allow_tf32)
+    except RuntimeError:  # the new API was used after the legacy one
+        legacy = None
+    if not hasattr(matmul_flags, "fp32_precision"):
+        matmul_flags.allow_tf32 = mode == "tf32"
+        try:
+            yield
+        finally:
+            matmul_flags.allow_tf32 = bool(legacy)
+        return
+    before = matmul_flags.fp32_precision
+    matmul_flags.fp32_precision = mode
+    try:
+        yield
+    finally:
+        matmul_flags.fp32_precision = before
+        if legacy is not None:
+            try:
+                matmul_flags.allow_tf32  # noqa: B018 (readable again?)
+            except RuntimeError:
+                matmul_flags.allow_tf32 = legacy
 
 
 @contextlib.contextmanager
 def tf32_products() -> Iterator[None]:
     """CuBLAS float32 products in TF32 inside the block; the previous setting after it.
 
-    Uses ``torch.backends.cuda.matmul.fp32_precision`` where torch has it (2.9+), else
-    the legacy ``allow_tf32`` flag: whichever the user's own code may have set is read
-    back and restored, so the user's choice is never changed outside the block.
+    The user's global setting (``fp32_precision`` or the legacy ``allow_tf32``) is read
+    back and restored, so it is never changed outside the block.
     """
-    matmul_flags = torch.backends.cuda.matmul
-    if hasattr(matmul_flags, "fp32_precision"):
-        try:
-            before = matmul_flags.fp32_precision
-            matmul_flags.fp32_precision = "tf32"
-        except RuntimeError:  # the legacy API was used in this process: keep to it
-            pass
-        else:
-            try:
-                yield
-            finally:
-                matmul_flags.fp32_precision = before
-            return
-    legacy = matmul_flags.allow_tf32
-    matmul_flags.allow_tf32 = True
-    try:
+    with _cuda_fp32_products("tf32"):
         yield
+
+
+@contextlib.contextmanager
+def full_precision_products() -> Iterator[None]:
+    """Float32 products at full float32 precision inside the block, whatever the user set.
+
+    A user's ``torch.set_float32_matmul_precision("high")`` (or ``allow_tf32``) makes
+    cuBLAS round float32 operands to TF32, and oneDNN's ``fp32_precision`` may make the
+    CPU's products use TF32 or bf16; iterations that need float32's 24 bits (Shampoo's
+    Newton roots) run inside this block. Both settings are read back and restored
+    afterwards, so the user's choice is never changed outside the block. float64
+    products are unaffected either way.
+    """
+    onednn = getattr(torch.backends.mkldnn, "matmul", None)
+    before = getattr(onednn, "fp32_precision", None)
+    try:
+        if before is not None and before != "ieee":
+            onednn.fp32_precision = "ieee"  # type: ignore[union-attr]
+    except RuntimeError:  # the legacy API was used in this process: leave it
+        before = None
+    try:
+        with _cuda_fp32_products("ieee"):
+            yield
     finally:
-        matmul_flags.allow_tf32 = legacy
+        if before is not None and before != "ieee":
+            onednn.fp32_precision = before  # type: ignore[union-attr]
 
 
 def round_operand(t: Tensor, precision: MatmulPrecision) -> Tensor:

@@ -35,6 +35,11 @@ no trace of the world size; ``load_state_dict()`` then needs no communication on
 number of ranks: each rank keeps the blocks it owns. Use
 :meth:`DistributedShampoo.memory_bytes` to see what a rank holds.
 
+Roots (:mod:`.root_methods`): ``root_method=EigenRoots()`` (the default) computes every
+root by a batched ``eigh`` per factor size; ``NewtonRoots()`` by the coupled inverse
+Newton iteration, GEMMs only, batched per size (:mod:`.newton`), with the eigen path for
+the matrices it does not converge on.
+
 Failures (:mod:`.errors`): non-finite statistics, repeated root failures, non-finite
 updates and exceptions on an owner are reported through a status word in the gather,
 so every rank raises together and none is left waiting in a collective.
@@ -45,7 +50,8 @@ per optimizer, e.g. this rank's GPU); ``state_dict()`` returns CPU tensors and
 ``load_state_dict()`` moves them to the parameters' device. Per-block failure flags
 stay on the device and are combined into the status word, so a step reads device
 memory on the host once (the status words); a root recomputation adds one read for
-all roots, and its eigensolver synchronises once per distinct factor size.
+all roots, and its eigensolver synchronises once per distinct factor size (with
+``NewtonRoots``: one read per ``check_every`` iterations, for all sizes at once).
 
 Kernels (GPU launches): blocks of one parameter group, shape and dtype are stacked
 (:mod:`.stacks`), so a step is one batched GEMM per kind of block and factor plus a
@@ -58,6 +64,7 @@ from kfac_hpc.shampoo.errors import ShampooNumericalError
 from kfac_hpc.shampoo.grafting import GRAFTING_KINDS
 from kfac_hpc.shampoo.optimizer import STATE_DICT_FORMAT, STATE_DICT_VERSION, DistributedShampoo
 from kfac_hpc.shampoo.ownership import Layout, assign_owners
+from kfac_hpc.shampoo.root_methods import EigenRoots, NewtonRoots, RootMethod, root_method_from
 from kfac_hpc.shampoo.roots import RootComputationError, inverse_root
 
 __all__ = [
@@ -66,11 +73,15 @@ __all__ = [
     "STATE_DICT_VERSION",
     "BlockSpec",
     "DistributedShampoo",
+    "EigenRoots",
     "Layout",
+    "NewtonRoots",
     "RootComputationError",
+    "RootMethod",
     "ShampooNumericalError",
     "assign_owners",
     "block_param",
     "inverse_root",
     "merge_dims",
+    "root_method_from",
 ]

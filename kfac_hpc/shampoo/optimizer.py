@@ -49,6 +49,7 @@ from kfac_hpc.shampoo.errors import (
 )
 from kfac_hpc.shampoo.exchange import make_exchange
 from kfac_hpc.shampoo.ownership import Layout
+from kfac_hpc.shampoo.root_methods import DEFAULT_ROOT_METHOD, EigenRoots, NewtonRoots, RootMethod
 from kfac_hpc.shampoo.roots import inverse_roots
 from kfac_hpc.shampoo.stacks import BlockStack, Run, runs_of
 from kfac_hpc.shampoo.state import BlockShapes, ShampooStateDict
@@ -96,6 +97,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         check_replicas: bool = True,
         host_decomposition_max_dim: int = DEFAULT_HOST_MAX_DIM,
         decomposition_streams: int = 1,
+        root_method: RootMethod = DEFAULT_ROOT_METHOD,
     ) -> None:
         """Split the parameters into blocks and assign every block an owner rank.
 
@@ -139,6 +141,12 @@ class DistributedShampoo(torch.optim.Optimizer):
             decomposition_streams: At a root step on CUDA, the device's decompositions
                 of more than 32 rows are spread over this many streams and worker threads
                 (1, the default: the calling thread's stream; the same results).
+            root_method: How the inverse roots are computed:
+                :class:`~kfac_hpc.shampoo.root_methods.EigenRoots` (the default: batched
+                ``eigh`` per size) or :class:`~kfac_hpc.shampoo.root_methods.NewtonRoots`
+                (the coupled Newton iteration, GEMMs only, batched per size; matrices it
+                does not converge on take the eigen path). Configuration, not state: it is
+                not saved in the state dict, so a run may resume with either.
 
         Raises:
             ValueError: A hyper-parameter is out of range, a parameter name repeats, a
@@ -165,6 +173,12 @@ class DistributedShampoo(torch.optim.Optimizer):
         self.solve_placement = SolvePlacement(
             hyper.validate_int("host_decomposition_max_dim", host_decomposition_max_dim, 0),
             hyper.validate_int("decomposition_streams", decomposition_streams, 1))
+        if not isinstance(root_method, EigenRoots | NewtonRoots):
+            raise ValueError(
+                f"DistributedShampoo: invalid root_method={root_method!r}; allowed: "
+                "EigenRoots() or NewtonRoots(...) from kfac_hpc.shampoo "
+                "(kfac_hpc.shampoo.root_method_from turns a name such as 'newton' into one)")
+        self.root_method: RootMethod = root_method
         self.comm: Communicator = comm if comm is not None else world()
         self._layout: Layout | None = None
         self._steps = 0
@@ -213,7 +227,7 @@ class DistributedShampoo(torch.optim.Optimizer):
                   for g in self.param_groups]
         replicas.check_replicas(zip(names, params), self.comm, settings={
             "param_groups": groups, "factor_dtype": self.factor_dtype,
-            "communication_dtype": self.communication_dtype})
+            "communication_dtype": self.communication_dtype, "root_method": self.root_method})
 
     def _param_names(self) -> list[list[str]]:
         """Names of every group's parameters ("param_<i>" for unnamed ones)."""
@@ -413,7 +427,7 @@ class DistributedShampoo(torch.optim.Optimizer):
             return 0
         requests = [root_requests(st, hp) for st, hp in due]
         results = inverse_roots([r for per_run in requests for r in per_run],
-                                placement=self.solve_placement)
+                                placement=self.solve_placement, method=self.root_method)
         status, at = 0, 0
         for (st, hp), per_run in zip(due, requests):
             install_roots(st, results[at:at + len(per_run)], hp)

@@ -14,6 +14,12 @@ finiteness of every result is read on the host once (the small CUDA matrices are
 decomposed on the host, beside the device's: :mod:`kfac_hpc.solves`). Matrices that
 fail there take the one-matrix path (:func:`inverse_root`, float64 retry included), so
 results are those of :func:`inverse_root` matrix by matrix.
+
+With ``method=NewtonRoots(...)`` (:mod:`.root_methods`) :func:`inverse_roots` runs the
+coupled inverse Newton iteration instead (:mod:`.newton`), one batched iteration per
+(size, dtype, device, p) over all requests; the matrices it does not converge on (and
+requests whose ``p`` is not a positive integer) take the eigen path above, so every
+root is either Newton's, within its tolerance, or :func:`inverse_root`'s.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import torch
 from torch import Tensor
 
 from kfac_hpc.shampoo.errors import nonfinite_marks
+from kfac_hpc.shampoo.newton import NewtonBatch, NewtonRun, newton_roots
+from kfac_hpc.shampoo.root_methods import DEFAULT_ROOT_METHOD, NewtonRoots, RootMethod
 from kfac_hpc.solves import DEFAULT_PLACEMENT, EighResult, SolvePlacement, eigh_batches
 
 __all__ = ["RootComputationError", "RootRequest", "RootResult", "inverse_root", "inverse_roots"]
@@ -199,22 +207,35 @@ class _SizeGroup:
 
 
 def inverse_roots(requests: Sequence[RootRequest], *,
-                  placement: SolvePlacement = DEFAULT_PLACEMENT) -> list[RootResult]:
+                  placement: SolvePlacement = DEFAULT_PLACEMENT,
+                  method: RootMethod = DEFAULT_ROOT_METHOD) -> list[RootResult]:
     """Compute :func:`inverse_root` of every matrix of every request, batched by size and dtype.
 
-    One ``torch.linalg.eigh`` per distinct (size, dtype, device) over all requests (those
+    With :class:`~kfac_hpc.shampoo.root_methods.EigenRoots` (the default): one
+    ``torch.linalg.eigh`` per distinct (size, dtype, device) over all requests (those
     of CUDA matrices up to ``placement.host_max_dim`` rows on the host, beside the device's:
     :func:`kfac_hpc.solves.eigh_batches`), one host read for the finiteness of all
     results; matrices that failed (and all those of an eigensolver call that raised) are
-    redone one by one.
+    redone one by one. With :class:`~kfac_hpc.shampoo.root_methods.NewtonRoots`: the
+    coupled Newton iteration per (size, dtype, device, p), the matrices it gives up on
+    by the eigen path (module docstring).
 
     Args:
         requests: the batches of factors.
         placement: Which CUDA batches the host and the device's streams decompose.
+        method: How the roots are computed.
 
     Returns:
         One result per request, in order.
     """
+    if isinstance(method, NewtonRoots):
+        return newton_inverse_roots(requests, method, placement=placement)[0]
+    return _eigen_inverse_roots(requests, placement)
+
+
+def _eigen_inverse_roots(requests: Sequence[RootRequest], placement: SolvePlacement
+                         ) -> list[RootResult]:
+    """:func:`inverse_roots` by eigendecomposition."""
     by_kind: dict[tuple[int, torch.dtype, torch.device], list[int]] = {}
     for k, request in enumerate(requests):
         f = request.factors
@@ -237,3 +258,74 @@ def inverse_roots(requests: Sequence[RootRequest], *,
                 results[k] = result
             at += n
     return [r for r in results if r is not None]
+
+
+def _integral_order(p: float) -> int | None:
+    """``p`` as an int when it is a positive integer (Newton's ``T^p``), else None."""
+    return int(p) if float(p).is_integer() and p >= 1 else None
+
+
+def newton_inverse_roots(requests: Sequence[RootRequest], method: NewtonRoots, *,
+                         placement: SolvePlacement = DEFAULT_PLACEMENT
+                         ) -> tuple[list[RootResult], NewtonRun]:
+    """:func:`inverse_roots` by the coupled Newton iteration, with what it cost.
+
+    The requests are grouped by (size, dtype, device, p); each group's matrices
+    (divided by their corrections, non-finite entries zeroed, as for the eigen path)
+    are one :class:`~kfac_hpc.shampoo.newton.NewtonBatch`. Matrices the iteration gives
+    up on, and requests with a ``p`` that is not a positive integer, are computed by
+    the eigen path (:func:`inverse_roots`' default, float64 retry included), batched.
+
+    Args:
+        requests: The batches of factors.
+        method: The iteration's settings.
+        placement: Where the eigen path's solves run.
+
+    Returns:
+        One result per request, in order; and the iteration's
+        :class:`~kfac_hpc.shampoo.newton.NewtonRun` (host reads, iterations, per-matrix
+        convergence).
+    """
+    by_kind: dict[tuple[int, torch.dtype, torch.device, int], list[int]] = {}
+    eigen_only: list[int] = []
+    for k, request in enumerate(requests):
+        f, order = request.factors, _integral_order(request.p)
+        if order is None or f.shape[0] == 0:
+            eigen_only.append(k)
+        else:
+            by_kind.setdefault((f.shape[-1], f.dtype, f.device, order), []).append(k)
+    results: list[RootResult | None] = [None] * len(requests)
+    if not requests:
+        return [], NewtonRun()
+    with torch.autocast(device_type=requests[0].factors.device.type, enabled=False):
+        members = [[requests[k] for k in ks] for ks in by_kind.values()]
+        matrices = [_prepared(m) for m in members]
+        batches = [NewtonBatch(a, order, tuple((rows, group[0].epsilon) for rows, group in
+                                               _segments(m, lambda r: r.epsilon)))
+                   for a, m, (_, _, _, order) in zip(matrices, members, by_kind)]
+        run = newton_roots(batches, method)
+        # what Newton gave up on, per request, for the eigen path: (request, rows lost)
+        retry: list[RootRequest] = [requests[k] for k in eigen_only]
+        lost_rows: list[tuple[int, list[int]]] = []
+        for ks, a, m, outcome in zip(by_kind.values(), matrices, members, run.outcomes):
+            for k, (rows, (request,)) in zip(ks, _segments(m, id)):
+                results[k] = RootResult(outcome.roots[rows], [False] * (rows.stop - rows.start))
+                lost = [j for j in range(rows.start, rows.stop) if not outcome.converged[j]]
+                if lost:
+                    retry.append(RootRequest(a[_index(lost, a.device)], 1.0, request.p,
+                                             request.epsilon))
+                    lost_rows.append((k, [j - rows.start for j in lost]))
+        redone = _eigen_inverse_roots(retry, placement) if retry else []
+    for k, result in zip(eigen_only, redone):
+        results[k] = result
+    for (k, lost), result in zip(lost_rows, redone[len(eigen_only):]):
+        mine = results[k]
+        assert mine is not None
+        mine.roots.index_copy_(0, _index(lost, mine.roots.device), result.roots)
+        for j, failed in zip(lost, result.failed):
+            mine.failed[j] = failed
+    return [r for r in results if r is not None], run
+
+
+def _index(rows: list[int], device: torch.device) -> Tensor:
+    return torch.tensor(rows, dtype=torch.int64, device=device)

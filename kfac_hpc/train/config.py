@@ -154,7 +154,8 @@ class TrainConfig:
     betas: tuple[float, ...] = _opt((0.9, 0.999), "Adam(W) betas B1,B2", "optimizer")
     eps: float = _opt(1e-8, "Adam(W) epsilon", "optimizer")
     shampoo_options: dict[str, Any] = field(default_factory=dict, metadata={
-        "help": "extra DistributedShampoo keyword arguments as KEY=VALUE",
+        "help": "extra DistributedShampoo keyword arguments as KEY=VALUE; root_method=eigen "
+                "(default) | newton | 'newton(max_iterations=N,tolerance=T,check_every=K)'",
         "group": "optimizer"})
     # -- learning-rate schedule (a pure function of the step)
     lr_schedule: str = _opt("cosine", f"after warm-up: {' | '.join(LR_SCHEDULES)}", "schedule")
@@ -401,6 +402,13 @@ class TrainConfig:
         if self.shampoo_options:
             need(self.optimizer == "shampoo", "shampoo_options",
                  "only applies to --optimizer shampoo")
+            if "root_method" in self.shampoo_options:
+                from kfac_hpc.shampoo.root_methods import root_method_from
+
+                try:
+                    root_method_from(self.shampoo_options["root_method"])
+                except ValueError as exc:
+                    need(False, "shampoo_options", str(exc))
         # schedule
         choice("lr_schedule", LR_SCHEDULES)
         need(self.warmup_epochs >= 0, "warmup_epochs", "must be >= 0")

@@ -145,6 +145,10 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module,
             raise ValueError(f"--shampoo-options: DistributedShampoo takes no "
                              f"{', '.join(unknown)}; it takes {', '.join(sorted(accepted))}")
         kwargs.update(cfg.shampoo_options)
+        if "root_method" in kwargs:  # a name or call-like string from the command line
+            from kfac_hpc.shampoo import root_method_from
+
+            kwargs["root_method"] = root_method_from(kwargs["root_method"])
         return DistributedShampoo(named, **kwargs)
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
 

@@ -1,0 +1,184 @@
+"""How Shampoo computes its inverse roots ``(F + εI)^(-1/p)``: the variants.
+
+``DistributedShampoo(root_method=...)`` takes one of these frozen, self-validating
+objects (configuration, not state: nothing of it is saved in a state dict):
+
+* :class:`EigenRoots` (the default): one batched ``torch.linalg.eigh`` per factor size
+  (:func:`kfac_hpc.shampoo.roots.inverse_roots`). Exact to the factor dtype's rounding
+  for any PSD factor and any ``ε > 0``; on a GPU its time is cuSOLVER's, one matrix
+  after another.
+* :class:`NewtonRoots`: the coupled inverse Newton iteration
+  (:mod:`kfac_hpc.shampoo.newton`), matrix products only, batched over every factor of
+  one size (``torch.bmm``): what a GPU's GEMM units do best. A matrix that does not
+  converge within ``max_iterations`` (or turns non-finite) is computed by the eigen path
+  instead, so results are always those of one of the two methods.
+
+:func:`root_method_from` turns a name (``"eigen"``, ``"newton"``) or a call-like string
+(``"newton(max_iterations=60, tolerance=1e-5)"``: what ``repr`` of the object prints)
+into the object, for command lines and configuration files
+(``kfac-hpc train --shampoo-options root_method=newton``).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import math
+import numbers
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["DEFAULT_ROOT_METHOD", "ROOT_METHOD_NAMES", "EigenRoots", "NewtonRoots", "RootMethod",
+           "root_method_from"]
+
+
+@dataclass(frozen=True)
+class EigenRoots:
+    """Inverse roots by eigendecomposition: ``Q diag((max(λ, 0) + ε)^(-1/p)) Qᵀ``.
+
+    One batched ``torch.linalg.eigh`` per (size, dtype, device), a float64 retry for a
+    matrix that fails (:mod:`kfac_hpc.shampoo.roots`). The default.
+    """
+
+
+@dataclass(frozen=True)
+class NewtonRoots:
+    """Inverse roots by the coupled inverse Newton iteration (GEMMs only, batched by size).
+
+    With ``A = F + εI`` scaled by ``z = (p+1) / (2·b)``, ``b = min(‖A‖_F, ‖A‖_∞)`` (an
+    upper bound of its largest eigenvalue), ``X₀ = z^(1/p)·I`` and ``M₀ = z·A``, every
+    iteration computes ``T = ((p+1)·I − M)/p``, ``X ← X·T``, ``M ← T^p·M``. ``X^(-p)·M = A``
+    holds throughout, and every eigenvalue ``m`` of ``M`` (in ``(0, (p+1)/2]``) moves
+    monotonically to 1 (``m ← m·((p+1−m)/p)^p``), so ``X → A^(-1/p)``. The iteration stops
+    when ``‖M − I‖_F ≤ tolerance``; then every eigenvalue of ``X^p·A`` is within
+    ``tolerance`` of 1, so ``X`` is within a relative ``tolerance / (p·(1 − tolerance))``
+    of ``A^(-1/p)`` in every eigendirection (plus rounding, which the factor dtype bounds
+    as it bounds ``eigh``'s).
+
+    Iterations: a small eigenvalue ``m`` grows by about ``((p+1)/p)^p`` per iteration
+    (2.25 for ``p = 2``, 2.44 for ``p = 4``, at most e) until it is near 1, then the
+    convergence is quadratic (about 5 more iterations). The smallest scaled eigenvalue
+    is at least ``z·ε``, so a rank-deficient factor with ``ε = 1e-12`` (the default) and
+    ``b ≈ 1`` needs ``log(1e12 / 1.5) / log(2.25) ≈ 34`` growth iterations for ``p = 2``,
+    about 40 in all (measured: 41 for ``p = 2``, 37 for ``p = 4`` in float64); each
+    further factor of 10 in ``b/ε`` costs about 3 iterations. Well-conditioned factors
+    take 6-8. ``max_iterations`` (100) leaves room for ``b/ε`` up to about 1e30.
+
+    Host reads: the errors of every matrix of every size are read on the host once
+    every ``check_every`` iterations (one read for all of them); converged matrices
+    leave the batch there, a matrix whose error grew since the last check (it diverges:
+    a factor that is indefinite as stored) or is non-finite is given up at once. A root
+    step thus reads about ``⌈iterations / check_every⌉`` times, whatever the number of
+    blocks or sizes; ``check_every >= max_iterations`` runs all ``max_iterations``
+    iterations and reads once (few reads, many more GEMMs).
+
+    Precision: the products run at the factor dtype's full precision (float32 or
+    float64) whatever the user's TF32 settings
+    (:func:`kfac_hpc.kfac.precision.full_precision_products`). In float32,
+    ``‖M − I‖_F`` cannot fall below about ``1e-7·√n`` (2e-6 to 4e-6 at ``n = 1024``),
+    hence the default ``tolerance`` 1e-4; and a factor whose eigenvalues below about
+    ``1e-7·λ_max`` matter (rank-deficient, with ``ε`` under float32's resolution of
+    ``λ_max``, as with the default ``ε = 1e-12``) is indefinite as stored: the iteration
+    diverges there and such factors take the eigen path (which clamps the negative
+    eigenvalues to 0). Newton pays where ``ε`` is within float32's reach of the
+    factors' scale, or with float64 factors.
+
+    Attributes:
+        max_iterations: Iterations before a matrix is handed to the eigen path (>= 1).
+        tolerance: Stop when ``‖M − I‖_F`` is at most this (in (0, 1)).
+        check_every: Iterations between reads of the errors on the host (>= 1).
+    """
+
+    max_iterations: int = 100
+    tolerance: float = 1e-4
+    check_every: int = 5
+
+    def __post_init__(self) -> None:
+        """Validate the fields (one error naming the field, its value and what is allowed)."""
+        for name in ("max_iterations", "check_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"NewtonRoots: invalid {name}={value!r}; allowed: an integer "
+                                 ">= 1")
+        tol = self.tolerance
+        if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not math.isfinite(tol) \
+                or not 0.0 < tol < 1.0:
+            raise ValueError(f"NewtonRoots: invalid tolerance={tol!r}; allowed: a number in "
+                             "(0, 1), e.g. 1e-4 (float32) or 1e-10 (float64)")
+
+
+#: A root method: one of the variants above.
+RootMethod = EigenRoots | NewtonRoots
+
+#: The default root method (eigendecomposition; Newton is not a default until a GPU run
+#: has measured both).
+DEFAULT_ROOT_METHOD = EigenRoots()
+
+#: The names :func:`root_method_from` understands, and their classes.
+ROOT_METHOD_NAMES: dict[str, type[EigenRoots] | type[NewtonRoots]] = {
+    "eigen": EigenRoots, "newton": NewtonRoots}
+
+_CALL = re.compile(r"^\s*([A-Za-z_]\w*)\s*(?:\((.*)\))?\s*$", re.DOTALL)
+
+
+def root_method_from(value: Any) -> RootMethod:
+    """Return the root method ``value`` names.
+
+    Args:
+        value: An :class:`EigenRoots` or :class:`NewtonRoots`; a name, ``"eigen"`` or
+            ``"newton"`` (the class names work too); a call-like string with keyword
+            arguments, ``"newton(max_iterations=60, tolerance=1e-5)"``; or a mapping
+            ``{"name": "newton", "tolerance": 1e-5}`` (a configuration file's table).
+
+    Returns:
+        The root method.
+
+    Raises:
+        ValueError: The value names no method, or names a field the method lacks or a
+            bad value; the message lists what is allowed.
+    """
+    if isinstance(value, EigenRoots | NewtonRoots):
+        return value
+    names = ", ".join(repr(n) for n in ROOT_METHOD_NAMES)
+    usage = (f"allowed: {names}, or a call such as 'newton(max_iterations=60, tolerance=1e-5)'"
+             " (fields: max_iterations, tolerance, check_every)")
+    if isinstance(value, Mapping):
+        fields = dict(value)
+        name = fields.pop("name", None)
+        if not isinstance(name, str):
+            raise ValueError(f"invalid root_method={value!r}: a table needs a 'name'; {usage}")
+        return _build(name, fields, value, usage)
+    if not isinstance(value, str):
+        raise ValueError(f"invalid root_method={value!r}; {usage}")
+    match = _CALL.match(value)
+    if match is None:
+        raise ValueError(f"invalid root_method={value!r}; {usage}")
+    name, arguments = match.group(1), match.group(2)
+    fields = {}
+    if arguments is not None and arguments.strip():
+        try:
+            call = ast.parse(f"f({arguments})", mode="eval").body
+            if not isinstance(call, ast.Call) or call.args or any(k.arg is None
+                                                                 for k in call.keywords):
+                raise ValueError("positional arguments")
+            fields = {str(k.arg): ast.literal_eval(k.value) for k in call.keywords}
+        except (SyntaxError, ValueError) as exc:
+            raise ValueError(f"invalid root_method={value!r}: arguments must be KEY=NUMBER "
+                             f"({exc}); {usage}") from None
+    return _build(name, fields, value, usage)
+
+
+def _build(name: str, fields: dict[str, Any], value: Any, usage: str) -> RootMethod:
+    key = name.strip().lower()
+    by_class = {cls.__name__.lower(): cls for cls in ROOT_METHOD_NAMES.values()}
+    cls = ROOT_METHOD_NAMES.get(key) or by_class.get(key)
+    if cls is None:
+        raise ValueError(f"invalid root_method={value!r}: unknown method {name!r}; {usage}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"invalid root_method={value!r}: {cls.__name__} has no "
+                         f"{', '.join(unknown)}; its fields: {', '.join(sorted(known)) or 'none'}")
+    return cls(**fields)
