@@ -3,7 +3,8 @@
     launch/local -n 4 python benchmarks/shampoo_step.py [--model all|mlp|resnet20|resnet50]
         [--device cpu|cuda] [--configs adam adamw shampoo meta] [--steps N] [--warmup W]
         [--batch B] [--image-size S] [--max-dim D] [--frequency F] [--max-seconds S]
-        [--meta-src DIR] [--quick] [--markdown] [--out benchmarks/out]
+        [--root-method eigen|newton] [--meta-src DIR] [--quick] [--markdown]
+        [--out benchmarks/out]
     launch/local -n 1 python benchmarks/shampoo_step.py --device cuda --model resnet50  # GPU
 
 Models: an MLP on 64-feature inputs (hidden 256, 128; 10 classes), the CIFAR ResNet-20
@@ -25,7 +26,10 @@ weights) and its own communicators (``Dup`` s of the world):
 * ``shampoo``: kfac_hpc's ``DistributedShampoo`` (float32 factors and communication,
   Adam grafting: ``grafting="adam"``, ``grafting_beta2`` 0.999, ``grafting_epsilon``
   1e-8; betas (0.9, 0.999), epsilon 1e-12, ``max_preconditioner_dim`` D, decoupled
-  weight decay ``--weight-decay``: AdamW grafting).
+  weight decay ``--weight-decay``: AdamW grafting), its roots by ``--root-method``:
+  ``eigen`` (``EigenRoots()``, the default: batched ``eigh``) or ``newton``
+  (``NewtonRoots()``: the coupled Newton iteration, GEMMs only; Meta's keeps its default,
+  eigendecomposition, either way).
 * ``meta``: Meta's ``DistributedShampoo`` (facebookresearch/optimizers, package
   ``distributed_shampoo``) with the same settings in its terms:
   ``grafting_config=AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8)``, betas
@@ -93,7 +97,7 @@ after at least ``--min-steps`` of them, once the time since the process started 
 the last round's time would pass S (rank 0 decides, every rank follows); the number of
 timed rounds is printed and recorded.
 
-Writes ``shampoo_step_<model>_n<ranks>[_cuda].json`` under ``--out``; prints the
+Writes ``shampoo_step_<model>_n<ranks>[_cuda][_newton].json`` under ``--out``; prints the
 tables on rank 0 (Markdown with ``--markdown``). Compare runs at 1, 2 and 4 ranks by
 running it three times.
 """
@@ -138,7 +142,7 @@ from common import (
 from kfac_hpc import GradientAverager
 from kfac_hpc.comm import Communicator
 from kfac_hpc.models import build_model
-from kfac_hpc.shampoo import DistributedShampoo
+from kfac_hpc.shampoo import DistributedShampoo, root_method_from
 
 FREQUENCIES = (1, 10, 100)  # composed in the table, with --frequency
 NEVER = 10**9
@@ -322,7 +326,8 @@ def optimizers(args: argparse.Namespace, meta: Any) -> dict[
             m.named_parameters(), lr=1e-3, betas=(0.9, 0.999), epsilon=1e-12,
             weight_decay=wd, decoupled_weight_decay=True, max_preconditioner_dim=args.max_dim,
             precondition_frequency=1, start_preconditioning_step=1, grafting="adam",
-            grafting_beta2=0.999, grafting_epsilon=1e-8, comm=c),
+            grafting_beta2=0.999, grafting_epsilon=1e-8, comm=c,
+            root_method=root_method_from(args.root_method)),
     }
     if meta is not None:
         made["meta"] = lambda m, c: meta.DistributedShampoo(
@@ -457,6 +462,7 @@ def run_model(name: str, args: argparse.Namespace, comm: Communicator, device: t
         "model": name, "model_description": what, "params": n_params,
         "world_size": comm.size, "device": str(device), "configs": list(runners),
         "baseline": baseline, "blocks": len(blocks), "max_dim": args.max_dim,
+        "root_method": repr(root_method_from(args.root_method)),
         "block_dims": sorted({d for b in blocks for d in b.shape}),
         "frequency": args.frequency, "weight_decay": args.weight_decay,
         "meta_source": peer_version(args.meta_src) if meta is not None else None,
@@ -483,7 +489,8 @@ def report(result: dict[str, Any], markdown: bool) -> str:
     cuda = "cuda_peak_bytes" in mem
     lines = [
         f"## {result['model']} ({result['params']:,} parameters, {result['blocks']} blocks "
-        f"of kfac_hpc's Shampoo, max dim {result['max_dim']}), {result['world_size']} ranks, "
+        f"of kfac_hpc's Shampoo, max dim {result['max_dim']}, roots "
+        f"{result.get('root_method', 'EigenRoots()')}), {result['world_size']} ranks, "
         f"{result['device']}; medians of {result['timed_rounds']} rounds "
         f"(\"shampoo\": kfac_hpc's; \"meta\": Meta's; overhead vs {result['baseline']})",
         "",
@@ -558,6 +565,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--frequency", type=int, default=50,
                         help="precondition_frequency composed in the table besides 1, 10, "
                              "100 (default 50)")
+    parser.add_argument("--root-method", choices=["eigen", "newton"], default="eigen",
+                        help="kfac_hpc's Shampoo roots: eigen (batched eigh, the default) or "
+                             "newton (coupled Newton iteration, NewtonRoots())")
     parser.add_argument("--weight-decay", type=float, default=None,
                         help="decoupled weight decay of adamw, shampoo and meta (default "
                              "0.01 when adamw is selected, else 0)")
@@ -627,7 +637,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{NOMINAL_H200_S['fwd_bwd']} s, Adam step {NOMINAL_H200_S['adam']} s, Shampoo "
             f"plain {NOMINAL_H200_S[PLAIN]} s, root {NOMINAL_H200_S[ROOT]} s): about "
             f"{nominal_estimate(args):.0f} s")
-    suffix = "_cuda" if device.type == "cuda" else ""
+    suffix = ("_cuda" if device.type == "cuda" else "") + (
+        "_newton" if args.root_method == "newton" else "")
     for name in models:
         result = run_model(name, args, comm, device, meta, say)
         result["machine"] = info
