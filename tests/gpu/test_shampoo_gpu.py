@@ -168,3 +168,75 @@ def test_host_syncs_per_root_step_do_not_grow_with_same_shape_blocks(
         counts.append(_syncs_per_step(params, 3, precondition_frequency=1))
     assert counts[0] == counts[1], counts
     assert min(counts[0]) >= 2, counts
+
+
+def _gram(n: int, k: int, seed: int) -> Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, k, generator=g, dtype=torch.float64)
+    return x @ x.T / k
+
+
+def test_newton_roots_on_the_device_equal_the_cpu_whatever_the_tf32_setting(
+        device: torch.device) -> None:
+    """NewtonRoots on the device: float64 equal to the CPU's to 1e-12 relative (the same
+    iterations, products summed in another order); float32 the same bits with the user's
+    TF32 setting on as off (the iteration runs its GEMMs at full float32 precision: TF32
+    would move the roots by ~1e-3), and within ``4·u·κ·√n`` (1.6e-5 here: κ ≈ 8, n = 64)
+    of float64 in the Frobenius norm (3.3e-6 measured on the CPU)."""
+    from kfac_hpc.shampoo import NewtonRoots
+    from kfac_hpc.shampoo.roots import RootRequest, inverse_roots
+
+    factors = torch.stack([_gram(64, 256, s) for s in range(3)])
+    method = NewtonRoots(tolerance=1e-10)
+    roots = {}
+    for where in ("cpu", device):
+        request = RootRequest(factors.to(where), 1.0, 4.0, 1e-6)
+        (result,) = inverse_roots([request], method=method)
+        assert result.failed == [False] * 3
+        roots[str(where)] = result.roots.cpu()
+    torch.testing.assert_close(roots[str(device)], roots["cpu"], rtol=1e-12, atol=0)
+    flags = torch.backends.cuda.matmul
+    before = flags.fp32_precision
+    single = []
+    try:
+        for setting in ("ieee", "tf32"):
+            flags.fp32_precision = setting
+            request = RootRequest(factors.float().to(device), 1.0, 4.0, 1e-6)
+            (result,) = inverse_roots([request], method=NewtonRoots())
+            assert result.failed == [False] * 3 and flags.fp32_precision == setting
+            single.append(result.roots.cpu())
+    finally:
+        flags.fp32_precision = before
+    assert torch.equal(single[0], single[1])
+    error = torch.linalg.matrix_norm(single[0].double() - roots["cpu"])
+    kappa = float(torch.linalg.cond(factors).max())
+    allowed = 4 * 2.0**-24 * kappa * 64**0.5
+    assert float((error / torch.linalg.matrix_norm(roots["cpu"])).max()) <= allowed
+
+
+def test_host_syncs_of_a_newton_root_step_do_not_grow_with_same_shape_blocks(
+        device: torch.device) -> None:
+    """With NewtonRoots a root step synchronises once per convergence check (for all
+    blocks at once) and once for the status: 4 blocks as often as 16 (the same gradient
+    in every block, so the same iterations)."""
+    if device.type != "cuda":
+        pytest.skip("CUDA's sync debug mode needs CUDA")
+    from mpi4py import MPI
+
+    from kfac_hpc.shampoo import NewtonRoots
+
+    grad = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)).to(device)
+    counts = []
+    for n in (4, 16):
+        params = [nn.Parameter(torch.zeros(8, 8, device=device)) for _ in range(n)]
+        opt = DistributedShampoo(params, comm=Communicator(MPI.COMM_SELF, name="self"),
+                                 lr=0.01, epsilon=1e-3, max_preconditioner_dim=8,
+                                 precondition_frequency=1, root_method=NewtonRoots())
+        per_step = []
+        for _ in range(2):
+            for p in params:
+                p.grad = grad.clone()
+            per_step.append(_syncs(opt.step))
+        counts.append(per_step)
+    assert counts[0] == counts[1], counts
+    assert min(counts[0]) >= 2, counts
