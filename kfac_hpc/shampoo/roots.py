@@ -35,7 +35,8 @@ from kfac_hpc.shampoo.newton import NewtonBatch, NewtonRun, newton_roots
 from kfac_hpc.shampoo.root_methods import DEFAULT_ROOT_METHOD, NewtonRoots, RootMethod
 from kfac_hpc.solves import DEFAULT_PLACEMENT, EighResult, SolvePlacement, eigh_batches
 
-__all__ = ["RootComputationError", "RootRequest", "RootResult", "inverse_root", "inverse_roots"]
+__all__ = ["RootComputationError", "RootRequest", "RootResult", "inverse_root", "inverse_roots",
+           "newton_inverse_roots"]
 
 
 class RootComputationError(RuntimeError):
@@ -286,6 +287,8 @@ def newton_inverse_roots(requests: Sequence[RootRequest], method: NewtonRoots, *
         :class:`~kfac_hpc.shampoo.newton.NewtonRun` (host reads, iterations, per-matrix
         convergence).
     """
+    if not requests:
+        return [], NewtonRun()
     by_kind: dict[tuple[int, torch.dtype, torch.device, int], list[int]] = {}
     eigen_only: list[int] = []
     for k, request in enumerate(requests):
@@ -295,8 +298,6 @@ def newton_inverse_roots(requests: Sequence[RootRequest], method: NewtonRoots, *
         else:
             by_kind.setdefault((f.shape[-1], f.dtype, f.device, order), []).append(k)
     results: list[RootResult | None] = [None] * len(requests)
-    if not requests:
-        return [], NewtonRun()
     with torch.autocast(device_type=requests[0].factors.device.type, enabled=False):
         members = [[requests[k] for k in ks] for ks in by_kind.values()]
         matrices = [_prepared(m) for m in members]
@@ -304,7 +305,7 @@ def newton_inverse_roots(requests: Sequence[RootRequest], method: NewtonRoots, *
                                                _segments(m, lambda r: r.epsilon)))
                    for a, m, (_, _, _, order) in zip(matrices, members, by_kind)]
         run = newton_roots(batches, method)
-        # what Newton gave up on, per request, for the eigen path: (request, rows lost)
+        # what Newton gave up on, per request, for the eigen path: (request, its rows)
         retry: list[RootRequest] = [requests[k] for k in eigen_only]
         lost_rows: list[tuple[int, list[int]]] = []
         for ks, a, m, outcome in zip(by_kind.values(), matrices, members, run.outcomes):
