@@ -3,7 +3,8 @@
     python benchmarks/shampoo_roots.py [--device cpu|cuda] [--max-dim 1024]
         [--factors random|real] [--steps T] [--epsilon 1e-12] [--dtypes float32 float64]
         [--per-size N] [--max-size S] [--check-every 1 5 10 100] [--tolerance 1e-4]
-        [--max-iterations 100] [--repeats R] [--quick] [--markdown] [--out benchmarks/out]
+        [--max-iterations 100] [--repeats R] [--no-rank-bounds] [--quick] [--markdown]
+        [--out benchmarks/out]
 
 The factors are those of ResNet-50's Shampoo blocks at ``max_preconditioner_dim``
 ``--max-dim`` (torchvision's ``resnet50()`` when it imports, else ``kfac_hpc.models``'):
@@ -25,7 +26,10 @@ For each dtype and each (size, p), one batched call as a root step makes it
 median ms over ``--repeats`` calls (device synchronised around each) of ``EigenRoots()``
 (batched ``eigh``) and of ``NewtonRoots(tolerance, max_iterations, check_every)`` with
 the first ``--check-every`` value; Newton's iterations (the most any matrix ran), host
-reads, and the matrices it handed to the eigen path (``fallback``); and the relative
+reads, the float32 factors sent to the eigen path without iterating because their rank
+bound (``T·k`` for a factor summing products of ``k`` columns, as Shampoo computes it;
+``--no-rank-bounds``: none) is below their size (``by rank``), and those it gave up on
+(``fallback``); and the relative
 Frobenius error ``‖R − R₆₄‖ / ‖R₆₄‖`` of both against the float64 ``eigh`` root ``R₆₄`` of the
 same (rounded) factor (max over the matrices; for float64 factors eigh's is 0 by
 construction). ``u·λmax/ε`` (``u`` the dtype's unit roundoff, ``λmax`` the largest
@@ -44,6 +48,7 @@ with ``--markdown``). On the CPU use small sizes (``--quick``: ``--max-size 256
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -74,8 +79,9 @@ from kfac_hpc.shampoo.roots import RootRequest, inverse_roots, newton_inverse_ro
 
 BETA2 = 0.999
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
-#: (factor size, p) -> the factors of that kind, float64, bias-corrected
-Factors = dict[tuple[int, int], list[Tensor]]
+#: (factor size, p) -> the factors of that kind (float64, bias-corrected), each with the
+#: bound of its rank Shampoo knows from its block's shape and step count
+Factors = dict[tuple[int, int], list[tuple[Tensor, int]]]
 
 
 def select_blocks(model: torch.nn.Module, max_dim: int, per_size: int, max_size: int
@@ -116,9 +122,10 @@ def accumulate(model: torch.nn.Module, blocks: list[tuple[str, BlockSpec]], step
                 sums[key] = update if key not in sums else sums[key].mul_(BETA2).add_(update)
     factors: Factors = {}
     for name, spec in blocks:
+        numel = math.prod(spec.shape)
         for i, d in enumerate(spec.shape):
             factors.setdefault((d, 2 * len(spec.shape)), []).append(
-                sums[(name, spec.index, i)] / (1 - BETA2**steps))
+                (sums[(name, spec.index, i)] / (1 - BETA2**steps), steps * (numel // d)))
     return dict(sorted(factors.items()))
 
 
@@ -176,22 +183,27 @@ def measure(factors: Factors, dtype: torch.dtype, args: argparse.Namespace,
     rows = []
     requests_all = []
     for (n, p), mats in factors.items():
-        stacked = torch.stack(mats).to(dtype)
-        requests = [RootRequest(stacked, 1.0, float(p), args.epsilon)]
+        # one request per rank bound (as Shampoo makes one per run of same-shape blocks)
+        bounds = sorted({b for _, b in mats}) if args.rank_bounds else [None]
+        requests = [RootRequest(torch.stack([f for f, b in mats if bound in (None, b)]).to(dtype),
+                                1.0, float(p), args.epsilon, bound) for bound in bounds]
+        stacked = torch.cat([r.factors for r in requests])
         requests_all += requests
-        eigen_ms, (eigen_result,) = timed(
+        eigen_ms, eigen_results = timed(
             partial(inverse_roots, requests, method=eigen), device, args.repeats)
-        newton_ms, ((newton_result,), run) = timed(
+        newton_ms, (newton_results, run) = timed(
             partial(newton_inverse_roots, requests, newton), device, args.repeats)
         reference, top = reference_roots(stacked, p, args.epsilon)
-        lost = sum(not c for c in run.outcomes[0].converged)
+        direct = sum(r.factors.shape[0] for r in requests if _skips_newton(r))
         rows.append({
             "size": n, "p": p, "count": len(mats), "eigh_ms": eigen_ms, "newton_ms": newton_ms,
-            "iterations": max(run.outcomes[0].iterations), "host_reads": run.host_reads,
-            "fallback": lost, "newton_error": max(errors(newton_result.roots, reference)),
-            "eigh_error": max(errors(eigen_result.roots, reference)),
+            "iterations": max((i for o in run.outcomes for i in o.iterations), default=0),
+            "host_reads": run.host_reads, "by_rank": direct,
+            "fallback": sum(not c for o in run.outcomes for c in o.converged),
+            "newton_error": max(errors(torch.cat([r.roots for r in newton_results]), reference)),
+            "eigh_error": max(errors(torch.cat([r.roots for r in eigen_results]), reference)),
             "noise": torch.finfo(dtype).eps / 2 * top / args.epsilon,
-            "failed": sum(newton_result.failed)})
+            "failed": sum(sum(r.failed) for r in newton_results)})
     eigen_ms, _ = timed(partial(inverse_roots, requests_all, method=eigen), device, args.repeats)
     sweep = []
     for every in args.check_every:
@@ -202,8 +214,16 @@ def measure(factors: Factors, dtype: torch.dtype, args: argparse.Namespace,
                       "iterations": run.iterations,
                       "matrix_iterations": sum(sum(o.iterations) for o in run.outcomes),
                       "fallback": sum(not c for o in run.outcomes for c in o.converged)})
-    return {"sizes": rows, "all": {"count": sum(len(m) for m in factors.values()),
-                                   "eigh_ms": eigen_ms, "newton": sweep}}
+    return {"sizes": rows, "all": {
+        "count": sum(len(m) for m in factors.values()), "eigh_ms": eigen_ms, "newton": sweep,
+        "by_rank": sum(r.factors.shape[0] for r in requests_all if _skips_newton(r))}}
+
+
+def _skips_newton(request: RootRequest) -> bool:
+    """Whether Newton hands the request to eigh at once (float32, known rank-deficient)."""
+    bound = request.rank_bound
+    return (request.factors.dtype == torch.float32 and bound is not None
+            and bound < request.factors.shape[-1])
 
 
 def report(result: dict[str, Any], markdown: bool) -> str:
@@ -211,7 +231,7 @@ def report(result: dict[str, Any], markdown: bool) -> str:
     for dtype, res in result["dtypes"].items():
         rows = [[r["size"], r["p"], r["count"], r["eigh_ms"], r["newton_ms"],
                  r["eigh_ms"] / r["newton_ms"], r["iterations"], r["host_reads"],
-                 r["fallback"], f"{r['noise']:.0e}", f"{r['eigh_error']:.1e}",
+                 r["by_rank"], r["fallback"], f"{r['noise']:.0e}", f"{r['eigh_error']:.1e}",
                  f"{r['newton_error']:.1e}"]
                 for r in res["sizes"]]
         out.append(f"\n{dtype} factors, eps {result['epsilon']:g}, "
@@ -219,13 +239,14 @@ def report(result: dict[str, Any], markdown: bool) -> str:
                    f"{result['tolerance']:g}, check every {result['check_every'][0]}:\n")
         out.append(format_table(
             ["size", "p", "count", "eigh ms", "newton ms", "speed-up", "iterations",
-             "host reads", "fallback", "u·λmax/ε", "eigh err", "newton err"], rows, markdown))
+             "host reads", "by rank", "fallback", "u·λmax/ε", "eigh err", "newton err"], rows,
+            markdown))
         whole = res["all"]
         sweep = [[s["check_every"], s["newton_ms"], whole["eigh_ms"] / s["newton_ms"],
                   s["host_reads"], s["iterations"], s["matrix_iterations"], s["fallback"]]
                  for s in whole["newton"]]
-        out.append(f"\nall {whole['count']} {dtype} factors in one call: eigh "
-                   f"{whole['eigh_ms']:.1f} ms; Newton:\n")
+        out.append(f"\nall {whole['count']} {dtype} factors in one call ({whole['by_rank']} "
+                   f"by rank to eigh): eigh {whole['eigh_ms']:.1f} ms; Newton:\n")
         out.append(format_table(["check every", "newton ms", "speed-up", "host reads",
                                  "iterations", "matrix-iterations", "fallback"], sweep,
                                 markdown))
@@ -254,6 +275,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tolerance", type=float, default=NewtonRoots().tolerance)
     parser.add_argument("--max-iterations", type=int, default=NewtonRoots().max_iterations)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rank-bounds", action=argparse.BooleanOptionalAction, default=True,
+                        help="give each request its factors' rank bound, as Shampoo does "
+                             "(float32 factors known rank-deficient skip Newton; default on)")
     parser.add_argument("--quick", action="store_true",
                         help="--max-size 256 --per-size 2 --repeats 1 (a CPU dry run)")
     parser.add_argument("--markdown", action="store_true")

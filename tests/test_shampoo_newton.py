@@ -198,6 +198,47 @@ def test_indefinite_factor_diverges_and_is_given_up_early() -> None:
     assert torch.equal(result.roots, eigen.roots)
 
 
+def test_float32_factors_rank_deficient_by_shape_skip_the_iteration() -> None:
+    """A float32 factor whose rank bound is below its size goes to eigh without an
+    iteration (no host read of Newton's); in float64, or without a bound, it iterates."""
+    f = torch.stack([gram(16, 4, seed=s) for s in range(2)])
+    eigen = inverse_roots([RootRequest(f.float(), 1.0, 2.0, 1e-12)])
+    (skipped,), run = newton_inverse_roots([RootRequest(f.float(), 1.0, 2.0, 1e-12, 4)],
+                                           NewtonRoots())
+    assert run.host_reads == 0 and run.outcomes == []
+    assert torch.equal(skipped.roots, eigen[0].roots)
+    for request in (RootRequest(f, 1.0, 2.0, 1e-12, 4),
+                    RootRequest(f.float(), 1.0, 2.0, 1e-3, 16),
+                    RootRequest(f.float(), 1.0, 2.0, 1e-3)):
+        _, run = newton_inverse_roots([request], NewtonRoots())
+        assert run.host_reads > 0 and len(run.outcomes) == 1
+
+
+def test_shampoo_requests_carry_the_rank_bound_of_their_blocks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A (3, 8) block at step t: its 3x3 factor sums t products of 8 columns, its 8x8 one
+    t products of 3 columns; a (5,) block: t products of one column."""
+    import kfac_hpc.shampoo.optimizer as optimizer
+
+    seen: list[list[tuple[int, int | None]]] = []
+    real = optimizer.root_requests
+
+    def spy(st: Any, hp: Any) -> list[RootRequest]:
+        requests = real(st, hp)
+        seen.append([(r.factors.shape[-1], r.rank_bound) for r in requests])
+        return requests
+
+    monkeypatch.setattr(optimizer, "root_requests", spy)
+    w, b = nn.Parameter(torch.zeros(3, 8)), nn.Parameter(torch.zeros(5))
+    opt = DistributedShampoo([w, b], precondition_frequency=2, max_preconditioner_dim=8,
+                             root_method=NewtonRoots())
+    for _ in range(3):  # roots at steps 1 and 3
+        w.grad, b.grad = torch.randn(3, 8), torch.randn(5)
+        opt.step()
+    assert sorted(map(sorted, seen)) == [[(3, 8), (8, 3)], [(3, 24), (8, 9)], [(5, 1)],
+                                         [(5, 3)]]
+
+
 def _failing_eigh(a: Tensor, *args: object, **kwargs: object) -> Any:
     raise torch.linalg.LinAlgError("injected failure")
 

@@ -37,6 +37,7 @@ products sum in another order than their one-block counterparts: ~1e-16 relative
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -233,8 +234,11 @@ def root_requests(st: RunStep, hp: BlockHyper) -> list[RootRequest]:
     """
     t = st.run.step
     correction = 1.0 - hp.beta2**t if hp.use_bias_correction and hp.beta2 < 1.0 else 1.0
-    order = len(st.run.stack.shape)
-    return [RootRequest(factor, correction, 2.0 * order, hp.epsilon) for factor in st.factors()]
+    shape = st.run.stack.shape
+    numel = math.prod(shape)
+    # factor i sums t products X_(i)X_(i)ᵀ of numel/d_i columns: rank <= t·numel/d_i
+    return [RootRequest(factor, correction, 2.0 * len(shape), hp.epsilon,
+                        rank_bound=t * (numel // d)) for factor, d in zip(st.factors(), shape)]
 
 
 def install_roots(st: RunStep, results: Sequence[RootResult], hp: BlockHyper) -> None:

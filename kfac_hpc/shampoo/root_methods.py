@@ -82,8 +82,10 @@ class NewtonRoots:
     ``1e-7·λ_max`` matter (rank-deficient, with ``ε`` under float32's resolution of
     ``λ_max``, as with the default ``ε = 1e-12``) is indefinite as stored: the iteration
     diverges there and such factors take the eigen path (which clamps the negative
-    eigenvalues to 0). Newton pays where ``ε`` is within float32's reach of the
-    factors' scale, or with float64 factors.
+    eigenvalues to 0). Those known to be rank-deficient from their shapes and step
+    count (Shampoo's 1-D blocks before ``d`` steps, blocks wider than tall at their
+    first root steps) take it without iterating. Newton pays where ``ε`` is within
+    float32's reach of the factors' scale, or with float64 factors.
 
     Attributes:
         max_iterations: Iterations before a matrix is handed to the eigen path (>= 1).

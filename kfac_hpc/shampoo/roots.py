@@ -19,7 +19,12 @@ With ``method=NewtonRoots(...)`` (:mod:`.root_methods`) :func:`inverse_roots` ru
 coupled inverse Newton iteration instead (:mod:`.newton`), one batched iteration per
 (size, dtype, device, p) over all requests; the matrices it does not converge on (and
 requests whose ``p`` is not a positive integer) take the eigen path above, so every
-root is either Newton's, within its tolerance, or :func:`inverse_root`'s.
+root is either Newton's, within its tolerance, or :func:`inverse_root`'s. float32
+factors whose ``rank_bound`` is below their size take the eigen path directly: with an
+ε below float32's resolution of the factor (1e-12, the default, is) their null
+eigenvalues are rounding noise of either sign, the iteration would diverge on the
+negative ones and hand them over ~20 iterations later (Shampoo's 1-D blocks before ``d``
+steps, and blocks wider than tall at their first root steps).
 """
 
 from __future__ import annotations
@@ -104,12 +109,22 @@ class RootRequest:
     """Stacked factors ``(n, d, d)`` whose roots ``(F / correction + εI)^(-1/p)`` are wanted.
 
     Non-finite entries count as 0 (their statistics are reported failed).
+
+    Attributes:
+        factors: The stacked factors.
+        correction: They are divided by it (bias correction).
+        p: The root's order.
+        epsilon: Added to the eigenvalues.
+        rank_bound: An upper bound of every factor's rank known from shapes (a sum of
+            ``t`` products ``X Xᵀ`` with ``k`` columns has rank at most ``t·k``), or None.
+            Below ``d`` a float32 factor skips the Newton iteration (module docstring).
     """
 
     factors: Tensor
     correction: float
     p: float
     epsilon: float
+    rank_bound: int | None = None
 
 
 @dataclass(frozen=True)
@@ -266,6 +281,12 @@ def _integral_order(p: float) -> int | None:
     return int(p) if float(p).is_integer() and p >= 1 else None
 
 
+def _deficient_float32(request: RootRequest) -> bool:
+    """Whether the request's factors are float32 and known to be rank-deficient."""
+    bound, f = request.rank_bound, request.factors
+    return f.dtype == torch.float32 and bound is not None and bound < f.shape[-1]
+
+
 def newton_inverse_roots(requests: Sequence[RootRequest], method: NewtonRoots, *,
                          placement: SolvePlacement = DEFAULT_PLACEMENT
                          ) -> tuple[list[RootResult], NewtonRun]:
@@ -274,8 +295,9 @@ def newton_inverse_roots(requests: Sequence[RootRequest], method: NewtonRoots, *
     The requests are grouped by (size, dtype, device, p); each group's matrices
     (divided by their corrections, non-finite entries zeroed, as for the eigen path)
     are one :class:`~kfac_hpc.shampoo.newton.NewtonBatch`. Matrices the iteration gives
-    up on, and requests with a ``p`` that is not a positive integer, are computed by
-    the eigen path (:func:`inverse_roots`' default, float64 retry included), batched.
+    up on, requests with a ``p`` that is not a positive integer and float32 requests
+    whose ``rank_bound`` is below their size are computed by the eigen path
+    (:func:`inverse_roots`' default, float64 retry included), batched.
 
     Args:
         requests: The batches of factors.
@@ -293,7 +315,7 @@ def newton_inverse_roots(requests: Sequence[RootRequest], method: NewtonRoots, *
     eigen_only: list[int] = []
     for k, request in enumerate(requests):
         f, order = request.factors, _integral_order(request.p)
-        if order is None or f.shape[0] == 0:
+        if order is None or f.shape[0] == 0 or _deficient_float32(request):
             eigen_only.append(k)
         else:
             by_kind.setdefault((f.shape[-1], f.dtype, f.device, order), []).append(k)
