@@ -24,7 +24,7 @@ raises after the agreement (:func:`kfac_hpc.kfac.agree.raise_failed_decompositio
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, cast
 
@@ -54,7 +54,7 @@ log = logging.getLogger("kfac_hpc")
 
 __all__ = ["Decomposer", "EigenDecomposer", "EigenSolve", "Failures", "Held",
            "InverseDecomposer", "InverseSolve", "LayerSolve", "LowRankDecomposer",
-           "make_decomposer", "message_numel"]
+           "StackedEigenSolve", "StackedSolve", "make_decomposer", "message_numel"]
 
 Held = dict[str, Tensor]  # a kept decomposition by part name: {"Q", "lambda"}, {"inv"}, ...
 Failures = dict[FactorKey, BaseException]
@@ -77,6 +77,32 @@ class LayerSolve(Protocol):
         ...
 
 
+class StackedSolve(Protocol):
+    """The preconditioning of a stack of same-shape layers: ``solve(grads)``.
+
+    Built from the layers' decompositions and the damping; calling it does the
+    gradients' batched GEMMs and element-wise products only.
+    """
+
+    @property
+    def damping(self) -> float:
+        """The damping it was built with."""
+        ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes it holds (its stacked operands: copies of the decompositions)."""
+        ...
+
+    def __call__(self, grads: Tensor) -> Tensor:
+        """The preconditioned gradients of ``grads`` (``n x g_dim x a_dim``)."""
+        ...
+
+    def redamped(self, damping: float) -> StackedSolve:
+        """The same stack with another damping (what depends on the damping rebuilt)."""
+        ...
+
+
 @dataclass(frozen=True)
 class EigenSolve:
     """:func:`~kfac_hpc.kfac.linalg.precondition_eigen` (four GEMMs) with its operands."""
@@ -94,6 +120,67 @@ class EigenSolve:
         """``Q_G [(Q_Gᵀ ∇W̄ Q_A) / (λ_G λ_Aᵀ + γ)] Q_Aᵀ``."""
         return linalg.precondition_eigen(grad, self.qa, self.la, self.qg, self.lg,
                                          self.damping, self.precision)
+
+
+@dataclass(frozen=True)
+class StackedEigenSolve:
+    """:func:`~kfac_hpc.kfac.linalg.precondition_eigen_stacked` with its stacked operands.
+
+    The eigenbases of ``n`` layers of one shape stacked (``qa``: ``n x a x a``, ``qg``:
+    ``n x g x g``), their eigenvalues (``la``: ``n x a``, ``lg``: ``n x g``) and the
+    denominators ``λ_G λ_Aᵀ + γ`` (``n x g x a``): four batched GEMMs and one division
+    per call. :meth:`build` makes the held decompositions views of the stacks, so only
+    the denominators are held beyond them.
+    """
+
+    qa: Tensor
+    la: Tensor
+    qg: Tensor
+    lg: Tensor
+    denominators: Tensor
+    damping: float
+    precision: MatmulPrecision
+
+    @classmethod
+    def build(cls, pairs: Sequence[tuple[Held, Held]], damping: float,
+              precision: MatmulPrecision) -> StackedEigenSolve:
+        """Stack the full eigendecompositions of ``pairs`` (``(A, G)`` per layer).
+
+        Each held ``Q`` and ``lambda`` of ``pairs`` is replaced by its view of the
+        stack (the same values: one copy of the eigenbases is kept, not two).
+
+        Args:
+            pairs: Each layer's held decompositions of ``A`` and ``G`` (one shape).
+            damping: The damping ``γ``.
+            precision: The operand precision of the GEMMs.
+
+        Returns:
+            The stacked solve.
+        """
+        parts = (Part.Q.value, Part.LAMBDA.value)
+        qa, la, qg, lg = (torch.stack([pair[side][part] for pair in pairs])
+                          for side in (0, 1) for part in parts)
+        for i, (a, g) in enumerate(pairs):
+            a.update(zip(parts, (qa[i], la[i])))
+            g.update(zip(parts, (qg[i], lg[i])))
+        return cls(qa, la, qg, lg, linalg.eigen_denominators(lg, la, damping), damping,
+                   precision)
+
+    @property
+    def nbytes(self) -> int:
+        """The denominators (the stacked bases and eigenvalues are the decompositions)."""
+        return self.denominators.numel() * self.denominators.element_size()
+
+    def __call__(self, grads: Tensor) -> Tensor:
+        """``Q_G [(Q_Gᵀ ∇W̄ Q_A) / (λ_G λ_Aᵀ + γ)] Q_Aᵀ`` of every layer of the stack."""
+        return linalg.precondition_eigen_stacked(grads, self.qa, self.qg, self.denominators,
+                                                 self.precision)
+
+    def redamped(self, damping: float) -> StackedEigenSolve:
+        """The same bases with the denominators of ``damping``."""
+        return StackedEigenSolve(self.qa, self.la, self.qg, self.lg,
+                                 linalg.eigen_denominators(self.lg, self.la, damping),
+                                 damping, self.precision)
 
 
 @dataclass(frozen=True)
@@ -161,6 +248,23 @@ class Decomposer(Protocol):
 
         Returns:
             The solve (everything that does not depend on the gradient done).
+        """
+        ...
+
+    def solve_stack(self, pairs: Sequence[tuple[Held, Held]], damping: float
+                    ) -> StackedSolve | None:
+        """What preconditions several layers of one shape together, if this method can.
+
+        Args:
+            pairs: Each layer's held decompositions ``(A, G)``; the layers share
+                ``g_dim``, ``a_dim`` and dtype.
+            damping: The damping ``γ``.
+
+        Returns:
+            The stacked solve, or ``None`` where these decompositions are not stacked
+            (the layers are then preconditioned one by one). Where it stacks parts of
+            the decompositions it may replace them in ``pairs`` by views of the stack
+            (the same values, held once).
         """
         ...
 
@@ -266,6 +370,11 @@ class _Full:
         return {part.value: own_copy(pieces[PieceKey(key, part)].view(
             (n,) if part is Part.LAMBDA else (n, n))) for part, _ in self.parts(n)}
 
+    def solve_stack(self, pairs: Sequence[tuple[Held, Held]], damping: float
+                    ) -> StackedSolve | None:
+        """Not stacked (eigen stacks full eigendecompositions, :class:`EigenDecomposer`)."""
+        return None
+
     def stored(self, held: Held) -> dict[str, Tensor]:
         """The kept parts themselves."""
         return dict(held)
@@ -351,6 +460,23 @@ class EigenDecomposer(_Full):
     def solve(self, a: Held, g: Held, damping: float) -> LayerSolve:
         """:class:`EigenSolve` (nothing to compute ahead)."""
         return EigenSolve(a["Q"], a["lambda"], g["Q"], g["lambda"], damping, self.precision)
+
+    def solve_stack(self, pairs: Sequence[tuple[Held, Held]], damping: float
+                    ) -> StackedSolve | None:
+        """:class:`StackedEigenSolve` of full eigendecompositions of one shape and dtype.
+
+        ``None`` where a decomposition is not a full one (``{"Q", "lambda"}`` with a
+        square ``Q``: a low-rank factor) or the layers' shapes or dtypes differ.
+        """
+        for side in (0, 1):
+            helds = [pair[side] for pair in pairs]
+            if any(set(held) != {Part.Q.value, Part.LAMBDA.value} for held in helds):
+                return None
+            forms = {(tuple(held[Part.Q.value].shape), held[Part.Q.value].dtype)
+                     for held in helds}
+            if len(forms) != 1 or len(set(next(iter(forms))[0])) != 1:
+                return None  # shapes or dtypes differ, or Q is not square
+        return StackedEigenSolve.build(pairs, damping, self.precision)
 
 
 class InverseDecomposer(_Full):

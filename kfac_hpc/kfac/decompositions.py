@@ -13,7 +13,12 @@ What preconditions a layer given its decompositions and the damping
 scaled bases and core) is built at the layer's first step after an installation and
 kept (:meth:`Decompositions.solve`) until the decompositions are replaced (an inverse
 update, a restore, a load) or the damping changes: steps between inverse updates do
-only the gradient's GEMMs and products. It is derived state, never stored.
+only the gradient's GEMMs and products. It is derived state, never stored. Layers of
+one shape preconditioned together keep one stacked solve
+(:meth:`Decompositions.stacked_solve`, :class:`~kfac_hpc.kfac.decomposer.StackedSolve`:
+their eigenbases stacked once per installation, and then held only there: the layers'
+decompositions become views of the stacks; the denominators once per damping) under
+the same rules.
 
 When a renewal is computed is a plug-in (:class:`Renewal`), chosen once from
 ``decomposition_lag``: :class:`InStep` decomposes in the inverse step;
@@ -23,7 +28,7 @@ When a renewal is computed is a plug-in (:class:`Renewal`), chosen once from
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -32,7 +37,7 @@ from torch import Tensor
 from kfac_hpc.comm import Communicator
 from kfac_hpc.kfac.agree import agree, decomposition_failure
 from kfac_hpc.kfac.background import BackgroundJob, Decomposed
-from kfac_hpc.kfac.decomposer import Decomposer, Failures, Held, LayerSolve
+from kfac_hpc.kfac.decomposer import Decomposer, Failures, Held, LayerSolve, StackedSolve
 from kfac_hpc.kfac.exchange import Part, Piece, PieceKey
 from kfac_hpc.kfac.exchanges import DecompositionExchange
 from kfac_hpc.kfac.factor_store import FactorState, FactorStore
@@ -61,6 +66,8 @@ class Decompositions:
         self.store, self.local = store, local
         self._held: dict[FactorKey, Held] = {}
         self._solves: dict[str, tuple[float, LayerSolve]] = {}  # by layer: (damping, solve)
+        # by stack of layers: the stacked solve, or None where they are not stacked
+        self._stacks: dict[tuple[str, ...], StackedSolve | None] = {}
         self.decomposed_at: int | None = None  # the step of the last installation
         self.restored: dict[PieceKey, Tensor] | None = None  # loaded (owned), to restore
         self.phase_timer: PhaseTimer | None = None  # times the decomposition phases
@@ -74,7 +81,12 @@ class Decompositions:
     def held(self, held: dict[FactorKey, Held]) -> None:
         """Replace the decompositions held; the solves built from the old ones go."""
         self._held = held
+        self._forget_solves()
+
+    def _forget_solves(self) -> None:
+        """Drop what was built from the decompositions held before."""
         self._solves.clear()
+        self._stacks.clear()
 
     def solve(self, layer: str, damping: float) -> LayerSolve | None:
         """Return what preconditions ``layer`` with the held decompositions and ``damping``.
@@ -97,6 +109,37 @@ class Decompositions:
             return None
         solve = self.decomposer.solve(a, g, damping)
         self._solves[layer] = (damping, solve)
+        return solve
+
+    def stacked_solve(self, layers: Sequence[str], damping: float) -> StackedSolve | None:
+        """Return what preconditions ``layers`` (one shape) together with ``damping``.
+
+        Built by the decomposer on first use (the decompositions stacked) and kept until
+        the decompositions are replaced; a different damping rebuilds only what depends
+        on it (:meth:`~kfac_hpc.kfac.decomposer.StackedSolve.redamped`).
+
+        Args:
+            layers: The layers' names (two or more, one gradient shape).
+            damping: This step's damping.
+
+        Returns:
+            The stacked solve, or ``None`` when a factor of the layers has no
+            decomposition or the decomposer does not stack them (low rank, inverse):
+            the caller preconditions them one by one (:meth:`solve`).
+        """
+        key = tuple(layers)
+        if key in self._stacks:
+            kept = self._stacks[key]
+            if kept is None or kept.damping == damping:
+                return kept
+            solve: StackedSolve | None = kept.redamped(damping)
+        else:
+            pairs = [(self._held.get(FactorKey(name, "A")), self._held.get(FactorKey(name, "G")))
+                     for name in key]
+            solve = None if any(a is None or g is None for a, g in pairs) else \
+                self.decomposer.solve_stack([(a, g) for a, g in pairs
+                                             if a is not None and g is not None], damping)
+        self._stacks[key] = solve
         return solve
 
     def states(self, local: bool, states: Mapping[FactorKey, FactorState] | None = None
@@ -271,7 +314,7 @@ class Decompositions:
                 else:
                     restored.update(pieces)
         self.decomposed_at = None  # restored or recomputed at the next step
-        self._solves.clear()  # rebuilt from whatever is installed next
+        self._forget_solves()  # rebuilt from whatever is installed next
         # restoring is a collective path: decided together (a rank that owns nothing
         # has no decompositions of its own to restore)
         self.restored = restored if self.comm.any(bool(restored)) else None
@@ -283,8 +326,13 @@ class Decompositions:
                    for parts in self.held.values() for t in parts.values())
 
     def solve_bytes(self) -> int:
-        """Bytes the kept solves hold beyond the decompositions (low rank: scaled bases)."""
-        return sum(solve.nbytes for _, solve in self._solves.values())
+        """Bytes the kept solves hold beyond the decompositions.
+
+        Low rank: scaled bases and cores; stacks: their denominators (the held
+        decompositions are views of the stacked bases).
+        """
+        return sum(solve.nbytes for _, solve in self._solves.values()) + sum(
+            stack.nbytes for stack in self._stacks.values() if stack is not None)
 
 
 class Renewal(Protocol):

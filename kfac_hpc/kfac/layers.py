@@ -310,16 +310,65 @@ class LayerCurvature(ABC):
         Existing ``.grad`` tensors are updated in place (``copy_``, keeping their dtype);
         a missing one is created in the parameter's dtype.
         """
+        for param, value in self.grad_targets(matrix):
+            _write_grad(param, value)
+
+    def grad_targets(self, matrix: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """The parameters ``matrix`` (``(g_dim, a_dim)``) is written to, each with its part.
+
+        Each part is a view of ``matrix``, reshaped to the parameter's shape, so
+        ``param.grad.copy_(part)`` is :meth:`set_grad` (several layers' writes can be one
+        multi-tensor copy).
+
+        Args:
+            matrix: A preconditioned gradient of this layer.
+
+        Returns:
+            ``[(weight, part), (bias, part)]`` (without bias: the weight's only).
+        """
         if tuple(matrix.shape) != (self.g_dim, self.a_dim):
             raise ValueError(
                 f"set_grad expects shape {(self.g_dim, self.a_dim)}, got {tuple(matrix.shape)}"
             )
         matrix = matrix.detach()
         weight: Tensor = self.module.weight  # type: ignore[assignment]
-        _write_grad(weight, matrix[:, : self.weight_cols])
+        out = [(weight, matrix[:, : self.weight_cols].reshape(weight.shape))]
         if self.has_bias:
             bias: Tensor = self.module.bias  # type: ignore[assignment]
-            _write_grad(bias, matrix[:, self.weight_cols])
+            out.append((bias, matrix[:, self.weight_cols]))
+        return out
+
+    def grad_blocks(self) -> list[Tensor | None]:
+        """``∇W̄``'s column blocks as the ``.grad`` fields hold them (views, no copy).
+
+        ``torch.cat(blocks, dim=1)`` is :meth:`grad_matrix` in the weight's dtype; a
+        missing ``.grad`` is ``None`` (zeros in ``∇W̄``). Blocks of layers with the same
+        :meth:`grad_layout` stack.
+
+        Returns:
+            The weight's ``(g_dim, weight_cols)`` and, with bias, the bias's ``(g_dim, 1)``.
+        """
+        weight: Tensor = self.module.weight  # type: ignore[assignment]
+        wg = weight.grad
+        out = [None if wg is None else wg.detach().reshape(self.g_dim, self.weight_cols)]
+        if self.has_bias:
+            bias: Tensor = self.module.bias  # type: ignore[assignment]
+            bg = bias.grad
+            out.append(None if bg is None else bg.detach().reshape(self.g_dim, 1))
+        return out
+
+    @property
+    def block_widths(self) -> tuple[int, ...]:
+        """The widths of :meth:`grad_blocks` (weight, bias)."""
+        return (self.weight_cols, 1) if self.has_bias else (self.weight_cols,)
+
+    def grad_layout(self) -> tuple[object, ...]:
+        """What :meth:`grad_blocks` look like: equal for layers whose gradients stack.
+
+        Returns:
+            ``g_dim``, ``a_dim``, each block's width, and the weight's dtype.
+        """
+        return (self.g_dim, self.a_dim, self.block_widths, self.module.weight.dtype)
 
     def __repr__(self) -> str:
         """Show the class, the factor dimensions and the approximation."""
@@ -619,13 +668,24 @@ class EmbeddingCurvature(_OutputsOverPositions):
             raise ValueError("K-FAC needs dense Embedding gradients (sparse=False)")
         return inner64(matrix, _as(wg.detach().t(), matrix.dtype))
 
-    def set_grad(self, matrix: Tensor) -> None:
-        """Write ``matrixᵀ`` to ``weight.grad`` (``matrix``: ``(g_dim, a_dim)``)."""
+    def grad_targets(self, matrix: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """``[(weight, matrixᵀ)]``: ``set_grad`` writes ``matrixᵀ`` to ``weight.grad``."""
         if tuple(matrix.shape) != (self.g_dim, self.a_dim):
             raise ValueError(
                 f"set_grad expects shape {(self.g_dim, self.a_dim)}, got {tuple(matrix.shape)}"
             )
-        _write_grad(self.module.weight, matrix.detach().t())
+        return [(self.module.weight, matrix.detach().t())]
+
+    def grad_blocks(self) -> list[Tensor | None]:
+        """``[(∇W)ᵀ]`` (a view; ``None`` without ``.grad``)."""
+        wg = self.module.weight.grad
+        if wg is not None and wg.is_sparse:
+            raise ValueError("K-FAC needs dense Embedding gradients (sparse=False)")
+        return [None if wg is None else wg.detach().t()]
+
+    def grad_layout(self) -> tuple[object, ...]:
+        """``g_dim``, ``a_dim``, one block, the weight's dtype (and: transposed)."""
+        return (*super().grad_layout(), "transposed")
 
 
 def unsupported_reason(module: nn.Module) -> str | None:

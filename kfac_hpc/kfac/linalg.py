@@ -32,6 +32,7 @@ __all__ = [
     "damped_inverse",
     "damped_inverse_many",
     "default_gram_blocks",
+    "eigen_denominators",
     "eigh_clamped",
     "eigh_clamped_many",
     "inner64",
@@ -40,6 +41,7 @@ __all__ = [
     "kl_clip_scale",
     "mirror_upper",
     "precondition_eigen",
+    "precondition_eigen_stacked",
     "precondition_inverse",
     "refresh_eigenbases",
     "symmetric_gram_",
@@ -408,6 +410,32 @@ def precondition_eigen(
         v.div_(torch.outer(lg, la).add_(damping))
         out = matmul(matmul(qg, v, precision), qa.t(), precision)
         return out if out.dtype == grad.dtype else out.to(grad.dtype)
+
+
+def eigen_denominators(lg: Tensor, la: Tensor, damping: float) -> Tensor:
+    """``λ_G λ_Aᵀ + damping`` of a stack of layers: ``(n, g_dim, a_dim)``.
+
+    ``lg`` is ``(n, g_dim)``, ``la`` ``(n, a_dim)``; each entry is the one product and
+    sum of :func:`precondition_eigen`'s ``outer(λ_G, λ_A) + damping`` (the same numbers).
+    """
+    return (lg[:, :, None] * la[:, None, :]).add_(damping)
+
+
+def precondition_eigen_stacked(
+    grads: Tensor, qa: Tensor, qg: Tensor, denominators: Tensor,
+    precision: MatmulPrecision = "full",
+) -> Tensor:
+    """:func:`precondition_eigen` of ``n`` layers of one shape: four batched GEMMs, one division.
+
+    ``grads`` is ``(n, g_dim, a_dim)`` in the eigenbases' dtype, ``qa`` ``(n, a_dim,
+    a_dim)``, ``qg`` ``(n, g_dim, g_dim)``, ``denominators`` from
+    :func:`eigen_denominators`. Layer ``i`` of the result is ``precondition_eigen`` of
+    layer ``i``'s operands up to the summation order of the batched GEMMs.
+    """
+    with _no_autocast(grads):
+        v = matmul(matmul(qg.mT, grads, precision), qa, precision)
+        v.div_(denominators)
+        return matmul(matmul(qg, v, precision), qa.mT, precision)
 
 
 def damped_inverse(F: Tensor, damping: float, dtype: torch.dtype | None = None) -> Tensor:

@@ -11,8 +11,9 @@ One step, as the algorithm reads (docs/design.md, "Data flow of one step"):
                      inside the layer's gradient-worker group
                      (:class:`~kfac_hpc.kfac.decompositions.Decompositions`; now, or in
                      the background with ``decomposition_lag``);
-3. precondition   — gradient workers precondition their layers; the results are
-                     broadcast inside receiver groups
+3. precondition   — gradient workers precondition their layers (on CUDA the layers
+                     of one gradient shape as one stack, :mod:`kfac_hpc.kfac.stacked`);
+                     the results are broadcast inside receiver groups
                      (:class:`~kfac_hpc.kfac.exchanges.GradientExchange`);
 4. KL clipping    — every rank scales all preconditioned gradients by the same ν.
 
@@ -40,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from kfac_hpc.comm import Communicator, replicas, world
-from kfac_hpc.kfac import linalg
+from kfac_hpc.kfac import linalg, stacked
 from kfac_hpc.kfac.config import KFACConfig, batch_shape, dtype_name
 from kfac_hpc.kfac.decomposer import Decomposer, make_decomposer
 from kfac_hpc.kfac.decompositions import Decompositions, Renewal, make_renewal
@@ -84,6 +85,7 @@ from kfac_hpc.kfac.placement import (
     work_per_step,
 )
 from kfac_hpc.kfac.shapes import rows_per_sample
+from kfac_hpc.kfac.stacked import Stack, stack_grads, stack_groups, write_grads
 from kfac_hpc.kfac.state import KFACStateDict
 from kfac_hpc.phases import Phase, PhaseTimer, timed
 from kfac_hpc.solves import DEFAULT_HOST_MAX_DIM
@@ -291,6 +293,7 @@ class KFACPreconditioner:
                                                   dtype=cfg.inv_dtype, device=self.device)
         self.replica_exchange = ReplicaExchange(self.worker_comm, self.placement, self.dims,
                                                 self.comm.rank)
+        self.stack_groups = self._stack_groups()
 
     def _factor_parts(self) -> tuple[FactorStore, FactorPipeline | None, FactorUpdate]:
         """Build the factor side: the store, ``overlap``'s pipeline, the factor update."""
@@ -331,6 +334,18 @@ class KFACPreconditioner:
                                              device=self.device),
             decomposer, self.store, self.placement.local_factors)
         return decomposer, decompositions, make_renewal(cfg.decomposition_lag, self.device)
+
+    def _stack_groups(self) -> list[tuple[str, ...]]:
+        """This rank's layers preconditioned as stacks, by gradient layout.
+
+        Only on the device types of :data:`~kfac_hpc.kfac.stacked.STACKED_DEVICES`; a
+        group whose decompositions the decomposer does not stack (low rank, inverse)
+        is preconditioned layer by layer at each step.
+        """
+        if self.device.type not in stacked.STACKED_DEVICES:
+            return []
+        return stack_groups({n: c for n, c in self.layers.items()
+                             if self.placement.is_grad_worker(n, self.comm.rank)})
 
     def _pipeline(self) -> FactorPipeline:
         """``overlap``'s buckets of non-local factors in the order the hooks fill them."""
@@ -390,8 +405,10 @@ class KFACPreconditioner:
         if self._is_factor_step(k):
             self.factor_update.update(k, self.schedules.factor_decay(k))
         self._renew_decompositions(k)
-        updates = self.gradient_exchange.share(self._precondition_my_layers(k))
-        self._apply(updates, k)
+        mine, stacks = self._precondition_my_layers(k)
+        updates = self.gradient_exchange.share(mine)
+        # the stacks are this step's updates themselves unless the exchange copied them
+        self._apply(updates, () if self.gradient_exchange.needed else stacks, k)
         self.steps += 1
 
     # ----------------------------------------------------------- decompositions
@@ -414,39 +431,73 @@ class KFACPreconditioner:
 
     # ------------------------------------------------------------ preconditioning
     @timed(Phase.KFAC_PRECONDITION)
-    def _precondition_my_layers(self, k: int) -> dict[str, Tensor]:
-        """The preconditioned gradients of the layers this rank is a gradient worker of."""
+    def _precondition_my_layers(self, k: int) -> tuple[dict[str, Tensor], list[Stack]]:
+        """The preconditioned gradients of the layers this rank is a gradient worker of.
+
+        Layers without a weight gradient this step are skipped. The layers of a stack
+        group (:attr:`stack_groups`) are preconditioned together where the decomposer
+        stacks their decompositions; the others, and every layer elsewhere, one by one.
+
+        Returns:
+            The gradients by layer in model order (a stacked layer's is a view of its
+            stack), and the stacks.
+        """
         damping = self.schedules.damping(k)
+        dtype = self.options.inv_dtype
         out: dict[str, Tensor] = {}
+        stacks: list[Stack] = []
+        done: set[str] = set()
+        for group in self.stack_groups:
+            present = [self.layers[n].module.weight.grad is not None for n in group]
+            joint = self.decomps.stacked_solve(group, damping) if any(present) else None
+            if joint is None:  # layer by layer below
+                continue
+            grads = stack_grads([self.layers[n] for n in group], dtype)
+            stack = Stack(group, joint(grads), grads)
+            stacks.append(stack)
+            out.update((n, stack.values[i]) for i, n in enumerate(group) if present[i])
+            done.update(group)
         for name, curv in self.layers.items():
-            if not self.placement.is_grad_worker(name, self.comm.rank) \
+            if name in done or not self.placement.is_grad_worker(name, self.comm.rank) \
                     or curv.module.weight.grad is None:
                 continue
             solve = self.decomps.solve(name, damping)  # kept between inverse updates
             if solve is not None:
-                out[name] = solve(curv.grad_matrix(self.options.inv_dtype))
-        return out
+                out[name] = solve(curv.grad_matrix(dtype))
+        return ({name: out[name] for name in self.layers if name in out} if stacks else out,
+                stacks)
 
-    def _apply(self, updates: Mapping[str, Tensor], k: int) -> None:
+    def _apply(self, updates: Mapping[str, Tensor], stacks: Iterable[Stack], k: int) -> None:
         """Clip by KL and write the preconditioned gradients to ``.grad``.
 
         Every rank scales all preconditioned gradients by the same ν
         (:func:`~kfac_hpc.kfac.linalg.kl_clip_factor`: on a GPU computed and applied on
-        the device, no host sync; one multi-tensor multiply) and writes them to ``.grad``.
+        the device, no host sync; one multi-tensor multiply) and writes them to ``.grad``
+        (one multi-tensor copy). ``Σ ⟨V, ∇W̄⟩`` is one float64 product and sum per
+        stack (``stacks``: of this step's ``updates``), one per layer elsewhere.
         """
+        stacks = list(stacks)
+        of_stack = {name: i for i, stack in enumerate(stacks) for name in stack.layers}
         kl_clip = None if self.schedules.kl_clip is None else self.schedules.kl_clip(k)
         inner: Tensor | None = None  # Σ ⟨V, ∇W̄⟩ in float64, read from .grad directly
         if kl_clip is not None:
+            counted: set[int] = set()  # the stacks summed (at their first layer)
             for name, v in updates.items():
-                term = self.layers[name].grad_dot(v)
+                i = of_stack.get(name)
+                if i in counted:
+                    continue
+                if i is not None:
+                    counted.add(i)
+                term = stacks[i].inner64() if i is not None else self.layers[name].grad_dot(v)
                 if term is not None:
                     inner = term if inner is None else inner + term
         if inner is not None and kl_clip is not None:
             nu = linalg.kl_clip_factor(inner, self.schedules.lr(k), kl_clip)
             if isinstance(nu, Tensor) or nu != 1.0:
-                torch._foreach_mul_(list(updates.values()), nu)
-        for name, v in updates.items():
-            self.layers[name].set_grad(v)
+                torch._foreach_mul_([s.values for s in stacks] + [
+                    v for name, v in updates.items() if name not in of_stack], nu)
+        write_grads(pair for name, v in updates.items()
+                    for pair in self.layers[name].grad_targets(v))
 
     # ------------------------------------------------------------------ helpers
     def _check_device(self) -> None:
