@@ -413,3 +413,23 @@ def test_stale_step_kernels_follow_the_distinct_shapes() -> None:
     assert (len(pre.layers), len(pre.stack_groups)) == (105, 12)
     assert deeper.kernels == ops.kernels
     pre.close()
+
+
+def test_a_saved_state_holds_its_own_bytes(stacked_path: None) -> None:
+    """The held eigenbases of stacked layers are views of their stacks; ``state_dict()``
+    copies them out (the same values), so a saved factor does not carry its stack."""
+    model = Repeats()
+    pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF))
+    for x, y in batches(2):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        pre.step()
+    stored = pre.state_dict()["eigenbases"]
+    for name, parts in pre.decompositions.items():
+        for part, held in parts.items():
+            saved = stored[name][part]
+            assert torch.equal(saved, held)
+            assert saved.untyped_storage().nbytes() == saved.numel() * saved.element_size()
+    assert pre.decompositions["c3/A"]["Q"].untyped_storage().nbytes() \
+        == 2 * stored["c3/A"]["Q"].untyped_storage().nbytes()  # c3, c4: one stack
+    pre.close()

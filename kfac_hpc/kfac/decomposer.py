@@ -376,8 +376,13 @@ class _Full:
         return None
 
     def stored(self, held: Held) -> dict[str, Tensor]:
-        """The kept parts themselves."""
-        return dict(held)
+        """The kept parts, each in its own bytes.
+
+        A part that is a view of a stack (:class:`StackedEigenSolve`) is copied out, so
+        that a saved state holds the bytes of its own factors only.
+        """
+        return {name: t if t.untyped_storage().nbytes() == t.numel() * t.element_size()
+                else t.clone() for name, t in held.items()}
 
     def restorable(self, key: FactorKey, n: int, stored: Mapping[str, Tensor]
                    ) -> dict[PieceKey, Tensor] | None:
@@ -651,13 +656,14 @@ class LowRankDecomposer(EigenDecomposer):
         return lowrank_solve(_low_rank_factor(a), _low_rank_factor(g), damping)
 
     def stored(self, held: Held) -> dict[str, Tensor]:
-        """Low rank: ``{"Q" (d x k), "lambda" (k), "rho" (1), "rank" (1)}``."""
+        """Low rank: ``{"Q" (d x k), "lambda" (k), "rho" (1), "rank" (1)}``; else eigen's."""
+        if Part.RHO.value not in held:
+            return super().stored(held)
         parts = dict(held)
-        if Part.RHO.value in parts:
-            q = parts[Part.Q.value]
-            parts[Part.Q.value] = q.contiguous()
-            parts[Part.RANK.value] = torch.tensor([q.shape[1]], dtype=torch.int64,
-                                                  device=self.device)
+        q = parts[Part.Q.value]
+        parts[Part.Q.value] = q.contiguous()
+        parts[Part.RANK.value] = torch.tensor([q.shape[1]], dtype=torch.int64,
+                                              device=self.device)
         return parts
 
     def restorable(self, key: FactorKey, n: int, stored: Mapping[str, Tensor]
