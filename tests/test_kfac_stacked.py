@@ -146,11 +146,15 @@ def test_the_cpu_keeps_the_per_layer_path() -> None:
     pre.close()
 
 
-@pytest.mark.parametrize("kl_clip", [None, 1e-4], ids=["no-kl-clip", "kl-clip"])
+OPTIONS = [{"kl_clip": None}, {"kl_clip": 1e-4},
+           {"eigen_refresh": "subspace", "decomposition_lag": 1}]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=["no-kl-clip", "kl-clip", "subspace-lag"])
 def test_training_equals_the_per_layer_path(monkeypatch: pytest.MonkeyPatch,
-                                            kl_clip: float | None) -> None:
-    assert_same_training(monkeypatch, Communicator(MPI.COMM_SELF), "comm-opt",
-                         {"kl_clip": kl_clip})
+                                            options: dict[str, Any]) -> None:
+    """The subspace refresh starts from the held eigenbases: views of the stacks."""
+    assert_same_training(monkeypatch, Communicator(MPI.COMM_SELF), "comm-opt", options)
 
 
 def test_the_kl_clip_is_active_in_the_comparison(stacked_path: None) -> None:
