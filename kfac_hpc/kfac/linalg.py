@@ -23,7 +23,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from kfac_hpc.kfac.precision import MatmulPrecision, matmul
+from kfac_hpc.kfac.precision import MatmulPrecision, matmul, tf32_products
 from kfac_hpc.solves import DEFAULT_PLACEMENT, SolvePlacement, Solver, solve_batches, symmetric_eigh
 
 __all__ = [
@@ -135,9 +135,13 @@ def covariance(rows: Tensor, scale: float = 1.0, *,
             return full if scale == 1.0 else full.mul_(scale)
         gpu = uses_gpu_path(rows.device)
         alpha = scale / n if gpu else 0.5 * scale / n
-        if precision == "full" or rows.dtype != torch.float32:
-            # beta=0: the (broadcast) zero input is not read
-            m = torch.addmm(rows.new_zeros(()), rows.t(), rows, beta=0, alpha=alpha)
+        cuda_tf32 = precision == "tf32" and rows.device.type == "cuda"
+        if precision == "full" or rows.dtype != torch.float32 or cuda_tf32:
+            # the scaling in the GEMM's epilogue (alpha·acc rounded once, as a separate
+            # multiply of the same accumulator would be, without its pass over d×d);
+            # beta=0: the input is ignored, so an uninitialised scalar costs no fill
+            with tf32_products() if cuda_tf32 else contextlib.nullcontext():
+                m = torch.addmm(rows.new_empty(()), rows.t(), rows, beta=0, alpha=alpha)
         else:
             m = matmul(rows.t(), rows, precision).mul_(alpha)
         return m if gpu else torch.add(m, m.t())
