@@ -32,7 +32,10 @@ was not timed).
 A third table (``precondition``) times K-FAC's eigen preconditioning of every distinct
 ResNet-50 layer shape with its eigenbases column-major (as ``eigh`` returns them: one
 rank, and the owners), row-major (as other ranks receive them) and with the transposes
-kept as well: four GEMMs whose layouts follow the eigenbases'.
+kept as well: four GEMMs whose layouts follow the eigenbases'; and, for the shapes of
+two or more layers, one stacked call for all of them (the stacked path CUDA takes) in
+the library's product order and in the direct one. Its Σ row counts a stacked call once
+per shape and the single layers at "Q row-major".
 
 "now" names the layout the library has today for that shape (Shampoo: mode 0 of a
 block is ``x·xᵀ``, the other modes ``yᵀ·y``; K-FAC: ``yᵀ·y``), so the table's totals say
@@ -59,6 +62,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import format_table, machine, write_json
 
+from kfac_hpc.kfac import linalg
 from kfac_hpc.kfac.layers import register_layers
 from kfac_hpc.kfac.precision import tf32_products
 
@@ -192,7 +196,29 @@ def precondition_variants(g: int, a: int, device: torch.device
     }
 
 
-PRECONDITION_COLUMNS = ["Q col-major", "Q row-major", "Q and Qᵀ row-major"]
+PRECONDITION_COLUMNS = ["Q col-major", "Q row-major", "Q and Qᵀ row-major",
+                        "stacked", "stacked direct"]
+
+
+def stacked_variants(n: int, g: int, a: int, device: torch.device
+                     ) -> dict[str, Callable[[], object]]:
+    """The stacked path of ``n`` layers (row-major stacks, as the preconditioner keeps
+    them): the library's order (``tt, tt, tn, nn``:
+    :func:`kfac_hpc.kfac.linalg.precondition_eigen_stacked`) and the direct one
+    (``Q_Gᵀ ∇W̄`` first: ``nt, nn, nn, tn``)."""
+    gen = torch.Generator(device="cpu").manual_seed(n * 131 + g * 31 + a)
+    grads = torch.randn(n, g, a, generator=gen).to(device)
+    qa = torch.randn(n, a, a, generator=gen).to(device)
+    qg = torch.randn(n, g, g, generator=gen).to(device)
+    den = torch.rand(n, g, a, generator=gen).to(device).add_(1e-3)
+
+    def direct() -> Tensor:
+        v = (qg.mT @ grads) @ qa
+        v.div_(den)
+        return (qg @ v) @ qa.mT
+
+    return {"stacked": lambda: linalg.precondition_eigen_stacked(grads, qa, qg, den),
+            "stacked direct": direct}
 
 
 def measure_preconditioning(model: nn.Module, device: torch.device, reps: int
@@ -201,8 +227,10 @@ def measure_preconditioning(model: nn.Module, device: torch.device, reps: int
     shapes = Counter((c.g_dim, c.a_dim) for c in curvs.values())
     rows = []
     for (g, a), count in sorted(shapes.items(), key=lambda s: -s[0][0] * s[0][1]):
-        ms = {name: timed_ms(fn, device, reps)
-              for name, fn in precondition_variants(g, a, device).items()}
+        fns = precondition_variants(g, a, device)
+        if count > 1:
+            fns.update(stacked_variants(count, g, a, device))
+        ms = {name: timed_ms(fn, device, reps) for name, fn in fns.items()}
         rows.append({"g": g, "a": a, "count": count, "ms": ms,
                      "gflop": 4.0 * g * a * (g + a) / 1e9})
     return rows
@@ -210,10 +238,16 @@ def measure_preconditioning(model: nn.Module, device: torch.device, reps: int
 
 def preconditioning_table(rows: list[dict[str, Any]], markdown: bool) -> str:
     body = [[str(r["g"]), str(r["a"]), str(r["count"]), f"{r['gflop']:.2f}",
-             *[f"{r['ms'][c]:.3f}" for c in PRECONDITION_COLUMNS]] for r in rows]
-    body.append(["Σ count·ms", "", "", f"{sum(r['count'] * r['gflop'] for r in rows):.1f}",
-                 *[f"{sum(r['count'] * r['ms'][c] for r in rows):.2f}"
-                   for c in PRECONDITION_COLUMNS]])
+             *[f"{r['ms'][c]:.3f}" if c in r["ms"] else "" for c in PRECONDITION_COLUMNS]]
+            for r in rows]
+
+    def total(c: str) -> float:  # a stacked call covers its count; single layers per layer
+        return sum(r["ms"][c] if c in r["ms"] else r["count"] * r["ms"]["Q row-major"]
+                   for r in rows) if c.startswith("stacked") else \
+            sum(r["count"] * r["ms"][c] for r in rows)
+
+    body.append(["Σ", "", "", f"{sum(r['count'] * r['gflop'] for r in rows):.1f}",
+                 *[f"{total(c):.2f}" for c in PRECONDITION_COLUMNS]])
     return format_table(["g", "a", "count", "GFLOP", *PRECONDITION_COLUMNS], body, markdown)
 
 

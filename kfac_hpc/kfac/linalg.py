@@ -432,14 +432,23 @@ def precondition_eigen_stacked(
     """:func:`precondition_eigen` of ``n`` layers of one shape: four batched GEMMs, one division.
 
     ``grads`` is ``(n, g_dim, a_dim)`` in the eigenbases' dtype, ``qa`` ``(n, a_dim,
-    a_dim)``, ``qg`` ``(n, g_dim, g_dim)``, ``denominators`` from
+    a_dim)``, ``qg`` ``(n, g_dim, g_dim)`` (row-major stacks), ``denominators`` from
     :func:`eigen_denominators`. Layer ``i`` of the result is ``precondition_eigen`` of
     layer ``i``'s operands up to the summation order of the batched GEMMs.
+
+    The products are ordered so that no batched GEMM reaches cuBLAS as "nt" (a
+    transposed view times a row-major matrix): ``Q_Gᵀ ∇W̄`` would be one, and on an H200
+    cuBLAS ran such batched float32 GEMMs with 32x32 tiles, 6x slower than their "tn"
+    counterparts of the same flops (Shampoo's factor products, benchmarks/RESULTS.md).
+    So ``T = Q_Aᵀ ∇W̄ᵀ`` ("tt") and ``C = Q_Gᵀ Tᵀ`` ("tt"), then ``W = (C / D) Q_Aᵀ``
+    ("tn") and ``Q_G W`` ("nn"): the same four products' flops
+    (``benchmarks/gram_layouts.py`` times this order against the direct one).
     """
     with _no_autocast(grads):
-        v = matmul(matmul(qg.mT, grads, precision), qa, precision)
-        v.div_(denominators)
-        return matmul(matmul(qg, v, precision), qa.mT, precision)
+        t = matmul(qa.mT, grads.mT, precision)  # (∇W̄ Q_A)ᵀ
+        c = matmul(qg.mT, t.mT, precision)  # Q_Gᵀ ∇W̄ Q_A
+        c.div_(denominators)
+        return matmul(qg, matmul(c, qa.mT, precision), precision)
 
 
 def damped_inverse(F: Tensor, damping: float, dtype: torch.dtype | None = None) -> Tensor:
