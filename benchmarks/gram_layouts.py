@@ -37,11 +37,12 @@ two or more layers, one stacked call for all of them (the stacked path CUDA take
 the library's product order and in the direct one. Its Σ row counts a stacked call once
 per shape and the single layers at "Q row-major".
 
-"now" names the layout the library has today for that shape (Shampoo: mode 0 of a
-block is ``x·xᵀ``, the other modes ``yᵀ·y``; K-FAC: ``yᵀ·y``), so the table's totals say
-what a per-shape choice of layout would save. K-FAC's rows are timed in full fp32 and
-with TF32 products (its CUDA default). Runs on the CPU too (a dry run: CPU numbers say
-nothing about a GPU).
+"layout now" names what the library runs on the device for that shape (Shampoo:
+``kronecker.gram_operand``, row-major operands on CUDA, a copy where a mode is not
+row-major; on the CPU a block's last mode, a transposed view, is ``yᵀ·y``; K-FAC:
+``yᵀ·y`` on its rows), so the totals say what a per-shape choice would save. K-FAC's
+rows are timed in full fp32 and with TF32 products (its CUDA default). Runs on the CPU
+too (a dry run: CPU numbers say nothing about a GPU).
 """
 
 from __future__ import annotations
@@ -80,7 +81,12 @@ def resnet50() -> nn.Module:
 
 
 def shampoo_shapes(model: nn.Module, max_dim: int) -> Counter[tuple[int, int, int, str]]:
-    """(n, d, K, layout now) of every factor product of a Shampoo plain step."""
+    """(n, d, K, native layout) of every factor product of a Shampoo plain step.
+
+    The native layout is what ``X_(i)`` is without a copy: mode 0 a row-major ``X``
+    ("x"), the last mode of a block a transposed view ("y"), a middle mode neither
+    (``mode_matrices`` copies it).
+    """
     from mpi4py import MPI
 
     from kfac_hpc.comm import Communicator
@@ -95,12 +101,29 @@ def shampoo_shapes(model: nn.Module, max_dim: int) -> Counter[tuple[int, int, in
         for s in shape:
             size *= s
         for i, d in enumerate(shape):
-            shapes[(n, d, size // d, "x·xᵀ" if i == 0 else "yᵀ·y")] += 1
+            native = "x" if i == 0 else "y" if i == len(shape) - 1 else "none"
+            shapes[(n, d, size // d, native)] += 1
     return shapes
 
 
+def layout_now(native: str, device: torch.device) -> str:
+    """The product the library runs for a ``native`` layout on ``device``.
+
+    :func:`kfac_hpc.shampoo.kronecker.gram_operand` (row-major on its devices, a copy
+    where the native layout is not) for Shampoo; K-FAC's rows are "y" and stay.
+    """
+    from kfac_hpc.shampoo.kronecker import ROW_MAJOR_GRAM_DEVICES
+
+    if native == "x":
+        return "x·xᵀ"
+    if native == "y" and device.type not in ROW_MAJOR_GRAM_DEVICES:
+        return "yᵀ·y"
+    return "copy+x·xᵀ"
+
+
 def kfac_shapes(model: nn.Module, batch: int, image: int) -> Counter[tuple[int, int, int, str]]:
-    """(1, d, K, layout now) of every factor of a K-FAC factor update (``expand``)."""
+    """(1, d, K, "rows") of every factor of a K-FAC factor update (``expand``): the
+    rows ``(K, d)`` row-major, whose product is "yᵀ·y" on every device."""
     curvs, _ = register_layers(model)
     positions: dict[str, int] = {}  # output positions per sample (1 for a Linear)
     handles = []
@@ -116,8 +139,8 @@ def kfac_shapes(model: nn.Module, batch: int, image: int) -> Counter[tuple[int, 
     shapes: Counter[tuple[int, int, int, str]] = Counter()
     for name, curv in curvs.items():
         rows = batch * positions[name]
-        shapes[(1, curv.a_dim, rows, "yᵀ·y")] += 1
-        shapes[(1, curv.g_dim, rows, "yᵀ·y")] += 1
+        shapes[(1, curv.a_dim, rows, "rows")] += 1
+        shapes[(1, curv.g_dim, rows, "rows")] += 1
     return shapes
 
 
@@ -135,19 +158,33 @@ def timed_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float
     return statistics.median(times)
 
 
-def variants(n: int, d: int, k: int, device: torch.device) -> dict[str, Callable[[], object]]:
-    """The products to time for one shape (fresh random data, fp32)."""
+def variants(n: int, d: int, k: int, device: torch.device, batched: bool = True
+             ) -> dict[str, Callable[[], object]]:
+    """The products to time for one shape (fresh random data, fp32).
+
+    ``batched``: ``baddbmm_`` into running factors, as Shampoo's stacks; else (``n`` = 1)
+    one 2-D ``addmm`` with ``beta=0`` and the scale in ``alpha``, as K-FAC's
+    :func:`~kfac_hpc.kfac.linalg.covariance`.
+    """
     gen = torch.Generator(device="cpu").manual_seed(d * 7919 + k)
     y = torch.randn(n, k, d, generator=gen).to(device)  # (n, K, d)
     x = y.mT.contiguous()  # (n, d, K)
     f = torch.zeros(n, d, d, device=device)
+    if batched:
+        xs, ys = x, y
+
+        def product(a: Tensor, b: Tensor) -> object:
+            return f.baddbmm_(a, b, beta=0.9, alpha=0.1)
+    else:
+        xs, ys = x[0], y[0]
+
+        def product(a: Tensor, b: Tensor) -> object:
+            return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=0.1)
     out: dict[str, Callable[[], object]] = {
-        "x·xᵀ": lambda: f.baddbmm_(x, x.mT, beta=0.9, alpha=0.1),
-        "yᵀ·y": lambda: f.baddbmm_(y.mT, y, beta=0.9, alpha=0.1),
-        "copy+x·xᵀ": lambda: (lambda c: f.baddbmm_(c, c.mT, beta=0.9, alpha=0.1))(
-            y.mT.contiguous()),
-        "copy+yᵀ·y": lambda: (lambda c: f.baddbmm_(c.mT, c, beta=0.9, alpha=0.1))(
-            x.mT.contiguous()),
+        "x·xᵀ": lambda: product(xs, xs.mT),
+        "yᵀ·y": lambda: product(ys.mT, ys),
+        "copy+x·xᵀ": lambda: (lambda c: product(c, c.mT))(ys.mT.contiguous()),
+        "copy+yᵀ·y": lambda: (lambda c: product(c.mT, c))(xs.mT.contiguous()),
     }
     if k == 1:  # a 1-D block: its factor is an outer product, element-wise
         out["outer"] = lambda: f.mul_(0.9).addcmul_(x, x.mT, value=0.1)
@@ -256,19 +293,19 @@ SHORTCUTS = ("split-K", "outer")  # timed for some shapes only
 
 
 def measure(shapes: Counter[tuple[int, int, int, str]], device: torch.device, reps: int,
-            tf32: bool) -> list[dict[str, Any]]:
+            tf32: bool, batched: bool) -> list[dict[str, Any]]:
     rows = []
-    for (n, d, k, now), count in sorted(shapes.items(), key=lambda s: -s[0][0] * s[0][1] ** 2
-                                        * s[0][2]):
+    for (n, d, k, native), count in sorted(shapes.items(),
+                                           key=lambda s: -s[0][0] * s[0][1] ** 2 * s[0][2]):
         context = tf32_products() if tf32 and device.type == "cuda" else nullcontext()
         with context:
             ms = {name: timed_ms(fn, device, reps)
-                  for name, fn in variants(n, d, k, device).items()}
-        other = "yᵀ·y" if now == "x·xᵀ" else "x·xᵀ"
-        # what the library could do instead of `now`: the other layout after a copy, or
-        # split-K on the layout it has
-        choices = {now: ms[now], f"copy+{other}": ms[f"copy+{other}"]}
-        choices.update({c: ms[c] for c in SHORTCUTS if c in ms})
+                  for name, fn in variants(n, d, k, device, batched).items()}
+        now = "yᵀ·y" if native == "rows" else layout_now(native, device)
+        # what the library could do: either layout after a copy, the copy-free one where
+        # the data has it, the shortcuts
+        free = {"x": ["x·xᵀ"], "y": ["yᵀ·y"], "rows": ["yᵀ·y"]}.get(native, [])
+        choices = {c: ms[c] for c in ["copy+x·xᵀ", "copy+yᵀ·y", *free, *SHORTCUTS] if c in ms}
         best = min(choices, key=lambda c: choices[c])
         rows.append({"n": n, "d": d, "K": k, "count": count, "now": now, "ms": ms,
                      "gflop": 2.0 * n * d * d * k / 1e9, "best": best,
@@ -317,14 +354,14 @@ def main(argv: list[str] | None = None) -> int:
           f"median of {args.reps}", flush=True)
     runs = []
     if "shampoo" in args.sets:
-        runs.append(("shampoo factor update (fp32)", shampoo_shapes(resnet50(), args.max_dim),
-                     False))
+        runs.append(("shampoo factor update (fp32, batched)",
+                     shampoo_shapes(resnet50(), args.max_dim), False, True))
     if "kfac" in args.sets:
         shapes = kfac_shapes(resnet50(), args.batch, args.image_size)
-        runs.append(("K-FAC factors (fp32)", shapes, False))
-        runs.append(("K-FAC factors (TF32 products)", shapes, True))
-    for title, shapes, tf32 in runs:
-        rows = measure(shapes, device, args.reps, tf32)
+        runs.append(("K-FAC factors (fp32, 2-D addmm)", shapes, False, False))
+        runs.append(("K-FAC factors (TF32 products, 2-D addmm)", shapes, True, False))
+    for title, shapes, tf32, batched in runs:
+        rows = measure(shapes, device, args.reps, tf32, batched)
         result[title] = rows
         print(f"\n{title}: ms per product\n" + table(rows, args.markdown), flush=True)
     if "precondition" in args.sets:

@@ -26,10 +26,10 @@ __all__ = ["ROW_MAJOR_GRAM_DEVICES", "accumulate_factors", "diagonal_marks", "gr
 
 #: Device types whose Gram products get row-major ``X_(i)`` (a copy where it is a
 #: transposed view). On CUDA, ``X Xᵀ`` of a row-major ``X`` reaches cuBLAS as a "tn"
-#: GEMM; of a transposed view (a matrix block's second mode) as "nt", for which cuBLAS
-#: picked a 32x32-tile kernel on an H200 (ResNet-50's plain Shampoo step: 11 such
-#: factor products took 14.0 ms, the other 36 and the 47 preconditioning products of
-#: about the same flops 4.3 ms together). The copy moves each block once (~0.1 ms for
+#: GEMM; of a transposed view (the last mode of a block of order 2 or more) as "nt",
+#: for which cuBLAS picked a 32x32-tile kernel on an H200 (ResNet-50's plain Shampoo
+#: step: 11 such factor products took 14.0 ms, the other 36 and the 47 preconditioning
+#: products of about the same flops 4.3 ms together). The copy moves each block once (~0.1 ms for
 #: ResNet-50 on that card). On the CPU the view is used as it is.
 ROW_MAJOR_GRAM_DEVICES = frozenset({"cuda"})
 
