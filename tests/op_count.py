@@ -35,6 +35,10 @@ class OpCounter(TorchDispatchMode):
         self.counts[str(func)] += 1
         return func(*args, **(kwargs or {}))
 
+    def calls(self, prefixes: str | tuple[str, ...]) -> int:
+        """Calls of the operators whose names start with ``prefixes`` (e.g. ``"aten.bmm."``)."""
+        return sum(n for name, n in self.counts.items() if name.startswith(prefixes))
+
     @property
     def kernels(self) -> int:
         """Calls of operators that launch work (views and metadata queries excluded)."""

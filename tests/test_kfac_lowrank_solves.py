@@ -12,12 +12,11 @@ against an exact float64 solve.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 from mpi4py import MPI
-from op_count import OpCounter, count_ops
+from stale_steps import resnet_eighth, stale_step_ops
 from torch import Tensor, nn
 
 from kfac_hpc import KFACPreconditioner
@@ -34,43 +33,10 @@ from kfac_hpc.kfac.lowrank import (
     precondition_lowrank,
     randomized_eigh,
 )
-from kfac_hpc.models import Bottleneck, ResNet
 
 GEMMS = ("aten.mm.", "aten.addmm", "aten.matmul.", "aten.bmm.", "aten.baddbmm")
 # A 64..576 and G 64..256 low rank: layers with two, one and no low-rank factor
 LOW = {"low_rank": 8, "low_rank_min_dim": 64}
-
-
-def resnet50_eighth() -> nn.Module:
-    """ResNet-50's 54 K-FAC layers (bottlenecks 3, 4, 6, 3) at an eighth of its widths."""
-    torch.manual_seed(0)
-    stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8),
-                         nn.ReLU())
-    return ResNet(Bottleneck, (3, 4, 6, 3), (8, 16, 32, 64), stem=stem, stem_channels=8,
-                  num_classes=10)
-
-
-def stale_step_ops(options: dict[str, Any]) -> tuple[OpCounter, KFACPreconditioner]:
-    """Operators of one ``pre.step()`` that only preconditions (factors and
-    decompositions from earlier steps), after one such step (solves built)."""
-    model = resnet50_eighth()
-    pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), damping=0.01,
-                             factor_update_steps=1000, inv_update_steps=1000, **options)
-    x, y = torch.randn(2, 3, 16, 16), torch.tensor([1, 2])
-
-    def backward() -> None:
-        model.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-
-    for _ in range(2):  # decompositions and solves at step 0; step 1 reuses them
-        backward()
-        pre.step()
-    backward()
-    return count_ops(pre.step), pre
-
-
-def calls(counter: OpCounter, prefixes: tuple[str, ...]) -> int:
-    return sum(n for name, n in counter.counts.items() if name.startswith(prefixes))
 
 
 def test_stale_low_rank_step_has_no_more_kernels_than_full_factors() -> None:
@@ -81,8 +47,8 @@ def test_stale_low_rank_step_has_no_more_kernels_than_full_factors() -> None:
     GEMMs 6 (both factors low rank), 4 (one), 4 (none: eigen); no coefficient
     (reciprocal, subtraction, zeros) recomputed. Before the solves were kept: 36.3 per
     layer, 306 GEMMs."""
-    full, full_pre = stale_step_ops({})
-    low, pre = stale_step_ops(LOW)
+    full, full_pre = stale_step_ops(resnet_eighth())
+    low, pre = stale_step_ops(resnet_eighth(), **LOW)
     n_layers = len(pre.layers)
     assert n_layers == 54
     dec = pre.decompositions
@@ -91,9 +57,9 @@ def test_stale_low_rank_step_has_no_more_kernels_than_full_factors() -> None:
     assert low.kernels <= full.kernels, (low.kernels, full.kernels)
     assert low.kernels <= 13 * n_layers, f"{low.kernels} kernels for {n_layers} layers"
     gemms = {0: 4, 1: 4, 2: 6}
-    assert calls(low, GEMMS) == sum(gemms[n] for n in low_sides)
-    assert calls(full, GEMMS) == 4 * n_layers
-    assert calls(low, ("aten.reciprocal", "aten.sub", "aten.rsub", "aten.new_zeros",
+    assert low.calls(GEMMS) == sum(gemms[n] for n in low_sides)
+    assert full.calls(GEMMS) == 4 * n_layers
+    assert low.calls(("aten.reciprocal", "aten.sub", "aten.rsub", "aten.new_zeros",
                        "aten.zeros")) == 0
     full_pre.close()
     pre.close()

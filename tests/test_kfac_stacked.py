@@ -25,9 +25,9 @@ import pytest
 import test_kfac_faults
 import torch
 from mpi4py import MPI
-from op_count import OpCounter, count_ops
+from op_count import OpCounter
 from shared_cases import case_ids, fraction_for, kfac_cases
-from test_kfac_lowrank_solves import resnet50_eighth
+from stale_steps import resnet_eighth, stale_step_ops
 from torch import Tensor, nn
 
 from kfac_hpc import KFACPreconditioner
@@ -37,7 +37,6 @@ from kfac_hpc.kfac.decomposer import StackedEigenSolve
 from kfac_hpc.kfac.layers import EmbeddingCurvature, LinearCurvature
 from kfac_hpc.kfac.linalg import precondition_eigen
 from kfac_hpc.kfac.stacked import stack_grads, stack_groups, write_grads
-from kfac_hpc.models import Bottleneck, ResNet
 
 CASES = kfac_cases(input_shape=(4, 2, 5, 5))
 
@@ -360,38 +359,11 @@ def test_checkpoint_resume_is_bitwise_ranks(monkeypatch: pytest.MonkeyPatch,
 
 
 # ---------------------------------------------------------------------- operator count
-def resnet101_eighth() -> nn.Module:
-    """ResNet-101's 105 K-FAC layers (bottlenecks 3, 4, 23, 3) at an eighth of its
-    widths: the shapes of :func:`resnet50_eighth`, 51 more layers."""
-    torch.manual_seed(0)
-    stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8),
-                         nn.ReLU())
-    return ResNet(Bottleneck, (3, 4, 23, 3), (8, 16, 32, 64), stem=stem, stem_channels=8,
-                  num_classes=10)
-
-
 def stale_step(model: nn.Module, stack: bool) -> tuple[OpCounter, KFACPreconditioner]:
-    """Operators of a precondition-only step (decompositions and stacks from earlier
-    steps), KL clip on."""
+    """Operators of a precondition-only step (KL clip on), stacked or per layer."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(stacked, "STACKED_DEVICES", frozenset({"cpu"} if stack else {"cuda"}))
-        pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), damping=0.01,
-                                 factor_update_steps=1000, inv_update_steps=1000)
-    x, y = torch.randn(2, 3, 16, 16), torch.tensor([1, 2])
-
-    def backward() -> None:
-        model.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-
-    for _ in range(2):  # decompositions and stacks at step 0; step 1 reuses them
-        backward()
-        pre.step()
-    backward()
-    return count_ops(pre.step), pre
-
-
-def calls(counter: OpCounter, prefix: str) -> int:
-    return sum(n for name, n in counter.counts.items() if name.startswith(prefix))
+        return stale_step_ops(model)
 
 
 def test_stale_step_kernels_follow_the_distinct_shapes() -> None:
@@ -400,20 +372,20 @@ def test_stale_step_kernels_follow_the_distinct_shapes() -> None:
     layer and 8 in all besides (measured 236, per-layer path 656; 710 before the
     ``.grad`` writes were one multi-tensor copy); 4 batched GEMMs per stack, 4 GEMMs per
     lone layer. ResNet-101's 105 layers (the same shapes) dispatch the same number."""
-    per_layer, pre = stale_step(resnet50_eighth(), stack=False)
+    per_layer, pre = stale_step(resnet_eighth(), stack=False)
     pre.close()
-    ops, pre = stale_step(resnet50_eighth(), stack=True)
+    ops, pre = stale_step(resnet_eighth(), stack=True)
     groups = len(pre.stack_groups)
     alone = len(pre.layers) - sum(map(len, pre.stack_groups))
     assert (len(pre.layers), groups, alone) == (54, 12, 9)
     bound = 10 * groups + 13 * alone + 8
     assert ops.kernels <= bound, (ops.kernels, bound)
     assert per_layer.kernels > bound, (per_layer.kernels, bound)  # the bound can fail
-    assert calls(ops, "aten.bmm.") == 4 * groups
-    assert calls(ops, "aten.mm.") == 4 * alone
-    assert calls(ops, "aten._foreach_copy_") == 1
+    assert ops.calls("aten.bmm.") == 4 * groups
+    assert ops.calls("aten.mm.") == 4 * alone
+    assert ops.calls("aten._foreach_copy_") == 1
     pre.close()
-    deeper, pre = stale_step(resnet101_eighth(), stack=True)
+    deeper, pre = stale_step(resnet_eighth((3, 4, 23, 3)), stack=True)
     assert (len(pre.layers), len(pre.stack_groups)) == (105, 12)
     assert deeper.kernels == ops.kernels
     pre.close()
