@@ -4,16 +4,20 @@ determinism, exact resume in the middle of a lag, and agreed failures."""
 from __future__ import annotations
 
 import copy
+import threading
+from typing import Any
 
 import pytest
 import torch
 from mpi4py import MPI
 from shared_cases import small_cnn, small_cnn_batches
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kfac_hpc import KFACPreconditioner
 from kfac_hpc.comm import Communicator
-from kfac_hpc.kfac import linalg
+from kfac_hpc.kfac import decompositions, linalg, precision
+from kfac_hpc.kfac.background import BackgroundJob, Decomposed
 from kfac_hpc.kfac.decompositions import Lagged
 from kfac_hpc.kfac.errors import KFACNumericalError
 
@@ -129,3 +133,104 @@ def test_failure_in_the_background_is_raised_at_the_swap(monkeypatch):
 def test_lag_is_validated():
     with pytest.raises(ValueError, match="decomposition_lag must be a whole number"):
         KFACPreconditioner(nn.Linear(3, 2), decomposition_lag=-1)
+
+
+GEMMS = ("aten.mm.", "aten.bmm.", "aten.addmm.", "aten.baddbmm.")
+
+
+class _GemmLocks(TorchDispatchMode):
+    """Record, for each GEMM dispatched on this thread, whether it held the precision lock."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[bool] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if str(func).startswith(GEMMS):
+            self.held.append(precision._FLAGS._is_owned())  # type: ignore[attr-defined]
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("options", [{"eigen_refresh": "subspace"},
+                                     {"low_rank": 3, "low_rank_min_dim": 8}],
+                         ids=["subspace", "low-rank"])
+def test_background_products_run_at_the_users_precision_setting(monkeypatch, options):
+    """Torch's product precision flags are process-wide, and the step's TF32 blocks (on
+    CUDA, the statistics' default) change them while a background job runs: every GEMM
+    of a background job is launched holding the lock those blocks hold, so it sees the
+    user's own setting whatever the threads' timing."""
+    seen: list[_GemmLocks] = []
+
+    class Recorded(BackgroundJob):
+        def __init__(self, compute, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+            def recorded() -> Decomposed:
+                mode = _GemmLocks()
+                seen.append(mode)
+                with mode:
+                    return compute()
+            super().__init__(recorded, *args, **kwargs)
+
+    monkeypatch.setattr(decompositions, "BackgroundJob", Recorded)
+    model, pre, opt = build(Communicator(MPI.COMM_SELF), LAG, **options)
+    for x, y in small_cnn_batches(8):
+        one_step(model, pre, opt, x, y)
+    pre.close()
+    assert len(seen) >= 2  # inverse steps 3 and 6 ran in the background
+    held = [h for mode in seen for h in mode.held]
+    assert held and all(held), f"{held.count(False)} of {len(held)} GEMMs without the lock"
+
+
+def _flags() -> str:
+    return str(torch.backends.cuda.matmul.fp32_precision)
+
+
+@pytest.mark.skipif(not hasattr(torch.backends.cuda.matmul, "fp32_precision"),
+                    reason="torch without fp32_precision")
+def test_precision_blocks_of_two_threads_restore_the_users_setting():
+    """Two threads' precision blocks, the second started while the first runs: each
+    waits its turn, and the user's setting is what remains (without the lock the first
+    would restore its setting under the second, and the second then its own "tf32")."""
+    user = _flags()
+    first_in, second_in = threading.Event(), threading.Event()
+    inside: list[str] = []
+
+    def first() -> None:
+        with precision.tf32_products():
+            first_in.set()
+            second_in.wait(timeout=0.3)  # the second cannot start while this block runs
+            inside.append(_flags())
+
+    def second() -> None:
+        first_in.wait(timeout=10)
+        with precision.full_precision_products():
+            second_in.set()
+            inside.append(_flags())
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert inside == ["tf32", "ieee"]
+    assert _flags() == user
+
+
+@pytest.mark.skipif(not hasattr(torch.backends.cuda.matmul, "fp32_precision"),
+                    reason="torch without fp32_precision")
+def test_user_setting_products_wait_for_a_running_precision_block():
+    user = _flags()
+    entered = threading.Event()
+    seen: list[str] = []
+
+    def products() -> None:
+        entered.wait(timeout=10)
+        with precision.user_setting_products():
+            seen.append(_flags())
+
+    worker = threading.Thread(target=products)
+    worker.start()
+    with precision.tf32_products():
+        entered.set()
+        worker.join(timeout=0.3)  # it waits for this block to end
+    worker.join(timeout=10)
+    assert seen == [user]

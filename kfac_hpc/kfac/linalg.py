@@ -23,7 +23,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from kfac_hpc.kfac.precision import MatmulPrecision, matmul, tf32_products
+from kfac_hpc.kfac.precision import MatmulPrecision, matmul, tf32_products, user_setting_matmul
 from kfac_hpc.solves import DEFAULT_PLACEMENT, SolvePlacement, Solver, solve_batches, symmetric_eigh
 
 __all__ = [
@@ -389,8 +389,8 @@ def refresh_eigenbases(factors: list[Tensor], bases: list[Tensor],
         dt = _linalg_dtype(factors[members[0]])
         f = torch.stack([factors[i] for i in members]).to(dt)
         q_prev = torch.stack([bases[i] for i in members]).to(dt).flip(-1)  # largest first
-        q, _ = torch.linalg.qr(torch.bmm(f, q_prev))
-        lam, order = (q * torch.bmm(f, q)).sum(dim=1).clamp(min=0.0).sort(dim=-1)
+        q, _ = torch.linalg.qr(user_setting_matmul(f, q_prev))
+        lam, order = (q * user_setting_matmul(f, q)).sum(dim=1).clamp(min=0.0).sort(dim=-1)
         q = q.gather(2, order.unsqueeze(1).expand_as(q))  # ascending, as eigh's
         q, lam = q.to(dtype), lam.to(dtype)
         for j, i in enumerate(members):

@@ -63,6 +63,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kfac_hpc.kfac.precision import user_setting_matmul
+
 __all__ = [
     "CompleteASolve",
     "CompleteGSolve",
@@ -159,13 +161,14 @@ def _sketched_eigh(F: Tensor, sketch: int, power_iters: int,
     Alg. 4.4 with QR after every product, then Rayleigh–Ritz).
     """
     d = F.shape[0]
+    mm = user_setting_matmul  # may run on the background decompositions' thread
     omega = torch.randn(d, sketch, dtype=F.dtype, device=F.device, generator=generator)
-    q, _ = torch.linalg.qr(F @ omega)
+    q, _ = torch.linalg.qr(mm(F, omega))
     for _ in range(power_iters):
-        q, _ = torch.linalg.qr(F @ q)
-    b = q.t() @ (F @ q)
+        q, _ = torch.linalg.qr(mm(F, q))
+    b = mm(q.t(), mm(F, q))
     evals, u = torch.linalg.eigh((b + b.t()) / 2)
-    return evals, q @ u
+    return evals, mm(q, u)
 
 
 def randomized_eigh(

@@ -26,6 +26,7 @@ the preconditioner refuses them with float64 factors).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -34,9 +35,13 @@ from torch import Tensor
 from kfac_hpc.kfac.options import PRECISIONS, MatmulPrecision
 
 __all__ = ["PRECISIONS", "MatmulPrecision", "full_precision_products", "matmul", "round_operand",
-           "tf32_products"]
+           "tf32_products", "user_setting_matmul", "user_setting_products"]
 
 _TF32_DROPPED_BITS = 13  # float32 has 23 mantissa bits, TF32 keeps 10
+
+# Held while this module's blocks have torch's process-wide product flags changed, and by
+# another thread's products that must see the user's own setting (user_setting_products).
+_FLAGS = threading.RLock()
 
 
 @contextlib.contextmanager
@@ -48,30 +53,35 @@ def _cuda_fp32_products(mode: str) -> Iterator[None]:
     never changed outside the block. Setting ``fp32_precision`` makes torch refuse to
     read ``allow_tf32`` (a "mix of the legacy and new APIs"); where the user's code could
     read it before the block, it is set back too, so it stays readable.
+
+    The flags are process-wide: the block holds a lock for its whole length, so two
+    threads' blocks run one after the other (each restores what it found) and a thread
+    inside :func:`user_setting_products` never launches a product meanwhile.
     """
-    matmul_flags = torch.backends.cuda.matmul
-    try:
-        legacy: bool | None = bool(matmul_flags.allow_tf32)
-    except RuntimeError:  # the new API was used after the legacy one
-        legacy = None
-    if not hasattr(matmul_flags, "fp32_precision"):
-        matmul_flags.allow_tf32 = mode == "tf32"
+    with _FLAGS:
+        matmul_flags = torch.backends.cuda.matmul
+        try:
+            legacy: bool | None = bool(matmul_flags.allow_tf32)
+        except RuntimeError:  # the new API was used after the legacy one
+            legacy = None
+        if not hasattr(matmul_flags, "fp32_precision"):
+            matmul_flags.allow_tf32 = mode == "tf32"
+            try:
+                yield
+            finally:
+                matmul_flags.allow_tf32 = bool(legacy)
+            return
+        before = matmul_flags.fp32_precision
+        matmul_flags.fp32_precision = mode
         try:
             yield
         finally:
-            matmul_flags.allow_tf32 = bool(legacy)
-        return
-    before = matmul_flags.fp32_precision
-    matmul_flags.fp32_precision = mode
-    try:
-        yield
-    finally:
-        matmul_flags.fp32_precision = before
-        if legacy is not None:
-            try:
-                matmul_flags.allow_tf32  # noqa: B018 (readable again?)
-            except RuntimeError:
-                matmul_flags.allow_tf32 = legacy
+            matmul_flags.fp32_precision = before
+            if legacy is not None:
+                try:
+                    matmul_flags.allow_tf32  # noqa: B018 (readable again?)
+                except RuntimeError:
+                    matmul_flags.allow_tf32 = legacy
 
 
 @contextlib.contextmanager
@@ -96,19 +106,46 @@ def full_precision_products() -> Iterator[None]:
     afterwards, so the user's choice is never changed outside the block. float64
     products are unaffected either way.
     """
-    onednn = getattr(torch.backends.mkldnn, "matmul", None)
-    before = getattr(onednn, "fp32_precision", None)
-    try:
-        if before is not None and before != "ieee":
-            onednn.fp32_precision = "ieee"  # type: ignore[union-attr]
-    except RuntimeError:  # the legacy API was used in this process: leave it
-        before = None
-    try:
-        with _cuda_fp32_products("ieee"):
-            yield
-    finally:
-        if before is not None and before != "ieee":
-            onednn.fp32_precision = before  # type: ignore[union-attr]
+    with _FLAGS:
+        onednn = getattr(torch.backends.mkldnn, "matmul", None)
+        before = getattr(onednn, "fp32_precision", None)
+        try:
+            if before is not None and before != "ieee":
+                onednn.fp32_precision = "ieee"  # type: ignore[union-attr]
+        except RuntimeError:  # the legacy API was used in this process: leave it
+            before = None
+        try:
+            with _cuda_fp32_products("ieee"):
+                yield
+        finally:
+            if before is not None and before != "ieee":
+                onednn.fp32_precision = before  # type: ignore[union-attr]
+
+
+@contextlib.contextmanager
+def user_setting_products() -> Iterator[None]:
+    """Products launched inside the block run at the user's own precision setting.
+
+    For products on a thread other than the one running the optimizer's step (K-FAC's
+    background decompositions, ``decomposition_lag``): torch's precision flags are
+    process-wide, and while the step runs a :func:`tf32_products` or
+    :func:`full_precision_products` block another thread's float32 GEMM would take that
+    block's setting, so a result would depend on the threads' timing. The block waits
+    until no such block is running, and keeps new ones from starting until it ends.
+    Hold it around product launches only (on a GPU they return at once), never around
+    a host sync: the step's own blocks wait for it.
+    """
+    with _FLAGS:
+        yield
+
+
+def user_setting_matmul(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` at the user's own precision setting, from any thread.
+
+    See :func:`user_setting_products`.
+    """
+    with user_setting_products():
+        return a @ b
 
 
 def round_operand(t: Tensor, precision: MatmulPrecision) -> Tensor:
