@@ -12,8 +12,9 @@ stem), 1000 classes, one fixed synthetic batch, fp32 model, one process
 * ``kinds``: ms per iteration (median of ``--rounds`` after one warm-up) of SGD and of
   the K-FAC iteration kinds ``f`` (factor update), ``p`` (stale decompositions) and
   ``fi`` (factor and inverse update), with the device synchronised around each
-  iteration, for each pair (``stats_precision``, ``precondition_precision``) and for
-  ``kfac_approx="reduce"``; the schedules (1,10) = (fi + 9f)/10 and (10,100) =
+  iteration, for each pair (``stats_precision``, ``precondition_precision``), for TF32
+  statistics from column-major convolution rows (``layers.COLUMN_MAJOR_ROWS_DEVICES``)
+  and for ``kfac_approx="reduce"``; the schedules (1,10) = (fi + 9f)/10 and (10,100) =
   (fi + 9f + 90p)/100 composed from them, and the ratios to SGD.
 * ``schedule``: mean ms per iteration over two whole inverse periods of a real schedule
   (``--schedule F I``, default (1,10)) with each ``decomposition_lag`` of ``--lags``
@@ -70,12 +71,14 @@ from common import format_table, machine, write_json
 
 from kfac_hpc import KFACPreconditioner, solves
 from kfac_hpc.comm import Communicator
-from kfac_hpc.kfac import linalg
+from kfac_hpc.kfac import layers, linalg
 from kfac_hpc.kfac.layers import LayerCurvature, register_layers
 from kfac_hpc.models import build_model
 from kfac_hpc.solves import SolvePlacement
 
 PRECISION_PAIRS = [("full", "full"), ("tf32", "full"), ("tf32", "tf32"), ("bf16", "tf32")]
+# the kinds section's run with convolution rows column-major (layers.COLUMN_MAJOR_ROWS_DEVICES)
+COLUMNS_LABEL = "stats tf32, column-major rows"
 
 
 def make_model(name: str, device: torch.device, image_size: int) -> nn.Module:
@@ -143,13 +146,17 @@ def kinds_section(device: torch.device, batch: tuple[Tensor, Tensor], args: argp
     configs: list[tuple[str, dict[str, Any] | None]] = [("SGD", None)]
     configs += [(f"stats {s} / precond {p}", {"stats_precision": s, "precondition_precision": p})
                 for s, p in PRECISION_PAIRS]
+    configs.append((COLUMNS_LABEL, {"stats_precision": "tf32"}))
     configs.append(("reduce, auto", {"kfac_approx": "reduce"}))
     # cheaper inverse updates: warm-started eigenbases, randomized low rank, inverses
     configs.append(("eigen_refresh subspace", {"eigen_refresh": "subspace"}))
     configs.append(("low_rank 256 (d >= 1024)", {"low_rank": 256}))
     configs.append(("compute_method inverse", {"compute_method": "inverse"}))
     out: dict[str, Any] = {}
+    default_layout = layers.COLUMN_MAJOR_ROWS_DEVICES
     for label, kfac in configs:
+        layers.COLUMN_MAJOR_ROWS_DEVICES = (frozenset({device.type}) if label == COLUMNS_LABEL
+                                            else default_layout)
         trainer = Trainer(device, batch, args, kfac)
         kinds = ["sgd"] if kfac is None else ["fi", "f", "p"]
         times: dict[str, list[float]] = {k: [] for k in kinds}
@@ -167,6 +174,7 @@ def kinds_section(device: torch.device, batch: tuple[Tensor, Tensor], args: argp
             torch.cuda.reset_peak_memory_stats(device)
         out[label] = med
         trainer.close()
+    layers.COLUMN_MAJOR_ROWS_DEVICES = default_layout
     return out
 
 

@@ -37,6 +37,14 @@ two or more layers, one stacked call for all of them (the stacked path CUDA take
 the library's product order and in the direct one. Its Σ row counts a stacked call once
 per shape and the single layers at "Q row-major".
 
+A fourth table (``statistics``) times what a factor update does per convolution, from
+a real forward and backward of ResNet-50 at ``--batch``: ``a_factor`` and ``g_factor``
+(rows built from the NCHW tensors, then the Gram product) with the rows row-major
+(``(K, d)``, the default) and column-major (the transposed view of a ``(d, K)`` copy:
+runs of output positions copied in order, and ``x·xᵀ`` for the GEMM;
+``layers.COLUMN_MAJOR_ROWS_DEVICES``), in full fp32 and in TF32 (the CUDA default).
+Its Σ row says what switching the default would change per factor update.
+
 "layout now" names what the library runs on the device for that shape (Shampoo:
 ``kronecker.gram_operand``, row-major operands on CUDA, a copy where a mode is not
 row-major; on the CPU a block's last mode, a transposed view, is ``yᵀ·y``; K-FAC:
@@ -63,8 +71,8 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import format_table, machine, write_json
 
-from kfac_hpc.kfac import linalg
-from kfac_hpc.kfac.layers import register_layers
+from kfac_hpc.kfac import layers, linalg
+from kfac_hpc.kfac.layers import Conv2dCurvature, register_layers
 from kfac_hpc.kfac.precision import tf32_products
 
 SPLIT_MAX_DIM = 64  # split-K is timed for Gram dimensions up to this
@@ -330,6 +338,80 @@ def table(rows: list[dict[str, Any]], markdown: bool) -> str:
                         body, markdown)
 
 
+STATISTICS_COLUMNS = [f"{prec} {layout}" for prec in ("fp32", "tf32")
+                      for layout in ("rows", "columns")]
+
+
+def conv_tensors(model: nn.Module, batch: int, image: int, device: torch.device
+                 ) -> dict[tuple[Any, ...], tuple[Conv2dCurvature, Tensor, Tensor, int]]:
+    """One input and output gradient per distinct convolution (its count alongside),
+    from one forward and backward of ``model`` on random images."""
+    curvs, _ = register_layers(model)
+    seen: dict[str, list[Tensor]] = {}
+    handles = []
+    for name, curv in curvs.items():
+        if not isinstance(curv, Conv2dCurvature):
+            continue
+
+        def hook(m: nn.Module, inputs: tuple[Tensor, ...], output: Tensor,
+                 name: str = name) -> None:
+            seen[name] = [inputs[0].detach()]
+            output.register_hook(lambda g, name=name: seen[name].append(g.detach()))
+        handles.append(curv.module.register_forward_hook(hook))
+    model.train()
+    x = torch.randn(batch, 3, image, image, device=device)
+    nn.functional.cross_entropy(model(x), torch.zeros(batch, dtype=torch.long,
+                                                       device=device)).backward()
+    for h in handles:
+        h.remove()
+    out: dict[tuple[Any, ...], tuple[Conv2dCurvature, Tensor, Tensor, int]] = {}
+    for name, (inputs, grad) in seen.items():
+        curv = curvs[name]
+        m = curv.module
+        key = (m.in_channels, m.out_channels, m.kernel_size, m.stride, m.padding,
+               tuple(inputs.shape[2:]), curv.has_bias)
+        count = out[key][3] + 1 if key in out else 1
+        out[key] = (curv, inputs, grad, count)  # type: ignore[assignment]
+    return out
+
+
+def measure_statistics(model: nn.Module, batch: int, image: int, device: torch.device,
+                       reps: int) -> list[dict[str, Any]]:
+    """ms of ``a_factor`` + ``g_factor`` per distinct convolution, rows by layout."""
+    rows = []
+    default = layers.COLUMN_MAJOR_ROWS_DEVICES
+    try:
+        for key, (curv, x, g, count) in conv_tensors(model, batch, image, device).items():
+            ms: dict[str, float] = {}
+            for prec, precision in (("fp32", "full"), ("tf32", "tf32")):
+                for layout in ("rows", "columns"):
+                    layers.COLUMN_MAJOR_ROWS_DEVICES = (frozenset({device.type})
+                                                        if layout == "columns" else frozenset())
+
+                    def factors(curv: Conv2dCurvature = curv, x: Tensor = x, g: Tensor = g,
+                                precision: str = precision) -> object:
+                        return (curv.a_factor(x, precision=precision),  # type: ignore[arg-type]
+                                curv.g_factor(g, precision=precision))  # type: ignore[arg-type]
+                    ms[f"{prec} {layout}"] = timed_ms(factors, device, reps)
+            rows.append({"conv": f"{key[0]}->{key[1]} k{key[2][0]} s{key[3][0]} "
+                                 f"{key[5][0]}x{key[5][1]}",
+                         "a_dim": curv.a_dim, "g_dim": curv.g_dim,
+                         "K": x.shape[0] * g.shape[2] * g.shape[3], "count": count, "ms": ms})
+    finally:
+        layers.COLUMN_MAJOR_ROWS_DEVICES = default
+    return rows
+
+
+def statistics_table(rows: list[dict[str, Any]], markdown: bool) -> str:
+    body = [[r["conv"], str(r["a_dim"]), str(r["g_dim"]), str(r["K"]), str(r["count"]),
+             *[f"{r['ms'][c]:.3f}" for c in STATISTICS_COLUMNS]] for r in rows]
+    body.append(["Σ count·ms", "", "", "", str(sum(r["count"] for r in rows)),
+                 *[f"{sum(r['count'] * r['ms'][c] for r in rows):.2f}"
+                   for c in STATISTICS_COLUMNS]])
+    return format_table(["conv (input)", "a_dim", "g_dim", "K", "count", *STATISTICS_COLUMNS],
+                        body, markdown)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
@@ -337,8 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=32, help="K-FAC's batch (rows = batch·positions)")
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--max-dim", type=int, default=1024, help="Shampoo's max_preconditioner_dim")
-    p.add_argument("--sets", nargs="+", default=["shampoo", "kfac", "precondition"],
-                   choices=["shampoo", "kfac", "precondition"])
+    p.add_argument("--sets", nargs="+", default=["shampoo", "kfac", "precondition", "statistics"],
+                   choices=["shampoo", "kfac", "precondition", "statistics"])
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--out", type=Path, default=Path("benchmarks/out/gpu"))
     args = p.parse_args(argv)
@@ -369,6 +451,12 @@ def main(argv: list[str] | None = None) -> int:
         result["K-FAC preconditioning"] = rows
         print("\nK-FAC eigen preconditioning (fp32) by eigenbasis layout: ms per layer\n"
               + preconditioning_table(rows, args.markdown), flush=True)
+    if "statistics" in args.sets:
+        rows = measure_statistics(resnet50().to(device), args.batch, args.image_size, device,
+                                  args.reps)
+        result["K-FAC statistics by row layout"] = rows
+        print("\nK-FAC conv statistics (a_factor + g_factor) by row layout: ms per layer\n"
+              + statistics_table(rows, args.markdown), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"\nwrote {write_json(args.out / f'gram_layouts_{device.type}.json', result)}")
     return 0

@@ -293,3 +293,66 @@ def test_patch_rows_are_the_unfold_rows(conv):
     assert rows.is_contiguous()
     ops = count_ops(lambda: curv._input_rows(x))
     assert ops.kernels <= 2 and "aten.im2col.default" not in ops.counts
+
+
+@pytest.mark.parametrize("conv", [
+    nn.Conv2d(3, 4, 3, padding=1),
+    nn.Conv2d(5, 2, (3, 2), stride=(2, 1), padding=(0, 1), dilation=(1, 2)),
+    nn.Conv2d(4, 4, 2, padding="same", bias=False),
+    nn.Conv2d(6, 3, 1),
+], ids=["pad-bias", "stride-dilation", "same-even", "1x1"])
+def test_column_major_rows_are_the_rows_laid_out_by_column(conv):
+    """With the device in ``COLUMN_MAJOR_ROWS_DEVICES`` a convolution's input rows (bias
+    column included) and output-gradient rows are bitwise the row-major ones, held as the
+    transposed view of one row-major copy (two kernels at most for the patches)."""
+    curv = Conv2dCurvature(conv)
+    x = torch.randn(3, conv.in_channels, 7, 6)
+    dy = torch.randn(conv(x).shape)
+    row_major = (curv.a_rows(x), curv._output_rows(dy)[0])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(layers, "COLUMN_MAJOR_ROWS_DEVICES", frozenset({"cpu"}))
+        by_column = (curv.a_rows(x), curv._output_rows(dy)[0])
+        ops = count_ops(lambda: curv._input_rows(x))
+    for rows, columns in zip(row_major, by_column):
+        assert rows.is_contiguous()
+        assert torch.equal(columns, rows)
+        assert columns.t().is_contiguous() and not columns.is_contiguous()
+    assert ops.kernels <= 2 and "aten.im2col.default" not in ops.counts
+
+
+@pytest.mark.parametrize("precision", ["full", "tf32", "bf16"])
+def test_conv_factors_from_column_major_rows(monkeypatch, precision):
+    """The factors of column-major rows equal those of row-major rows: the same products,
+    handed to the GEMM transposed (float64 within summation order; rounded operands are
+    rounded alike)."""
+    monkeypatch.setattr(linalg, "uses_gpu_path", lambda device: True)
+    monkeypatch.setattr(layers, "uses_gpu_path", lambda device: True)
+    conv = nn.Conv2d(6, 10, 3, padding=1)
+    dtype = torch.float64 if precision == "full" else torch.float32
+    curv = Conv2dCurvature(conv.to(dtype))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 6, 9, 8, generator=g, dtype=dtype)
+    dy = torch.randn(conv(x).shape, generator=g, dtype=dtype)
+
+    def factors() -> tuple[torch.Tensor, torch.Tensor]:
+        return (curv.a_factor(x, precision=precision),
+                curv.g_factor(dy, grad_scale=0.5, precision=precision))
+
+    rows = factors()
+    monkeypatch.setattr(layers, "COLUMN_MAJOR_ROWS_DEVICES", frozenset({"cpu"}))
+    columns = factors()
+    tol = {"rtol": 1e-13, "atol": 1e-15} if dtype == torch.float64 else {"rtol": 2e-6, "atol": 1e-6}
+    for by_column, by_row in zip(columns, rows):
+        torch.testing.assert_close(by_column, by_row, **tol)
+
+
+@pytest.mark.parametrize("strategy, options", CASES[:3], ids=case_ids(CASES[:3]))
+def test_training_with_column_major_rows_equals_the_cpu_path(monkeypatch, strategy, options):
+    comm = Communicator(MPI.COMM_SELF)
+    cpu = _train(comm, strategy, options)
+    for module in (linalg, layers):
+        monkeypatch.setattr(module, "uses_gpu_path", lambda device: True)
+    monkeypatch.setattr(layers, "COLUMN_MAJOR_ROWS_DEVICES", frozenset({"cpu"}))
+    gpu = _train(comm, strategy, options)
+    for (name, p), q in zip(gpu.named_parameters(), cpu.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=f"{name} differs")

@@ -87,6 +87,7 @@ from kfac_hpc.kfac.precision import MatmulPrecision
 
 __all__ = [
     "APPROXIMATIONS",
+    "COLUMN_MAJOR_ROWS_DEVICES",
     "Conv2dCurvature",
     "EmbeddingCurvature",
     "LayerCurvature",
@@ -102,6 +103,16 @@ APPROXIMATIONS = ("expand", "reduce")
 """K-FAC approximations for layers with weight sharing (positions): see the module docstring."""
 
 _WIDE = (torch.float32, torch.float64)  # dtypes of the per-sample (batched) factor path
+
+COLUMN_MAJOR_ROWS_DEVICES: frozenset[str] = frozenset()
+"""Device types whose convolution rows (patches, output gradients) are built column-major.
+
+There the copy from an NCHW tensor moves runs of output positions, and the factor's Gram
+product reaches the GEMM as ``x·xᵀ`` of a row-major ``x`` (cuBLAS "tn") instead of
+``yᵀ·y`` ("nt"). The same numbers either way (:func:`~kfac_hpc.kfac.patches.patch_rows`).
+Empty (row-major everywhere) until a GPU run has timed both layouts
+(``benchmarks/gram_layouts.py``, ``benchmarks/gpu_profile.py``'s kinds section).
+"""
 # Below this many input channels the fast conv A path copies too few contiguous values
 # per kernel offset (measured: 0.5x the unfold path for ResNet's 3-channel stem).
 _FAST_MIN_CHANNELS = 8
@@ -119,6 +130,11 @@ def _keeps_bf16(t: Tensor, dtype: torch.dtype | None, precision: MatmulPrecision
     """
     return (t.dtype == torch.bfloat16 and dtype == torch.float32 and precision != "full"
             and uses_gpu_path(t.device))
+
+
+def _is_column_major(rows: Tensor) -> bool:
+    """Say whether 2-D ``rows`` (of more than one column) are a row-major tensor's transpose."""
+    return rows.dim() == 2 and rows.shape[1] > 1 and rows.stride(0) == 1
 
 
 def _cast(t: Tensor, dtype: torch.dtype | None) -> Tensor:
@@ -190,9 +206,11 @@ class LayerCurvature(ABC):
         return self._with_bias_column(self._input_rows(inputs.detach()))
 
     def _with_bias_column(self, rows: Tensor) -> Tensor:
-        if self.has_bias:
-            rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
-        return rows
+        if not self.has_bias:
+            return rows
+        if _is_column_major(rows):  # keep the layout: one more row of the transposed copy
+            return torch.cat([rows.t(), rows.new_ones(1, rows.shape[0])]).t()
+        return torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
 
     def g_rows(self, grad_output: Tensor, grad_scale: float | Tensor = 1.0) -> Tensor:
         """Rows of ``δ = b·∂L/∂y / grad_scale`` (``(rows, g_dim)``).
@@ -491,10 +509,13 @@ class Conv2dCurvature(LayerCurvature):
 
     def _input_rows(self, inputs: Tensor) -> Tensor:
         x = inputs if inputs.dim() == 4 else inputs.unsqueeze(0)
-        return patch_rows(x, *self._conv_geometry(), self.pads())
+        return patch_rows(x, *self._conv_geometry(), self.pads(),
+                          column_major=x.device.type in COLUMN_MAJOR_ROWS_DEVICES)
 
     def _output_rows(self, grad_output: Tensor) -> tuple[Tensor, int]:
         g = grad_output if grad_output.dim() == 4 else grad_output.unsqueeze(0)
+        if g.device.type in COLUMN_MAJOR_ROWS_DEVICES:
+            return g.transpose(0, 1).reshape(self.g_dim, -1).t(), g.shape[0]
         return g.permute(0, 2, 3, 1).reshape(-1, self.g_dim), g.shape[0]
 
     def _reduced_inputs(self, inputs: Tensor) -> Tensor:

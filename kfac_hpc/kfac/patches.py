@@ -151,8 +151,8 @@ def patch_covariance(x: Tensor, kernel_size: Pair, stride: Pair, dilation: Pair,
     return full.div_(n)
 
 
-def patch_rows(x: Tensor, kernel_size: Pair, stride: Pair, dilation: Pair, pads: Pads
-               ) -> Tensor:
+def patch_rows(x: Tensor, kernel_size: Pair, stride: Pair, dilation: Pair, pads: Pads,
+               *, column_major: bool = False) -> Tensor:
     """Return every output position's input patch as a row.
 
     Every output position's input patch as a row, columns in the weight's ``(c, i, j)`` order: the
@@ -161,6 +161,11 @@ def patch_rows(x: Tensor, kernel_size: Pair, stride: Pair, dilation: Pair, pads:
     Built as one strided view of the (zero-padded) input, ``(b, Ho, Wo, C, kh, kw)``,
     and one copy: two kernels at most, where ``F.unfold`` runs one im2col kernel per
     sample on CUDA and the rows need a transposed copy after it.
+
+    ``column_major``: the same rows as the transposed view of a row-major
+    ``(C·kh·kw, b·Ho·Wo)`` copy, whose runs of output positions are runs of the (NCHW)
+    input, read and written in order; a Gram product ``rowsᵀ rows`` of them is handed to
+    the GEMM as ``x·xᵀ`` of a row-major ``x``.
     """
     b, c, _, _, ho, wo = _input_geometry(x, kernel_size, stride, dilation, pads, "patch_rows")
     (kh, kw), (sh, sw), (dh, dw) = kernel_size, stride, dilation
@@ -170,6 +175,8 @@ def patch_rows(x: Tensor, kernel_size: Pair, stride: Pair, dilation: Pair, pads:
     sb, sc, sy, sx = x.stride()
     view = x.as_strided((b, ho, wo, c, kh, kw),
                         (sb, sy * sh, sx * sw, sc, sy * dh, sx * dw), x.storage_offset())
+    if column_major:
+        return view.permute(3, 4, 5, 0, 1, 2).reshape(c * kh * kw, b * ho * wo).t()
     return view.reshape(b * ho * wo, c * kh * kw)
 
 
