@@ -15,12 +15,15 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# Bookkeeping operators that launch no kernel (views, metadata, detach).
+# Bookkeeping operators that launch no kernel (views, metadata, detach, allocations
+# without a fill: the caching allocator hands out memory without touching the device).
 _FREE = ("aten.view", "aten._unsafe_view", "aten.detach", "aten.t.", "aten.transpose",
          "aten.permute", "aten.expand", "aten.as_strided", "aten.slice", "aten.select",
          "aten.unsqueeze", "aten.squeeze", "aten.reshape", "aten.alias", "aten.lift_fresh",
          "aten._reshape_alias", "aten.split", "aten.unbind", "aten.diagonal", "aten.sym_",
-         "aten.is_", "aten.numel", "aten.dim", "aten.size", "aten.stride")
+         "aten.is_", "aten.numel", "aten.dim", "aten.size", "aten.stride", "aten.empty.",
+         "aten.empty_like.", "aten.empty_strided.", "aten.new_empty.",
+         "aten.new_empty_strided.")
 
 
 class OpCounter(TorchDispatchMode):
