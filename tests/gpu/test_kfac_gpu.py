@@ -206,3 +206,40 @@ def test_bf16_tensors_give_the_factors_of_their_widened_values(device, precision
         want = curv.g_factor(dy.double(), torch.float64, 0.5, "full")
         magnitudes = curv.g_factor(dy.double().abs(), torch.float64, 0.5, "full")
         within_accumulation_error(got, want, magnitudes, rows)
+
+
+@pytest.mark.parametrize("precision", ["full", "tf32"])
+def test_column_major_rows_on_the_device_equal_row_major(device, monkeypatch, precision):
+    """Convolution rows built column-major on the device (``COLUMN_MAJOR_ROWS_DEVICES``:
+    the copy by runs of positions, the Gram product as ``x·xᵀ``) give the factors of the
+    row-major rows: in float64 to summation order; in TF32 both products round the same
+    operands, so each is within the float32 accumulation bound ``(K+2)·2⁻²³·(|R|ᵀ|R|)``
+    of their exact product (see the bf16 test above) and they differ by twice that at
+    most."""
+    from kfac_hpc.kfac import layers
+    from kfac_hpc.kfac.layers import Conv2dCurvature
+
+    dtype = torch.float64 if precision == "full" else torch.float32
+    torch.manual_seed(0)
+    curv = Conv2dCurvature(nn.Conv2d(16, 24, 3, padding=1).to(device=device, dtype=dtype))
+    x = torch.randn(8, 16, 14, 14, device=device, dtype=dtype)
+    dy = torch.randn(8, 24, 14, 14, device=device, dtype=dtype)
+
+    def factors() -> tuple[torch.Tensor, torch.Tensor]:
+        return (curv.a_factor(x, precision=precision),
+                curv.g_factor(dy, grad_scale=0.5, precision=precision))
+
+    monkeypatch.setattr(layers, "COLUMN_MAJOR_ROWS_DEVICES", frozenset())
+    by_row = factors()
+    monkeypatch.setattr(layers, "COLUMN_MAJOR_ROWS_DEVICES", frozenset({device.type}))
+    by_column = factors()
+    if dtype == torch.float64:
+        for got, want in zip(by_column, by_row):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+        return
+    rows = 8 * 14 * 14
+    magnitudes = (curv.a_factor(x.double().abs(), torch.float64, "full"),
+                  curv.g_factor(dy.double().abs(), torch.float64, 0.5, "full"))
+    for got, want, m in zip(by_column, by_row, magnitudes):
+        excess = (got.double() - want.double()).abs() - 2 * (rows + 2) * 2.0 ** -23 * m
+        assert excess.max() <= 0, f"above twice the accumulation bound by {excess.max():.3g}"
