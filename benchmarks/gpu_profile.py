@@ -14,7 +14,8 @@ stem), 1000 classes, one fixed synthetic batch, fp32 model, one process
   ``fi`` (factor and inverse update), with the device synchronised around each
   iteration, for each pair (``stats_precision``, ``precondition_precision``), for TF32
   statistics from column-major convolution rows (``layers.COLUMN_MAJOR_ROWS_DEVICES``)
-  and for ``kfac_approx="reduce"``; the schedules (1,10) = (fi + 9f)/10 and (10,100) =
+  and on a side stream (``statistics_stream.SIDE_STREAM_DEVICES``, CUDA only) and for
+  ``kfac_approx="reduce"``; the schedules (1,10) = (fi + 9f)/10 and (10,100) =
   (fi + 9f + 90p)/100 composed from them, and the ratios to SGD.
 * ``schedule``: mean ms per iteration over two whole inverse periods of a real schedule
   (``--schedule F I``, default (1,10)) with each ``decomposition_lag`` of ``--lags``
@@ -71,7 +72,7 @@ from common import format_table, machine, write_json
 
 from kfac_hpc import KFACPreconditioner, solves
 from kfac_hpc.comm import Communicator
-from kfac_hpc.kfac import layers, linalg
+from kfac_hpc.kfac import layers, linalg, statistics_stream
 from kfac_hpc.kfac.layers import LayerCurvature, register_layers
 from kfac_hpc.models import build_model
 from kfac_hpc.solves import SolvePlacement
@@ -79,6 +80,8 @@ from kfac_hpc.solves import SolvePlacement
 PRECISION_PAIRS = [("full", "full"), ("tf32", "full"), ("tf32", "tf32"), ("bf16", "tf32")]
 # the kinds section's run with convolution rows column-major (layers.COLUMN_MAJOR_ROWS_DEVICES)
 COLUMNS_LABEL = "stats tf32, column-major rows"
+# ... and with the statistics on a side stream (statistics_stream.SIDE_STREAM_DEVICES; CUDA)
+SIDE_STREAM_LABEL = "stats tf32, side stream"
 
 
 def make_model(name: str, device: torch.device, image_size: int) -> nn.Module:
@@ -147,6 +150,7 @@ def kinds_section(device: torch.device, batch: tuple[Tensor, Tensor], args: argp
     configs += [(f"stats {s} / precond {p}", {"stats_precision": s, "precondition_precision": p})
                 for s, p in PRECISION_PAIRS]
     configs.append((COLUMNS_LABEL, {"stats_precision": "tf32"}))
+    configs.append((SIDE_STREAM_LABEL, {"stats_precision": "tf32"}))
     configs.append(("reduce, auto", {"kfac_approx": "reduce"}))
     # cheaper inverse updates: warm-started eigenbases, randomized low rank, inverses
     configs.append(("eigen_refresh subspace", {"eigen_refresh": "subspace"}))
@@ -154,9 +158,13 @@ def kinds_section(device: torch.device, batch: tuple[Tensor, Tensor], args: argp
     configs.append(("compute_method inverse", {"compute_method": "inverse"}))
     out: dict[str, Any] = {}
     default_layout = layers.COLUMN_MAJOR_ROWS_DEVICES
+    default_streams = statistics_stream.SIDE_STREAM_DEVICES
     for label, kfac in configs:
         layers.COLUMN_MAJOR_ROWS_DEVICES = (frozenset({device.type}) if label == COLUMNS_LABEL
                                             else default_layout)
+        statistics_stream.SIDE_STREAM_DEVICES = (
+            frozenset({"cuda"}) if label == SIDE_STREAM_LABEL and device.type == "cuda"
+            else default_streams)
         trainer = Trainer(device, batch, args, kfac)
         kinds = ["sgd"] if kfac is None else ["fi", "f", "p"]
         times: dict[str, list[float]] = {k: [] for k in kinds}
@@ -175,6 +183,7 @@ def kinds_section(device: torch.device, batch: tuple[Tensor, Tensor], args: argp
         out[label] = med
         trainer.close()
     layers.COLUMN_MAJOR_ROWS_DEVICES = default_layout
+    statistics_stream.SIDE_STREAM_DEVICES = default_streams
     return out
 
 

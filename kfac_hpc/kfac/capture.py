@@ -17,6 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from kfac_hpc.kfac.layers import LayerCurvature
 from kfac_hpc.kfac.precision import MatmulPrecision
+from kfac_hpc.kfac.statistics_stream import SameStream, StatisticsStream
 
 FactorCallback = Callable[["LayerStatistics", str], None]
 
@@ -55,13 +56,16 @@ class StatisticsCapture:
     multiplied by (AMP loss scale times ``1/accumulation_steps``) so that G is computed
     from unscaled gradients.
     ``on_ready(stats, factor)`` is called when a micro-batch's A or G has been added
-    (SPD-KFAC's pipelining starts communication from there).
+    (SPD-KFAC's pipelining starts communication from there). ``stream``: where the
+    statistics run (:mod:`kfac_hpc.kfac.statistics_stream`); :meth:`join` before the
+    sums are read, :meth:`clear` after.
     """
 
     def __init__(self, layers: dict[str, LayerCurvature], *, dtype_of: Callable[[str], torch.dtype],
                  active: Callable[[], bool], grad_scale: Callable[[], float | Tensor],
                  on_ready: FactorCallback | None = None,
-                 precision: MatmulPrecision = "full") -> None:
+                 precision: MatmulPrecision = "full",
+                 stream: StatisticsStream | None = None) -> None:
         """Register the hooks on every layer of ``layers``.
 
         Args:
@@ -71,8 +75,10 @@ class StatisticsCapture:
             grad_scale: The factor the loss was multiplied by.
             on_ready: Called after a micro-batch's A or G was added, or ``None``.
             precision: The operand precision of the statistics' GEMMs.
+            stream: Where the statistics run (default: the pass's own stream).
         """
         self.stats = {name: LayerStatistics(name, curv) for name, curv in layers.items()}
+        self.stream: StatisticsStream = stream if stream is not None else SameStream()
         self._dtype_of = dtype_of
         self._precision = precision
         self._active = active
@@ -91,14 +97,14 @@ class StatisticsCapture:
             if not isinstance(output, Tensor) or not output.requires_grad:
                 return
             dtype = self._dtype_of(name)
-            stats.add("A", stats.curvature.a_factor(inputs[0], dtype=dtype,
-                                                    precision=self._precision))
+            self.stream.run(inputs[:1], lambda: stats.add("A", stats.curvature.a_factor(
+                inputs[0], dtype=dtype, precision=self._precision)))
             self._ready(stats, "A")
 
             def grad_hook(grad: Tensor) -> None:
-                stats.add("G", stats.curvature.g_factor(grad, dtype=dtype,
-                                                        grad_scale=self._grad_scale(),
-                                                        precision=self._precision))
+                scale = self._grad_scale()
+                self.stream.run([grad], lambda: stats.add("G", stats.curvature.g_factor(
+                    grad, dtype=dtype, grad_scale=scale, precision=self._precision)))
                 self._ready(stats, "G")
 
             output.register_hook(grad_hook)
@@ -109,8 +115,14 @@ class StatisticsCapture:
         if self._on_ready is not None:
             self._on_ready(stats, factor)
 
+    def join(self) -> None:
+        """Make the current stream wait for every statistic computed so far."""
+        self.stream.join()
+
     def clear(self) -> None:
-        """Forget every layer's sums and counts."""
+        """Forget every layer's sums and counts (used on the current stream until then)."""
+        self.stream.release(t for stats in self.stats.values() for t in stats.sums.values()
+                            if t is not None)
         for stats in self.stats.values():
             stats.clear()
 

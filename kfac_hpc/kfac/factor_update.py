@@ -34,6 +34,7 @@ from kfac_hpc.kfac.layers import LayerCurvature
 from kfac_hpc.kfac.layouts import LayerDims, factor_dim
 from kfac_hpc.kfac.options import MatmulPrecision
 from kfac_hpc.kfac.placement import FACTORS, FactorKey
+from kfac_hpc.kfac.statistics_stream import statistics_stream
 from kfac_hpc.phases import Phase, PhaseTimer, timed
 
 __all__ = ["FactorUpdate", "nonfinite"]
@@ -76,7 +77,8 @@ class FactorUpdate:
         self.capture = StatisticsCapture(
             layers, dtype_of=lambda _: store.dtype, precision=precision, active=active,
             grad_scale=self._grad_scale,
-            on_ready=self._on_factor_ready if self.pipeline is not None else None)
+            on_ready=self._on_factor_ready if self.pipeline is not None else None,
+            stream=statistics_stream(store.device, pipelined=self.pipeline is not None))
 
     @timed(Phase.KFAC_FACTORS)
     def update(self, k: int, decay: float) -> None:
@@ -95,6 +97,7 @@ class FactorUpdate:
         if self.warn_unfired:
             self.warn_unfired = False
             self._warn_unfired()
+        self.capture.join()
         sums = self._captured_sums()
         if self.deferred:  # folded into local averages; reduced at inverse steps
             if self._usable(k, sums):

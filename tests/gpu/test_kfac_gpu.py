@@ -243,3 +243,22 @@ def test_column_major_rows_on_the_device_equal_row_major(device, monkeypatch, pr
     for got, want, m in zip(by_column, by_row, magnitudes):
         excess = (got.double() - want.double()).abs() - 2 * (rows + 2) * 2.0 ** -23 * m
         assert excess.max() <= 0, f"above twice the accumulation bound by {excess.max():.3g}"
+
+
+@needs_cuda
+@pytest.mark.parametrize("strategy, options", CASES[:2], ids=IDS[:2])
+def test_statistics_on_a_side_stream_train_bitwise_alike(device, monkeypatch, strategy,
+                                                          options):
+    """The hooks' statistics on a CUDA side stream (``SIDE_STREAM_DEVICES``): the same
+    kernels on the same values, waited for before the factor update reads them and kept
+    alive while either stream uses them, so training is bitwise that of the pass's own
+    stream."""
+    from kfac_hpc.kfac import statistics_stream
+
+    comm = Communicator(MPI.COMM_SELF)
+    plain, _ = train(device, comm, strategy, options)
+    monkeypatch.setattr(statistics_stream, "SIDE_STREAM_DEVICES", frozenset({"cuda"}))
+    side, pre = train(device, comm, strategy, options)
+    assert isinstance(pre.capture.stream, statistics_stream.SideStream)
+    for (name, p), q in zip(side.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), f"{name} differs"
