@@ -127,3 +127,30 @@ def test_default_is_the_pass_stream() -> None:
     assert frozenset() == statistics_stream.SIDE_STREAM_DEVICES
     assert isinstance(statistics_stream.statistics_stream(torch.device("cpu"), pipelined=False),
                       SameStream)
+
+
+class DeviceScaler:
+    """A GradScaler whose scale is a device tensor (``_get_scale_async``), as on CUDA."""
+
+    def is_enabled(self) -> bool:
+        return True
+
+    def get_scale(self) -> float:
+        return 2.0
+
+    def _get_scale_async(self) -> Tensor:
+        return torch.tensor(2.0, dtype=torch.float64)
+
+
+def test_a_device_loss_scale_is_among_what_the_statistics_read(recording):
+    """Under AMP the loss scale G divides by is a tensor made on the pass's stream: it is
+    handed to ``run`` with the gradient, so its memory outlives the side stream's use."""
+    model = small_cnn()
+    pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), damping=0.01,
+                             grad_scaler=DeviceScaler())  # type: ignore[arg-type]
+    x, y = small_cnn_batches(1)[0]
+    torch.nn.functional.cross_entropy(model(x), y).mul(2.0).backward()
+    pre.step()
+    pre.close()
+    scalars = [t for t in recording[0].inputs if t.dim() == 0]
+    assert len(scalars) == len(pre.layers)  # one per G

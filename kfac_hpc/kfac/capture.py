@@ -102,8 +102,9 @@ class StatisticsCapture:
             self._ready(stats, "A")
 
             def grad_hook(grad: Tensor) -> None:
-                scale = self._grad_scale()
-                self.stream.run([grad], lambda: stats.add("G", stats.curvature.g_factor(
+                scale = self._grad_scale()  # a device tensor under AMP: read there too
+                reads = [grad, scale] if isinstance(scale, Tensor) else [grad]
+                self.stream.run(reads, lambda: stats.add("G", stats.curvature.g_factor(
                     grad, dtype=dtype, grad_scale=scale, precision=self._precision)))
                 self._ready(stats, "G")
 
