@@ -1,8 +1,8 @@
 """K-FAC on one GPU, phase by phase: operand precisions, decompositions, kernels, accuracy.
 
     python benchmarks/gpu_profile.py [--device cuda] [--batch 32] [--image-size 224]
-        [--rounds 5] [--sections kinds decompositions profile accuracy] [--markdown]
-        [--out benchmarks/out/gpu]
+        [--rounds 5] [--sections kinds decompositions profile accuracy]
+        [--kinds KEY...] [--markdown] [--out benchmarks/out/gpu]
 
 ResNet-50 (torchvision's when it imports, else ``kfac_hpc.models``' with the ImageNet
 stem), 1000 classes, one fixed synthetic batch, fp32 model, one process
@@ -144,18 +144,25 @@ class Trainer:
             self.pre.close()
 
 
+KIND_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    **{f"{s}-{p}": (f"stats {s} / precond {p}",
+                    {"stats_precision": s, "precondition_precision": p})
+       for s, p in PRECISION_PAIRS},
+    "columns": (COLUMNS_LABEL, {"stats_precision": "tf32"}),
+    "side-stream": (SIDE_STREAM_LABEL, {"stats_precision": "tf32"}),
+    "reduce": ("reduce, auto", {"kfac_approx": "reduce"}),
+    # cheaper inverse updates: warm-started eigenbases, randomized low rank, inverses
+    "subspace": ("eigen_refresh subspace", {"eigen_refresh": "subspace"}),
+    "low-rank": ("low_rank 256 (d >= 1024)", {"low_rank": 256}),
+    "inverse": ("compute_method inverse", {"compute_method": "inverse"}),
+}
+"""The kinds section's K-FAC configurations by ``--kinds`` key: (row label, options)."""
+
+
 def kinds_section(device: torch.device, batch: tuple[Tensor, Tensor], args: argparse.Namespace
                   ) -> dict[str, Any]:
     configs: list[tuple[str, dict[str, Any] | None]] = [("SGD", None)]
-    configs += [(f"stats {s} / precond {p}", {"stats_precision": s, "precondition_precision": p})
-                for s, p in PRECISION_PAIRS]
-    configs.append((COLUMNS_LABEL, {"stats_precision": "tf32"}))
-    configs.append((SIDE_STREAM_LABEL, {"stats_precision": "tf32"}))
-    configs.append(("reduce, auto", {"kfac_approx": "reduce"}))
-    # cheaper inverse updates: warm-started eigenbases, randomized low rank, inverses
-    configs.append(("eigen_refresh subspace", {"eigen_refresh": "subspace"}))
-    configs.append(("low_rank 256 (d >= 1024)", {"low_rank": 256}))
-    configs.append(("compute_method inverse", {"compute_method": "inverse"}))
+    configs += [KIND_CONFIGS[key] for key in args.kinds]
     out: dict[str, Any] = {}
     default_layout = layers.COLUMN_MAJOR_ROWS_DEVICES
     default_streams = statistics_stream.SIDE_STREAM_DEVICES
@@ -508,6 +515,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--host-max-dims", type=int, nargs="+", default=[0, 512, 1024, 1152],
                    help="decompositions section: host_decomposition_max_dim values timed "
                         "(all factors' decompositions, the small ones on the host)")
+    p.add_argument("--kinds", nargs="+", choices=list(KIND_CONFIGS), default=list(KIND_CONFIGS),
+                   metavar="KEY", help="the kinds section's K-FAC configurations (default: all "
+                   f"of {', '.join(KIND_CONFIGS)})")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--out", type=Path, default=Path("benchmarks/out/gpu"))
     args = p.parse_args(argv)
