@@ -334,29 +334,23 @@ class CompleteGSolve:
 class CompleteASolve:
     """``(Ã ⊗ G̃ + γI)⁻¹`` when ``A``'s decomposition is complete (``k_A = a``): 6 kernels.
 
-    ``Q_A Q_Aᵀ = I`` folds ``s·X`` and the ``u`` terms into the ``A`` eigenbasis:
-    ``V = [XA ⊙_cols v + Q_G (C ⊙ (W − 1 vᵀ))] Q_Aᵀ`` (``ρ_A`` drops out). Holds
-    ``Q_G``, ``Q_A``, ``v`` and ``core = W − 1 vᵀ``.
+    The mirror image of :class:`CompleteGSolve`: ``V = (Ã ⊗ G̃ + γI)⁻¹ vec(X)`` is the
+    transpose of ``(G̃ ⊗ Ã + γI)⁻¹ vec(Xᵀ)``, whose second factor is the complete one.
+    So ``V = [XA ⊙_cols v + Q_G (C ⊙ (W − 1 vᵀ))] Q_Aᵀ`` (``ρ_A`` drops out) is
+    :class:`CompleteGSolve` with the roles of the factors swapped, applied to ``Xᵀ``
+    and transposed back (views: the same GEMMs and products).
     """
 
-    qg: Tensor
-    qa: Tensor
-    v: Tensor
-    core: Tensor
+    swapped: CompleteGSolve
 
     @property
     def nbytes(self) -> int:
         """Bytes held beyond the decompositions (``v``, ``core``)."""
-        return _nbytes(self.v, self.core)
+        return self.swapped.nbytes
 
     def __call__(self, grad: Tensor) -> Tensor:
         """``V`` for ``grad`` (``g x a``): three GEMMs, one fused GEMM-add, two products."""
-        with torch.autocast(device_type=grad.device.type, enabled=False):
-            x = _cast(grad, self.qa.dtype)
-            xa = x @ self.qa  # (g, a)
-            k = (self.qg.t() @ xa).mul_(self.core)  # (k_G, a)
-            out = (xa * self.v).addmm_(self.qg, k) @ self.qa.t()
-        return _cast(out, grad.dtype)
+        return self.swapped(grad.mT).mT
 
 
 @dataclass(frozen=True)
@@ -417,7 +411,8 @@ def lowrank_solve(a: LowRankFactor, g: LowRankFactor, damping: float) -> LowRank
         if g.rank == g.dim:
             return CompleteGSolve(qg=g.q, qa=a.q, u=u[:, None], core=w - u[:, None])
         if a.rank == a.dim:
-            return CompleteASolve(qg=g.q, qa=a.q, v=v, core=w - v[None, :])
+            return CompleteASolve(CompleteGSolve(qg=a.q, qa=g.q, u=v[:, None],
+                                                 core=(w - v[None, :]).mT))
         return TwoSidedSolve(qg=g.q, qa=a.q, qg_u=g.q * (u - s), qa_v=a.q * (v - s),
                              core=w - u[:, None] - v[None, :] + s, s=s)
 
