@@ -3,8 +3,8 @@
     python benchmarks/shampoo_roots.py [--device cpu|cuda] [--max-dim 1024]
         [--factors random|real] [--steps T] [--epsilon 1e-12] [--dtypes float32 float64]
         [--per-size N] [--max-size S] [--check-every 1 5 10 100] [--tolerance 1e-4]
-        [--max-iterations 100] [--repeats R] [--no-rank-bounds] [--quick] [--markdown]
-        [--out benchmarks/out]
+        [--max-iterations 100] [--repeats R] [--device-streams 2 4 8] [--no-rank-bounds]
+        [--quick] [--markdown] [--out benchmarks/out]
 
 The factors are those of ResNet-50's Shampoo blocks at ``max_preconditioner_dim``
 ``--max-dim`` (torchvision's ``resnet50()`` when it imports, else ``kfac_hpc.models``'):
@@ -38,7 +38,10 @@ eigenvalue of the size's factors) is how much the dtype's rounding of a factor m
 there are set by rounding, and two methods (or eigh in two dtypes) differ by about
 that over ``p``. Then one call over every size at once
 (``all``: a whole root step) for each ``--check-every`` value: how the host reads
-(one per check) trade against the iterations run (converged matrices leave at checks).
+(one per check) trade against the iterations run (converged matrices leave at checks),
+and the same root step by eigh with its batches spread over each ``--device-streams``
+count of CUDA streams (``decomposition_streams``; cuSOLVER's ``syevd`` reads its status
+on the host, so one stream leaves the device idle between calls).
 
 Writes ``shampoo_roots_<device>.json`` under ``--out`` and prints the tables (Markdown
 with ``--markdown``). On the CPU use small sizes (``--quick``: ``--max-size 256
@@ -76,6 +79,7 @@ from common import (
 from kfac_hpc.shampoo import EigenRoots, NewtonRoots
 from kfac_hpc.shampoo.blocking import BlockSpec, block_param
 from kfac_hpc.shampoo.roots import RootRequest, inverse_roots, newton_inverse_roots
+from kfac_hpc.solves import SolvePlacement
 
 BETA2 = 0.999
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -205,6 +209,10 @@ def measure(factors: Factors, dtype: torch.dtype, args: argparse.Namespace,
             "noise": torch.finfo(dtype).eps / 2 * top / args.epsilon,
             "failed": sum(sum(r.failed) for r in newton_results)})
     eigen_ms, _ = timed(partial(inverse_roots, requests_all, method=eigen), device, args.repeats)
+    streams = [{"streams": count, "eigh_ms": timed(partial(
+        inverse_roots, requests_all, method=eigen,
+        placement=SolvePlacement(device_streams=count)), device, args.repeats)[0]}
+        for count in args.device_streams]
     sweep = []
     for every in args.check_every:
         method = NewtonRoots(args.max_iterations, args.tolerance, every)
@@ -216,6 +224,7 @@ def measure(factors: Factors, dtype: torch.dtype, args: argparse.Namespace,
                       "fallback": sum(not c for o in run.outcomes for c in o.converged)})
     return {"sizes": rows, "all": {
         "count": sum(len(m) for m in factors.values()), "eigh_ms": eigen_ms, "newton": sweep,
+        "streams": streams,
         "by_rank": sum(r.factors.shape[0] for r in requests_all if _skips_newton(r))}}
 
 
@@ -250,6 +259,13 @@ def report(result: dict[str, Any], markdown: bool) -> str:
         out.append(format_table(["check every", "newton ms", "speed-up", "host reads",
                                  "iterations", "matrix-iterations", "fallback"], sweep,
                                 markdown))
+        if whole["streams"]:
+            out.append(f"\nthe same {dtype} root step by eigh over CUDA streams "
+                       "(decomposition_streams):\n")
+            out.append(format_table(
+                ["streams", "eigh ms", "speed-up"],
+                [[s["streams"], s["eigh_ms"], whole["eigh_ms"] / s["eigh_ms"]]
+                 for s in whole["streams"]], markdown))
     return "\n".join(out)
 
 
@@ -275,6 +291,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tolerance", type=float, default=NewtonRoots().tolerance)
     parser.add_argument("--max-iterations", type=int, default=NewtonRoots().max_iterations)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device-streams", type=int, nargs="*", default=[2, 4, 8],
+                        help="the whole root step by eigh spread over this many CUDA streams "
+                             "and worker threads each (decomposition_streams; none: skip)")
     parser.add_argument("--rank-bounds", action=argparse.BooleanOptionalAction, default=True,
                         help="give each request its factors' rank bound, as Shampoo does "
                              "(float32 factors known rank-deficient skip Newton; default on)")

@@ -3,8 +3,8 @@
     launch/local -n 4 python benchmarks/shampoo_step.py [--model all|mlp|resnet20|resnet50]
         [--device cpu|cuda] [--configs adam adamw shampoo meta] [--steps N] [--warmup W]
         [--batch B] [--image-size S] [--max-dim D] [--frequency F] [--max-seconds S]
-        [--root-method eigen|newton] [--meta-src DIR] [--quick] [--markdown]
-        [--out benchmarks/out]
+        [--root-method eigen|newton] [--decomposition-streams S] [--meta-src DIR] [--quick]
+        [--markdown] [--out benchmarks/out]
     launch/local -n 1 python benchmarks/shampoo_step.py --device cuda --model resnet50  # GPU
 
 Models: an MLP on 64-feature inputs (hidden 256, 128; 10 classes), the CIFAR ResNet-20
@@ -29,7 +29,8 @@ weights) and its own communicators (``Dup`` s of the world):
   weight decay ``--weight-decay``: AdamW grafting), its roots by ``--root-method``:
   ``eigen`` (``EigenRoots()``, the default: batched ``eigh``) or ``newton``
   (``NewtonRoots()``: the coupled Newton iteration, GEMMs only; Meta's keeps its default,
-  eigendecomposition, either way).
+  eigendecomposition, either way), its eigen-path solves spread over
+  ``--decomposition-streams`` CUDA streams (``decomposition_streams``, default 1).
 * ``meta``: Meta's ``DistributedShampoo`` (facebookresearch/optimizers, package
   ``distributed_shampoo``) with the same settings in its terms:
   ``grafting_config=AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8)``, betas
@@ -327,7 +328,8 @@ def optimizers(args: argparse.Namespace, meta: Any) -> dict[
             weight_decay=wd, decoupled_weight_decay=True, max_preconditioner_dim=args.max_dim,
             precondition_frequency=1, start_preconditioning_step=1, grafting="adam",
             grafting_beta2=0.999, grafting_epsilon=1e-8, comm=c,
-            root_method=root_method_from(args.root_method)),
+            root_method=root_method_from(args.root_method),
+            decomposition_streams=args.decomposition_streams),
     }
     if meta is not None:
         made["meta"] = lambda m, c: meta.DistributedShampoo(
@@ -463,6 +465,7 @@ def run_model(name: str, args: argparse.Namespace, comm: Communicator, device: t
         "world_size": comm.size, "device": str(device), "configs": list(runners),
         "baseline": baseline, "blocks": len(blocks), "max_dim": args.max_dim,
         "root_method": repr(root_method_from(args.root_method)),
+        "decomposition_streams": args.decomposition_streams,
         "block_dims": sorted({d for b in blocks for d in b.shape}),
         "frequency": args.frequency, "weight_decay": args.weight_decay,
         "meta_source": peer_version(args.meta_src) if meta is not None else None,
@@ -490,7 +493,9 @@ def report(result: dict[str, Any], markdown: bool) -> str:
     lines = [
         f"## {result['model']} ({result['params']:,} parameters, {result['blocks']} blocks "
         f"of kfac_hpc's Shampoo, max dim {result['max_dim']}, roots "
-        f"{result.get('root_method', 'EigenRoots()')}), {result['world_size']} ranks, "
+        f"{result.get('root_method', 'EigenRoots()')}, "
+        f"{result.get('decomposition_streams', 1)} decomposition stream(s)), "
+        f"{result['world_size']} ranks, "
         f"{result['device']}; medians of {result['timed_rounds']} rounds "
         f"(\"shampoo\": kfac_hpc's; \"meta\": Meta's; overhead vs {result['baseline']})",
         "",
@@ -568,6 +573,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--root-method", choices=["eigen", "newton"], default="eigen",
                         help="kfac_hpc's Shampoo roots: eigen (batched eigh, the default) or "
                              "newton (coupled Newton iteration, NewtonRoots())")
+    parser.add_argument("--decomposition-streams", type=int, default=1,
+                        help="kfac_hpc's Shampoo: CUDA streams its root step's eigh batches "
+                             "are spread over (decomposition_streams, default 1)")
     parser.add_argument("--weight-decay", type=float, default=None,
                         help="decoupled weight decay of adamw, shampoo and meta (default "
                              "0.01 when adamw is selected, else 0)")
@@ -638,7 +646,8 @@ def main(argv: list[str] | None = None) -> int:
             f"plain {NOMINAL_H200_S[PLAIN]} s, root {NOMINAL_H200_S[ROOT]} s): about "
             f"{nominal_estimate(args):.0f} s")
     suffix = ("_cuda" if device.type == "cuda" else "") + (
-        "_newton" if args.root_method == "newton" else "")
+        "_newton" if args.root_method == "newton" else "") + (
+        f"_streams{args.decomposition_streams}" if args.decomposition_streams != 1 else "")
     for name in models:
         result = run_model(name, args, comm, device, meta, say)
         result["machine"] = info
