@@ -356,3 +356,34 @@ def test_training_with_column_major_rows_equals_the_cpu_path(monkeypatch, strate
     gpu = _train(comm, strategy, options)
     for (name, p), q in zip(gpu.named_parameters(), cpu.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=f"{name} differs")
+
+
+@pytest.mark.parametrize("layer", [nn.Conv2d(6, 10, 3, padding=1), nn.Linear(12, 7)],
+                         ids=["conv", "linear"])
+def test_bf16_statistics_of_float32_tensors_build_bf16_rows(monkeypatch, gpu_path, layer):
+    """``stats_precision="bf16"`` on float32 activations and output gradients (GPU path):
+    the layer's tensor is cast to bf16 once and the rows are built in bf16, and the
+    factors are bitwise those of float32 rows rounded to bf16 in the product (rounding
+    commutes with the copies that build the rows)."""
+    curv = (Conv2dCurvature if isinstance(layer, nn.Conv2d) else LinearCurvature)(layer)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 6, 9, 8, generator=g) if isinstance(layer, nn.Conv2d) \
+        else torch.randn(16, 12, generator=g)
+    dy = torch.randn(layer(x).shape, generator=g)
+    seen: list[torch.dtype] = []
+    real = layers.covariance
+
+    def covariance(rows, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(rows.dtype)
+        return real(rows, *args, **kwargs)
+
+    monkeypatch.setattr(layers, "covariance", covariance)
+    a = curv.a_factor(x, torch.float32, "bf16")
+    gf = curv.g_factor(dy, torch.float32, 0.5, "bf16")
+    assert seen == [torch.bfloat16, torch.bfloat16]
+    assert a.dtype == gf.dtype == torch.float32
+    rows_a = curv.a_rows(x)
+    rows_g, b = curv._output_rows(dy)
+    scale = b / 0.5
+    assert torch.equal(a, real(rows_a, precision="bf16"))
+    assert torch.equal(gf, real(rows_g, scale * scale, precision="bf16"))

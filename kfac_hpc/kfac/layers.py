@@ -132,6 +132,22 @@ def _keeps_bf16(t: Tensor, dtype: torch.dtype | None, precision: MatmulPrecision
             and uses_gpu_path(t.device))
 
 
+def _bf16_operands(t: Tensor, dtype: torch.dtype | None, precision: MatmulPrecision) -> Tensor:
+    """``t`` cast to bf16 once where its statistics take bf16 operands anyway.
+
+    float32 activations or output gradients with ``stats_precision="bf16"`` on the GPU
+    path: the GEMM rounds every operand to bf16, and rounding commutes with building the
+    rows (copies of the same values), so casting the layer's tensor first gives the same
+    operands. The rows are then built in bf16 (:func:`_keeps_bf16`: half the bytes) from
+    a tensor that is, for a k×k convolution, k² times smaller than its rows, instead of
+    built in float32 and cast twice more (once per operand).
+    """
+    if (precision == "bf16" and t.dtype == torch.float32 and dtype == torch.float32
+            and uses_gpu_path(t.device)):
+        return t.detach().to(torch.bfloat16)
+    return t
+
+
 def _is_column_major(rows: Tensor) -> bool:
     """Say whether 2-D ``rows`` (of more than one column) are a row-major tensor's transpose."""
     return rows.dim() == 2 and rows.shape[1] > 1 and rows.stride(0) == 1
@@ -233,6 +249,7 @@ class LayerCurvature(ABC):
         """
         if self.approx == "reduce":
             return self._reduce_a(_cast(inputs, dtype), precision)
+        inputs = _bf16_operands(inputs, dtype, precision)
         if _keeps_bf16(inputs, dtype, precision):
             return covariance(self.a_rows(inputs), precision=precision, out_dtype=dtype)
         return covariance(self.a_rows(_cast(inputs, dtype)), precision=precision)
@@ -248,12 +265,13 @@ class LayerCurvature(ABC):
 
         Reduce: ``(1/(bT)) Σ_i ĝ_i ĝ_iᵀ`` with ``ĝ_i = Σ_t δ_{i,t}``.
         """
-        if (self.approx == "expand" and not isinstance(grad_scale, Tensor)
-                and _keeps_bf16(grad_output, dtype, precision)):
-            # bf16 rows, float32 product; the scale applied to the small float32 result
-            rows, b = self._output_rows(grad_output.detach())
-            scale = b / grad_scale
-            return covariance(rows, scale * scale, precision=precision, out_dtype=dtype)
+        if self.approx == "expand" and not isinstance(grad_scale, Tensor):
+            grad_output = _bf16_operands(grad_output, dtype, precision)
+            if _keeps_bf16(grad_output, dtype, precision):
+                # bf16 rows, float32 product; the scale applied to the small float32 result
+                rows, b = self._output_rows(grad_output.detach())
+                scale = b / grad_scale
+                return covariance(rows, scale * scale, precision=precision, out_dtype=dtype)
         g = _cast(grad_output, dtype)
         if self.approx == "reduce":
             return self._reduce_g(g, grad_scale, precision)
@@ -534,8 +552,10 @@ class Conv2dCurvature(LayerCurvature):
         precision, at least 8 input channels), otherwise :meth:`a_factor_unfold` (the GPU path: one
         unfold, one GEMM); or reduce.
         """
-        if self.approx == "expand" and _keeps_bf16(inputs, dtype, precision):
-            return self.a_factor_unfold(inputs, dtype, precision)
+        if self.approx == "expand":
+            inputs = _bf16_operands(inputs, dtype, precision)
+            if _keeps_bf16(inputs, dtype, precision):
+                return self.a_factor_unfold(inputs, dtype, precision)
         x = _cast(inputs, dtype)
         if self.approx == "reduce":
             return self._reduce_a(x, precision)

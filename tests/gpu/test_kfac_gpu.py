@@ -262,3 +262,27 @@ def test_statistics_on_a_side_stream_train_bitwise_alike(device, monkeypatch, st
     assert isinstance(pre.capture.stream, statistics_stream.SideStream)
     for (name, p), q in zip(side.named_parameters(), plain.parameters()):
         assert torch.equal(p, q), f"{name} differs"
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["conv", "linear"])
+def test_bf16_statistics_of_float32_tensors_equal_rounding_in_the_product(device, kind):
+    """``stats_precision="bf16"`` on float32 tensors casts the layer's tensor once and
+    builds bf16 rows; the product is the same bf16 GEMM (float32 accumulation) on the
+    same operands as rounding float32 rows in the product: bitwise equal factors."""
+    from kfac_hpc.kfac.layers import Conv2dCurvature, LinearCurvature
+    from kfac_hpc.kfac.linalg import covariance
+
+    torch.manual_seed(0)
+    if kind == "conv":
+        curv = Conv2dCurvature(nn.Conv2d(16, 24, 3, padding=1).to(device))
+        x = torch.randn(8, 16, 14, 14, device=device)
+    else:
+        curv = LinearCurvature(nn.Linear(96, 40).to(device))
+        x = torch.randn(64, 96, device=device)
+    dy = curv.module(x).detach().normal_()
+    rows_g, b = curv._output_rows(dy)
+    assert torch.equal(curv.a_factor(x, torch.float32, "bf16"),
+                       covariance(curv.a_rows(x), precision="bf16"))
+    assert torch.equal(curv.g_factor(dy, torch.float32, 0.5, "bf16"),
+                       covariance(rows_g, (b / 0.5) ** 2, precision="bf16"))
