@@ -220,21 +220,3 @@ def test_plot_writes_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert main(["plot", str(tmp_path / "missing"), "--out", str(out)]) == 2
     assert "no such metrics file" in capsys.readouterr().err
 
-
-def test_every_train_flag_is_in_the_training_guide() -> None:
-    """docs/training.md names every ``kfac-hpc train`` flag (a boolean's ``--no-`` form
-    as ``--[no-]flag`` or either form), so a new option cannot go undocumented."""
-    import argparse
-    import re
-
-    from kfac_hpc.train.cli import add_arguments
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    guide = (ROOT / "docs" / "training.md").read_text()
-    named = set(re.findall(r"--(?:\[no-\])?([a-z0-9][a-z0-9-]*)", guide))
-    named |= {f"no-{n}" for n in named} | {n.removeprefix("no-") for n in named}
-    flags = {o.removeprefix("--") for a in parser._actions for o in a.option_strings
-             if o.startswith("--") and o != "--help"}
-    missing = sorted(flags - named)
-    assert not missing, f"flags missing from docs/training.md: {missing}"
