@@ -208,12 +208,12 @@ def test_bf16_tensors_give_the_factors_of_their_widened_values(device, precision
         within_accumulation_error(got, want, magnitudes, rows)
 
 
-@pytest.mark.parametrize("precision", ["full", "tf32"])
+@pytest.mark.parametrize("precision", ["full", "tf32", "bf16"])
 def test_column_major_rows_on_the_device_equal_row_major(device, monkeypatch, precision):
     """Convolution rows built column-major on the device (``COLUMN_MAJOR_ROWS_DEVICES``:
     the copy by runs of positions, the Gram product as ``x·xᵀ``) give the factors of the
-    row-major rows: in float64 to summation order; in TF32 both products round the same
-    operands, so each is within the float32 accumulation bound ``(K+2)·2⁻²³·(|R|ᵀ|R|)``
+    row-major rows: in float64 to summation order; in TF32 (and bf16) both products round
+    the same operands, so each is within the float32 accumulation bound ``(K+2)·2⁻²³·(|R|ᵀ|R|)``
     of their exact product (see the bf16 test above) and they differ by twice that at
     most."""
     from kfac_hpc.kfac import layers
