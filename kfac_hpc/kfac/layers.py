@@ -118,34 +118,34 @@ Empty (row-major everywhere) until a GPU run has timed both layouts
 _FAST_MIN_CHANNELS = 8
 
 
-def _keeps_bf16(t: Tensor, dtype: torch.dtype | None, precision: MatmulPrecision) -> bool:
-    """Say whether a factor's rows stay in bf16 (AMP tensors, float32 factors).
+def _bf16_rows_source(t: Tensor, dtype: torch.dtype | None, precision: MatmulPrecision
+                      ) -> Tensor | None:
+    """The bf16 tensor a factor's rows are built from, or None where they are not bf16.
 
-    On the GPU path with reduced-precision statistics (TF32 or bf16 operands), bf16
-    activations or output gradients need no widening: their rows are built in bf16
-    (half the bytes copied) and
-    the GEMM accumulates in float32 (:func:`~kfac_hpc.kfac.linalg.covariance`'s
-    ``out_dtype``); TF32 or bf16 rounding of bf16 values changes nothing, so the factor
-    is the one of the widened rows up to the summation order.
+    On the GPU path with reduced-precision statistics (TF32 or bf16 operands) and float32
+    factors, the rows are built in bf16 (half the bytes copied) and the GEMM accumulates
+    in float32 (:func:`~kfac_hpc.kfac.linalg.covariance`'s ``out_dtype``):
+    * bf16 (AMP) activations or output gradients as they are: TF32 or bf16 rounding of
+      bf16 values changes nothing, so the factor is the one of the widened rows up to
+      the summation order;
+    * float32 ones with ``stats_precision="bf16"``, cast once: the GEMM rounds every
+      operand to bf16 anyway, and rounding commutes with building the rows (copies of
+      the same values), so the operands are the same; the cast reads a tensor that is,
+      for a k×k convolution, k² times smaller than its rows, instead of float32 rows
+      cast twice more (once per operand).
     """
-    return (t.dtype == torch.bfloat16 and dtype == torch.float32 and precision != "full"
-            and uses_gpu_path(t.device))
-
-
-def _bf16_operands(t: Tensor, dtype: torch.dtype | None, precision: MatmulPrecision) -> Tensor:
-    """``t`` cast to bf16 once where its statistics take bf16 operands anyway.
-
-    float32 activations or output gradients with ``stats_precision="bf16"`` on the GPU
-    path: the GEMM rounds every operand to bf16, and rounding commutes with building the
-    rows (copies of the same values), so casting the layer's tensor first gives the same
-    operands. The rows are then built in bf16 (:func:`_keeps_bf16`: half the bytes) from
-    a tensor that is, for a k×k convolution, k² times smaller than its rows, instead of
-    built in float32 and cast twice more (once per operand).
-    """
-    if (precision == "bf16" and t.dtype == torch.float32 and dtype == torch.float32
-            and uses_gpu_path(t.device)):
+    if dtype != torch.float32 or precision == "full" or not uses_gpu_path(t.device):
+        return None
+    if t.dtype == torch.bfloat16:
+        return t
+    if t.dtype == torch.float32 and precision == "bf16":
         return t.detach().to(torch.bfloat16)
-    return t
+    return None
+
+
+def _keeps_bf16(t: Tensor, dtype: torch.dtype | None, precision: MatmulPrecision) -> bool:
+    """Say whether bf16 ``t`` (AMP) keeps its rows in bf16 (:func:`_bf16_rows_source`)."""
+    return t.dtype == torch.bfloat16 and _bf16_rows_source(t, dtype, precision) is not None
 
 
 def _is_column_major(rows: Tensor) -> bool:
@@ -249,9 +249,9 @@ class LayerCurvature(ABC):
         """
         if self.approx == "reduce":
             return self._reduce_a(_cast(inputs, dtype), precision)
-        inputs = _bf16_operands(inputs, dtype, precision)
-        if _keeps_bf16(inputs, dtype, precision):
-            return covariance(self.a_rows(inputs), precision=precision, out_dtype=dtype)
+        source = _bf16_rows_source(inputs, dtype, precision)
+        if source is not None:
+            return covariance(self.a_rows(source), precision=precision, out_dtype=dtype)
         return covariance(self.a_rows(_cast(inputs, dtype)), precision=precision)
 
     def g_factor(
@@ -266,10 +266,10 @@ class LayerCurvature(ABC):
         Reduce: ``(1/(bT)) Σ_i ĝ_i ĝ_iᵀ`` with ``ĝ_i = Σ_t δ_{i,t}``.
         """
         if self.approx == "expand" and not isinstance(grad_scale, Tensor):
-            grad_output = _bf16_operands(grad_output, dtype, precision)
-            if _keeps_bf16(grad_output, dtype, precision):
+            source = _bf16_rows_source(grad_output, dtype, precision)
+            if source is not None:
                 # bf16 rows, float32 product; the scale applied to the small float32 result
-                rows, b = self._output_rows(grad_output.detach())
+                rows, b = self._output_rows(source.detach())
                 scale = b / grad_scale
                 return covariance(rows, scale * scale, precision=precision, out_dtype=dtype)
         g = _cast(grad_output, dtype)
@@ -552,10 +552,9 @@ class Conv2dCurvature(LayerCurvature):
         precision, at least 8 input channels), otherwise :meth:`a_factor_unfold` (the GPU path: one
         unfold, one GEMM); or reduce.
         """
-        if self.approx == "expand":
-            inputs = _bf16_operands(inputs, dtype, precision)
-            if _keeps_bf16(inputs, dtype, precision):
-                return self.a_factor_unfold(inputs, dtype, precision)
+        source = _bf16_rows_source(inputs, dtype, precision) if self.approx == "expand" else None
+        if source is not None:
+            return self.a_factor_unfold(source, dtype, precision)
         x = _cast(inputs, dtype)
         if self.approx == "reduce":
             return self._reduce_a(x, precision)
