@@ -321,12 +321,10 @@ def test_column_major_rows_are_the_rows_laid_out_by_column(conv):
 
 
 @pytest.mark.parametrize("precision", ["full", "tf32", "bf16"])
-def test_conv_factors_from_column_major_rows(monkeypatch, precision):
+def test_conv_factors_from_column_major_rows(monkeypatch, gpu_path, precision):
     """The factors of column-major rows equal those of row-major rows: the same products,
     handed to the GEMM transposed (float64 within summation order; rounded operands are
     rounded alike)."""
-    monkeypatch.setattr(linalg, "uses_gpu_path", lambda device: True)
-    monkeypatch.setattr(layers, "uses_gpu_path", lambda device: True)
     conv = nn.Conv2d(6, 10, 3, padding=1)
     dtype = torch.float64 if precision == "full" else torch.float32
     curv = Conv2dCurvature(conv.to(dtype))
