@@ -26,6 +26,10 @@ _FREE = ("aten.view", "aten._unsafe_view", "aten.detach", "aten.t.", "aten.trans
          "aten.new_empty_strided.")
 
 
+#: The GEMM operators (2-D and batched, with and without an added input).
+GEMMS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.")
+
+
 class OpCounter(TorchDispatchMode):
     """A dispatch mode that counts every operator call by name (``counts``)."""
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from mpi4py import MPI
+from op_count import GEMMS
 from shared_cases import small_cnn, small_cnn_batches
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -134,8 +135,6 @@ def test_lag_is_validated():
     with pytest.raises(ValueError, match="decomposition_lag must be a whole number"):
         KFACPreconditioner(nn.Linear(3, 2), decomposition_lag=-1)
 
-
-GEMMS = ("aten.mm.", "aten.bmm.", "aten.addmm.", "aten.baddbmm.")
 
 
 class _GemmLocks(TorchDispatchMode):

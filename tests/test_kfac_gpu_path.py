@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from mpi4py import MPI
-from op_count import count_host_reads, count_ops
+from op_count import GEMMS, count_host_reads, count_ops
 from shared_cases import (
     case_ids,
     fraction_for,
@@ -37,7 +37,6 @@ from kfac_hpc.kfac.layers import Conv2dCurvature, LinearCurvature
 from kfac_hpc.models import Bottleneck, ResNet
 
 CASES = kfac_cases(input_shape=(4, 2, 5, 5))
-GEMMS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.")
 
 
 @pytest.fixture
