@@ -223,8 +223,8 @@ def test_shampoo_requests_carry_the_rank_bound_of_their_blocks(
     seen: list[list[tuple[int, int | None]]] = []
     real = optimizer.root_requests
 
-    def spy(st: Any, hp: Any) -> list[RootRequest]:
-        requests = real(st, hp)
+    def spy(st: Any, hp: Any, method: Any) -> list[RootRequest]:
+        requests = real(st, hp, method)
         seen.append([(r.factors.shape[-1], r.rank_bound) for r in requests])
         return requests
 

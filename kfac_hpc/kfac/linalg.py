@@ -44,6 +44,7 @@ __all__ = [
     "precondition_eigen_stacked",
     "precondition_inverse",
     "refresh_eigenbases",
+    "subspace_step",
     "symmetric_gram_",
     "update_running_average",
     "update_running_averages",
@@ -388,14 +389,34 @@ def refresh_eigenbases(factors: list[Tensor], bases: list[Tensor],
     for members in _same_kind(factors):
         dt = _linalg_dtype(factors[members[0]])
         f = torch.stack([factors[i] for i in members]).to(dt)
-        q_prev = torch.stack([bases[i] for i in members]).to(dt).flip(-1)  # largest first
-        q, _ = torch.linalg.qr(user_setting_matmul(f, q_prev))
-        lam, order = (q * user_setting_matmul(f, q)).sum(dim=1).clamp(min=0.0).sort(dim=-1)
-        q = q.gather(2, order.unsqueeze(1).expand_as(q))  # ascending, as eigh's
-        q, lam = q.to(dtype), lam.to(dtype)
+        q, lam = subspace_step(f, torch.stack([bases[i] for i in members]).to(dt))
+        q, lam = q.to(dtype), lam.clamp(min=0.0).to(dtype)
         for j, i in enumerate(members):
             out[i] = (q[j], lam[j])
     return [out[i] for i in range(len(factors))]
+
+
+def subspace_step(factors: Tensor, bases: Tensor) -> tuple[Tensor, Tensor]:
+    """One step of subspace iteration of stacked factors from their previous eigenbases.
+
+    The stacked core of :func:`refresh_eigenbases`: ``Q = qr(F·Q_prev).Q`` with
+    ``Q_prev``'s columns taken largest eigenvalue first (``bases`` hold them in ascending
+    order, as ``eigh`` returns them), and the Rayleigh quotients ``diag(Qᵀ F Q)``; both
+    then in ascending order of the quotients. Two batched GEMMs and one batched QR, at
+    the user's precision setting (:func:`~kfac_hpc.kfac.precision.user_setting_matmul`:
+    inside a precision block, that block's), no host sync.
+
+    Args:
+        factors: ``(n, d, d)`` symmetric matrices.
+        bases: ``(n, d, d)`` orthonormal bases, columns in ascending order of eigenvalue.
+
+    Returns:
+        The new bases ``(n, d, d)`` and their Rayleigh quotients ``(n, d)`` (unclamped:
+        a PSD factor's may be slightly negative from rounding), ascending.
+    """
+    q, _ = torch.linalg.qr(user_setting_matmul(factors, bases.flip(-1)))
+    quotients, order = (q * user_setting_matmul(factors, q)).sum(dim=1).sort(dim=-1)
+    return q.gather(2, order.unsqueeze(1).expand_as(q)), quotients
 
 
 def precondition_eigen(

@@ -36,9 +36,11 @@ number of ranks: each rank keeps the blocks it owns. Use
 :meth:`DistributedShampoo.memory_bytes` to see what a rank holds.
 
 Roots (:mod:`.root_methods`): ``root_method=EigenRoots()`` (the default) computes every
-root by a batched ``eigh`` per factor size; ``NewtonRoots()`` by the coupled inverse
-Newton iteration, GEMMs only, batched per size (:mod:`.newton`), with the eigen path for
-the matrices it does not converge on.
+root by a batched ``eigh`` per factor size; ``SubspaceRoots()`` keeps the factors'
+eigenbases and refreshes them by one subspace-iteration step (GEMMs and a QR), with a
+fresh ``eigh`` every ``fresh_every``-th computation and for bases that drift;
+``NewtonRoots()`` by the coupled inverse Newton iteration, GEMMs only, batched per size
+(:mod:`.newton`), with the eigen path for the matrices it does not converge on.
 
 Failures (:mod:`.errors`): non-finite statistics, repeated root failures, non-finite
 updates and exceptions on an owner are reported through a status word in the gather,
@@ -64,7 +66,13 @@ from kfac_hpc.shampoo.errors import ShampooNumericalError
 from kfac_hpc.shampoo.grafting import GRAFTING_KINDS
 from kfac_hpc.shampoo.optimizer import STATE_DICT_FORMAT, STATE_DICT_VERSION, DistributedShampoo
 from kfac_hpc.shampoo.ownership import Layout, assign_owners
-from kfac_hpc.shampoo.root_methods import EigenRoots, NewtonRoots, RootMethod, root_method_from
+from kfac_hpc.shampoo.root_methods import (
+    EigenRoots,
+    NewtonRoots,
+    RootMethod,
+    SubspaceRoots,
+    root_method_from,
+)
 from kfac_hpc.shampoo.roots import RootComputationError, inverse_root
 
 __all__ = [
@@ -79,6 +87,7 @@ __all__ = [
     "RootComputationError",
     "RootMethod",
     "ShampooNumericalError",
+    "SubspaceRoots",
     "assign_owners",
     "block_param",
     "inverse_root",

@@ -10,8 +10,10 @@ Order of operations per block (``t`` = the block's step, counted from 1):
 4. β1 filtering ``m ← β1·m + (1-β1)·g``, ``m̂ = m / (1-β1^t)`` with bias correction
    (``β1 = 0``: ``m̂ = g``);
 5. at ``t = start, start + freq, …``: roots ``(F̂_i + εI)^(-1/2k)`` with
-   ``F̂_i = F_i / (1-β2^t)`` under bias correction (``β2 < 1``); a failure keeps the
-   previous roots (identity before the first success) and counts; reaching
+   ``F̂_i = F_i / (1-β2^t)`` under bias correction (``β2 < 1``), by the optimizer's root
+   method (``SubspaceRoots`` also keeps each factor's eigenbasis, ``basis_i``); a
+   failure keeps the previous roots and bases (identity before the first success) and
+   counts; reaching
    ``max_consecutive_root_failures`` ⇒ :data:`STATUS_ROOT_FAILURES`;
 6. direction: ``t >= start``: ``m̂ ×_1 R_1 … ×_k R_k`` rescaled to the grafting
    direction's norm (no rescaling without grafting); before: the grafting direction
@@ -47,6 +49,7 @@ from torch import Tensor
 
 from kfac_hpc.shampoo import grafting as graft
 from kfac_hpc.shampoo.kronecker import accumulate_factors, diagonal_marks, precondition
+from kfac_hpc.shampoo.root_methods import RootMethod, SubspaceRoots
 from kfac_hpc.shampoo.roots import RootRequest, RootResult
 from kfac_hpc.shampoo.stacks import Run
 
@@ -55,7 +58,8 @@ __all__ = ["BlockHyper", "BlockState", "RunStep", "directions", "install_roots",
 
 BlockState = dict[str, Any]
 """Keys: ``step`` (int), ``factor_<i>``, ``root_<i>`` (after the first root
-computation), ``root_failures`` (int, consecutive), and where used
+computation), ``basis_<i>`` (with it, under ``SubspaceRoots``), ``root_failures`` (int,
+consecutive), and where used
 ``second_moment``, ``filtered_grad``, ``momentum_buffer``."""
 
 
@@ -111,6 +115,17 @@ class BlockHyper:
         start, freq = self.start_preconditioning_step, self.precondition_frequency
         return step >= start and ((step - start) % freq == 0 or not has_roots)
 
+    def root_computation(self, step: int) -> int:
+        """Number the root computation of a block at ``step``, counting from 0.
+
+        Args:
+            step: The block's step count after this step (at least the start).
+
+        Returns:
+            ``(step − start_preconditioning_step) // precondition_frequency``.
+        """
+        return (step - self.start_preconditioning_step) // self.precondition_frequency
+
 
 @dataclass
 class RunStep:
@@ -144,7 +159,7 @@ class RunStep:
         return self.run.rows(key, shape, dtype, self.grad.device)
 
     def factors(self, kind: str = "factor") -> list[Tensor]:
-        """Return the stacked ``factor_<i>`` (or ``root_<i>``) of every dimension."""
+        """Return the stacked ``factor_<i>`` (``root_<i>``, ``basis_<i>``) of every dimension."""
         return [self.rows(f"{kind}_{i}", (d, d), factor=True)
                 for i, d in enumerate(self.run.stack.shape)]
 
@@ -222,12 +237,21 @@ def update_statistics(steps: Sequence[RunStep], hp: BlockHyper) -> None:
         st.filtered = f
 
 
-def root_requests(st: RunStep, hp: BlockHyper) -> list[RootRequest]:
+def _refreshes(st: RunStep, hp: BlockHyper, method: RootMethod) -> bool:
+    """Whether a run's roots are computed from its held bases (``SubspaceRoots``)."""
+    return (isinstance(method, SubspaceRoots)
+            and not method.is_fresh(hp.root_computation(st.run.step))
+            and all("basis_0" in state for state in st.run.states))
+
+
+def root_requests(st: RunStep, hp: BlockHyper, method: RootMethod) -> list[RootRequest]:
     """List the root computations of a run (step 5), one request per dimension.
 
     Args:
         st: The run's step record.
         hp: The group's hyper-parameters.
+        method: The optimizer's root method; under ``SubspaceRoots`` a refreshed run's
+            requests carry its held bases.
 
     Returns:
         One request per dimension of the run's blocks.
@@ -236,32 +260,50 @@ def root_requests(st: RunStep, hp: BlockHyper) -> list[RootRequest]:
     correction = 1.0 - hp.beta2**t if hp.use_bias_correction and hp.beta2 < 1.0 else 1.0
     shape = st.run.stack.shape
     numel = math.prod(shape)
+    bases: list[Tensor | None] = (list(st.factors("basis")) if _refreshes(st, hp, method)
+                                  else [None] * len(shape))
     # factor i sums t products X_(i)X_(i)ᵀ of numel/d_i columns: rank <= t·numel/d_i
     return [RootRequest(factor, correction, 2.0 * len(shape), hp.epsilon,
-                        rank_bound=t * (numel // d)) for factor, d in zip(st.factors(), shape)]
+                        rank_bound=t * (numel // d), bases=basis)
+            for factor, d, basis in zip(st.factors(), shape, bases)]
 
 
-def install_roots(st: RunStep, results: Sequence[RootResult], hp: BlockHyper) -> None:
-    """Keep a run's new roots, count failures and note blocks that failed too often.
+def install_roots(st: RunStep, results: Sequence[RootResult], hp: BlockHyper,
+                  method: RootMethod) -> None:
+    """Keep a run's new roots (and bases), count failures, note blocks that failed too often.
 
-    A failed block keeps its previous roots (the identity before its first success).
+    A failed block keeps its previous roots and bases (the identity before its first
+    success). Under a method that keeps no bases, a block's bases are dropped (left by a
+    run with ``SubspaceRoots`` before a resume).
 
     Args:
         st: The run's step record; ``root_failures`` is updated.
         results: The results of :func:`root_requests`' requests, in order.
         hp: The group's hyper-parameters.
+        method: The optimizer's root method.
     """
     failed = [any(flags) for flags in zip(*(r.failed for r in results))]
-    fresh = ["root_0" not in state for state in st.run.states]
-    for rows, result in zip(st.factors("root"), results):
-        if not any(failed):
-            rows.copy_(result.roots)
-            continue
-        for j, row in enumerate(rows):
-            if not failed[j]:
-                row.copy_(result.roots[j])
-            elif fresh[j]:
-                torch.eye(row.shape[0], out=row)
+    kept: list[tuple[str, list[bool], list[Tensor | None]]] = [
+        ("root", ["root_0" not in state for state in st.run.states],
+         [r.roots for r in results])]
+    if method.keeps_bases:
+        kept.append(("basis", ["basis_0" not in state for state in st.run.states],
+                     [r.bases for r in results]))
+    else:
+        for state in st.run.states:
+            for i in range(len(st.run.stack.shape)):
+                state.pop(f"basis_{i}", None)
+    for kind, fresh, values in kept:
+        for rows, value in zip(st.factors(kind), values):
+            assert value is not None  # every path returns the bases too
+            if not any(failed):
+                rows.copy_(value)
+                continue
+            for j, row in enumerate(rows):
+                if not failed[j]:
+                    row.copy_(value[j])
+                elif fresh[j]:
+                    torch.eye(row.shape[0], out=row)
     for j, state in enumerate(st.run.states):
         state["root_failures"] = state["root_failures"] + 1 if failed[j] else 0
         if state["root_failures"] >= hp.max_consecutive_root_failures:

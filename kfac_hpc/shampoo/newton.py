@@ -26,6 +26,7 @@ from torch import Tensor
 
 from kfac_hpc.kfac.precision import full_precision_products
 from kfac_hpc.shampoo.errors import nonfinite_marks
+from kfac_hpc.shampoo.powers import pow_per_value
 from kfac_hpc.shampoo.root_methods import NewtonRoots
 
 __all__ = ["DIVERGENCE_GROWTH", "NewtonBatch", "NewtonOutcome", "NewtonRun", "newton_roots"]
@@ -105,7 +106,8 @@ class _Iteration:
         z = ((p + 1) / 2) / bound
         z = torch.where(bound.isfinite() & (bound > 0), z, math.nan)  # overflow: give up
         self.m = a * z[:, None, None]
-        self.x = torch.diag_embed(z.pow(1.0 / p)[:, None].expand(n, d))  # X₀ = z^(1/p)·I
+        # X₀ = z^(1/p)·I (each matrix's power its own: kfac_hpc.shampoo.powers)
+        self.x = torch.diag_embed(pow_per_value(z, 1.0 / p)[:, None].expand(n, d))
         self.step = torch.eye(d, dtype=a.dtype, device=a.device) * ((p + 1) / p)
         self.out_dtype = batch.matrices.dtype
         self.roots = torch.empty_like(batch.matrices)

@@ -49,7 +49,13 @@ from kfac_hpc.shampoo.errors import (
 )
 from kfac_hpc.shampoo.exchange import make_exchange
 from kfac_hpc.shampoo.ownership import Layout
-from kfac_hpc.shampoo.root_methods import DEFAULT_ROOT_METHOD, EigenRoots, NewtonRoots, RootMethod
+from kfac_hpc.shampoo.root_methods import (
+    DEFAULT_ROOT_METHOD,
+    EigenRoots,
+    NewtonRoots,
+    RootMethod,
+    SubspaceRoots,
+)
 from kfac_hpc.shampoo.roots import inverse_roots
 from kfac_hpc.shampoo.stacks import BlockStack, Run, runs_of
 from kfac_hpc.shampoo.state import BlockShapes, ShampooStateDict
@@ -60,7 +66,7 @@ __all__ = ["STATE_DICT_FORMAT", "STATE_DICT_VERSION", "DistributedShampoo"]
 
 STATE_DICT_FORMAT = "kfac_hpc.shampoo"
 STATE_DICT_VERSION = 1
-_FACTOR_KEYS = ("factor_", "root_")
+_FACTOR_KEYS = ("factor_", "root_", "basis_")
 _INT_KEYS = ("step", "root_failures")
 
 
@@ -143,10 +149,14 @@ class DistributedShampoo(torch.optim.Optimizer):
                 (1, the default: the calling thread's stream; the same results).
             root_method: How the inverse roots are computed:
                 :class:`~kfac_hpc.shampoo.root_methods.EigenRoots` (the default: batched
-                ``eigh`` per size) or :class:`~kfac_hpc.shampoo.root_methods.NewtonRoots`
-                (the coupled Newton iteration, GEMMs only, batched per size; matrices it
-                does not converge on take the eigen path). Configuration, not state: it is
-                not saved in the state dict, so a run may resume with either.
+                ``eigh`` per size), :class:`~kfac_hpc.shampoo.root_methods.SubspaceRoots`
+                (eigenbases kept, state ``basis_<i>``, and refreshed by one
+                subspace-iteration step, a fresh ``eigh`` every ``fresh_every``-th
+                computation) or :class:`~kfac_hpc.shampoo.root_methods.NewtonRoots` (the
+                coupled Newton iteration, GEMMs only, batched per size; matrices it does
+                not converge on take the eigen path). Configuration, not state: it is not
+                saved in the state dict, so a run may resume with any (bases are dropped
+                by the others and computed fresh by ``SubspaceRoots``).
 
         Raises:
             ValueError: A hyper-parameter is out of range, a parameter name repeats, a
@@ -173,10 +183,10 @@ class DistributedShampoo(torch.optim.Optimizer):
         self.solve_placement = SolvePlacement(
             hyper.validate_int("host_decomposition_max_dim", host_decomposition_max_dim, 0),
             hyper.validate_int("decomposition_streams", decomposition_streams, 1))
-        if not isinstance(root_method, EigenRoots | NewtonRoots):
+        if not isinstance(root_method, EigenRoots | SubspaceRoots | NewtonRoots):
             raise ValueError(
                 f"DistributedShampoo: invalid root_method={root_method!r}; allowed: "
-                "EigenRoots() or NewtonRoots(...) from kfac_hpc.shampoo "
+                "EigenRoots(), SubspaceRoots(...) or NewtonRoots(...) from kfac_hpc.shampoo "
                 "(kfac_hpc.shampoo.root_method_from turns a name such as 'newton' into one)")
         self.root_method: RootMethod = root_method
         self.comm: Communicator = comm if comm is not None else world()
@@ -425,12 +435,12 @@ class DistributedShampoo(torch.optim.Optimizer):
                if st.run.roots]
         if not due:
             return 0
-        requests = [root_requests(st, hp) for st, hp in due]
+        requests = [root_requests(st, hp, self.root_method) for st, hp in due]
         results = inverse_roots([r for per_run in requests for r in per_run],
                                 placement=self.solve_placement, method=self.root_method)
         status, at = 0, 0
         for (st, hp), per_run in zip(due, requests):
-            install_roots(st, results[at:at + len(per_run)], hp)
+            install_roots(st, results[at:at + len(per_run)], hp, self.root_method)
             at += len(per_run)
             if st.root_failures:
                 status |= STATUS_ROOT_FAILURES
@@ -582,8 +592,8 @@ class DistributedShampoo(torch.optim.Optimizer):
 
             {"format": "kfac_hpc.shampoo", "format_version": 1, "steps": int,
              "state": {param_name: {block_index: {"step": int, "root_failures": int,
-                       "factor_<i>": T, "root_<i>": T, "second_moment": T,
-                       "filtered_grad": T, "momentum_buffer": T}}},
+                       "factor_<i>": T, "root_<i>": T, "basis_<i>": T,
+                       "second_moment": T, "filtered_grad": T, "momentum_buffer": T}}},
              "blocks": {param_name: {"shape": [...], "merged_shape": [...],
                         "block_shapes": [[...], ...]}},
              "param_groups": [{hyper-parameters..., "params": [param_name, ...]}]}
@@ -723,11 +733,14 @@ class DistributedShampoo(torch.optim.Optimizer):
         """Count the bytes this rank holds, by kind.
 
         Returns:
-            Bytes of ``factors``, ``roots``, ``grafting``, ``filtered_grad``, ``momentum``
-            and ``buffers`` (the two gather buffers).
+            Bytes of ``factors``, ``roots``, ``bases`` (the eigenbases ``SubspaceRoots``
+            keeps), ``grafting``, ``filtered_grad``, ``momentum`` and ``buffers`` (the two
+            gather buffers).
         """
-        kinds = {"factors": 0, "roots": 0, "grafting": 0, "filtered_grad": 0, "momentum": 0}
-        names = {"factor_": "factors", "root_": "roots", "second_moment": "grafting",
+        kinds = {"factors": 0, "roots": 0, "bases": 0, "grafting": 0, "filtered_grad": 0,
+                 "momentum": 0}
+        names = {"factor_": "factors", "root_": "roots", "basis_": "bases",
+                 "second_moment": "grafting",
                  "filtered_grad": "filtered_grad", "momentum_buffer": "momentum"}
         for per_param in self.state.values():
             for block_state in per_param.values():

@@ -7,16 +7,22 @@ objects (configuration, not state: nothing of it is saved in a state dict):
   (:func:`kfac_hpc.shampoo.roots.inverse_roots`). Exact to the factor dtype's rounding
   for any PSD factor and any ``ε > 0``; on a GPU its time is cuSOLVER's, one matrix
   after another.
+* :class:`SubspaceRoots`: eigenbases kept between root computations and refreshed by
+  one step of subspace iteration (two batched GEMMs and a batched QR, no solver) from
+  the held ones; a full ``eigh`` every ``fresh_every``-th computation, and at once for a
+  block whose refreshed basis leaves more than ``tolerance`` of its factor off the
+  diagonal.
 * :class:`NewtonRoots`: the coupled inverse Newton iteration
   (:mod:`kfac_hpc.shampoo.newton`), matrix products only, batched over every factor of
   one size (``torch.bmm``): what a GPU's GEMM units do best. A matrix that does not
   converge within ``max_iterations`` (or turns non-finite) is computed by the eigen path
   instead, so results are always those of one of the two methods.
 
-:func:`root_method_from` turns a name (``"eigen"``, ``"newton"``) or a call-like string
-(``"newton(max_iterations=60, tolerance=1e-5)"``: what ``repr`` of the object prints)
-into the object, for command lines and configuration files
-(``kfac-hpc train --shampoo-options root_method=newton``).
+:func:`root_method_from` turns a name (``"eigen"``, ``"subspace"``, ``"newton"``) or a
+call-like string (``"newton(max_iterations=60, tolerance=1e-5)"``,
+``"subspace(fresh_every=5)"``: what ``repr`` of the object prints) into the object, for
+command lines and configuration files (``kfac-hpc train --shampoo-options
+root_method=newton``).
 """
 
 from __future__ import annotations
@@ -28,10 +34,10 @@ import numbers
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = ["DEFAULT_ROOT_METHOD", "ROOT_METHOD_NAMES", "EigenRoots", "NewtonRoots", "RootMethod",
-           "root_method_from"]
+           "SubspaceRoots", "root_method_from"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,83 @@ class EigenRoots:
     One batched ``torch.linalg.eigh`` per (size, dtype, device), a float64 retry for a
     matrix that fails (:mod:`kfac_hpc.shampoo.roots`). The default.
     """
+
+    #: Whether blocks keep their factors' eigenbases (state ``basis_<i>``) between root
+    #: computations.
+    keeps_bases: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class SubspaceRoots:
+    """Inverse roots from eigenbases refreshed by one step of subspace iteration.
+
+    Every block keeps the eigenbases of its factors (state ``basis_<i>``, in the factor
+    dtype: one more ``d x d`` matrix per factor, as much memory as the roots). A root
+    computation is either
+
+    * *fresh*: :class:`EigenRoots`' ``eigh`` (the same roots, bit for bit), whose
+      eigenvectors become the basis. The first computation of a block, every
+      ``fresh_every``-th one after it (computation ``k = (t − start) // frequency`` of a
+      block at step ``t`` is fresh when ``k % fresh_every == 0``, ``start`` and
+      ``frequency`` being ``start_preconditioning_step`` and ``precondition_frequency``),
+      and any of a block without a basis (a run resumed from a checkpoint of another
+      method); or
+    * *refreshed*: ``Q = qr(F·Q_prev).Q`` with the held basis' columns largest eigenvalue
+      first, ``λ = diag(Qᵀ F Q)``, and the root ``Q diag((max(λ, 0) + ε)^(-1/p)) Qᵀ``
+      (:func:`kfac_hpc.kfac.linalg.subspace_step`, shared with K-FAC's
+      ``eigen_refresh="subspace"``). That is the exact root of ``F`` with its part off the
+      diagonal in the basis ``Q`` dropped; each refresh moves every direction one power
+      step towards the factor's eigenvectors (at the ratio of its eigenvalue to the next).
+      The dropped part's share, ``r = ‖F − Q diag(λ) Qᵀ‖_F / ‖F‖_F =
+      √(‖F‖²_F − ‖λ‖²) / ‖F‖_F`` (orthogonal invariance of the norm), is computed per
+      matrix; a matrix with ``r > tolerance`` is recomputed fresh in the same step.
+
+    Cost: two batched GEMMs and one batched QR per (size, dtype, device), at the factor
+    dtype's full precision whatever the user's TF32 settings; no solver status to read,
+    so one host read per root step (the residuals and finiteness of every refreshed
+    matrix) before the fresh ones' ``eigh``. On an H200 a QR of a 4608² float32 matrix
+    took 39 ms against 124 ms for its ``eigh``.
+
+    What ``tolerance`` bounds is the factor's reconstruction, not the root: an inverse
+    root amplifies the directions of small eigenvalues, and a refreshed basis that mixes
+    two of them leaves ``r`` small while their roots differ (as float32 rounding of the
+    factor itself does for eigenvalues near its resolution, whatever the method).
+    ``benchmarks/shampoo_refresh.py`` measures both errors along training.
+
+    Attributes:
+        fresh_every: Every how many root computations of a block one is fresh (>= 1; 1:
+            all, the roots of :class:`EigenRoots` with the bases kept).
+        tolerance: Largest share ``r`` of a factor a refreshed basis may leave off the
+            diagonal (in (0, 1]; ``r <= 1`` always, so 1 never recomputes).
+    """
+
+    fresh_every: int = 10
+    tolerance: float = 0.05
+
+    keeps_bases: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        """Validate the fields (one error naming the field, its value and what is allowed)."""
+        value = self.fresh_every
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"SubspaceRoots: invalid fresh_every={value!r}; allowed: an "
+                             "integer >= 1")
+        tol = self.tolerance
+        if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not math.isfinite(tol) \
+                or not 0.0 < tol <= 1.0:
+            raise ValueError(f"SubspaceRoots: invalid tolerance={tol!r}; allowed: a number in "
+                             "(0, 1], e.g. 0.05")
+
+    def is_fresh(self, computation: int) -> bool:
+        """Say whether a block's ``computation``-th root computation (from 0) is fresh.
+
+        Args:
+            computation: ``(t − start) // frequency`` for a block at step ``t``.
+
+        Returns:
+            True every ``fresh_every``-th computation, starting with the first.
+        """
+        return computation % self.fresh_every == 0
 
 
 @dataclass(frozen=True)
@@ -97,6 +180,8 @@ class NewtonRoots:
     tolerance: float = 1e-4
     check_every: int = 5
 
+    keeps_bases: ClassVar[bool] = False
+
     def __post_init__(self) -> None:
         """Validate the fields (one error naming the field, its value and what is allowed)."""
         for name in ("max_iterations", "check_every"):
@@ -112,15 +197,15 @@ class NewtonRoots:
 
 
 #: A root method: one of the variants above.
-RootMethod = EigenRoots | NewtonRoots
+RootMethod = EigenRoots | SubspaceRoots | NewtonRoots
 
 #: The default root method (eigendecomposition; Newton is not a default until a GPU run
 #: has measured both).
 DEFAULT_ROOT_METHOD = EigenRoots()
 
 #: The names :func:`root_method_from` understands, and their classes.
-ROOT_METHOD_NAMES: dict[str, type[EigenRoots] | type[NewtonRoots]] = {
-    "eigen": EigenRoots, "newton": NewtonRoots}
+ROOT_METHOD_NAMES: dict[str, type[EigenRoots] | type[SubspaceRoots] | type[NewtonRoots]] = {
+    "eigen": EigenRoots, "subspace": SubspaceRoots, "newton": NewtonRoots}
 
 _CALL = re.compile(r"^\s*([A-Za-z_]\w*)\s*(?:\((.*)\))?\s*$", re.DOTALL)
 
@@ -129,9 +214,10 @@ def root_method_from(value: Any) -> RootMethod:
     """Return the root method ``value`` names.
 
     Args:
-        value: An :class:`EigenRoots` or :class:`NewtonRoots`; a name, ``"eigen"`` or
-            ``"newton"`` (the class names work too); a call-like string with keyword
-            arguments, ``"newton(max_iterations=60, tolerance=1e-5)"``; or a mapping
+        value: An :class:`EigenRoots`, :class:`SubspaceRoots` or :class:`NewtonRoots`; a
+            name, ``"eigen"``, ``"subspace"`` or ``"newton"`` (the class names work too); a
+            call-like string with keyword arguments,
+            ``"newton(max_iterations=60, tolerance=1e-5)"``; or a mapping
             ``{"name": "newton", "tolerance": 1e-5}`` (a configuration file's table).
 
     Returns:
@@ -141,11 +227,12 @@ def root_method_from(value: Any) -> RootMethod:
         ValueError: The value names no method, or names a field the method lacks or a
             bad value; the message lists what is allowed.
     """
-    if isinstance(value, EigenRoots | NewtonRoots):
+    if isinstance(value, EigenRoots | SubspaceRoots | NewtonRoots):
         return value
     names = ", ".join(repr(n) for n in ROOT_METHOD_NAMES)
     usage = (f"allowed: {names}, or a call such as 'newton(max_iterations=60, tolerance=1e-5)'"
-             " (fields: max_iterations, tolerance, check_every)")
+             " (fields: max_iterations, tolerance, check_every) or 'subspace(fresh_every=5)'"
+             " (fields: fresh_every, tolerance)")
     if isinstance(value, Mapping):
         fields = dict(value)
         name = fields.pop("name", None)

@@ -15,6 +15,14 @@ decomposed on the host, beside the device's: :mod:`kfac_hpc.solves`). Matrices t
 fail there take the one-matrix path (:func:`inverse_root`, float64 retry included), so
 results are those of :func:`inverse_root` matrix by matrix.
 
+Every result of the eigen path carries the eigenvectors too (the factors' eigenbases,
+ascending). With ``method=SubspaceRoots(...)`` a request that carries its factors'
+previous bases is computed from one subspace-iteration step of them instead
+(:func:`kfac_hpc.kfac.linalg.subspace_step`), batched by size; those whose refreshed
+basis leaves more than the method's tolerance of the factor off the diagonal, or whose
+result is not finite, take the eigen path with the requests that carry no basis, in
+one batch per size after one host read.
+
 With ``method=NewtonRoots(...)`` (:mod:`.root_methods`) :func:`inverse_roots` runs the
 coupled inverse Newton iteration instead (:mod:`.newton`), one batched iteration per
 (size, dtype, device, p) over all requests; the matrices it does not converge on (and
@@ -35,9 +43,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kfac_hpc.kfac.linalg import subspace_step
+from kfac_hpc.kfac.precision import full_precision_products
 from kfac_hpc.shampoo.errors import nonfinite_marks
 from kfac_hpc.shampoo.newton import NewtonBatch, NewtonRun, newton_roots
-from kfac_hpc.shampoo.root_methods import DEFAULT_ROOT_METHOD, NewtonRoots, RootMethod
+from kfac_hpc.shampoo.powers import pow_per_value
+from kfac_hpc.shampoo.root_methods import (
+    DEFAULT_ROOT_METHOD,
+    NewtonRoots,
+    RootMethod,
+    SubspaceRoots,
+)
 from kfac_hpc.solves import DEFAULT_PLACEMENT, EighResult, SolvePlacement, eigh_batches
 
 __all__ = ["RootComputationError", "RootRequest", "RootResult", "inverse_root", "inverse_roots",
@@ -50,7 +66,7 @@ class RootComputationError(RuntimeError):
 
 def _root_from(eigenvalues: Tensor, eigenvectors: Tensor, p: float, epsilon: float) -> Tensor:
     """``Q diag((max(λ, 0) + ε)^(-1/p)) Qᵀ`` (batched over leading dimensions)."""
-    scale = (eigenvalues.clamp(min=0) + epsilon).pow(-1.0 / p)
+    scale = pow_per_value(eigenvalues.clamp(min=0) + epsilon, -1.0 / p)
     return (eigenvectors * scale.unsqueeze(-2)) @ eigenvectors.mT
 
 
@@ -63,7 +79,8 @@ def _finite(eigenvalues: Tensor, root: Tensor) -> Tensor:
     return eigenvalues.isfinite().all(dim=-1) & root.isfinite().flatten(-2).all(dim=-1)
 
 
-def _eigh_root(matrix: Tensor, p: float, epsilon: float) -> Tensor | None:
+def _eigh_root(matrix: Tensor, p: float, epsilon: float) -> tuple[Tensor, Tensor] | None:
+    """The root and the eigenvectors of one matrix, or None where ``eigh`` fails."""
     try:
         eigenvalues, eigenvectors = torch.linalg.eigh(matrix)
     except RuntimeError:  # torch.linalg.LinAlgError and backend errors
@@ -71,7 +88,23 @@ def _eigh_root(matrix: Tensor, p: float, epsilon: float) -> Tensor | None:
     root = _root_from(eigenvalues, eigenvectors, p, epsilon)
     if not bool(_finite(eigenvalues, root)):  # one host read (a failure path or one matrix)
         return None
-    return root
+    return root, eigenvectors
+
+
+def _root_and_basis(matrix: Tensor, p: float, epsilon: float) -> tuple[Tensor, Tensor]:
+    """:func:`inverse_root` and the eigenvectors it came from, both in ``matrix``'s dtype."""
+    if matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1]:
+        raise ValueError(f"inverse_root needs a square matrix, got shape {tuple(matrix.shape)}")
+    with torch.autocast(device_type=matrix.device.type, enabled=False):
+        found = _eigh_root(matrix, p, epsilon)
+        if found is None and matrix.dtype != torch.float64:
+            found = _eigh_root(matrix.double(), p, epsilon)
+        if found is None:
+            raise RootComputationError(
+                f"eigendecomposition of a {tuple(matrix.shape)} {matrix.dtype} factor failed "
+                "(also in float64)")
+        root, basis = found
+        return root.to(matrix.dtype), basis.to(matrix.dtype)
 
 
 def inverse_root(matrix: Tensor, p: float, epsilon: float) -> Tensor:
@@ -91,17 +124,7 @@ def inverse_root(matrix: Tensor, p: float, epsilon: float) -> Tensor:
         ValueError: The matrix is not square.
         RootComputationError: The eigendecomposition failed in both dtypes.
     """
-    if matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1]:
-        raise ValueError(f"inverse_root needs a square matrix, got shape {tuple(matrix.shape)}")
-    with torch.autocast(device_type=matrix.device.type, enabled=False):
-        root = _eigh_root(matrix, p, epsilon)
-        if root is None and matrix.dtype != torch.float64:
-            root = _eigh_root(matrix.double(), p, epsilon)
-        if root is None:
-            raise RootComputationError(
-                f"eigendecomposition of a {tuple(matrix.shape)} {matrix.dtype} factor failed "
-                "(also in float64)")
-        return root.to(matrix.dtype)
+    return _root_and_basis(matrix, p, epsilon)[0]
 
 
 @dataclass(frozen=True)
@@ -118,6 +141,8 @@ class RootRequest:
         rank_bound: An upper bound of every factor's rank known from shapes (a sum of
             ``t`` products ``X Xᵀ`` with ``k`` columns has rank at most ``t·k``), or None.
             Below ``d`` a float32 factor skips the Newton iteration (module docstring).
+        bases: The factors' previous eigenbases ``(n, d, d)`` (columns in ascending order
+            of eigenvalue) to refresh under ``SubspaceRoots``; None: a fresh ``eigh``.
     """
 
     factors: Tensor
@@ -125,17 +150,21 @@ class RootRequest:
     p: float
     epsilon: float
     rank_bound: int | None = None
+    bases: Tensor | None = None
 
 
 @dataclass(frozen=True)
 class RootResult:
     """The roots ``(n, d, d)`` of a request and, per matrix, whether it failed.
 
-    A failed matrix's root is meaningless.
+    A failed matrix's root (and basis) is meaningless. ``bases``: the eigenbases the
+    roots were computed from (ascending; the eigen and subspace paths), None from the
+    Newton iteration.
     """
 
     roots: Tensor
     failed: list[bool]
+    bases: Tensor | None = None
 
 
 def _cat(tensors: list[Tensor]) -> Tensor:
@@ -171,20 +200,13 @@ def _prepared(requests: Sequence[RootRequest]) -> Tensor:
     return torch.nan_to_num(_cat(pieces), nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def _batched_roots(decomposed: EighResult, requests: Sequence[RootRequest]
-                   ) -> tuple[Tensor, Tensor] | None:
-    """Compute the roots of stacked matrices from their ``eigh``, with a mark per matrix.
-
-    The mark is 0 if its eigenvalues and root are finite, else NaN (on the device); None
-    if the eigensolver raised.
-    """
-    if isinstance(decomposed, Exception):  # any matrix failing fails the batch
-        return None
-    eigenvalues, eigenvectors = decomposed
-    scales = [(eigenvalues[rows].clamp(min=0) + members[0].epsilon).pow(-1.0 / members[0].p)
+def _roots_from(eigenvalues: Tensor, eigenvectors: Tensor, requests: Sequence[RootRequest]
+                ) -> Tensor:
+    """The roots of stacked matrices from their eigenpairs, with each request's ``p`` and ``ε``."""
+    scales = [pow_per_value(eigenvalues[rows].clamp(min=0) + members[0].epsilon,
+                            -1.0 / members[0].p)
               for rows, members in _segments(requests, lambda r: (r.p, r.epsilon))]
-    roots = (eigenvectors * _cat(scales).unsqueeze(-2)) @ eigenvectors.mT
-    return roots, nonfinite_marks(eigenvalues) + nonfinite_marks(roots.flatten(1))
+    return (eigenvectors * _cat(scales).unsqueeze(-2)) @ eigenvectors.mT
 
 
 class _SizeGroup:
@@ -194,20 +216,28 @@ class _SizeGroup:
         self.requests = requests
         self.matrices = _prepared(requests)
         self.roots: Tensor | None = None
+        self.bases: Tensor | None = None
         self.marks: Tensor | None = None
 
     def install(self, decomposed: EighResult) -> None:
-        """Compute the roots of every matrix and their finiteness marks from its ``eigh``."""
-        computed = _batched_roots(decomposed, self.requests)
-        if computed is not None:
-            self.roots, self.marks = computed
+        """Compute the roots of every matrix and their finiteness marks from its ``eigh``.
+
+        The marks are 0 where eigenvalues and root are finite, else NaN (on the device);
+        none where the eigensolver raised (any matrix failing fails the batch).
+        """
+        if isinstance(decomposed, Exception):
+            return
+        eigenvalues, self.bases = decomposed
+        self.roots = _roots_from(eigenvalues, self.bases, self.requests)
+        self.marks = nonfinite_marks(eigenvalues) + nonfinite_marks(self.roots.flatten(1))
 
     def results(self, finite: list[bool]) -> list[RootResult]:
-        """Return per request its roots, redoing one by one the matrices not ``finite``.
+        """Return per request its roots and bases, redoing one by one the matrices not ``finite``.
 
         All of them where the eigensolver raised.
         """
         roots = self.roots if self.roots is not None else torch.empty_like(self.matrices)
+        bases = self.bases if self.bases is not None else torch.empty_like(self.matrices)
         failed: set[int] = set()
         out = []
         for rows, (request,) in _segments(self.requests, id):
@@ -215,10 +245,14 @@ class _SizeGroup:
                 if self.roots is not None and finite[j]:
                     continue
                 try:
-                    roots[j].copy_(inverse_root(self.matrices[j], request.p, request.epsilon))
+                    root, basis = _root_and_basis(self.matrices[j], request.p, request.epsilon)
                 except RootComputationError:
                     failed.add(j)
-            out.append(RootResult(roots[rows], [j in failed for j in range(rows.start, rows.stop)]))
+                    continue
+                roots[j].copy_(root)
+                bases[j].copy_(basis)
+            out.append(RootResult(roots[rows], [j in failed for j in range(rows.start, rows.stop)],
+                                  bases[rows]))
         return out
 
 
@@ -232,9 +266,12 @@ def inverse_roots(requests: Sequence[RootRequest], *,
     of CUDA matrices up to ``placement.host_max_dim`` rows on the host, beside the device's:
     :func:`kfac_hpc.solves.eigh_batches`), one host read for the finiteness of all
     results; matrices that failed (and all those of an eigensolver call that raised) are
-    redone one by one. With :class:`~kfac_hpc.shampoo.root_methods.NewtonRoots`: the
-    coupled Newton iteration per (size, dtype, device, p), the matrices it gives up on
-    by the eigen path (module docstring).
+    redone one by one. With :class:`~kfac_hpc.shampoo.root_methods.SubspaceRoots`: the
+    requests that carry bases refreshed from them, the others (and the refreshed
+    matrices that drifted or failed) by the eigen path. With
+    :class:`~kfac_hpc.shampoo.root_methods.NewtonRoots`: the coupled Newton iteration
+    per (size, dtype, device, p), the matrices it gives up on by the eigen path (module
+    docstring).
 
     Args:
         requests: the batches of factors.
@@ -246,16 +283,90 @@ def inverse_roots(requests: Sequence[RootRequest], *,
     """
     if isinstance(method, NewtonRoots):
         return newton_inverse_roots(requests, method, placement=placement)[0]
+    if isinstance(method, SubspaceRoots):
+        return _subspace_inverse_roots(requests, method, placement)
     return _eigen_inverse_roots(requests, placement)
+
+
+def _kinds(requests: Sequence[RootRequest], chosen: Sequence[int]
+           ) -> dict[tuple[int, torch.dtype, torch.device], list[int]]:
+    """The ``chosen`` requests' positions by (size, dtype, device), in order."""
+    by_kind: dict[tuple[int, torch.dtype, torch.device], list[int]] = {}
+    for k in chosen:
+        f = requests[k].factors
+        by_kind.setdefault((f.shape[-1], f.dtype, f.device), []).append(k)
+    return by_kind
+
+
+class _RefreshGroup:
+    """Requests of one size, dtype and device that carry bases: one subspace step for all."""
+
+    def __init__(self, requests: list[RootRequest], tolerance: float) -> None:
+        self.requests = requests
+        self.matrices = _prepared(requests)
+        bases = _cat([r.bases for r in requests if r.bases is not None])
+        with full_precision_products():
+            self.bases, quotients = subspace_step(self.matrices, bases.to(self.matrices.dtype))
+        self.roots = _roots_from(quotients, self.bases, requests)
+        # ‖F − Q diag(λ) Qᵀ‖²_F = ‖F‖²_F − ‖λ‖² (the norm is orthogonally invariant)
+        total = torch.linalg.vector_norm(self.matrices, dim=(-2, -1), dtype=torch.float64)
+        kept = torch.linalg.vector_norm(quotients, dim=-1, dtype=torch.float64)
+        drifted = (total.square() - kept.square()) > (tolerance * total).square()
+        self.marks = (nonfinite_marks(quotients) + nonfinite_marks(self.roots.flatten(1))
+                      + torch.where(drifted, torch.nan, 0.0).to(quotients.dtype))
+
+
+def _subspace_inverse_roots(requests: Sequence[RootRequest], method: SubspaceRoots,
+                            placement: SolvePlacement) -> list[RootResult]:
+    """:func:`inverse_roots` under ``SubspaceRoots``: refreshed where bases come, else eigh.
+
+    One host read of every refreshed matrix's mark; then one eigen batch per size for
+    the requests without bases and the refreshed matrices that drifted or failed (their
+    prepared matrices, so their roots are the eigen path's bit for bit).
+    """
+    carrying = [k for k, r in enumerate(requests) if r.bases is not None]
+    if not carrying:
+        return _eigen_inverse_roots(requests, placement)
+    results: list[RootResult | None] = [None] * len(requests)
+    eigen = [requests[k] for k, r in enumerate(requests) if r.bases is None]
+    redo: list[tuple[int, list[int]]] = []  # (request, its rows) the eigen path redoes
+    with torch.autocast(device_type=requests[0].factors.device.type, enabled=False):
+        kinds = _kinds(requests, carrying)
+        groups = [_RefreshGroup([requests[k] for k in ks], method.tolerance)
+                  for ks in kinds.values()]
+        # the one host read of the refreshed roots' marks
+        good = [mark == 0 for mark in _cat([g.marks for g in groups]).tolist()]
+        at = 0
+        for ks, group in zip(kinds.values(), groups):
+            for k, (rows, (request,)) in zip(ks, _segments(group.requests, id)):
+                results[k] = RootResult(group.roots[rows], [False] * (rows.stop - rows.start),
+                                        group.bases[rows])
+                lost = [j for j in range(rows.start, rows.stop) if not good[at + j]]
+                if lost:
+                    eigen.append(RootRequest(group.matrices[_index(lost, group.matrices.device)],
+                                             1.0, request.p, request.epsilon))
+                    redo.append((k, [j - rows.start for j in lost]))
+            at += group.matrices.shape[0]
+        redone = _eigen_inverse_roots(eigen, placement) if eigen else []
+    fresh = iter(redone)
+    for k, r in enumerate(requests):
+        if r.bases is None:
+            results[k] = next(fresh)
+    for (k, lost), result in zip(redo, fresh):
+        mine = results[k]
+        assert mine is not None and mine.bases is not None and result.bases is not None
+        where = _index(lost, mine.roots.device)
+        mine.roots.index_copy_(0, where, result.roots)
+        mine.bases.index_copy_(0, where, result.bases)
+        for j, failed in zip(lost, result.failed):
+            mine.failed[j] = failed
+    return [r for r in results if r is not None]
 
 
 def _eigen_inverse_roots(requests: Sequence[RootRequest], placement: SolvePlacement
                          ) -> list[RootResult]:
     """:func:`inverse_roots` by eigendecomposition."""
-    by_kind: dict[tuple[int, torch.dtype, torch.device], list[int]] = {}
-    for k, request in enumerate(requests):
-        f = request.factors
-        by_kind.setdefault((f.shape[-1], f.dtype, f.device), []).append(k)
+    by_kind = _kinds(requests, range(len(requests)))
     if not by_kind:
         return []
     with torch.autocast(device_type=requests[0].factors.device.type, enabled=False):

@@ -41,7 +41,8 @@ class ShampooStateDict(TypedDict):
         steps: Optimizer steps taken.
         state: ``{param_name: {block_index: block state}}``; a block state holds
             ``step`` and ``root_failures`` (ints) and tensors (``factor_<i>``,
-            ``root_<i>``, ``second_moment``, ``filtered_grad``, ``momentum_buffer``).
+            ``root_<i>``, ``basis_<i>`` under ``SubspaceRoots``, ``second_moment``,
+            ``filtered_grad``, ``momentum_buffer``).
             Blocks that never took a step have no entry.
         blocks: Every parameter's block split, by parameter name.
         param_groups: Every group's hyper-parameters, with ``"params"`` the names of
