@@ -123,10 +123,12 @@ GPU_FACTOR_WARMUP ?= 800
 # same after GPU_FACTOR_WARMUP factor updates, ~175 s), shampoo (~100 s), profile
 # (gpu_profile.py, ~150 s), train (train_throughput.py, ~120 s), gram (gram_layouts.py,
 # ~30 s). A device session with 15 minutes runs a subset per call, e.g.
-# GPU_COMPARE_PARTS="kaisa-warm profile". Not in the default list: shampoo-newton
-# (shampoo_step.py --root-method newton, ~100 s) and roots (shampoo_roots.py: eigh vs
-# Newton roots per factor size, ~120 s).
+# GPU_COMPARE_PARTS="kaisa-warm profile". Not in the default list: shampoo-newton and
+# shampoo-subspace (shampoo_step.py --root-method newton or subspace, ~100 s each) and
+# roots (shampoo_roots.py: eigh vs Newton roots per factor size, ~120 s).
 GPU_COMPARE_PARTS ?= kaisa kaisa-warm shampoo profile train gram
+# shampoo_step.py with one root method ($(1)), for the shampoo-newton/-subspace parts
+shampoo_root_method = $(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/shampoo_step.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --root-method $(1) --max-seconds 100 --markdown --out $(GPU_OUT) $(GPU_SHAMPOO_ARGS) 2>&1 | tee $(GPU_OUT)/shampoo_step_$(GPU_MODEL)_$(GPU_DEVICE)_$(1).txt'
 GPU_MPI          ?=
 GPU_WHEELS       ?= $(if $(GPU_MPI),$(GPU_MPI)/wheels,.gpu-wheels)
 GPU_PREFIX       ?=
@@ -260,7 +262,8 @@ gpu-compare: gpu-env
 	$(if $(filter kaisa,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/vs_kaisa.py --device $(GPU_DEVICE) --models $(GPU_MODEL) --timing kinds --max-seconds 100 --markdown --out $(GPU_OUT) $(GPU_VS_KAISA_ARGS) 2>&1 | tee $(GPU_OUT)/vs_kaisa_$(GPU_MODEL)_$(GPU_DEVICE).txt')
 	$(if $(filter kaisa-warm,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/vs_kaisa.py --device $(GPU_DEVICE) --models $(GPU_MODEL) --timing kinds --configs sgd kfac_hpc kaisa --factor-warmup $(GPU_FACTOR_WARMUP) --max-seconds 240 --markdown --out $(GPU_OUT) $(GPU_VS_KAISA_ARGS) 2>&1 | tee $(GPU_OUT)/vs_kaisa_$(GPU_MODEL)_$(GPU_DEVICE)_warmup$(lastword $(GPU_FACTOR_WARMUP)).txt')
 	$(if $(filter shampoo,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/shampoo_step.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --max-seconds 100 --profile --markdown --out $(GPU_OUT) $(GPU_SHAMPOO_ARGS) 2>&1 | tee $(GPU_OUT)/shampoo_step_$(GPU_MODEL)_$(GPU_DEVICE).txt')
-	$(if $(filter shampoo-newton,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/shampoo_step.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --root-method newton --max-seconds 100 --markdown --out $(GPU_OUT) $(GPU_SHAMPOO_ARGS) 2>&1 | tee $(GPU_OUT)/shampoo_step_$(GPU_MODEL)_$(GPU_DEVICE)_newton.txt')
+	$(if $(filter shampoo-newton,$(GPU_COMPARE_PARTS)),$(call shampoo_root_method,newton))
+	$(if $(filter shampoo-subspace,$(GPU_COMPARE_PARTS)),$(call shampoo_root_method,subspace))
 	$(if $(filter roots,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/shampoo_roots.py --device $(GPU_DEVICE) --image-size $(GPU_IMAGE) --markdown --out $(GPU_OUT) $(GPU_ROOTS_ARGS) 2>&1 | tee $(GPU_OUT)/shampoo_roots_$(GPU_DEVICE).txt')
 	$(if $(filter profile,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/gpu_profile.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --image-size $(GPU_IMAGE) --markdown --out $(GPU_OUT) $(GPU_PROFILE_ARGS) 2>&1 | tee $(GPU_OUT)/gpu_profile_$(GPU_MODEL)_$(GPU_DEVICE).txt')
 	$(if $(filter train,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/train_throughput.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --shape $(GPU_SHAPE) --batch $(GPU_BATCH) --steps 60 --warmup 20 --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/train_throughput_$(GPU_MODEL)_$(GPU_DEVICE).txt')

@@ -144,6 +144,7 @@ from kfac_hpc import GradientAverager
 from kfac_hpc.comm import Communicator
 from kfac_hpc.models import build_model
 from kfac_hpc.shampoo import DistributedShampoo, root_method_from
+from kfac_hpc.shampoo.root_methods import ROOT_METHOD_NAMES
 
 FREQUENCIES = (1, 10, 100)  # composed in the table, with --frequency
 NEVER = 10**9
@@ -570,9 +571,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--frequency", type=int, default=50,
                         help="precondition_frequency composed in the table besides 1, 10, "
                              "100 (default 50)")
-    parser.add_argument("--root-method", choices=["eigen", "newton"], default="eigen",
-                        help="kfac_hpc's Shampoo roots: eigen (batched eigh, the default) or "
-                             "newton (coupled Newton iteration, NewtonRoots())")
+    parser.add_argument("--root-method", choices=sorted(ROOT_METHOD_NAMES), default="eigen",
+                        help="kfac_hpc's Shampoo roots: eigen (batched eigh, the default), "
+                             "subspace (kept eigenbases refreshed by one subspace-iteration "
+                             "step, SubspaceRoots(): a root step measured here is a refresh "
+                             "9 times in 10) or newton (coupled Newton iteration, "
+                             "NewtonRoots())")
     parser.add_argument("--decomposition-streams", type=int, default=1,
                         help="kfac_hpc's Shampoo: CUDA streams its root step's eigh batches "
                              "are spread over (decomposition_streams, default 1)")

@@ -8,8 +8,8 @@
 # PARTs, in the order given: probe (the machine, the MPI, `kfac-hpc info` on 2 ranks;
 # without a working GPU_MPI it falls back to .gpu-wheels' MPI for the parts after it),
 # test (make gpu-test), collectives (benchmarks/gpu_collectives.py on 2 ranks), and the
-# parts of make gpu-compare (kaisa, kaisa-warm, shampoo, shampoo-newton, roots, profile,
-# train, gram). Each part's output goes to OUT/<part>.txt, its files under OUT/gpu/, and
+# parts of make gpu-compare (kaisa, kaisa-warm, shampoo, shampoo-newton, shampoo-subspace,
+# roots, profile, train, gram). Each part's output goes to OUT/<part>.txt, its files under OUT/gpu/, and
 # a line "=== part <name>: exit R in S s" to the terminal and OUT/session.txt.
 # GPU_MPI (default .cuda-mpi/openmpi-4.1.4-cuda13 when present), GPU_PYTHON (python3) and
 # GPU_DEVICE (cuda; cpu is the dry run) are passed on to make.
@@ -62,7 +62,7 @@ for spec in "$@"; do
         collectives)
             run_part collectives "$seconds" make gpu-bench-collectives $(make_args) \
                 GPU_MPI_TIMEOUT="$((seconds - 10))" ;;
-        kaisa|kaisa-warm|shampoo|shampoo-newton|roots|profile|train|gram)
+        kaisa|kaisa-warm|shampoo|shampoo-newton|shampoo-subspace|roots|profile|train|gram)
             run_part "$name" "$seconds" make gpu-compare $(make_args) GPU_COMPARE_PARTS="$name" \
                 GPU_COMPARE_TIMEOUT="$((seconds - 15))" ;;
         *) echo "gpu-session: unknown part $name" >&2; exit 2 ;;

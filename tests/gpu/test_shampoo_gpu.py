@@ -240,3 +240,34 @@ def test_host_syncs_of_a_newton_root_step_do_not_grow_with_same_shape_blocks(
         counts.append(per_step)
     assert counts[0] == counts[1], counts
     assert min(counts[0]) >= 2, counts
+
+
+def test_subspace_roots_on_the_device_equal_the_cpu_and_read_the_host_once(
+        device: torch.device) -> None:
+    """SubspaceRoots refreshing float64 bases of factors that moved since them: the
+    device's roots equal the CPU's to 1e-10 relative (cuSOLVER's and LAPACK's QR may
+    differ in the columns' signs, which a root does not see; the rest is the GEMMs'
+    summation order), and the refresh reads the host once (its marks), whatever the
+    number of blocks, with no solver call."""
+    from kfac_hpc.shampoo import SubspaceRoots
+    from kfac_hpc.shampoo.roots import RootRequest, inverse_roots
+
+    old = torch.stack([_gram(64, 256, s) for s in range(3)])
+    new = old + 0.05 * torch.stack([_gram(64, 256, s + 10) for s in range(3)])
+    bases = torch.linalg.eigh(old).eigenvectors
+    method = SubspaceRoots(tolerance=1.0)
+    roots = {}
+    for where in ("cpu", device):
+        request = RootRequest(new.to(where), 1.0, 4.0, 1e-6, bases=bases.to(where))
+        (result,) = inverse_roots([request], method=method)
+        assert result.failed == [False] * 3
+        roots[str(where)] = result.roots.cpu()
+    torch.testing.assert_close(roots[str(device)], roots["cpu"], rtol=1e-10, atol=0)
+    if device.type != "cuda":
+        return
+    counts = []
+    for n in (3, 12):
+        request = RootRequest(new.repeat(n // 3, 1, 1).to(device), 1.0, 4.0, 1e-6,
+                              bases=bases.repeat(n // 3, 1, 1).to(device))
+        counts.append(_syncs(lambda r=request: inverse_roots([r], method=method)))
+    assert counts == [1, 1], counts
