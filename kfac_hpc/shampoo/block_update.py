@@ -1,6 +1,9 @@
 """One Shampoo step of the blocks a rank owns, batched over runs of same-kind blocks.
 
-Order of operations per block (``t`` = the block's step, counted from 1):
+Order of operations per block (``t`` = the block's step, counted from 1); a block of
+order 1 (a vector after merging) in a group with ``precondition_vectors=False`` keeps no
+factors and takes steps 2 and 5 not at all, and its direction in step 6 is always the
+grafting direction:
 
 1. coupled weight decay (``decoupled_weight_decay=False``): ``g ← g + wd·p``;
 2. factors ``F_i ← β2·F_i + (1-β2)·X_(i)X_(i)ᵀ`` (``β2 = 1``: plain sum), in
@@ -48,19 +51,33 @@ import torch
 from torch import Tensor
 
 from kfac_hpc.shampoo import grafting as graft
+from kfac_hpc.shampoo.errors import nonfinite_marks
 from kfac_hpc.shampoo.kronecker import accumulate_factors, diagonal_marks, precondition
 from kfac_hpc.shampoo.root_methods import RootMethod, SubspaceRoots
 from kfac_hpc.shampoo.roots import RootRequest, RootResult
 from kfac_hpc.shampoo.stacks import Run
 
 __all__ = ["BlockHyper", "BlockState", "RunStep", "directions", "install_roots",
-           "root_requests", "start_runs", "update_statistics"]
+           "is_preconditioned", "root_requests", "start_runs", "update_statistics"]
 
 BlockState = dict[str, Any]
 """Keys: ``step`` (int), ``factor_<i>``, ``root_<i>`` (after the first root
 computation), ``basis_<i>`` (with it, under ``SubspaceRoots``), ``root_failures`` (int,
 consecutive), and where used
 ``second_moment``, ``filtered_grad``, ``momentum_buffer``."""
+
+
+def is_preconditioned(order: int, precondition_vectors: bool) -> bool:
+    """Say whether blocks of ``order`` keep Kronecker factors and use Shampoo's direction.
+
+    Args:
+        order: The block's number of dimensions (after merging).
+        precondition_vectors: The group's setting.
+
+    Returns:
+        True for blocks of order 2 or more, and for vectors when ``precondition_vectors``.
+    """
+    return order >= 2 or precondition_vectors
 
 
 @dataclass(frozen=True)
@@ -81,6 +98,7 @@ class BlockHyper:
     grafting_beta2: float
     use_bias_correction: bool
     max_consecutive_root_failures: int
+    precondition_vectors: bool = True
 
     @staticmethod
     def from_group(group: dict[str, Any], max_consecutive_root_failures: int) -> BlockHyper:
@@ -99,7 +117,12 @@ class BlockHyper:
             group["weight_decay"], group["decoupled_weight_decay"],
             group["precondition_frequency"], group["start_preconditioning_step"],
             group["grafting"], group["grafting_epsilon"], group["grafting_beta2"],
-            group["use_bias_correction"], max_consecutive_root_failures)
+            group["use_bias_correction"], max_consecutive_root_failures,
+            group["precondition_vectors"])
+
+    def preconditions(self, order: int) -> bool:
+        """Whether the group's blocks of ``order`` are preconditioned (``is_preconditioned``)."""
+        return is_preconditioned(order, self.precondition_vectors)
 
     def recomputes_roots(self, step: int, has_roots: bool) -> bool:
         """Say whether a block at ``step`` (after this step) recomputes its roots.
@@ -217,6 +240,9 @@ def update_statistics(steps: Sequence[RunStep], hp: BlockHyper) -> None:
         hp: The group's hyper-parameters.
     """
     for st in steps:
+        if not hp.preconditions(len(st.run.stack.shape)):  # no factors: mark the gradient
+            st.stat_marks = nonfinite_marks(st.grad.flatten(1))
+            continue
         factors = st.factors()
         accumulate_factors(factors, st.grad.to(st.factor_dtype), hp.beta2)
         st.stat_marks = diagonal_marks(factors)
@@ -328,7 +354,8 @@ def directions(steps: Sequence[RunStep], hp: BlockHyper) -> list[Tensor]:
     out: list[Tensor] = []
     preconditioned: list[int] = []
     for k, (st, grafting_direction) in enumerate(zip(steps, grafted)):
-        if st.run.step >= hp.start_preconditioning_step:
+        if st.run.step >= hp.start_preconditioning_step and hp.preconditions(
+                len(st.run.stack.shape)):
             roots = st.factors("root")
             out.append(precondition(filtered[k].to(st.factor_dtype), roots).to(st.grad.dtype))
             preconditioned.append(k)

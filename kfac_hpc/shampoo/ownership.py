@@ -1,9 +1,11 @@
 """Which rank owns which block, and where each block's update travels in the gather.
 
 Owners come from :func:`kfac_hpc.assignment.lpt_assign` over the blocks in their
-global order (parameter order, then block index) with cost ``sum(d_i**3)``: a pure
-function of parameter names, shapes, ``max_preconditioner_dim`` and the world size,
-computed identically on every rank, so no communication is needed to agree on it.
+global order (parameter order, then block index) with cost ``sum(d_i**3)`` (a vector
+block left to grafting, ``precondition_vectors=False``, costs its elements): a pure
+function of parameter names, shapes, the groups' ``max_preconditioner_dim`` and
+``precondition_vectors`` and the world size, computed identically on every rank, so no
+communication is needed to agree on it.
 
 Wire layout of the one ``allgatherv`` per step (world size > 1): rank r sends
 ``1 + sum(numel of its blocks)`` elements: a status word (0 = fine, else a bit mask,
@@ -26,17 +28,20 @@ from kfac_hpc.shampoo.blocking import BlockSpec
 __all__ = ["Layout", "assign_owners"]
 
 
-def assign_owners(blocks: Sequence[BlockSpec], world_size: int) -> dict[tuple[str, int], int]:
+def assign_owners(blocks: Sequence[BlockSpec], world_size: int,
+                  costs: Sequence[float] | None = None) -> dict[tuple[str, int], int]:
     """Assign every block an owner rank (LPT by cost, deterministic; ties by position).
 
     Args:
         blocks: Every block, in global order.
         world_size: The number of ranks.
+        costs: Per block, its cost; None: :attr:`BlockSpec.cost` (``sum(d_i**3)``).
 
     Returns:
         The owner of every block, keyed ``(parameter name, block index)``.
     """
-    return lpt_assign([(b.key, b.cost) for b in blocks], world_size)
+    weights = costs if costs is not None else [b.cost for b in blocks]
+    return lpt_assign([(b.key, c) for b, c in zip(blocks, weights, strict=True)], world_size)
 
 
 @dataclass(frozen=True)
@@ -49,10 +54,12 @@ class Layout:
     counts: tuple[int, ...]  # elements sent by each rank (status word included)
     status_offsets: tuple[int, ...]  # where each rank's status word lands in the gathered buffer
     world_size: int
+    costs: tuple[float, ...]  # costs[i]: the cost blocks[i] was assigned by
 
     @staticmethod
     def build(blocks: Sequence[BlockSpec], world_size: int,
-              kinds: Sequence[Hashable] | None = None) -> Layout:
+              kinds: Sequence[Hashable] | None = None,
+              costs: Sequence[float] | None = None) -> Layout:
         """Lay out ``blocks`` (global order) over ``world_size`` ranks.
 
         Args:
@@ -60,8 +67,11 @@ class Layout:
             world_size: number of ranks.
             kinds: per block, its kind (equal kinds are contiguous in their owner's
                 send buffer); None: every block its own kind (global order).
+            costs: per block, the cost owners are balanced by; None:
+                :attr:`BlockSpec.cost`.
         """
-        owner_of = assign_owners(blocks, world_size)
+        costs = tuple(costs) if costs is not None else tuple(b.cost for b in blocks)
+        owner_of = assign_owners(blocks, world_size, costs)
         owners = tuple(owner_of[b.key] for b in blocks)
         counts = [1] * world_size
         for b, r in zip(blocks, owners):
@@ -78,7 +88,7 @@ class Layout:
             offsets[i] = cursor[owners[i]]
             cursor[owners[i]] += blocks[i].numel
         return Layout(tuple(blocks), owners, tuple(offsets), tuple(counts), tuple(starts),
-                      world_size)
+                      world_size, costs)
 
     @property
     def total(self) -> int:
@@ -101,6 +111,6 @@ class Layout:
     def load(self) -> list[float]:
         """Return the total cost per rank (for inspection)."""
         loads = [0.0] * self.world_size
-        for b, r in zip(self.blocks, self.owners):
-            loads[r] += b.cost
+        for c, r in zip(self.costs, self.owners):
+            loads[r] += c
         return loads
