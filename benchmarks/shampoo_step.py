@@ -330,7 +330,8 @@ def optimizers(args: argparse.Namespace, meta: Any) -> dict[
             precondition_frequency=1, start_preconditioning_step=1, grafting="adam",
             grafting_beta2=0.999, grafting_epsilon=1e-8, comm=c,
             root_method=root_method_from(args.root_method),
-            decomposition_streams=args.decomposition_streams),
+            decomposition_streams=args.decomposition_streams,
+            precondition_vectors=not args.vectors_to_grafting),
     }
     if meta is not None:
         made["meta"] = lambda m, c: meta.DistributedShampoo(
@@ -467,6 +468,7 @@ def run_model(name: str, args: argparse.Namespace, comm: Communicator, device: t
         "baseline": baseline, "blocks": len(blocks), "max_dim": args.max_dim,
         "root_method": repr(root_method_from(args.root_method)),
         "decomposition_streams": args.decomposition_streams,
+        "precondition_vectors": not args.vectors_to_grafting,
         "block_dims": sorted({d for b in blocks for d in b.shape}),
         "frequency": args.frequency, "weight_decay": args.weight_decay,
         "meta_source": peer_version(args.meta_src) if meta is not None else None,
@@ -577,6 +579,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "step, SubspaceRoots(): a root step measured here is a refresh "
                              "9 times in 10) or newton (coupled Newton iteration, "
                              "NewtonRoots())")
+    parser.add_argument("--vectors-to-grafting", action="store_true",
+                        help="kfac_hpc's Shampoo with precondition_vectors=False: blocks of "
+                             "order 1 take the grafting direction alone (Meta's runs as "
+                             "always)")
     parser.add_argument("--decomposition-streams", type=int, default=1,
                         help="kfac_hpc's Shampoo: CUDA streams its root step's eigh batches "
                              "are spread over (decomposition_streams, default 1)")
