@@ -5,6 +5,7 @@ the Shampoo test network. Importable from ``tests/gpu`` too (``tests/`` is on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -123,3 +124,30 @@ def direct_or_staged(path: str, device: torch.device) -> Any:
             pytest.skip(f"device-direct path: the MPI library is not CUDA-aware here "
                         f"({found.summary()}; {'; '.join(found.evidence)})")
     return Communicator(cuda=detect(True).unrouted())
+
+
+def cuda_fp32_settings_seen(monkeypatch: Any, owner: Any, name: str,
+                            run: Callable[[], object]) -> list[str]:
+    """Run ``run`` with the user's cuBLAS float32 setting at TF32; return what ``owner.name`` saw.
+
+    ``owner.name`` (a product function) is wrapped to record
+    ``torch.backends.cuda.matmul.fp32_precision`` at each call; the user's setting must
+    be TF32 again after ``run`` (asserted), and is restored to what it was before.
+    """
+    flags = torch.backends.cuda.matmul
+    seen: list[str] = []
+    real = getattr(owner, name)
+
+    def spy(*args: Any) -> Any:
+        seen.append(flags.fp32_precision)
+        return real(*args)
+
+    before = flags.fp32_precision
+    monkeypatch.setattr(owner, name, spy)
+    try:
+        flags.fp32_precision = "tf32"
+        run()
+        assert flags.fp32_precision == "tf32"
+    finally:
+        flags.fp32_precision = before
+    return seen

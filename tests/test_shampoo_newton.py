@@ -28,7 +28,7 @@ import pytest
 import torch
 from mpi4py import MPI
 from op_count import count_host_reads, count_ops
-from shared_cases import SHAMPOO_KWARGS, ShampooNet
+from shared_cases import SHAMPOO_KWARGS, ShampooNet, cuda_fp32_settings_seen
 from torch import Tensor, nn
 
 from kfac_hpc.comm import Communicator
@@ -338,22 +338,8 @@ def test_host_reads_and_kernels_of_a_root_step_do_not_grow_with_blocks() -> None
 def test_products_run_at_full_precision_whatever_the_user_set(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The user's TF32 setting is ignored inside the iteration and restored after it."""
-    flags = torch.backends.cuda.matmul
-    seen: list[str] = []
-    bmm = torch.bmm
-
-    def spy(a: Tensor, b: Tensor) -> Tensor:
-        seen.append(flags.fp32_precision)
-        return bmm(a, b)
-
-    before = flags.fp32_precision
-    monkeypatch.setattr(torch, "bmm", spy)
-    try:
-        flags.fp32_precision = "tf32"
-        newton(torch.eye(3)[None] * 2, 2, 1e-6, NewtonRoots())
-        assert flags.fp32_precision == "tf32"
-    finally:
-        flags.fp32_precision = before
+    seen = cuda_fp32_settings_seen(
+        monkeypatch, torch, "bmm", lambda: newton(torch.eye(3)[None] * 2, 2, 1e-6, NewtonRoots()))
     assert seen and set(seen) == {"ieee"}
 
 

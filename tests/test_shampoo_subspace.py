@@ -27,7 +27,7 @@ import pytest
 import torch
 from mpi4py import MPI
 from op_count import count_host_reads, count_ops
-from shared_cases import SHAMPOO_KWARGS, ShampooNet
+from shared_cases import SHAMPOO_KWARGS, ShampooNet, cuda_fp32_settings_seen
 from torch import Tensor, nn
 
 from kfac_hpc.comm import Communicator
@@ -147,26 +147,14 @@ def test_a_refresh_root_step_reads_the_host_once_and_decomposes_nothing() -> Non
 
 def test_products_run_at_full_precision_whatever_the_user_set(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    flags = torch.backends.cuda.matmul
-    seen: list[str] = []
     import kfac_hpc.kfac.linalg as linalg
-    real = linalg.user_setting_matmul
 
-    def spy(a: Tensor, b: Tensor) -> Tensor:
-        seen.append(flags.fp32_precision)
-        return real(a, b)
-
-    before = flags.fp32_precision
-    monkeypatch.setattr(linalg, "user_setting_matmul", spy)
     f = psd(5, torch.linspace(1.0, 2.0, 5, dtype=torch.float64)).float()
-    try:
-        flags.fp32_precision = "tf32"
-        inverse_roots([RootRequest(f[None], 1.0, 2.0, 1e-3, bases=torch.eye(5)[None])],
-                      method=SubspaceRoots(tolerance=1.0))
-        assert flags.fp32_precision == "tf32"
-    finally:
-        flags.fp32_precision = before
-    assert seen and set(seen) == {"ieee"}
+    request = RootRequest(f[None], 1.0, 2.0, 1e-3, bases=torch.eye(5)[None])
+    seen = cuda_fp32_settings_seen(
+        monkeypatch, linalg, "user_setting_matmul",
+        lambda: inverse_roots([request], method=SubspaceRoots(tolerance=1.0)))
+    assert len(seen) == 2 and set(seen) == {"ieee"}
 
 
 # ------------------------------------------------------------------ in the optimizer
