@@ -19,7 +19,14 @@ from typing import Any
 
 import pytest
 import torch
-from mpi4py import MPI
+from shampoo_ranks import (
+    assert_identical_on_all_ranks,
+    assert_same,
+    batches,
+    distributed_vs_single,
+    self_comm,
+    train,
+)
 from shared_cases import SHAMPOO_KWARGS as KWARGS
 from shared_cases import ShampooNet as Net
 from torch import nn
@@ -28,53 +35,11 @@ from kfac_hpc.comm import Communicator
 from kfac_hpc.shampoo import DistributedShampoo, ShampooNumericalError
 
 
-def batches(steps: int, seed: int = 1, n: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(n, 2, 4, 4, generator=g), torch.randn(n, 3, generator=g))
-            for _ in range(steps)]
-
-
-def train(model: nn.Module, opt: DistributedShampoo, data: list[Any]) -> None:
-    for x, y in data:
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-
-
-def self_comm() -> Communicator:
-    return Communicator(MPI.COMM_SELF, name="self")
-
-
-def assert_same(a: nn.Module, b: nn.Module) -> None:
-    for (name, x), y in zip(a.named_parameters(), b.parameters()):
-        assert torch.equal(x, y), f"{name} differs (max {float((x - y).abs().max()):.3e})"
-
-
-def assert_identical_on_all_ranks(model: nn.Module, comm: Communicator) -> None:
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    rows = comm.allgather(flat)
-    assert all(torch.equal(rows[0], row) for row in rows)
-
-
-def distributed_vs_single(comm: Communicator, steps: int = 5,
-                          **overrides: Any) -> tuple[nn.Module, DistributedShampoo]:
-    kwargs = {**KWARGS, **overrides}
-    dist_model, single_model = Net(), Net()
-    dist = DistributedShampoo(dist_model.named_parameters(), comm=comm, **kwargs)
-    single = DistributedShampoo(single_model.named_parameters(), comm=self_comm(), **kwargs)
-    data = batches(steps)
-    train(dist_model, dist, data)
-    train(single_model, single, data)
-    assert_same(dist_model, single_model)
-    assert_identical_on_all_ranks(dist_model, comm)
-    return dist_model, dist
-
-
 @pytest.mark.mpi(min_size=2)
 def test_distributed_equals_single_rank_bitwise(comm: Communicator) -> None:
     """9 steps, roots at 1, 3, 5, 7, 9 (before the inverse-root scales were raised row by
     row on the CPU, a 4x4 factor's root differed by an ulp at step 7 on 2 ranks)."""
-    _, opt = distributed_vs_single(comm, steps=9)
+    _, opt, _ = distributed_vs_single(comm, steps=9)
     owners = set(opt.block_owners().values())
     assert owners == set(range(comm.size)) or len(opt.layout.blocks) < comm.size
     # Owner-only state: this rank holds exactly its own blocks.
@@ -272,7 +237,7 @@ def test_state_dict_four_to_two_and_back(comm: Communicator) -> None:
 
 @pytest.mark.mpi(min_size=4)
 def test_four_ranks_all_own_blocks(comm: Communicator) -> None:
-    _, opt = distributed_vs_single(comm, steps=4)
+    _, opt, _ = distributed_vs_single(comm, steps=4)
     assert set(opt.block_owners().values()) == set(range(comm.size))
     loads = opt.layout.load()
     assert max(loads) <= sum(loads) / comm.size + max(b.cost for b in opt.layout.blocks)

@@ -28,6 +28,7 @@ import pytest
 import torch
 from mpi4py import MPI
 from op_count import count_host_reads, count_ops
+from shampoo_ranks import distributed_vs_single
 from shared_cases import SHAMPOO_KWARGS, ShampooNet, cuda_fp32_settings_seen
 from torch import Tensor, nn
 
@@ -403,19 +404,4 @@ def test_train_config_maps_the_option() -> None:
 def test_two_ranks_equal_one_rank_bitwise(comm: Communicator) -> None:
     """Each block's roots are computed by its owner alone, with its own checks: a run
     over the world equals one over COMM_SELF bit for bit, on every rank."""
-    kwargs = {**SHAMPOO_KWARGS, "root_method": NewtonRoots(check_every=3)}
-    models = [ShampooNet(), ShampooNet()]
-    opts = [DistributedShampoo(models[0].named_parameters(), comm=comm, **kwargs),
-            DistributedShampoo(models[1].named_parameters(),
-                               comm=Communicator(MPI.COMM_SELF), **kwargs)]
-    g = torch.Generator().manual_seed(1)
-    for _ in range(4):
-        x, y = torch.randn(8, 2, 4, 4, generator=g), torch.randn(8, 3, generator=g)
-        for model, opt in zip(models, opts):
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-    for a, b in zip(models[0].parameters(), models[1].parameters()):
-        assert torch.equal(a, b)
-    flat = torch.cat([p.detach().reshape(-1) for p in models[0].parameters()])
-    assert all(torch.equal(flat, row) for row in comm.allgather(flat))
+    distributed_vs_single(comm, steps=4, root_method=NewtonRoots(check_every=3))

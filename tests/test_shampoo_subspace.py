@@ -27,6 +27,7 @@ import pytest
 import torch
 from mpi4py import MPI
 from op_count import count_host_reads, count_ops
+from shampoo_ranks import distributed_vs_single
 from shared_cases import SHAMPOO_KWARGS, ShampooNet, cuda_fp32_settings_seen
 from torch import Tensor, nn
 
@@ -333,21 +334,9 @@ def test_train_config_maps_the_option() -> None:
 def test_two_ranks_equal_one_rank_bitwise(comm: Communicator) -> None:
     """Each block's bases are its owner's: a run over the world equals one over
     COMM_SELF bit for bit, and so does a state dict gathered from the owners."""
-    kwargs = {**SHAMPOO_KWARGS, "root_method": SubspaceRoots(fresh_every=2, tolerance=1.0)}
-    models = [ShampooNet(), ShampooNet()]
-    opts = [DistributedShampoo(models[0].named_parameters(), comm=comm, **kwargs),
-            DistributedShampoo(models[1].named_parameters(),
-                               comm=Communicator(MPI.COMM_SELF), **kwargs)]
-    g = torch.Generator().manual_seed(1)
-    for _ in range(7):
-        x, y = torch.randn(8, 2, 4, 4, generator=g), torch.randn(8, 3, generator=g)
-        for model, opt in zip(models, opts):
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-    for a, b in zip(models[0].parameters(), models[1].parameters()):
-        assert torch.equal(a, b)
-    together, alone = opts[0].state_dict()["state"], opts[1].state_dict()["state"]
+    _, dist, single = distributed_vs_single(
+        comm, steps=7, root_method=SubspaceRoots(fresh_every=2, tolerance=1.0))
+    together, alone = dist.state_dict()["state"], single.state_dict()["state"]
     for name, blocks in alone.items():
         for index, state in blocks.items():
             assert "basis_0" in state
