@@ -219,3 +219,41 @@ def test_a_failing_model_load_puts_every_ranks_shampoo_blocks_back(comm: Any,
     assert "nothing was loaded" in str(err.value)
     assert _same_blocks(kept["state"], live_opt.state_dict()["state"])
     assert not _same_blocks(kept["state"], opt.state_dict()["state"])
+
+
+@pytest.mark.parametrize("option", ["subspace", "vectors"])
+def test_options_that_change_the_block_state_resume_bitwise(comm: Any, tmp_path: Path,
+                                                            option: str) -> None:
+    """SubspaceRoots' bases (``basis_<i>``) and vectors without factors
+    (``precondition_vectors=False``) go through the streamed HDF5 file: a run resumed
+    at step 3 (a refresh follows at step 5) equals the uninterrupted one bit for bit."""
+    from kfac_hpc.shampoo import DistributedShampoo, SubspaceRoots
+
+    kwargs: dict[str, Any] = ({"root_method": SubspaceRoots(fresh_every=3, tolerance=1.0)}
+                              if option == "subspace" else {"precondition_vectors": False})
+
+    def make(model: torch.nn.Module) -> Any:
+        return DistributedShampoo(model.named_parameters(), lr=0.01, comm=comm,
+                                  precondition_frequency=2, max_preconditioner_dim=8, **kwargs)
+
+    d = Path(comm.broadcast_object(str(tmp_path)))
+    torch.manual_seed(0)
+    straight = Net()
+    opt = make(straight)
+    train_steps(straight, opt, comm, 0, 3)
+    checkpoint.save(d, model=straight, optimizer=opt, step=3, comm=comm)
+    train_steps(straight, opt, comm, 3, 8)
+    states = comm.allgather_object([sorted(k for k in s if k.startswith(("factor_", "basis_")))
+                                    for per in opt.state.values() for s in per.values()])
+    blocks = [keys for rank in states for keys in rank]
+    if option == "subspace":
+        assert blocks and all("basis_0" in keys for keys in blocks)
+    else:  # the vectors (biases, batch-norm) have none, the matrices have factors
+        assert [] in blocks and any("factor_0" in keys for keys in blocks)
+
+    torch.manual_seed(123)  # the load restores the RNG
+    resumed = Net()
+    again = make(resumed)
+    checkpoint.load(d, model=resumed, optimizer=again, comm=comm)
+    train_steps(resumed, again, comm, 3, 8)
+    assert weights_equal(straight, resumed)
