@@ -103,6 +103,7 @@ def test_a_drifted_basis_is_recomputed_by_the_eigen_path_bit_for_bit() -> None:
     refreshed = inverse_roots([RootRequest(fs, 4.0, 2.0, 1e-4, bases=bases)],
                               method=SubspaceRoots(tolerance=1e-3))[0]
     assert refreshed.bases is not None and eigen.bases is not None
+    assert refreshed.refreshed == [True, False, True] and eigen.refreshed is None
     assert torch.equal(refreshed.roots[1], eigen.roots[1])
     assert torch.equal(refreshed.bases[1], eigen.bases[1])
     for j in (0, 2):  # kept their refresh: equal to rounding, not the same bits
@@ -160,11 +161,12 @@ def test_products_run_at_full_precision_whatever_the_user_set(
 
 # ------------------------------------------------------------------ in the optimizer
 def _train(method: Any, steps: int = 9, resume_at: int | None = None,
-           then: Any = None) -> tuple[list[Tensor], DistributedShampoo]:
-    """ShampooNet, float64, roots every 2 steps; optionally saved at ``resume_at`` and
-    continued by a new optimizer (with ``then``'s method, default the same)."""
+           then: Any = None, **overrides: Any) -> tuple[list[Tensor], DistributedShampoo]:
+    """ShampooNet, float64, roots every 2 steps (``overrides`` change the settings);
+    optionally saved at ``resume_at`` and continued by a new optimizer (with ``then``'s
+    method, default the same)."""
     model = ShampooNet().double()
-    kwargs = {**SHAMPOO_KWARGS, "epsilon": 1e-6}
+    kwargs = {**SHAMPOO_KWARGS, "epsilon": 1e-6, **overrides}
     opt = DistributedShampoo(model.named_parameters(), **kwargs, root_method=method)
     g = torch.Generator().manual_seed(1)
     for step in range(steps):
@@ -223,6 +225,16 @@ def test_refreshes_follow_the_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
     seen = _carried(monkeypatch)
     _train(SubspaceRoots(fresh_every=3, tolerance=1.0))
     assert seen == [False, True, True, False, True]
+
+
+def test_the_schedule_counts_from_the_start_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Preconditioning from step 4, roots every 3 steps: computations 0..4 at steps 4, 7,
+    10, 13, 16; fresh_every=2 makes 0, 2 and 4 fresh (counting from step 0 instead would
+    make step 7's fresh and step 10's a refresh)."""
+    seen = _carried(monkeypatch)
+    _train(SubspaceRoots(fresh_every=2, tolerance=1.0), steps=16,
+           start_preconditioning_step=4, precondition_frequency=3)
+    assert seen == [False, True, False, True, False]
 
 
 def test_kept_refreshes_leave_at_most_the_tolerance_off_the_diagonal(
@@ -296,6 +308,32 @@ def test_a_failed_first_root_leaves_identity_roots_and_bases(
         assert torch.equal(state[f"root_{i}"], eye) and torch.equal(state[f"basis_{i}"], eye)
 
 
+def test_a_later_failure_keeps_the_previous_roots_and_bases(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After good root steps, a refresh that drifts (tolerance 1e-12) goes to eigh, which
+    fails in both dtypes: the block keeps its roots and bases, and counts the failure."""
+    w = nn.Parameter(torch.zeros(3, 4, dtype=torch.float64))
+    opt = DistributedShampoo([w], max_preconditioner_dim=4, precondition_frequency=1,
+                             comm=Communicator(MPI.COMM_SELF), root_method=SubspaceRoots())
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        w.grad = torch.randn(3, 4, generator=g, dtype=torch.float64)
+        opt.step()
+    (state,) = opt.state[w].values()
+    before = {k: v.clone() for k, v in state.items() if k.startswith(("root_", "basis_"))
+              and isinstance(v, Tensor)}
+
+    def failing(a: Tensor, *args: object, **kwargs: object) -> Any:
+        raise torch.linalg.LinAlgError("injected failure")
+
+    opt.root_method = SubspaceRoots(tolerance=1e-12)
+    monkeypatch.setattr(torch.linalg, "eigh", failing)
+    w.grad = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    opt.step()
+    assert state["root_failures"] == 1 and len(before) == 4
+    assert all(torch.equal(state[k], v) for k, v in before.items())
+
+
 # ------------------------------------------------------------------ configuration
 def test_root_method_from_names_subspace() -> None:
     assert root_method_from("subspace") == SubspaceRoots()
@@ -331,11 +369,15 @@ def test_train_config_maps_the_option() -> None:
 
 # ------------------------------------------------------------------ ranks
 @pytest.mark.mpi(min_size=2)
-def test_two_ranks_equal_one_rank_bitwise(comm: Communicator) -> None:
+@pytest.mark.parametrize("tolerance,max_dim", [(1.0, 4), (0.05, 8)])
+def test_two_ranks_equal_one_rank_bitwise(comm: Communicator, tolerance: float,
+                                          max_dim: int) -> None:
     """Each block's bases are its owner's: a run over the world equals one over
-    COMM_SELF bit for bit, and so does a state dict gathered from the owners."""
+    COMM_SELF bit for bit, and so does a state dict gathered from the owners; with
+    tolerance 0.05 some refreshes drift and are redone by eigh."""
     _, dist, single = distributed_vs_single(
-        comm, steps=7, root_method=SubspaceRoots(fresh_every=2, tolerance=1.0))
+        comm, steps=7, root_method=SubspaceRoots(fresh_every=2, tolerance=tolerance),
+        max_preconditioner_dim=max_dim)
     together, alone = dist.state_dict()["state"], single.state_dict()["state"]
     for name, blocks in alone.items():
         for index, state in blocks.items():

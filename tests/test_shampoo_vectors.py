@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 import kfac_hpc.shampoo.optimizer as optimizer
 from kfac_hpc.comm import Communicator
-from kfac_hpc.shampoo import DistributedShampoo, ShampooNumericalError
+from kfac_hpc.shampoo import DistributedShampoo, ShampooNumericalError, inverse_root
 from kfac_hpc.shampoo.roots import RootRequest
 
 SHAPES = [(6, 5), (7,), (3, 4, 2), (5,), ()]  # matrix, vector, 3-D, vector, scalar
@@ -107,11 +107,21 @@ def test_vectors_cost_their_elements_in_the_ownership_balance() -> None:
         assert cost_off == (float(spec.numel) if spec.order == 1 else spec.cost)
 
 
+def test_a_loaded_setting_rebalances_the_owners() -> None:
+    """Built with False, loading a state saved with True: the group now says True, and
+    the owners are balanced as an optimizer built with True balances them."""
+    _, saved = _run(steps=2)
+    _, loaded = _run(steps=0, precondition_vectors=False)
+    loaded.load_state_dict(saved.state_dict())
+    assert loaded.param_groups[0]["precondition_vectors"] is True
+    assert loaded.layout == saved.layout
+
+
 @pytest.mark.parametrize("first,then", [(False, True), (True, False)])
 def test_resuming_with_the_other_setting(first: bool, then: bool) -> None:
     """False → True: the vectors' factors start from zero at the resume; True → False:
-    their factors are kept in the state, unused. Either way the matrices' blocks
-    continue exactly as an uninterrupted run of the first setting."""
+    their factors, roots and bases are dropped at the next step. Either way the
+    matrices' blocks continue exactly as an uninterrupted run of the first setting."""
     params = _params()
     opt = DistributedShampoo(params, comm=Communicator(MPI.COMM_SELF), **KWARGS,
                              precondition_vectors=first)
@@ -135,7 +145,32 @@ def test_resuming_with_the_other_setting(first: bool, then: bool) -> None:
         if not _vector(i):
             assert torch.equal(p.detach(), s), SHAPES[i]
     vector_state = opt.state[params[1]][0]
-    assert ("factor_0" in vector_state) is (first or then)
+    assert ("factor_0" in vector_state) is then and ("root_0" in vector_state) is then
+
+
+def test_turned_off_and_on_again_a_vector_starts_afresh() -> None:
+    """In one run: preconditioned, then left to grafting for a step, then preconditioned
+    again: its factor is then the one step's ``(1 − β2)·g gᵀ``, not the old history, and
+    its root is recomputed at once from it (not the old root)."""
+    (w,) = params = [nn.Parameter(torch.zeros(7, dtype=torch.float64))]
+    opt = DistributedShampoo(params, comm=Communicator(MPI.COMM_SELF), **KWARGS,
+                             factor_dtype=torch.float64)
+    g = torch.Generator().manual_seed(3)
+    for setting in (True, True, False, True):
+        opt.param_groups[0]["precondition_vectors"] = setting
+        w.grad = torch.randn(7, generator=g, dtype=torch.float64)
+        old_root = opt.state[w][0].get("root_0", torch.empty(0)).clone() if opt.state[w] \
+            else torch.empty(0)
+        opt.step()
+    state = opt.state[w][0]
+    beta2 = opt.param_groups[0]["betas"][1]
+    torch.testing.assert_close(state["factor_0"], (1 - beta2) * torch.outer(w.grad, w.grad),
+                               rtol=1e-14, atol=0.0)
+    assert old_root.numel() == 0  # the step before had dropped it
+    # recomputed at step 4 (not a root step of frequency 2: it had no root) from it
+    want = inverse_root(state["factor_0"] / (1 - beta2**4), 2.0, KWARGS["epsilon"])
+    torch.testing.assert_close(state["root_0"], want, rtol=1e-12, atol=0.0)
+    assert opt.memory_bytes()["factors"] == 7 * 7 * 8
 
 
 def test_invalid_value_is_named() -> None:

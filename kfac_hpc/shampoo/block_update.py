@@ -53,7 +53,7 @@ from torch import Tensor
 from kfac_hpc.shampoo import grafting as graft
 from kfac_hpc.shampoo.errors import nonfinite_marks
 from kfac_hpc.shampoo.kronecker import accumulate_factors, diagonal_marks, precondition
-from kfac_hpc.shampoo.root_methods import RootMethod, SubspaceRoots
+from kfac_hpc.shampoo.root_methods import RootMethod
 from kfac_hpc.shampoo.roots import RootRequest, RootResult
 from kfac_hpc.shampoo.stacks import Run
 
@@ -241,6 +241,7 @@ def update_statistics(steps: Sequence[RunStep], hp: BlockHyper) -> None:
     """
     for st in steps:
         if not hp.preconditions(len(st.run.stack.shape)):  # no factors: mark the gradient
+            _drop(st, ("factor", "root", "basis"))  # left from when it was preconditioned
             st.stat_marks = nonfinite_marks(st.grad.flatten(1))
             continue
         factors = st.factors()
@@ -265,8 +266,7 @@ def update_statistics(steps: Sequence[RunStep], hp: BlockHyper) -> None:
 
 def _refreshes(st: RunStep, hp: BlockHyper, method: RootMethod) -> bool:
     """Whether a run's roots are computed from its held bases (``SubspaceRoots``)."""
-    return (isinstance(method, SubspaceRoots)
-            and not method.is_fresh(hp.root_computation(st.run.step))
+    return (method.refreshes(hp.root_computation(st.run.step))
             and all("basis_0" in state for state in st.run.states))
 
 
@@ -309,31 +309,46 @@ def install_roots(st: RunStep, results: Sequence[RootResult], hp: BlockHyper,
         method: The optimizer's root method.
     """
     failed = [any(flags) for flags in zip(*(r.failed for r in results))]
-    kept: list[tuple[str, list[bool], list[Tensor | None]]] = [
-        ("root", ["root_0" not in state for state in st.run.states],
-         [r.roots for r in results])]
+    _keep(st, "root", [r.roots for r in results], failed)
     if method.keeps_bases:
-        kept.append(("basis", ["basis_0" not in state for state in st.run.states],
-                     [r.bases for r in results]))
+        _keep(st, "basis", [r.bases for r in results], failed)
     else:
-        for state in st.run.states:
-            for i in range(len(st.run.stack.shape)):
-                state.pop(f"basis_{i}", None)
-    for kind, fresh, values in kept:
-        for rows, value in zip(st.factors(kind), values):
-            assert value is not None  # every path returns the bases too
-            if not any(failed):
-                rows.copy_(value)
-                continue
-            for j, row in enumerate(rows):
-                if not failed[j]:
-                    row.copy_(value[j])
-                elif fresh[j]:
-                    torch.eye(row.shape[0], out=row)
+        _drop(st, ("basis",))
     for j, state in enumerate(st.run.states):
         state["root_failures"] = state["root_failures"] + 1 if failed[j] else 0
         if state["root_failures"] >= hp.max_consecutive_root_failures:
             st.root_failures.append(j)
+
+
+def _keep(st: RunStep, kind: str, values: Sequence[Tensor | None], failed: list[bool]) -> None:
+    """Copy per dimension the results into the run's ``<kind>_<i>``, skipping failed blocks.
+
+    A failed block keeps what it had, the identity where it had nothing yet.
+    """
+    fresh = [f"{kind}_0" not in state for state in st.run.states]  # before binding them
+    for rows, value in zip(st.factors(kind), values):
+        assert value is not None  # the eigen and subspace paths return bases too
+        if not any(failed):
+            rows.copy_(value)
+            continue
+        for j, row in enumerate(rows):
+            if not failed[j]:
+                row.copy_(value[j])
+            elif fresh[j]:
+                torch.eye(row.shape[0], out=row)
+
+
+def _drop(st: RunStep, kinds: Sequence[str]) -> None:
+    """Remove the run's blocks' ``<kind>_<i>`` entries, for every dimension ``i``.
+
+    When the run is its whole stack, the stacked tensors are freed too.
+    """
+    keys = [f"{kind}_{i}" for kind in kinds for i in range(len(st.run.stack.shape))]
+    for state in st.run.states:
+        for key in keys:
+            state.pop(key, None)
+    if st.run.size == st.run.stack.size:
+        st.run.stack.forget(keys)
 
 
 def directions(steps: Sequence[RunStep], hp: BlockHyper) -> list[Tensor]:

@@ -138,7 +138,11 @@ class DistributedShampoo(torch.optim.Optimizer):
                 or roots (ResNet-50 at max dim 1024: 107 of its 161 parameters, 115 of
                 its 250 factors, 47 % of a root step's ``sum(d**3)``). A group option
                 (``load_state_dict`` restores the saved groups' value, as for the
-                others); turned on later, a vector's factors start from zero.
+                others, and rebalances the owners when it differs); a vector's factors,
+                roots and bases are dropped at its first step left to grafting, and
+                start from zero when it is preconditioned again (the bias correction
+                still counts all of its steps). Set by hand on a group later, the owners
+                stay balanced as before (results are the same either way).
             comm: The :class:`~kfac_hpc.comm.Communicator` (default: the world).
             factor_dtype: Dtype of factors and roots (float32 or float64).
             communication_dtype: Dtype of the gathered directions (float16, bfloat16,
@@ -164,8 +168,9 @@ class DistributedShampoo(torch.optim.Optimizer):
                 computation) or :class:`~kfac_hpc.shampoo.root_methods.NewtonRoots` (the
                 coupled Newton iteration, GEMMs only, batched per size; matrices it does
                 not converge on take the eigen path). Configuration, not state: it is not
-                saved in the state dict, so a run may resume with any (bases are dropped
-                by the others and computed fresh by ``SubspaceRoots``).
+                saved in the state dict, so a run may resume with any (the others drop
+                bases at a block's next root computation; ``SubspaceRoots`` computes a
+                block without them fresh).
 
         Raises:
             ValueError: A hyper-parameter is out of range, a parameter name repeats, a
@@ -300,9 +305,9 @@ class DistributedShampoo(torch.optim.Optimizer):
         kinds = [(gi, spec.shape, p.dtype)
                  for gi, spec, p in zip(self._group_of_block, blocks, block_param)]
         # a vector left to grafting costs its elements, not a root (ownership balance)
-        costs = [spec.cost if is_preconditioned(spec.order, self.param_groups[gi][
-            "precondition_vectors"]) else float(spec.numel)
-            for gi, spec in zip(self._group_of_block, blocks)]
+        vectors = [group["precondition_vectors"] for group in self.param_groups]
+        costs = [spec.cost if is_preconditioned(spec.order, vectors[gi]) else float(spec.numel)
+                 for gi, spec in zip(self._group_of_block, blocks)]
         layout = self._layout = Layout.build(blocks, self.comm.size, kinds, costs)
         self._owned = layout.owned(self.comm.rank)
         self._owner_of = {b.key: r for b, r in zip(layout.blocks, layout.owners)}
@@ -686,6 +691,7 @@ class DistributedShampoo(torch.optim.Optimizer):
             if changed is not None:
                 state_dict = changed
         self._check_state_dict(state_dict)
+        balanced_by = [group["precondition_vectors"] for group in self.param_groups]
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             restored = dict(group)
             restored.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
@@ -693,6 +699,8 @@ class DistributedShampoo(torch.optim.Optimizer):
                 restored["betas"] = tuple(restored["betas"])
             hyper.validate_group(restored)
             group.update(restored)
+        if balanced_by != [group["precondition_vectors"] for group in self.param_groups]:
+            self._build()  # the saved setting changes what the owners are balanced by
         self._install_states(_normalise_states(state_dict["state"]))
         self._steps = int(state_dict.get("steps", 0))
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():

@@ -8,8 +8,9 @@ how many ranks own blocks, and a run over 2 ranks would differ from one over 1 b
 ulp (seen on ShampooNet's 4x4 factors at their fourth root step). torch's CPU ``exp``
 and ``log`` run every element, the tail included, through the same vector code
 (partial loads), so :func:`pow_per_value` computes ``exp(e·log x)`` there: a few ulps
-less accurate than ``pow`` (about ``|e·log x|`` ulps from the logarithm's rounding: 14
-at most for Shampoo's scales with ``ε = 1e-12``), and the same bits for a value wherever it sits
+less accurate than ``pow`` (about ``|e·log x|`` ulps from the logarithm's rounding: under
+16 for values in [1e-12, 1e12] and ``|e| <= 1/2``, Shampoo's scales with ``ε = 1e-12``),
+and the same bits for a value wherever it sits
 (``tests/test_shampoo_powers.py`` checks it, so a torch whose kernels change is
 caught). On other devices one kernel computes every element alike: ``pow`` itself.
 """

@@ -52,6 +52,17 @@ class EigenRoots:
     #: computations.
     keeps_bases: ClassVar[bool] = False
 
+    def refreshes(self, computation: int) -> bool:
+        """Say whether a block's ``computation``-th root computation refreshes held bases.
+
+        Args:
+            computation: ``(t − start) // frequency`` for a block at step ``t``.
+
+        Returns:
+            False: every computation decomposes its factors.
+        """
+        return False
+
 
 @dataclass(frozen=True)
 class SubspaceRoots:
@@ -84,6 +95,10 @@ class SubspaceRoots:
     matrix) before the fresh ones' ``eigh``. On an H200 a QR of a 4608² float32 matrix
     took 39 ms against 124 ms for its ``eigh``.
 
+    With float32 factors ``r`` is resolved to about 3e-4 (``‖F‖² − ‖λ‖²`` cancels down to
+    the factor's rounding), so a ``tolerance`` below about 1e-3 sends refreshes to
+    ``eigh`` at random.
+
     What ``tolerance`` bounds is the factor's reconstruction, not the root: an inverse
     root amplifies the directions of small eigenvalues, and a refreshed basis that mixes
     two of them leaves ``r`` small while their roots differ (as float32 rounding of the
@@ -114,16 +129,17 @@ class SubspaceRoots:
             raise ValueError(f"SubspaceRoots: invalid tolerance={tol!r}; allowed: a number in "
                              "(0, 1], e.g. 0.05")
 
-    def is_fresh(self, computation: int) -> bool:
-        """Say whether a block's ``computation``-th root computation (from 0) is fresh.
+    def refreshes(self, computation: int) -> bool:
+        """Say whether a block's ``computation``-th root computation (from 0) refreshes bases.
 
         Args:
             computation: ``(t − start) // frequency`` for a block at step ``t``.
 
         Returns:
-            True every ``fresh_every``-th computation, starting with the first.
+            False every ``fresh_every``-th computation, starting with the first (fresh
+            ones); True for the others (where the block holds bases).
         """
-        return computation % self.fresh_every == 0
+        return computation % self.fresh_every != 0
 
 
 @dataclass(frozen=True)
@@ -181,6 +197,17 @@ class NewtonRoots:
     check_every: int = 5
 
     keeps_bases: ClassVar[bool] = False
+
+    def refreshes(self, computation: int) -> bool:
+        """Say whether a root computation refreshes held bases: never (see :class:`EigenRoots`).
+
+        Args:
+            computation: ``(t − start) // frequency`` for a block at step ``t``.
+
+        Returns:
+            False.
+        """
+        return False
 
     def __post_init__(self) -> None:
         """Validate the fields (one error naming the field, its value and what is allowed)."""

@@ -159,12 +159,14 @@ class RootResult:
 
     A failed matrix's root (and basis) is meaningless. ``bases``: the eigenbases the
     roots were computed from (ascending; the eigen and subspace paths), None from the
-    Newton iteration.
+    Newton iteration. ``refreshed``: for a request that carried bases, per matrix,
+    whether its refresh was kept (False: recomputed by the eigen path); else None.
     """
 
     roots: Tensor
     failed: list[bool]
     bases: Tensor | None = None
+    refreshed: list[bool] | None = None
 
 
 def _cat(tensors: list[Tensor]) -> Tensor:
@@ -298,6 +300,15 @@ def _kinds(requests: Sequence[RootRequest], chosen: Sequence[int]
     return by_kind
 
 
+@dataclass
+class _Redo:
+    """Rows of a refreshed request that the eigen path recomputes (they drifted or failed)."""
+
+    position: int  # the request's position in the call
+    rows: list[int]  # its rows to replace
+    request: RootRequest  # their prepared matrices, for the eigen path
+
+
 class _RefreshGroup:
     """Requests of one size, dtype and device that carry bases: one subspace step for all."""
 
@@ -315,6 +326,30 @@ class _RefreshGroup:
         self.marks = (nonfinite_marks(quotients) + nonfinite_marks(self.roots.flatten(1))
                       + torch.where(drifted, torch.nan, 0.0).to(quotients.dtype))
 
+    def results(self, positions: list[int], good: list[bool]
+                ) -> list[tuple[RootResult, _Redo | None]]:
+        """Per request, its refreshed result and the rows the eigen path must redo.
+
+        Args:
+            positions: The requests' positions in the call.
+            good: Per matrix of the group, whether its refresh is kept.
+
+        Returns:
+            One pair per request, in order.
+        """
+        out: list[tuple[RootResult, _Redo | None]] = []
+        for position, (rows, (request,)) in zip(positions, _segments(self.requests, id)):
+            kept = good[rows]
+            result = RootResult(self.roots[rows], [False] * len(kept), self.bases[rows], kept)
+            lost = [j for j, ok in enumerate(kept) if not ok]
+            redo = None
+            if lost:
+                matrices = self.matrices[rows][_index(lost, self.matrices.device)]
+                redo = _Redo(position, lost,
+                             RootRequest(matrices, 1.0, request.p, request.epsilon))
+            out.append((result, redo))
+        return out
+
 
 def _subspace_inverse_roots(requests: Sequence[RootRequest], method: SubspaceRoots,
                             placement: SolvePlacement) -> list[RootResult]:
@@ -327,40 +362,40 @@ def _subspace_inverse_roots(requests: Sequence[RootRequest], method: SubspaceRoo
     carrying = [k for k, r in enumerate(requests) if r.bases is not None]
     if not carrying:
         return _eigen_inverse_roots(requests, placement)
-    results: list[RootResult | None] = [None] * len(requests)
-    eigen = [requests[k] for k, r in enumerate(requests) if r.bases is None]
-    redo: list[tuple[int, list[int]]] = []  # (request, its rows) the eigen path redoes
+    plain = [k for k, r in enumerate(requests) if r.bases is None]
+    results: dict[int, RootResult] = {}
+    redos: list[_Redo] = []
     with torch.autocast(device_type=requests[0].factors.device.type, enabled=False):
         kinds = _kinds(requests, carrying)
         groups = [_RefreshGroup([requests[k] for k in ks], method.tolerance)
                   for ks in kinds.values()]
-        # the one host read of the refreshed roots' marks
-        good = [mark == 0 for mark in _cat([g.marks for g in groups]).tolist()]
+        good = [mark == 0 for mark in _cat([g.marks for g in groups]).tolist()]  # one read
         at = 0
-        for ks, group in zip(kinds.values(), groups):
-            for k, (rows, (request,)) in zip(ks, _segments(group.requests, id)):
-                results[k] = RootResult(group.roots[rows], [False] * (rows.stop - rows.start),
-                                        group.bases[rows])
-                lost = [j for j in range(rows.start, rows.stop) if not good[at + j]]
-                if lost:
-                    eigen.append(RootRequest(group.matrices[_index(lost, group.matrices.device)],
-                                             1.0, request.p, request.epsilon))
-                    redo.append((k, [j - rows.start for j in lost]))
-            at += group.matrices.shape[0]
-        redone = _eigen_inverse_roots(eigen, placement) if eigen else []
-    fresh = iter(redone)
-    for k, r in enumerate(requests):
-        if r.bases is None:
-            results[k] = next(fresh)
-    for (k, lost), result in zip(redo, fresh):
-        mine = results[k]
-        assert mine is not None and mine.bases is not None and result.bases is not None
-        where = _index(lost, mine.roots.device)
-        mine.roots.index_copy_(0, where, result.roots)
-        mine.bases.index_copy_(0, where, result.bases)
-        for j, failed in zip(lost, result.failed):
-            mine.failed[j] = failed
-    return [r for r in results if r is not None]
+        for positions, group in zip(kinds.values(), groups):
+            n = group.matrices.shape[0]
+            for position, (result, redo) in zip(positions,
+                                                group.results(positions, good[at:at + n])):
+                results[position] = result
+                if redo is not None:
+                    redos.append(redo)
+            at += n
+        redone = _eigen_inverse_roots([requests[k] for k in plain]
+                                      + [r.request for r in redos], placement)
+    for k, result in zip(plain, redone):
+        results[k] = result
+    for redo, result in zip(redos, redone[len(plain):]):
+        _replace_rows(results[redo.position], redo.rows, result)
+    return [results[k] for k in range(len(requests))]
+
+
+def _replace_rows(mine: RootResult, rows: list[int], redone: RootResult) -> None:
+    """Put the eigen path's results for ``rows`` of a refreshed result in their place."""
+    assert mine.bases is not None and redone.bases is not None
+    where = _index(rows, mine.roots.device)
+    mine.roots.index_copy_(0, where, redone.roots)
+    mine.bases.index_copy_(0, where, redone.bases)
+    for j, failed in zip(rows, redone.failed):
+        mine.failed[j] = failed
 
 
 def _eigen_inverse_roots(requests: Sequence[RootRequest], placement: SolvePlacement

@@ -89,6 +89,17 @@ class BlockStack:
             row.zero_()
         state[key] = row
 
+    def forget(self, keys: Sequence[str]) -> None:
+        """Free the stacked ``keys``, which no member holds; a later use starts from zeros.
+
+        Args:
+            keys: State keys no member holds any more.
+        """
+        for key in keys:
+            self._tensors.pop(key, None)
+            self._views.pop(key, None)
+            self._used.pop(key, None)
+
     def tensors(self) -> dict[str, Tensor]:
         """Return the stacked tensors, by key (for inspection)."""
         return dict(self._tensors)
