@@ -331,7 +331,8 @@ def optimizers(args: argparse.Namespace, meta: Any) -> dict[
             grafting_beta2=0.999, grafting_epsilon=1e-8, comm=c,
             root_method=root_method_from(args.root_method),
             decomposition_streams=args.decomposition_streams,
-            precondition_vectors=not args.vectors_to_grafting),
+            precondition_vectors=not args.vectors_to_grafting,
+            statistics_frequency=args.statistics_frequency),
     }
     if meta is not None:
         made["meta"] = lambda m, c: meta.DistributedShampoo(
@@ -469,6 +470,7 @@ def run_model(name: str, args: argparse.Namespace, comm: Communicator, device: t
         "root_method": repr(root_method_from(args.root_method)),
         "decomposition_streams": args.decomposition_streams,
         "precondition_vectors": not args.vectors_to_grafting,
+        "statistics_frequency": args.statistics_frequency,
         "block_dims": sorted({d for b in blocks for d in b.shape}),
         "frequency": args.frequency, "weight_decay": args.weight_decay,
         "meta_source": peer_version(args.meta_src) if meta is not None else None,
@@ -583,6 +585,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="kfac_hpc's Shampoo with precondition_vectors=False: blocks of "
                              "order 1 take the grafting direction alone (Meta's runs as "
                              "always)")
+    parser.add_argument("--statistics-frequency", type=int, default=1,
+                        help="kfac_hpc's Shampoo: steps between factor updates (its "
+                             "statistics_frequency; Meta's runs as always)")
     parser.add_argument("--decomposition-streams", type=int, default=1,
                         help="kfac_hpc's Shampoo: CUDA streams its root step's eigh batches "
                              "are spread over (decomposition_streams, default 1)")

@@ -6,14 +6,17 @@ factors and takes steps 2 and 5 not at all, and its direction in step 6 is alway
 grafting direction:
 
 1. coupled weight decay (``decoupled_weight_decay=False``): ``g ← g + wd·p``;
-2. factors ``F_i ← β2·F_i + (1-β2)·X_(i)X_(i)ᵀ`` (``β2 = 1``: plain sum), in
-   ``factor_dtype``; non-finite ⇒ a device flag that the optimizer turns into
+2. at ``t = 1, 1 + s, 1 + 2s, …`` (``s = statistics_frequency``, 1 by default):
+   factors ``F_i ← β2·F_i + (1-β2)·X_(i)X_(i)ᵀ`` (``β2 = 1``: plain sum), in
+   ``factor_dtype``; non-finite (the factors' diagonals, or the gradient at the steps
+   between) ⇒ a device flag that the optimizer turns into
    :data:`STATUS_NONFINITE_STATISTICS` (the step goes on: no host sync per block);
 3. grafting second moment from ``g``;
 4. β1 filtering ``m ← β1·m + (1-β1)·g``, ``m̂ = m / (1-β1^t)`` with bias correction
    (``β1 = 0``: ``m̂ = g``);
 5. at ``t = start, start + freq, …``: roots ``(F̂_i + εI)^(-1/2k)`` with
-   ``F̂_i = F_i / (1-β2^t)`` under bias correction (``β2 < 1``), by the optimizer's root
+   ``F̂_i = F_i / (1-β2^n)`` under bias correction (``β2 < 1``; ``n`` the factor updates
+   so far, ``t`` when ``s = 1``), by the optimizer's root
    method (``SubspaceRoots`` also keeps each factor's eigenbasis, ``basis_i``); a
    failure keeps the previous roots and bases (identity before the first success) and
    counts; reaching
@@ -99,6 +102,7 @@ class BlockHyper:
     use_bias_correction: bool
     max_consecutive_root_failures: int
     precondition_vectors: bool = True
+    statistics_frequency: int = 1
 
     @staticmethod
     def from_group(group: dict[str, Any], max_consecutive_root_failures: int) -> BlockHyper:
@@ -118,7 +122,7 @@ class BlockHyper:
             group["precondition_frequency"], group["start_preconditioning_step"],
             group["grafting"], group["grafting_epsilon"], group["grafting_beta2"],
             group["use_bias_correction"], max_consecutive_root_failures,
-            group["precondition_vectors"])
+            group["precondition_vectors"], group["statistics_frequency"])
 
     def preconditions(self, order: int) -> bool:
         """Whether the group's blocks of ``order`` are preconditioned (``is_preconditioned``)."""
@@ -137,6 +141,28 @@ class BlockHyper:
         """
         start, freq = self.start_preconditioning_step, self.precondition_frequency
         return step >= start and ((step - start) % freq == 0 or not has_roots)
+
+    def updates_factors(self, step: int) -> bool:
+        """Say whether a block at ``step`` updates its factors (every ``statistics_frequency``).
+
+        Args:
+            step: The block's step count after this step.
+
+        Returns:
+            True at steps 1, 1 + s, 1 + 2s, … (``s = statistics_frequency``).
+        """
+        return (step - 1) % self.statistics_frequency == 0
+
+    def factor_updates(self, step: int) -> int:
+        """Count the factor updates of a block up to and including ``step``.
+
+        Args:
+            step: The block's step count after this step (>= 1).
+
+        Returns:
+            ``(step − 1) // statistics_frequency + 1``.
+        """
+        return (step - 1) // self.statistics_frequency + 1
 
     def root_computation(self, step: int) -> int:
         """Number the root computation of a block at ``step``, counting from 0.
@@ -244,6 +270,9 @@ def update_statistics(steps: Sequence[RunStep], hp: BlockHyper) -> None:
             _drop(st, ("factor", "root", "basis"))  # left from when it was preconditioned
             st.stat_marks = nonfinite_marks(st.grad.flatten(1))
             continue
+        if not hp.updates_factors(st.run.step):  # between factor updates: the gradient
+            st.stat_marks = nonfinite_marks(st.grad.flatten(1))
+            continue
         factors = st.factors()
         accumulate_factors(factors, st.grad.to(st.factor_dtype), hp.beta2)
         st.stat_marks = diagonal_marks(factors)
@@ -282,15 +311,15 @@ def root_requests(st: RunStep, hp: BlockHyper, method: RootMethod) -> list[RootR
     Returns:
         One request per dimension of the run's blocks.
     """
-    t = st.run.step
-    correction = 1.0 - hp.beta2**t if hp.use_bias_correction and hp.beta2 < 1.0 else 1.0
+    n = hp.factor_updates(st.run.step)
+    correction = 1.0 - hp.beta2**n if hp.use_bias_correction and hp.beta2 < 1.0 else 1.0
     shape = st.run.stack.shape
     numel = math.prod(shape)
     bases: list[Tensor | None] = (list(st.factors("basis")) if _refreshes(st, hp, method)
                                   else [None] * len(shape))
-    # factor i sums t products X_(i)X_(i)ᵀ of numel/d_i columns: rank <= t·numel/d_i
+    # factor i sums n products X_(i)X_(i)ᵀ of numel/d_i columns: rank <= n·numel/d_i
     return [RootRequest(factor, correction, 2.0 * len(shape), hp.epsilon,
-                        rank_bound=t * (numel // d), bases=basis)
+                        rank_bound=n * (numel // d), bases=basis)
             for factor, d, basis in zip(st.factors(), shape, bases)]
 
 

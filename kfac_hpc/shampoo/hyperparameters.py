@@ -24,7 +24,7 @@ GROUP_OPTIONS = (
     "lr", "betas", "epsilon", "momentum", "nesterov", "weight_decay", "decoupled_weight_decay",
     "max_preconditioner_dim", "precondition_frequency", "start_preconditioning_step",
     "grafting", "grafting_epsilon", "grafting_beta2", "use_bias_correction",
-    "precondition_vectors",
+    "precondition_vectors", "statistics_frequency",
 )
 FACTOR_DTYPES = (torch.float32, torch.float64)
 COMMUNICATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -112,6 +112,7 @@ def validate_group(group: dict[str, Any]) -> None:
     _check_range("grafting_beta2", group["grafting_beta2"], 0.0, 1.0, False, True)
     _check_bool("use_bias_correction", group["use_bias_correction"])
     _check_bool("precondition_vectors", group["precondition_vectors"])
+    validate_int("statistics_frequency", group["statistics_frequency"], 1)
 
 
 def validate_dtype(name: str, value: Any, allowed: tuple[torch.dtype, ...]) -> torch.dtype:

@@ -98,6 +98,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         grafting_beta2: float = 0.999,
         use_bias_correction: bool = True,
         precondition_vectors: bool = True,
+        statistics_frequency: int = 1,
         comm: Communicator | None = None,
         factor_dtype: torch.dtype = torch.float32,
         communication_dtype: torch.dtype = torch.float32,
@@ -143,6 +144,12 @@ class DistributedShampoo(torch.optim.Optimizer):
                 start from zero when it is preconditioned again (the bias correction
                 still counts all of its steps). Set by hand on a group later, the owners
                 stay balanced as before (results are the same either way).
+            statistics_frequency: Steps between factor updates (``s``): the factors are
+                updated at steps 1, 1 + s, 1 + 2s, … and their bias correction counts
+                those updates; the steps between skip the factor GEMMs (the plain step's
+                largest cost) and still check their gradient for NaN/Inf. A group
+                option. The running average then spans ``s / (1 − β2)`` steps: ``β2 =
+                b^s`` keeps the horizon of ``b`` at every step.
             comm: The :class:`~kfac_hpc.comm.Communicator` (default: the world).
             factor_dtype: Dtype of factors and roots (float32 or float64).
             communication_dtype: Dtype of the gathered directions (float16, bfloat16,
@@ -184,6 +191,7 @@ class DistributedShampoo(torch.optim.Optimizer):
             start_preconditioning_step=start_preconditioning_step, grafting=grafting,
             grafting_epsilon=grafting_epsilon, grafting_beta2=grafting_beta2,
             use_bias_correction=use_bias_correction, precondition_vectors=precondition_vectors,
+            statistics_frequency=statistics_frequency,
         )
         hyper.validate_group(defaults)
         if comm is not None and not isinstance(comm, Communicator):
