@@ -45,6 +45,13 @@ runs of output positions copied in order, and ``x·xᵀ`` for the GEMM;
 ``layers.COLUMN_MAJOR_ROWS_DEVICES``), in full fp32 and in TF32 (the CUDA default).
 Its Σ row says what switching the default would change per factor update.
 
+A fifth table (``roots``) times Shampoo's root products ``Q diag(s) Qᵀ`` of a root step
+(:func:`kfac_hpc.shampoo.roots.inverse_roots`: all the factors of one size in one
+batched product), per distinct factor size of ResNet-50 with every factor of that size:
+``Q`` column-major (as ``eigh`` returns it, what the eigen path multiplies: ``(Q·s)`` a
+transposed view times ``Qᵀ`` row-major), row-major (as a subspace refresh returns it), and
+one copy to row-major first (what making the eigen path's ``Q`` row-major would cost).
+
 "layout now" names what the library runs on the device for that shape (Shampoo:
 ``kronecker.gram_operand``, row-major operands on CUDA, a copy where a mode is not
 row-major; on the CPU a block's last mode, a transposed view, is ``yᵀ·y``; K-FAC:
@@ -62,6 +69,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +81,7 @@ from common import format_table, machine, write_json
 
 from kfac_hpc.kfac import layers, linalg
 from kfac_hpc.kfac.layers import Conv2dCurvature, register_layers
-from kfac_hpc.kfac.precision import tf32_products
+from kfac_hpc.kfac.precision import full_precision_products, tf32_products
 
 SPLIT_MAX_DIM = 64  # split-K is timed for Gram dimensions up to this
 SPLIT_ROWS = 4096  # rows per chunk of split-K
@@ -338,6 +346,50 @@ def table(rows: list[dict[str, Any]], markdown: bool) -> str:
                         body, markdown)
 
 
+ROOT_COLUMNS = ["Q column-major", "Q row-major", "copy+row-major"]
+
+
+def root_sizes(model: nn.Module, max_dim: int) -> Counter[int]:
+    """Factors per size ``d`` of a Shampoo root step (one batched product per size)."""
+    sizes: Counter[int] = Counter()
+    for (n, d, _, _), count in shampoo_shapes(model, max_dim).items():
+        sizes[d] += n * count
+    return sizes
+
+
+def measure_roots(sizes: Counter[int], device: torch.device, reps: int) -> list[dict[str, Any]]:
+    """ms of the batched root products per size, by the layout of ``Q``."""
+    rows = []
+    for d, n in sorted(sizes.items(), key=lambda s: -s[1] * s[0] ** 3):
+        g = torch.Generator(device=device).manual_seed(d)
+        q_col = torch.linalg.qr(torch.randn(n, d, d, device=device, generator=g))[0].mT
+        q_col = q_col.contiguous().mT  # column-major storage, as eigh returns it
+        q_row = q_col.contiguous()
+        scale = torch.rand(n, 1, d, device=device, generator=g)
+
+        def product(q: Tensor, s: Tensor = scale) -> Tensor:
+            return (q * s) @ q.mT
+
+        fns: dict[str, Callable[[], object]] = {
+            "Q column-major": partial(product, q_col),
+            "Q row-major": partial(product, q_row),
+            "copy+row-major": lambda q=q_col: product(q.contiguous()),  # type: ignore[misc]
+        }
+        with full_precision_products():
+            ms = {name: timed_ms(fn, device, reps) for name, fn in fns.items()}
+        rows.append({"d": d, "count": n, "ms": ms, "gflop": 2.0 * n * d**3 / 1e9})
+    return rows
+
+
+def roots_table(rows: list[dict[str, Any]], markdown: bool) -> str:
+    body = [[str(r["d"]), str(r["count"]), f"{r['gflop']:.2f}",
+             *[f"{r['ms'][c]:.3f}" for c in ROOT_COLUMNS]] for r in rows]
+    body.append(["Σ", str(sum(r["count"] for r in rows)),
+                 f"{sum(r['gflop'] for r in rows):.1f}",
+                 *[f"{sum(r['ms'][c] for r in rows):.2f}" for c in ROOT_COLUMNS]])
+    return format_table(["d", "count", "GFLOP", *ROOT_COLUMNS], body, markdown)
+
+
 STATISTICS_COLUMNS = [f"{prec} {layout}" for prec in ("fp32", "tf32")
                       for layout in ("rows", "columns")]
 
@@ -419,8 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=32, help="K-FAC's batch (rows = batch·positions)")
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--max-dim", type=int, default=1024, help="Shampoo's max_preconditioner_dim")
-    p.add_argument("--sets", nargs="+", default=["shampoo", "kfac", "precondition", "statistics"],
-                   choices=["shampoo", "kfac", "precondition", "statistics"])
+    p.add_argument("--sets", nargs="+",
+                   default=["shampoo", "kfac", "precondition", "statistics", "roots"],
+                   choices=["shampoo", "kfac", "precondition", "statistics", "roots"])
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--out", type=Path, default=Path("benchmarks/out/gpu"))
     args = p.parse_args(argv)
@@ -457,6 +510,11 @@ def main(argv: list[str] | None = None) -> int:
         result["K-FAC statistics by row layout"] = rows
         print("\nK-FAC conv statistics (a_factor + g_factor) by row layout: ms per layer\n"
               + statistics_table(rows, args.markdown), flush=True)
+    if "roots" in args.sets:
+        rows = measure_roots(root_sizes(resnet50(), args.max_dim), device, args.reps)
+        result["Shampoo root products"] = rows
+        print("\nShampoo root products Q diag(s) Qᵀ (fp32, all factors of a size batched) by "
+              "the layout of Q: ms per size\n" + roots_table(rows, args.markdown), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"\nwrote {write_json(args.out / f'gram_layouts_{device.type}.json', result)}")
     return 0
