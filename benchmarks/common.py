@@ -17,7 +17,9 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+_T = TypeVar("_T")
 
 if TYPE_CHECKING:
     import torch
@@ -177,6 +179,15 @@ def synchronize(device: torch.device) -> None:
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], _T], device: torch.device) -> tuple[_T, float]:
+    """Call ``fn`` once; return its result and the seconds it took, ``device`` synchronised."""
+    synchronize(device)
+    start = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return out, time.perf_counter() - start
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],

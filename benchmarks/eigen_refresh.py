@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from mpi4py import MPI
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import OUT_DIR, format_table, write_json
+from common import OUT_DIR, format_table, timed, write_json
 
 from kfac_hpc import KFACPreconditioner
 from kfac_hpc.comm import Communicator
@@ -40,16 +40,6 @@ from kfac_hpc.models import build_model
 
 def rel(a: Tensor, b: Tensor) -> float:
     return float(torch.linalg.norm(a - b) / torch.linalg.norm(b).clamp(min=1e-300))
-
-
-def timed(fn: Any, device: torch.device) -> tuple[Any, float]:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return out, time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,15 +74,15 @@ def main(argv: list[str] | None = None) -> int:
         if step % args.inv_steps:
             continue
         names = [n for n, s in pre.factors.items() if s.average is not None]
-        factors = [pre.factors[n].average for n in names]
-        fresh_list, t_eigh = timed(lambda fs=factors: linalg.eigh_clamped_many(fs), device)
+        factors = [f for n in names if (f := pre.factors[n].average) is not None]
+        fresh_list, t_eigh = timed(partial(linalg.eigh_clamped_many, factors), device)
         fresh = {n: r for n, r in zip(names, fresh_list) if not isinstance(r, Exception)}
         if not bases:  # the first inverse update is an eigh in the preconditioner too
             bases = {n: q for n, (q, _) in fresh.items()}
             continue
         previous = [bases[n] for n in names]
         refreshed_list, t_refresh = timed(
-            lambda fs=factors, qs=previous: linalg.refresh_eigenbases(fs, qs), device)
+            partial(linalg.refresh_eigenbases, factors, previous), device)
         refreshed = dict(zip(names, refreshed_list))
         bases = {n: q for n, (q, _) in refreshed.items()}
         factor_err = [rel(q @ torch.diag(lam) @ q.t(), pre.factors[n].average)

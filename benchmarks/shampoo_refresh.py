@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +42,7 @@ from mpi4py import MPI
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import OUT_DIR, format_table, imagenet_resnet50, synchronize, write_json
+from common import OUT_DIR, format_table, imagenet_resnet50, timed, write_json
 
 import kfac_hpc.shampoo.optimizer as shampoo_optimizer
 from kfac_hpc.comm import Communicator
@@ -76,18 +75,12 @@ class RootProbe:
         self._previous: list[Tensor] = []  # the last root step's float64 roots, per request
 
     def __call__(self, requests: list[RootRequest], **kwargs: Any) -> list[RootResult]:
-        synchronize(self.device)
-        start = time.perf_counter()
-        results = inverse_roots(requests, **kwargs)
-        synchronize(self.device)
-        elapsed = time.perf_counter() - start
+        results, elapsed = timed(lambda: inverse_roots(requests, **kwargs), self.device)
         plain = [RootRequest(r.factors, r.correction, r.p, r.epsilon, r.rank_bound)
                  for r in requests]
-        synchronize(self.device)
-        start = time.perf_counter()
-        reference = inverse_roots(plain, placement=kwargs.get("placement", DEFAULT_PLACEMENT))
-        synchronize(self.device)
-        eigh_time = time.perf_counter() - start
+        placement = kwargs.get("placement", DEFAULT_PLACEMENT)
+        reference, eigh_time = timed(lambda: inverse_roots(plain, placement=placement),
+                                     self.device)
         exact = inverse_roots([RootRequest(r.factors.double(), r.correction, r.p, r.epsilon)
                                for r in requests])
         refreshed = kept = 0

@@ -200,6 +200,11 @@ class RunStep:
     second_moment: Tensor | None = None
     root_failures: list[int] = field(default_factory=list)
 
+    @property
+    def order(self) -> int:
+        """The run's blocks' number of dimensions (one factor each)."""
+        return len(self.run.stack.shape)
+
     def rows(self, key: str, item_shape: tuple[int, ...] | None = None,
              factor: bool = False) -> Tensor:
         """Return the run's stacked state ``key`` (block-shaped unless ``item_shape``)."""
@@ -266,12 +271,11 @@ def update_statistics(steps: Sequence[RunStep], hp: BlockHyper) -> None:
         hp: The group's hyper-parameters.
     """
     for st in steps:
-        if not hp.preconditions(len(st.run.stack.shape)):  # no factors: mark the gradient
+        preconditioned = hp.preconditions(st.order)
+        if not preconditioned and any("factor_0" in state for state in st.run.states):
             _drop(st, ("factor", "root", "basis"))  # left from when it was preconditioned
-            st.stat_marks = nonfinite_marks(st.grad.flatten(1))
-            continue
-        if not hp.updates_factors(st.run.step):  # between factor updates: the gradient
-            st.stat_marks = nonfinite_marks(st.grad.flatten(1))
+        if not preconditioned or not hp.updates_factors(st.run.step):
+            st.stat_marks = nonfinite_marks(st.grad.flatten(1))  # no factor update
             continue
         factors = st.factors()
         accumulate_factors(factors, st.grad.to(st.factor_dtype), hp.beta2)
@@ -372,7 +376,7 @@ def _drop(st: RunStep, kinds: Sequence[str]) -> None:
 
     When the run is its whole stack, the stacked tensors are freed too.
     """
-    keys = [f"{kind}_{i}" for kind in kinds for i in range(len(st.run.stack.shape))]
+    keys = [f"{kind}_{i}" for kind in kinds for i in range(st.order)]
     for state in st.run.states:
         for key in keys:
             state.pop(key, None)
@@ -398,8 +402,7 @@ def directions(steps: Sequence[RunStep], hp: BlockHyper) -> list[Tensor]:
     out: list[Tensor] = []
     preconditioned: list[int] = []
     for k, (st, grafting_direction) in enumerate(zip(steps, grafted)):
-        if st.run.step >= hp.start_preconditioning_step and hp.preconditions(
-                len(st.run.stack.shape)):
+        if st.run.step >= hp.start_preconditioning_step and hp.preconditions(st.order):
             roots = st.factors("root")
             out.append(precondition(filtered[k].to(st.factor_dtype), roots).to(st.grad.dtype))
             preconditioned.append(k)

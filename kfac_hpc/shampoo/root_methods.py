@@ -40,13 +40,8 @@ __all__ = ["DEFAULT_ROOT_METHOD", "ROOT_METHOD_NAMES", "EigenRoots", "NewtonRoot
            "SubspaceRoots", "root_method_from"]
 
 
-@dataclass(frozen=True)
-class EigenRoots:
-    """Inverse roots by eigendecomposition: ``Q diag((max(λ, 0) + ε)^(-1/p)) Qᵀ``.
-
-    One batched ``torch.linalg.eigh`` per (size, dtype, device), a float64 retry for a
-    matrix that fails (:mod:`kfac_hpc.shampoo.roots`). The default.
-    """
+class _DecomposesEveryTime:
+    """A root method that keeps no bases: every computation works from the factors."""
 
     #: Whether blocks keep their factors' eigenbases (state ``basis_<i>``) between root
     #: computations.
@@ -59,9 +54,18 @@ class EigenRoots:
             computation: ``(t − start) // frequency`` for a block at step ``t``.
 
         Returns:
-            False: every computation decomposes its factors.
+            False: every computation works from the factors alone.
         """
         return False
+
+
+@dataclass(frozen=True)
+class EigenRoots(_DecomposesEveryTime):
+    """Inverse roots by eigendecomposition: ``Q diag((max(λ, 0) + ε)^(-1/p)) Qᵀ``.
+
+    One batched ``torch.linalg.eigh`` per (size, dtype, device), a float64 retry for a
+    matrix that fails (:mod:`kfac_hpc.shampoo.roots`). The default.
+    """
 
 
 @dataclass(frozen=True)
@@ -143,7 +147,7 @@ class SubspaceRoots:
 
 
 @dataclass(frozen=True)
-class NewtonRoots:
+class NewtonRoots(_DecomposesEveryTime):
     """Inverse roots by the coupled inverse Newton iteration (GEMMs only, batched by size).
 
     With ``A = F + εI`` scaled by ``z = (p+1) / (2·b)``, ``b = min(‖A‖_F, ‖A‖_∞)`` (an
@@ -196,18 +200,6 @@ class NewtonRoots:
     tolerance: float = 1e-4
     check_every: int = 5
 
-    keeps_bases: ClassVar[bool] = False
-
-    def refreshes(self, computation: int) -> bool:
-        """Say whether a root computation refreshes held bases: never (see :class:`EigenRoots`).
-
-        Args:
-            computation: ``(t − start) // frequency`` for a block at step ``t``.
-
-        Returns:
-            False.
-        """
-        return False
 
     def __post_init__(self) -> None:
         """Validate the fields (one error naming the field, its value and what is allowed)."""

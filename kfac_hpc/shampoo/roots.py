@@ -64,10 +64,14 @@ class RootComputationError(RuntimeError):
     """The eigendecomposition failed in the factor's dtype and in float64."""
 
 
+def _scales(eigenvalues: Tensor, p: float, epsilon: float) -> Tensor:
+    """``(max(λ, 0) + ε)^(-1/p)``, each value's bits its own (:mod:`.powers`)."""
+    return pow_per_value(eigenvalues.clamp(min=0) + epsilon, -1.0 / p)
+
+
 def _root_from(eigenvalues: Tensor, eigenvectors: Tensor, p: float, epsilon: float) -> Tensor:
     """``Q diag((max(λ, 0) + ε)^(-1/p)) Qᵀ`` (batched over leading dimensions)."""
-    scale = pow_per_value(eigenvalues.clamp(min=0) + epsilon, -1.0 / p)
-    return (eigenvectors * scale.unsqueeze(-2)) @ eigenvectors.mT
+    return (eigenvectors * _scales(eigenvalues, p, epsilon).unsqueeze(-2)) @ eigenvectors.mT
 
 
 def _finite(eigenvalues: Tensor, root: Tensor) -> Tensor:
@@ -205,8 +209,7 @@ def _prepared(requests: Sequence[RootRequest]) -> Tensor:
 def _roots_from(eigenvalues: Tensor, eigenvectors: Tensor, requests: Sequence[RootRequest]
                 ) -> Tensor:
     """The roots of stacked matrices from their eigenpairs, with each request's ``p`` and ``ε``."""
-    scales = [pow_per_value(eigenvalues[rows].clamp(min=0) + members[0].epsilon,
-                            -1.0 / members[0].p)
+    scales = [_scales(eigenvalues[rows], members[0].p, members[0].epsilon)
               for rows, members in _segments(requests, lambda r: (r.p, r.epsilon))]
     return (eigenvectors * _cat(scales).unsqueeze(-2)) @ eigenvectors.mT
 
