@@ -13,6 +13,7 @@ tests/test_shampoo_statistics_frequency.py``.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import pytest
@@ -24,6 +25,10 @@ from torch import Tensor, nn
 
 from kfac_hpc.comm import Communicator
 from kfac_hpc.shampoo import DistributedShampoo, ShampooNumericalError
+
+# the tests below update factors less often than roots on purpose (the next-to-last tests
+# check that warning)
+pytestmark = pytest.mark.filterwarnings("ignore:DistributedShampoo. statistics_frequency")
 
 SHAPES = [(6, 5), (7,), (3, 4, 2)]
 KWARGS: dict[str, Any] = dict(lr=0.01, max_preconditioner_dim=8, epsilon=1e-6,
@@ -112,6 +117,24 @@ def test_a_nan_between_updates_is_still_an_error() -> None:
 def test_invalid_value_is_named() -> None:
     with pytest.raises(ValueError, match=r"invalid statistics_frequency=0"):
         _optimizer(statistics_frequency=0)
+
+
+def test_updating_factors_less_often_than_roots_warns() -> None:
+    with pytest.warns(UserWarning, match=r"statistics_frequency=3 exceeds precondition_frequency"
+                                         r"=2.*set statistics_frequency <= precondition"):
+        _optimizer(statistics_frequency=3, precondition_frequency=2)
+    _, opt = _optimizer()
+    saved = opt.state_dict()
+    saved["param_groups"][0]["statistics_frequency"] = 5
+    with pytest.warns(UserWarning, match="statistics_frequency=5"):  # a restored group too
+        opt.load_state_dict(saved)
+
+
+def test_updating_factors_at_most_as_often_as_roots_is_quiet() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _optimizer(statistics_frequency=2, precondition_frequency=2)
+        _optimizer(statistics_frequency=2, precondition_frequency=10)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -2,13 +2,15 @@
 
 Every invalid value raises ``ValueError`` naming the option, the value, and what is
 allowed; the same checks run for the constructor's defaults, for every parameter
-group, and for groups restored by ``load_state_dict``.
+group, and for groups restored by ``load_state_dict``. A legal but wasteful combination
+(``statistics_frequency > precondition_frequency``) warns instead.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from typing import Any
 
 import torch
@@ -80,6 +82,10 @@ def validate_group(group: dict[str, Any]) -> None:
 
     Raises:
         ValueError: A value is out of range; names it and what is allowed.
+
+    Warns:
+        UserWarning: ``statistics_frequency`` exceeds ``precondition_frequency`` (root
+            steps between two factor updates recompute the same roots).
     """
     lr = _real("lr", group["lr"], "a number >= 0")
     if lr < 0:
@@ -113,6 +119,13 @@ def validate_group(group: dict[str, Any]) -> None:
     _check_bool("use_bias_correction", group["use_bias_correction"])
     _check_bool("precondition_vectors", group["precondition_vectors"])
     validate_int("statistics_frequency", group["statistics_frequency"], 1)
+    stats, roots = group["statistics_frequency"], group["precondition_frequency"]
+    if stats > roots:
+        warnings.warn(
+            f"DistributedShampoo: statistics_frequency={stats} exceeds precondition_frequency="
+            f"{roots}: the factors change every {stats} steps, so root steps between two "
+            "factor updates recompute the same roots; set statistics_frequency <= "
+            "precondition_frequency", UserWarning, stacklevel=3)
 
 
 def validate_dtype(name: str, value: Any, allowed: tuple[torch.dtype, ...]) -> torch.dtype:

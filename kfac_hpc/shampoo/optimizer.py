@@ -151,7 +151,7 @@ class DistributedShampoo(torch.optim.Optimizer):
                 option. The running average then spans ``s / (1 − β2)`` steps: ``β2 =
                 b^s`` keeps the horizon of ``b`` at every step. Keep ``s`` at most
                 ``precondition_frequency``: root steps between two factor updates
-                recompute the same roots.
+                recompute the same roots (a larger value warns).
             comm: The :class:`~kfac_hpc.comm.Communicator` (default: the world).
             factor_dtype: Dtype of factors and roots (float32 or float64).
             communication_dtype: Dtype of the gathered directions (float16, bfloat16,
