@@ -1,7 +1,8 @@
 """What the device tests share with their CPU stand-ins (``tests/gpu/*`` and
 ``tests/test_*_device.py``, ``tests/test_shampoo_mpi.py``): the K-FAC option matrix and
-the Shampoo test network. Importable from ``tests/gpu`` too (``tests/`` is on
-``sys.path`` there through ``tests/conftest.py``)."""
+the Shampoo test network; and the smooth digits MLP of the driver tests that compare runs
+whose float32 reductions differ in order. Importable from ``tests/gpu`` too (``tests/``
+is on ``sys.path`` there through ``tests/conftest.py``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,31 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+
+def smooth_mlp(*, num_classes: int, input_dim: int) -> nn.Module:
+    """The driver's ``mlp`` (hidden widths 128, 64; the same initial weights) with tanh in
+    place of ReLU: a model factory, ``model="shared_cases:smooth_mlp"``.
+
+    For driver runs compared up to the order of float32 reductions (P ranks against one,
+    DDP against MPI averaging, micro-batches against one batch). With ReLU a unit whose
+    pre-activation lies within the runs' rounding difference of zero gates a sample's
+    gradient in one run and not in the other, a jump no tolerance bounds: in the digits
+    MLP at step 21 one first-layer pre-activation is 7e-8 (1.3e-7 with ATen's AVX-512
+    kernels) while 2 ranks and 1 rank differ by about 1e-6 there; with ATen's AVX2 kernels
+    (``ATEN_CPU_CAPABILITY=avx2``, what a CPU without AVX-512 runs) it changed sign, the
+    first layer's gradient moved by 0.7 % and K-FAC's parameters ended 4e-4 apart after 44
+    steps; with AVX-512 it kept its sign by chance. Tanh leaves only rounding (2-4e-7 at 2
+    and 4 ranks with the AVX2, AVX-512 and scalar kernels).
+    """
+    from kfac_hpc.models import MLP
+
+    relu_mlp = MLP(input_dim, (128, 64), num_classes)
+    return nn.Sequential(*(nn.Tanh() if isinstance(m, nn.ReLU) else m for m in relu_mlp))
+
+
+#: Driver options for :func:`smooth_mlp`, with the damping the driver gives ``mlp``.
+SMOOTH_MLP: dict[str, Any] = {"model": "shared_cases:smooth_mlp", "damping": 0.1}
 
 
 def kfac_cases(input_shape: tuple[int, ...]) -> list[tuple[str, dict[str, Any]]]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from shared_cases import SMOOTH_MLP
 
 from kfac_hpc.train.config import TrainConfig
 from kfac_hpc.train.loop import TrainResult, train
@@ -100,13 +101,18 @@ def test_p_ranks_equal_one_rank_with_the_global_batch(comm: Any, tmp_path: Path,
     below the ~1e-2 change of a single step. With float32 factors the eigensolver
     amplifies the reduction-order noise (measured 4e-4 after an inverse update on 2
     ranks), hence float64 here.
+
+    The model is the digits MLP with tanh (``shared_cases.smooth_mlp``, which says why:
+    a ReLU near zero flipped by rounding moved K-FAC's parameters 4e-4 apart on a CPU
+    without AVX-512).
     """
     if pre == "kfac" and not has_kfac():
         pytest.skip("kfac_hpc.KFACPreconditioner missing")
     dtypes = {"kfac_factor_dtype": "float64", "kfac_inv_dtype": "float64"} if pre == "kfac" else {}
-    many = train(config(tmp_path, comm.size, preconditioner=pre, **dtypes), comm, verbose=False)
-    one = train(config(tmp_path, 1, preconditioner=pre, out=str(tmp_path / "one"), **dtypes),
-                self_comm(), verbose=False)
+    many = train(config(tmp_path, comm.size, preconditioner=pre, **SMOOTH_MLP, **dtypes), comm,
+                 verbose=False)
+    one = train(config(tmp_path, 1, preconditioner=pre, out=str(tmp_path / "one"), **SMOOTH_MLP,
+                       **dtypes), self_comm(), verbose=False)
     assert many.steps == one.steps == 2 * (1437 // GLOBAL_BATCH)
     diff = max_diff(params(many), params(one))
     assert diff < 1e-5, diff
@@ -116,8 +122,9 @@ def test_p_ranks_equal_one_rank_with_the_global_batch(comm: Any, tmp_path: Path,
 
 @pytest.mark.mpi(min_size=2)
 def test_ddp_equals_mpi_gradient_averaging(comm: Any, tmp_path: Path) -> None:
-    mpi = train(config(tmp_path, comm.size, epochs=1), comm, verbose=False)
-    ddp = train(config(tmp_path, comm.size, epochs=1, ddp=True), comm, verbose=False)
+    mpi = train(config(tmp_path, comm.size, epochs=1, **SMOOTH_MLP), comm, verbose=False)
+    ddp = train(config(tmp_path, comm.size, epochs=1, ddp=True, **SMOOTH_MLP), comm,
+                verbose=False)
     assert ddp.averaging.startswith("torch DDP") and "MPI" in mpi.averaging
     assert max_diff(params(mpi), params(ddp)) < 1e-5
 
@@ -139,10 +146,12 @@ def test_stop_request_on_one_rank_stops_all_at_the_same_step(comm: Any,
 
 
 def test_accumulation_equals_one_big_batch(tmp_path: Path) -> None:
-    """4 micro-batches of 16 give the gradient of the 64-sample batch (float tolerance)."""
+    """4 micro-batches of 16 give the gradient of the 64-sample batch (float tolerance;
+    the smooth MLP, ``shared_cases.smooth_mlp``)."""
     comm = self_comm()
-    plain = train(config(tmp_path, epochs=1), comm, verbose=False)
-    accum = train(config(tmp_path, epochs=1, accumulation_steps=4), comm, verbose=False)
+    plain = train(config(tmp_path, epochs=1, **SMOOTH_MLP), comm, verbose=False)
+    accum = train(config(tmp_path, epochs=1, accumulation_steps=4, **SMOOTH_MLP), comm,
+                  verbose=False)
     assert max_diff(params(plain), params(accum)) < 1e-5
 
 

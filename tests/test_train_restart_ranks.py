@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from shared_cases import SMOOTH_MLP
 
 from kfac_hpc.train.config import ConfigError, TrainConfig
 from kfac_hpc.train.data import rescaled_batch_size
@@ -24,9 +25,10 @@ GLOBAL_BATCH = 64
 
 
 def config(out: Path, world_size: int, **changes: Any) -> TrainConfig:
+    # the smooth MLP: the runs compared differ in the order of float32 reductions
     base: dict[str, Any] = {
         "batch_size": GLOBAL_BATCH // world_size, "epochs": 2, "preconditioner": "none",
-        "progress": False, "threads": 1, "out": str(out), "momentum": 0.9,
+        "progress": False, "threads": 1, "out": str(out), "momentum": 0.9, **SMOOTH_MLP,
     }
     return TrainConfig(**{**base, **changes})
 
