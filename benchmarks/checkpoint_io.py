@@ -41,8 +41,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from kfac_hpc.kfac.state import KFACStateDict
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADING = "## Checkpoint I/O (issue 6)"
@@ -69,7 +73,7 @@ def factor_dims() -> dict[str, tuple[int, int]]:
     return {n: (cin * k * k + 1, cout) for n, cin, cout, k in resnet50_layers()}
 
 
-def best(times: Any) -> float:
+def best(times: Iterable[float]) -> float:
     """Best of the repeats: on a shared machine other jobs only ever add time."""
     return min(times)
 
@@ -109,12 +113,14 @@ class BenchKFAC:
     def factor_shape(self, key: str) -> tuple[int, int]:
         return (self.shape[key], self.shape[key])
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": 1, "factors": dict(self.factors),
-                "factor_updates": dict.fromkeys(self.factors, 1),
-                "config": {"strategy": "mem-opt", "world_size": self.comm.size}}
+    def state_dict(self, *, eigenbases: bool = False) -> KFACStateDict:
+        """The owned factors (random; no decompositions, whatever ``eigenbases`` asks)."""
+        return cast("KFACStateDict", {
+            "step": 1, "factors": dict(self.factors),
+            "factor_updates": dict.fromkeys(self.factors, 1),
+            "config": {"strategy": "mem-opt", "world_size": self.comm.size}})
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: KFACStateDict, /) -> None:
         self.loaded = {k: state["factors"][k] for k in self.factors}
 
 

@@ -76,7 +76,8 @@ class Peak:
     (re-measured between tables), so a busy moment does not lower the reference."""
 
     def __init__(self, n: int, repeat: int) -> None:
-        self.n, self.repeat, self.samples = n, repeat, []  # type: ignore[var-annotated]
+        self.n, self.repeat = n, repeat
+        self.samples: list[float] = []
 
     def measure(self) -> float:
         self.samples.append(matmul_peak(self.n, self.repeat))
@@ -94,7 +95,10 @@ def table(headers: list[str], rows: list[list[Any]], markdown: bool) -> str:
         out += ["| " + " | ".join(r) + " |" for r in cells]
         return "\n".join(out)
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    line = lambda r: "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True))
+
+    def line(r: list[str]) -> str:
+        return "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True))
+
     return "\n".join([line(headers), *(line(r) for r in cells)])
 
 
@@ -117,7 +121,10 @@ def matmul_peak(n: int, repeat: int) -> float:
 
 def stats_layers(quick: bool) -> list[tuple[str, nn.Module, tuple[int, ...]]]:
     b = 32
-    conv = lambda ci, co, s=1: nn.Conv2d(ci, co, 3, stride=s, padding=1, bias=False)
+
+    def conv(ci: int, co: int, s: int = 1) -> nn.Conv2d:
+        return nn.Conv2d(ci, co, 3, stride=s, padding=1, bias=False)
+
     layers: list[tuple[str, nn.Module, tuple[int, ...]]] = [
         ("conv 3->16 32x32", conv(3, 16), (b, 3, 32, 32)),
         ("conv 16->16 32x32", conv(16, 16), (b, 16, 32, 32)),
@@ -229,7 +236,7 @@ def small_cnn_factor(steps: int) -> Tensor:
 
 def synthetic_factor(d: int) -> Tensor:
     gen = torch.Generator().manual_seed(2)
-    q, _ = torch.linalg.qr(torch.randn(d, d, generator=gen))
+    q: Tensor = torch.linalg.qr(torch.randn(d, d, generator=gen))[0]
     lam = (torch.arange(d, dtype=torch.float32) + 1) ** -2.0
     m = (q * lam) @ q.t()
     return (m + m.t()) / 2

@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         opt.step()
         if step % args.inv_steps:
             continue
-        names = [n for n, s in pre.factors.items() if s.average is not None]
-        factors = [f for n in names if (f := pre.factors[n].average) is not None]
+        averages = {n: avg for n, s in pre.factors.items() if (avg := s.average) is not None}
+        names, factors = list(averages), list(averages.values())
         fresh_list, t_eigh = timed(partial(linalg.eigh_clamped_many, factors), device)
         fresh = {n: r for n, r in zip(names, fresh_list) if not isinstance(r, Exception)}
         if not bases:  # the first inverse update is an eigh in the preconditioner too
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             partial(linalg.refresh_eigenbases, factors, previous), device)
         refreshed = dict(zip(names, refreshed_list))
         bases = {n: q for n, (q, _) in refreshed.items()}
-        factor_err = [rel(q @ torch.diag(lam) @ q.t(), pre.factors[n].average)
+        factor_err = [rel(q @ torch.diag(lam) @ q.t(), averages[n])
                       for n, (q, lam) in refreshed.items()]
         grad_err = []
         for layer, grad in grads.items():

@@ -60,6 +60,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,7 @@ from kfac_hpc import KFACPreconditioner, solves
 from kfac_hpc.comm import Communicator
 from kfac_hpc.kfac import layers, linalg, statistics_stream
 from kfac_hpc.kfac.layers import LayerCurvature, register_layers
+from kfac_hpc.kfac.options import PRECISIONS
 from kfac_hpc.models import build_model
 from kfac_hpc.solves import SolvePlacement
 
@@ -103,6 +105,12 @@ def make_model(name: str, device: torch.device, image_size: int) -> nn.Module:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def repeat(fn: Callable[[], object], n: int) -> None:
+    """Call ``fn`` ``n`` times."""
+    for _ in range(n):
+        fn()
 
 
 def timed(fn: Callable[[], object], device: torch.device) -> float:
@@ -179,7 +187,7 @@ def kinds_section(device: torch.device, batch: tuple[Tensor, Tensor], args: argp
             trainer.run(kind)  # warm-up (first decompositions, cuBLAS handles, caches)
         for _ in range(args.rounds):
             for kind in kinds:
-                times[kind].append(timed(lambda t=trainer, k=kind: t.run(k), device))
+                times[kind].append(timed(partial(trainer.run, kind), device))
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         if kfac is not None:
             med["(1,10)"] = (med["fi"] + 9 * med["f"]) / 10
@@ -236,7 +244,7 @@ def schedule_section(device: torch.device, batch: tuple[Tensor, Tensor],
         for _ in range(i_steps):  # one period: first decompositions, caches
             iteration()
         n = 2 * i_steps
-        total = timed(lambda it=iteration, n=n: [it() for _ in range(n)], device)
+        total = timed(partial(repeat, iteration, n), device)
         out[label] = {"ms per iteration": total / n * 1e3}
         if pre is not None:
             pre.close()
@@ -340,7 +348,7 @@ def decompositions_section(device: torch.device, batch: tuple[Tensor, Tensor],
     # host_decomposition_max_dim: CUDA factors up to this size on the host, beside the
     # device's (kfac_hpc.solves); the wall time of all of them, batched by size
     by_host_max_dim = {h: statistics.median(
-        timed(lambda h=h: linalg.eigh_clamped_many(factors, placement=SolvePlacement(h)), device)
+        timed(partial(linalg.eigh_clamped_many, factors, placement=SolvePlacement(h)), device)
         for _ in range(3)) * 1e3 for h in args.host_max_dims}
     sizes: dict[int, list[Tensor]] = {}
     for f in factors:
@@ -348,13 +356,13 @@ def decompositions_section(device: torch.device, batch: tuple[Tensor, Tensor],
     # kfac_hpc.solves: the device's batches spread over S streams and worker threads
     stacks = [torch.stack(group) for group in sizes.values()]
     by_streams = {s: statistics.median(
-        timed(lambda s=s: solves.eigh_batches(stacks, SolvePlacement(0, s)),
+        timed(partial(solves.eigh_batches, stacks, SolvePlacement(0, s)),
               device) for _ in range(3)) * 1e3 for s in args.device_streams}
     host = torch.device("cpu")
-    for where in {device, host}:  # solver handles, workspaces, thread pools: first calls
+    for warm in {device, host}:  # solver handles, workspaces, thread pools: first calls
         for dtype in (torch.float32, torch.float64):
             for n in (64, 600):
-                torch.linalg.eigh(torch.eye(n, dtype=dtype, device=where))
+                torch.linalg.eigh(torch.eye(n, dtype=dtype, device=warm))
     per_size: dict[int, dict[str, Any]] = {}
     for d, group in sorted(sizes.items()):
         f = group[0].detach()
@@ -461,7 +469,7 @@ def accuracy_section(device: torch.device, batch: tuple[Tensor, Tensor],
         inputs, grads = io[n]
         exact = {"A": curv.a_factor(inputs), "G": curv.g_factor(grads)}
         row: dict[str, Any] = {"A dim": curv.a_dim, "G dim": curv.g_dim}
-        for precision in ("full", "tf32", "bf16"):
+        for precision in PRECISIONS:
             approx = {"A": curv.a_factor(inputs, torch.float32, precision),
                       "G": curv.g_factor(grads, torch.float32, precision=precision)}
             for f in ("A", "G"):
@@ -476,9 +484,10 @@ def accuracy_section(device: torch.device, batch: tuple[Tensor, Tensor],
         qg, lg = linalg.eigh_clamped(exact["G"], torch.float64)
         damping = 1e-3 * float(la.max() * lg.max())
         reference = linalg.precondition_eigen(grad, qa, la, qg, lg, damping)
-        f32 = [t.float() for t in (grad, qa, la, qg, lg)]
-        for precision in ("full", "tf32", "bf16"):
-            v = linalg.precondition_eigen(*f32, damping, precision).double()
+        g32, qa32, la32, qg32, lg32 = (t.float() for t in (grad, qa, la, qg, lg))
+        for precision in PRECISIONS:
+            v = linalg.precondition_eigen(g32, qa32, la32, qg32, lg32, damping,
+                                          precision).double()
             row[f"V {precision}"] = float(torch.linalg.norm(v - reference)
                                           / torch.linalg.norm(reference))
         out[n] = row

@@ -90,7 +90,8 @@ SPLIT_ROWS = 4096  # rows per chunk of split-K
 def resnet50() -> nn.Module:
     try:
         import torchvision
-        return torchvision.models.resnet50()
+        model: nn.Module = torchvision.models.resnet50()
+        return model
     except ImportError:
         from kfac_hpc.models import build_model
         return build_model("resnet50", num_classes=1000)
@@ -162,7 +163,10 @@ def kfac_shapes(model: nn.Module, batch: int, image: int) -> Counter[tuple[int, 
 
 def timed_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
     """Median ms of ``reps`` calls after one warm-up (device synchronised around each)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     fn()
     sync()
     times = []
@@ -295,9 +299,9 @@ def preconditioning_table(rows: list[dict[str, Any]], markdown: bool) -> str:
             for r in rows]
 
     def total(c: str) -> float:  # a stacked call covers its count; single layers per layer
-        return sum(r["ms"][c] if c in r["ms"] else r["count"] * r["ms"]["Q row-major"]
-                   for r in rows) if c.startswith("stacked") else \
-            sum(r["count"] * r["ms"][c] for r in rows)
+        return float(sum(r["ms"][c] if c in r["ms"] else r["count"] * r["ms"]["Q row-major"]
+                         for r in rows)) if c.startswith("stacked") else \
+            float(sum(r["count"] * r["ms"][c] for r in rows))
 
     body.append(["Σ", "", "", f"{sum(r['count'] * r['gflop'] for r in rows):.1f}",
                  *[f"{total(c):.2f}" for c in PRECONDITION_COLUMNS]])

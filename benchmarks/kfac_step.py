@@ -673,9 +673,9 @@ def per_round_ratio(kinds: dict[str, Any], sgd: dict[str, Any], f: int, i: int,
     """
     w = {"fi": 1 / i, "f": 1 / f - 1 / i, "p": 1 - 1 / f}
     rounds = len(sgd[key])
-    return statistics.median(
+    return float(statistics.median(
         sum(v * kinds[k][key][n] for k, v in w.items() if v > 1e-12)
-        / sgd[key][n] for n in range(rounds))
+        / sgd[key][n] for n in range(rounds)))
 
 
 def _jsonable(options: dict[str, Any]) -> dict[str, Any]:
@@ -772,7 +772,7 @@ def direct_check(work: Workload, grad_comm: Communicator,
 
 
 def matrix_configs() -> list[tuple[str, dict[str, Any]]]:
-    strategies = [("comm-opt", {"strategy": "comm-opt"}),
+    strategies: list[tuple[str, dict[str, Any]]] = [("comm-opt", {"strategy": "comm-opt"}),
                   ("mem-opt", {"strategy": "mem-opt"}),
                   ("hybrid-opt(0.5)", {"strategy": "hybrid-opt", "grad_worker_fraction": 0.5}),
                   ("dp-kfac", {"strategy": "dp-kfac"})]

@@ -112,7 +112,7 @@ def run_point(kind: str, workers: int, ranks: int, args: argparse.Namespace) -> 
         out, _ = p.communicate(timeout=900)
         if p.returncode:
             raise SystemExit(f"worker failed ({p.returncode})")
-        rates.append(json.loads(out.strip().splitlines()[-1])["images_per_s"])
+        rates.append(float(json.loads(out.strip().splitlines()[-1])["images_per_s"]))
     return sum(rates) / len(rates)
 
 

@@ -37,6 +37,16 @@ def timed(comm: Communicator, call: Callable[[], object], repeat: int) -> float:
     return statistics.median(samples)
 
 
+def collective_calls(comm: Communicator, data: torch.Tensor, counts: list[int]
+                     ) -> dict[str, Callable[[], object]]:
+    """One call per collective the cost model predicts, each on a fresh copy of ``data``."""
+    return {
+        "allreduce": lambda: comm.allreduce(data.clone()),
+        "reduce_scatter": lambda: comm.reduce_scatter(data.clone(), counts),
+        "broadcast": lambda: comm.broadcast(data.clone()),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mbit", type=float, required=True, help="each node's link rate")
@@ -54,12 +64,7 @@ def main() -> None:
         n = kib * 1024 // 4
         data = torch.ones(n, dtype=torch.float32)
         counts = [n // p] * (p - 1) + [n - (n // p) * (p - 1)]
-        calls: dict[str, Callable[[], object]] = {
-            "allreduce": lambda d=data: comm.allreduce(d.clone()),
-            "reduce_scatter": lambda d=data, c=counts: comm.reduce_scatter(d.clone(), c),
-            "broadcast": lambda d=data: comm.broadcast(d.clone()),
-        }
-        for kind, call in calls.items():
+        for kind, call in collective_calls(comm, data, counts).items():
             measured = timed(comm, call, args.repeat)
             predicted = collective_time(kind, n * 4, p, alpha, beta)
             rows.append((kind, kib, measured, predicted))

@@ -48,7 +48,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kfac_hpc.plan.model_shapes import ModelSpec
 
 OUT = Path(__file__).resolve().parent / "out" / "plan"
 PAPER_SPD = {"D-KFAC": 0.853, "MPD-KFAC": 0.764, "SPD-KFAC": 0.676, "S-SGD": 0.197}
@@ -91,7 +94,11 @@ def measure(args: argparse.Namespace) -> int:
     rank, size = world.Get_rank(), world.Get_size()
     torch.set_num_threads(args.threads)
     info = machine()
-    say = (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None)
+
+    def say(message: str) -> None:
+        if rank == 0:
+            print(message, flush=True)
+
     say(f"# plan_validation: {size} rank(s), load {os.getloadavg()[0]:.2f}")
     comm = Communicator(world.Dup(), name="calibrate")
 
@@ -128,7 +135,7 @@ def measure(args: argparse.Namespace) -> int:
     track_calibration = [tracker() for _ in range(3)]
     track_rounds: list[float] = []
     say("calibrated (before)")
-    runs: dict[str, list[dict[str, Any]]] = {}
+    runs: dict[str, tuple[ModelSpec, list[dict[str, Any]]]] = {}
     for name in args.models:
         model0, shape = builtin_model(name)
         spec = model_spec(model0, input_shape=shape, name=name)
@@ -167,7 +174,6 @@ def measure(args: argparse.Namespace) -> int:
                 track_rounds.append(tracker())
         say(f"{name}: {len(runners)} configs x {args.warmup + args.steps} rounds in "
             f"{time.perf_counter() - start:.1f} s")
-        runs[name] = runners
         for r in runners:
             per_rank_iter = world.allgather(r["iter"])
             per_rank_kfac = world.allgather(r["kfac"])
@@ -177,8 +183,7 @@ def measure(args: argparse.Namespace) -> int:
                                             for k in range(args.steps))
             r["iter_samples"] = [max(v[k] for v in per_rank_iter) for k in range(args.steps)]
         result["models"][name] = {"spec_layers": len(spec.layers), "runs": []}
-        runners_spec = (spec, runners)
-        runs[name + "#spec"] = runners_spec  # type: ignore[assignment]
+        runs[name] = (spec, runners)
     track_calibration += [tracker() for _ in range(3)]
     after = calibrate()
     say("calibrated (after)")
@@ -217,7 +222,7 @@ def measure(args: argparse.Namespace) -> int:
                 "after": Profile("after", after[1], after[0], source="calibrated")}
     result["profile"] = profiles["mean"].to_json()
     for name in args.models:
-        spec, runners = runs[name + "#spec"]  # type: ignore[misc]
+        spec, runners = runs[name]
         for r in runners:
             row: dict[str, Any] = {"label": r["label"], "measured_s": r["iter_s"],
                                    "measured_kfac_s": r["kfac_s"],
@@ -378,12 +383,12 @@ def report(args: argparse.Namespace) -> int:
         "factors only, upper triangles (allreduce)": None,
         "MPD-KFAC (reduce-scatter + gradient broadcast)": ests["MPD-KFAC"],
     }
-    for label, e in variants.items():
-        if e is None:
+    for label, variant in variants.items():
+        if variant is None:
             nbytes = estimate(spec, replace(baselines(base)["D-KFAC"], symmetric_packing=True),
                               64, 32, prof).bytes_per_step["factors"]
         else:
-            nbytes = e.kfac_bytes
+            nbytes = variant.kfac_bytes
         lines.append(f"| {label} | {nbytes / 2**20:.0f} | {nbytes / dp:.2f} |")
     lines.append(f"| DP-KFAC (gradient broadcasts) | {dp / 2**20:.0f} | 1.00 |")
     text = "\n".join(lines)

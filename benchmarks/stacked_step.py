@@ -64,14 +64,14 @@ def main() -> None:
     y = torch.arange(args.batch, device=device) % 1000
     model.zero_grad()
     nn.functional.cross_entropy(model(x), y).backward()
-    saved = [(p, p.grad.clone()) for p in model.parameters() if p.grad is not None]
+    saved = [(g, g.clone()) for p in model.parameters() if (g := p.grad) is not None]
     pre.step()  # factors and decompositions (the only inverse step)
     groups = pre.stack_groups
     paths = {"per-layer": [], "stacked": groups}
 
     def restore() -> None:
-        for p, g in saved:
-            p.grad.copy_(g)
+        for grad, value in saved:
+            grad.copy_(value)
 
     def one_step() -> None:
         restore()

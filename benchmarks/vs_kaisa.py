@@ -795,7 +795,7 @@ def nominal_estimate(configs: list[str], args: argparse.Namespace) -> float:
     rounds = 1 + len(args.factor_warmup) * (args.warmup + args.rounds)  # set-up: ~1 round
     warm_s = args.factor_warmup[-1] * NOMINAL_H200_S["f"] * sum(c != "sgd" for c in configs)
     total = STARTUP_S + rounds * round_s + warm_s
-    return min(total, args.max_seconds) if args.max_seconds > 0 else total
+    return float(min(total, args.max_seconds) if args.max_seconds > 0 else total)
 
 
 def schedule_table(results: dict[str, Any]) -> str:

@@ -79,7 +79,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -284,16 +284,31 @@ def per_layer_damping_kfac(scales: dict[str, float], exact: bool = True) -> type
     ``damping · s`` on each layer (its damping argument is in KAISA units); ``exact``:
     also multiplies the preconditioned gradient by ``s`` (KAISA's ``V``)."""
     from kfac_hpc import KFACPreconditioner
+    from kfac_hpc.kfac.decomposer import EigenSolve
+    from kfac_hpc.kfac.stacked import Stack
 
     class PerLayerDampingKFAC(KFACPreconditioner):
-        def _precondition_layer(self, name: str, grad: torch.Tensor,
-                                a: Mapping[str, torch.Tensor], g: Mapping[str, torch.Tensor],
-                                damping: float) -> torch.Tensor:
-            if "Q" not in a or "Q" not in g or "rho" in a or "rho" in g:
-                raise NotImplementedError("the damping port supports full eigen "
-                                          "decompositions only")
-            v = super()._precondition_layer(name, grad, a, g, damping * scales[name])
-            return v * scales[name] if exact else v
+        def _precondition_my_layers(self, k: int) -> tuple[dict[str, torch.Tensor], list[Stack]]:
+            # the library's per-layer loop with each layer's damping scaled (no stacks:
+            # they share one damping; the CPU, where this runs, never stacks)
+            if self.stack_groups:
+                raise NotImplementedError("the damping port supports layer-by-layer "
+                                          "preconditioning only (no stack_groups)")
+            damping = self.schedules.damping(k)
+            out: dict[str, torch.Tensor] = {}
+            for name, curv in self.layers.items():
+                if not self.placement.is_grad_worker(name, self.comm.rank) \
+                        or curv.module.weight.grad is None:
+                    continue
+                solve = self.decomps.solve(name, damping * scales[name])
+                if solve is None:
+                    continue
+                if not isinstance(solve, EigenSolve):
+                    raise NotImplementedError("the damping port supports full eigen "
+                                              "decompositions only")
+                v = solve(curv.grad_matrix(self.options.inv_dtype))
+                out[name] = v * scales[name] if exact else v
+            return out, []
 
     return PerLayerDampingKFAC
 

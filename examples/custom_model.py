@@ -65,7 +65,8 @@ class GatedMLP(nn.Module):
         self.out = nn.Linear(width, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.relu(self.value(x)) * torch.sigmoid(self.gate(x)))
+        out: torch.Tensor = self.out(torch.relu(self.value(x)) * torch.sigmoid(self.gate(x)))
+        return out
 
 
 def build_model(*, num_classes: int, input_dim: int, width: int = 64) -> nn.Module:
@@ -107,7 +108,7 @@ def main(epochs: int = 5, batch_size: int = 32) -> float:
             pre.step()
             opt.step()
     with torch.no_grad():  # every rank scores the whole (small) test set
-        acc = (model(test.x.to(device)).argmax(1).cpu() == test.y).float().mean().item()
+        acc = float((model(test.x.to(device)).argmax(1).cpu() == test.y).float().mean())
     if comm.rank == 0:
         print(f"examples/custom_model.py: {comm.size} rank(s), test accuracy {100 * acc:.1f} %")
     pre.close()
