@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from shared_cases import cuda_fp32_settings_seen
 
 from kfac_hpc.shampoo import (
     Layout,
@@ -136,6 +137,20 @@ def test_inverse_root_raises_when_both_fail(monkeypatch: pytest.MonkeyPatch) -> 
         inverse_root(_spd(3, 3, seed=1), 2, 1e-6)
     with pytest.raises(ValueError, match="square"):
         inverse_root(torch.zeros(2, 3), 2, 1e-6)
+
+
+def test_roots_from_eigenpairs_run_at_full_precision_whatever_the_user_set(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The root products ``Q diag(s) Qᵀ`` of one matrix and of a batch (the eigen path)
+    run at float32's full precision while the user's cuBLAS setting is TF32."""
+    import kfac_hpc.shampoo.roots as roots
+
+    a = _spd(4, 4, seed=0, dtype=torch.float32)
+    request = roots.RootRequest(torch.stack([a, 2 * a]), 1.0, 2.0, 1e-6)
+    seen = cuda_fp32_settings_seen(
+        monkeypatch, roots, "user_setting_matmul",
+        lambda: (inverse_root(a, 2, 1e-6), roots.inverse_roots([request])))
+    assert len(seen) == 2 and set(seen) == {"ieee"}
 
 
 # --------------------------------------------------------------- kronecker

@@ -29,7 +29,8 @@ from kfac_hpc.shampoo.errors import nonfinite_marks
 from kfac_hpc.shampoo.powers import pow_per_value
 from kfac_hpc.shampoo.root_methods import NewtonRoots
 
-__all__ = ["DIVERGENCE_GROWTH", "NewtonBatch", "NewtonOutcome", "NewtonRun", "newton_roots"]
+__all__ = ["DIVERGENCE_GROWTH", "NewtonBatch", "NewtonOutcome", "NewtonRun", "device_index",
+           "newton_roots"]
 
 #: A matrix whose error grew by more than this factor between two checks diverges (in
 #: exact arithmetic the error of a PSD matrix only decreases; float rounding moves it by
@@ -117,12 +118,17 @@ class _Iteration:
         self.iterations = [0] * n
 
     def iterate(self, count: int) -> None:
-        """Run ``count`` iterations on every matrix still iterating."""
-        for _ in range(count):
-            t = torch.add(self.step, self.m, alpha=-1.0 / self.p)  # ((p+1)·I − M)/p
-            self.x = torch.bmm(self.x, t)
-            tp = t if self.p == 1 else torch.linalg.matrix_power(t, self.p)
-            self.m = torch.bmm(tp, self.m)
+        """Run ``count`` iterations on every matrix still iterating.
+
+        The products at the dtype's full precision, inside one precision block that holds
+        no host read (the block's lock keeps other threads' products waiting).
+        """
+        with full_precision_products():
+            for _ in range(count):
+                t = torch.add(self.step, self.m, alpha=-1.0 / self.p)  # ((p+1)·I − M)/p
+                self.x = torch.bmm(self.x, t)
+                tp = t if self.p == 1 else torch.linalg.matrix_power(t, self.p)
+                self.m = torch.bmm(tp, self.m)
         for i in self.active:
             self.iterations[i] += count
 
@@ -155,10 +161,23 @@ class _Iteration:
             self.active = [self.active[k] for k in keep]
 
     def _index(self, positions: list[int]) -> Tensor:
-        return torch.tensor(positions, dtype=torch.int64, device=self.m.device)
+        return device_index(positions, self.m.device)
 
     def outcome(self) -> NewtonOutcome:
         return NewtonOutcome(self.roots, self.converged, self.iterations)
+
+
+def device_index(rows: list[int], device: torch.device) -> Tensor:
+    """``rows`` as an int64 index tensor on ``device``, without a host synchronisation.
+
+    ``torch.tensor(rows, device="cuda")`` copies from pageable memory and waits for the
+    copy; from pinned memory the copy is queued (the caching host allocator keeps the
+    buffer until it is done).
+    """
+    index = torch.tensor(rows, dtype=torch.int64)
+    if device.type != "cuda":
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)
 
 
 def newton_roots(batches: Sequence[NewtonBatch], method: NewtonRoots) -> NewtonRun:
@@ -175,7 +194,7 @@ def newton_roots(batches: Sequence[NewtonBatch], method: NewtonRoots) -> NewtonR
     run = NewtonRun()
     if not batches:
         return run
-    with torch.no_grad(), full_precision_products():
+    with torch.no_grad():
         states = [_Iteration(b) for b in batches]
         while run.iterations < method.max_iterations:
             active = [s for s in states if s.active]

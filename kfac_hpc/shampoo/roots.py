@@ -44,9 +44,9 @@ import torch
 from torch import Tensor
 
 from kfac_hpc.kfac.linalg import subspace_step
-from kfac_hpc.kfac.precision import full_precision_products
+from kfac_hpc.kfac.precision import full_precision_products, user_setting_matmul
 from kfac_hpc.shampoo.errors import nonfinite_marks
-from kfac_hpc.shampoo.newton import NewtonBatch, NewtonRun, newton_roots
+from kfac_hpc.shampoo.newton import NewtonBatch, NewtonRun, device_index, newton_roots
 from kfac_hpc.shampoo.powers import pow_per_value
 from kfac_hpc.shampoo.root_methods import (
     DEFAULT_ROOT_METHOD,
@@ -69,9 +69,23 @@ def _scales(eigenvalues: Tensor, p: float, epsilon: float) -> Tensor:
     return pow_per_value(eigenvalues.clamp(min=0) + epsilon, -1.0 / p)
 
 
+def _root_product(eigenvectors: Tensor, scales: Tensor) -> Tensor:
+    """``Q diag(s) Qᵀ`` (batched over leading dimensions) at the dtype's full precision.
+
+    Whatever the user's TF32 setting (:func:`~kfac_hpc.kfac.precision.full_precision_products`):
+    an inverse root magnifies the directions of the smallest eigenvalues, and TF32 operands
+    (10 mantissa bits) would mix them into the largest ones' (a float32 factor of 256 rows
+    with eigenvalues from 1e-8 to 1, ε = 1e-12: along its top eigenvector the square
+    root's error against float64 was 0.71 with TF32 operands and 1.9e-3 in float32, the
+    fourth root's 7.9e-3 and 1.8e-5).
+    """
+    with full_precision_products():
+        return user_setting_matmul(eigenvectors * scales.unsqueeze(-2), eigenvectors.mT)
+
+
 def _root_from(eigenvalues: Tensor, eigenvectors: Tensor, p: float, epsilon: float) -> Tensor:
     """``Q diag((max(λ, 0) + ε)^(-1/p)) Qᵀ`` (batched over leading dimensions)."""
-    return (eigenvectors * _scales(eigenvalues, p, epsilon).unsqueeze(-2)) @ eigenvectors.mT
+    return _root_product(eigenvectors, _scales(eigenvalues, p, epsilon))
 
 
 def _finite(eigenvalues: Tensor, root: Tensor) -> Tensor:
@@ -211,7 +225,7 @@ def _roots_from(eigenvalues: Tensor, eigenvectors: Tensor, requests: Sequence[Ro
     """The roots of stacked matrices from their eigenpairs, with each request's ``p`` and ``ε``."""
     scales = [_scales(eigenvalues[rows], members[0].p, members[0].epsilon)
               for rows, members in _segments(requests, lambda r: (r.p, r.epsilon))]
-    return (eigenvectors * _cat(scales).unsqueeze(-2)) @ eigenvectors.mT
+    return _root_product(eigenvectors, _cat(scales))
 
 
 class _SizeGroup:
@@ -347,7 +361,7 @@ class _RefreshGroup:
             lost = [j for j, ok in enumerate(kept) if not ok]
             redo = None
             if lost:
-                matrices = self.matrices[rows][_index(lost, self.matrices.device)]
+                matrices = self.matrices[rows][device_index(lost, self.matrices.device)]
                 redo = _Redo(position, lost,
                              RootRequest(matrices, 1.0, request.p, request.epsilon))
             out.append((result, redo))
@@ -394,7 +408,7 @@ def _subspace_inverse_roots(requests: Sequence[RootRequest], method: SubspaceRoo
 def _replace_rows(mine: RootResult, rows: list[int], redone: RootResult) -> None:
     """Put the eigen path's results for ``rows`` of a refreshed result in their place."""
     assert mine.bases is not None and redone.bases is not None
-    where = _index(rows, mine.roots.device)
+    where = device_index(rows, mine.roots.device)
     mine.roots.index_copy_(0, where, redone.roots)
     mine.bases.index_copy_(0, where, redone.bases)
     for j, failed in zip(rows, redone.failed):
@@ -484,7 +498,7 @@ def newton_inverse_roots(requests: Sequence[RootRequest], method: NewtonRoots, *
                 results[k] = RootResult(outcome.roots[rows], [False] * (rows.stop - rows.start))
                 lost = [j for j in range(rows.start, rows.stop) if not outcome.converged[j]]
                 if lost:
-                    retry.append(RootRequest(a[_index(lost, a.device)], 1.0, request.p,
+                    retry.append(RootRequest(a[device_index(lost, a.device)], 1.0, request.p,
                                              request.epsilon))
                     lost_rows.append((k, [j - rows.start for j in lost]))
         redone = _eigen_inverse_roots(retry, placement) if retry else []
@@ -493,11 +507,9 @@ def newton_inverse_roots(requests: Sequence[RootRequest], method: NewtonRoots, *
     for (k, lost), result in zip(lost_rows, redone[len(eigen_only):]):
         mine = results[k]
         assert mine is not None
-        mine.roots.index_copy_(0, _index(lost, mine.roots.device), result.roots)
+        mine.roots.index_copy_(0, device_index(lost, mine.roots.device), result.roots)
         for j, failed in zip(lost, result.failed):
             mine.failed[j] = failed
     return [r for r in results if r is not None], run
 
 
-def _index(rows: list[int], device: torch.device) -> Tensor:
-    return torch.tensor(rows, dtype=torch.int64, device=device)

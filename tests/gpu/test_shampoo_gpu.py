@@ -271,3 +271,18 @@ def test_subspace_roots_on_the_device_equal_the_cpu_and_read_the_host_once(
                               bases=bases.repeat(n // 3, 1, 1).to(device))
         counts.append(_syncs(lambda r=request: inverse_roots([r], method=method)))
     assert counts == [1, 1], counts
+
+
+def test_index_tensors_reach_the_device_without_a_sync(device: torch.device) -> None:
+    """The row indices of the root paths (matrices that converged, drifted or failed)
+    are copied from pinned memory, queued: no host synchronisation each (a pageable
+    ``torch.tensor(rows, device=cuda)`` waits for its copy)."""
+    from kfac_hpc.shampoo.newton import device_index
+
+    index = device_index([0, 2, 5], device)
+    assert index.device == device and index.tolist() == [0, 2, 5]
+    if device.type != "cuda":
+        return
+    assert _syncs(lambda: device_index([1, 3], device)) == 0
+    assert _syncs(lambda: torch.tensor([1, 3], dtype=torch.int64, device=device)) >= 1, \
+        "CUDA's sync debug mode did not see a pageable copy: the check proves nothing"
