@@ -47,8 +47,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["DEFAULT_HOST_MAX_DIM", "DEFAULT_PLACEMENT", "JACOBI_ROWS", "BatchResult", "EighResult",
-           "SolvePlacement", "Solver", "eigh_batches", "eigh_dtype", "solve_batches",
-           "solves_on_host", "spreads_over_streams", "symmetric_eigh"]
+           "SolvePlacement", "Solver", "eigh_batches", "eigh_dtype", "load_cuda_linalg",
+           "solve_batches", "solves_on_host", "spreads_over_streams", "symmetric_eigh"]
 
 #: The largest CUDA matrix decomposed on the host by default: none (0). Measured on an
 #: NVIDIA H200 (module docstring): the device, with :func:`eigh_dtype`, is faster.
@@ -103,6 +103,30 @@ _lane_threads = 0
 _lane_streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
 #: A chunk of a batch: (batch index, chunk index, its matrices).
 _Piece = tuple[int, int, Tensor]
+
+
+_linalg_loaded: set[torch.device] = set()
+
+
+def load_cuda_linalg(device: torch.device) -> None:
+    """Make torch load its CUDA linear algebra before worker threads call it (once a device).
+
+    Torch's CUDA builds load their linear-algebra kernels on the first such call, and
+    two threads making that first call together make one of them fail with "lazy
+    wrapper should be called at most once" (pytorch/pytorch#90613). So before starting
+    threads that decompose on CUDA (the stream lanes here, K-FAC's background
+    decompositions), the calling thread makes one small call: ``cholesky_ex`` of a 1x1
+    matrix, which reads nothing back. Nothing to do on other devices.
+
+    Args:
+        device: The device the threads will decompose on.
+    """
+    if device.type != "cuda" or device in _linalg_loaded:
+        return
+    with _worker_lock:
+        if device not in _linalg_loaded:
+            torch.linalg.cholesky_ex(torch.ones(1, 1, device=device))
+            _linalg_loaded.add(device)
 
 
 def _host_worker() -> ThreadPoolExecutor:
@@ -264,6 +288,7 @@ def _solve_on_streams(batches: dict[int, Tensor], solve: Solver, lanes: int
     ready: torch.cuda.Event | None = None
     consumer: torch.cuda.Stream | None = None
     if device.type == "cuda":
+        load_cuda_linalg(device)  # before the lanes' first calls, which would race
         consumer = torch.cuda.current_stream(device)
         ready = torch.cuda.Event()
         ready.record(consumer)

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from kfac_hpc.kfac.exchange import Piece, PieceKey
 from kfac_hpc.kfac.placement import FactorKey
+from kfac_hpc.solves import load_cuda_linalg
 
 __all__ = ["BackgroundJob", "Decomposed"]
 
@@ -70,6 +71,7 @@ class BackgroundJob:
         self._result: Decomposed | None = None
         self._error: BaseException | None = None
         if stream is not None:  # the snapshot was queued on the current stream
+            load_cuda_linalg(device)  # the thread's first decomposition must not load it
             stream.wait_stream(torch.cuda.current_stream(device))
             for t in inputs:
                 t.record_stream(stream)

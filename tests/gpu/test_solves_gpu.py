@@ -110,3 +110,35 @@ def test_batches_spread_over_streams_equal_one_stream(device: torch.device) -> N
     assert len(pairs) == len(SIZES)
     for dvalues, dvectors in pairs:
         assert not dvalues.any() and not dvectors.any()
+
+
+@needs_cuda
+def test_a_fresh_process_spreads_its_first_decompositions_over_streams() -> None:
+    """The first linear algebra of a process, on 4 lanes at once: torch loads its CUDA
+    linear algebra on the first call, and lanes making that call together would fail
+    ("lazy wrapper should be called at most once") unless it was loaded before them
+    (``solves.load_cuda_linalg``); every batch solved, the bits of one stream."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import torch
+        from kfac_hpc import solves
+        from kfac_hpc.solves import SolvePlacement
+        g = torch.Generator().manual_seed(0)
+        batches = []
+        for n in (40, 300, 600):
+            x = torch.randn(8, 4 * n, n, generator=g).cuda()
+            batches.append(x.mT @ x / (4 * n) + torch.eye(n, device="cuda"))
+        spread = solves.eigh_batches(batches, SolvePlacement(0, 4))
+        failed = [repr(r) for r in spread if isinstance(r, Exception)]
+        assert not failed, failed
+        one = solves.eigh_batches(batches, SolvePlacement(0, 1))
+        assert all(torch.equal(a[k], b[k]) for a, b in zip(one, spread) for k in (0, 1))
+        print("ok")
+        """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=dict(os.environ), timeout=300, check=False)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
