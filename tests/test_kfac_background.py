@@ -131,6 +131,42 @@ def test_failure_in_the_background_is_raised_at_the_swap(monkeypatch):
     pre.close()
 
 
+def test_a_background_job_refreshes_from_its_own_view_of_the_held_decompositions(monkeypatch):
+    """The job gets copies of the held dicts (the same tensors), and all of them as inputs
+    (on CUDA marked as used on its stream): stacking for preconditioning replaces the held
+    dicts' parts while the job runs, which must neither change what the job reads nor
+    free a tensor it still reads."""
+    model, pre, opt = build(Communicator(MPI.COMM_SELF), LAG, eigen_refresh="subspace")
+    data = small_cnn_batches(4)
+    for x, y in data[:3]:
+        one_step(model, pre, opt, x, y)
+    seen: dict[str, Any] = {}
+    real_job = decompositions.BackgroundJob
+
+    def spy_job(compute, device, swap_at, stream=None, inputs=()):
+        seen["inputs"] = list(inputs)
+        return real_job(compute, device, swap_at, stream=stream, inputs=seen["inputs"])
+
+    real_compute = decompositions.Decompositions.compute
+
+    def spy_compute(self, step, states=None, previous=None):
+        seen["previous"] = previous
+        return real_compute(self, step, states, previous)
+
+    monkeypatch.setattr(decompositions, "BackgroundJob", spy_job)
+    monkeypatch.setattr(decompositions.Decompositions, "compute", spy_compute)
+    held = pre.decomps.held
+    one_step(model, pre, opt, *data[3])  # step 3: the background update starts
+    pre.renewal.pending.result()
+    previous = seen["previous"]
+    assert previous.keys() == held.keys()
+    assert all(previous[k] is not held[k] and previous[k].keys() == held[k].keys()
+               and all(previous[k][p] is held[k][p] for p in held[k]) for k in held)
+    inputs = {id(t) for t in seen["inputs"]}
+    assert all(id(t) in inputs for parts in previous.values() for t in parts.values())
+    pre.close()
+
+
 def test_lag_is_validated():
     with pytest.raises(ValueError, match="decomposition_lag must be a whole number"):
         KFACPreconditioner(nn.Linear(3, 2), decomposition_lag=-1)

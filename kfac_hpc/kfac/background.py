@@ -74,7 +74,8 @@ class BackgroundJob:
             load_cuda_linalg(device)  # the thread's first decomposition must not load it
             stream.wait_stream(torch.cuda.current_stream(device))
             for t in inputs:
-                t.record_stream(stream)
+                if t.device.type == "cuda":
+                    t.record_stream(stream)
         self._thread = threading.Thread(target=self._run, args=(compute,),
                                         name="kfac-decompositions", daemon=True)
         self._thread.start()

@@ -405,14 +405,19 @@ class Lagged:
             decompositions.update(step)
             return
         snapshot = decompositions.store.snapshot()
-        previous = decompositions.held
+        # the job's own view of the held decompositions it refreshes from: stacking them
+        # for preconditioning (Decompositions.stacked_solve) replaces their parts in the
+        # held dicts meanwhile, which would drop the job's tensors' last references on
+        # the main stream while the side stream still reads them
+        previous = {key: dict(held) for key, held in decompositions.held.items()}
         if self.device.type == "cuda" and self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         self.pending = BackgroundJob(
             lambda: decompositions.compute(step, snapshot, previous), self.device,
             swap_at=step + self.lag,
             stream=self._stream if self.device.type == "cuda" else None,
-            inputs=[s.average for s in snapshot.values() if s.average is not None])
+            inputs=[*(s.average for s in snapshot.values() if s.average is not None),
+                    *(t for held in previous.values() for t in held.values())])
 
     def due(self, step: int, inverse: bool) -> bool:
         """A job is pending and its step (or an inverse step) has come."""
