@@ -548,6 +548,26 @@ def test_kl_clip_scale() -> None:
     assert math.isclose(nu32, nu, rel_tol=1e-5)
 
 
+def test_scaling_by_a_float64_factor_is_one_multiply_per_dtype_with_the_same_bits() -> None:
+    """ν (a 0-dim float64 tensor on the GPU path) scales float32 and float64 tensors as
+    tensor-by-tensor multiplies would, bit for bit, in one multi-tensor multiply per dtype
+    (on CUDA its one-launch path needs the factor in the tensors' dtype)."""
+    from op_count import count_ops
+
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(5, 7, generator=gen, dtype=dtype)
+               for dtype in (torch.float32, torch.float64, torch.float32, torch.float32)]
+    nu = torch.tensor(0.123456789012345678, dtype=torch.float64)
+    want = [t.clone().mul_(nu) for t in tensors]
+    got = [t.clone() for t in tensors]
+    ops = count_ops(lambda: linalg.scale_in_place(got, nu))
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, want))
+    assert ops.calls("aten._foreach_mul_.") == 2 and ops.calls("aten.mul") == 0, ops.counts
+    plain = [t.clone() for t in tensors]
+    linalg.scale_in_place(plain, 0.5)  # a Python number: one multiply for all
+    assert all(torch.equal(a, b * 0.5) for a, b in zip(plain, tensors))
+
+
 # --------------------------------------------------------------------------- support
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 import torch
@@ -44,6 +44,7 @@ __all__ = [
     "precondition_eigen_stacked",
     "precondition_inverse",
     "refresh_eigenbases",
+    "scale_in_place",
     "subspace_step",
     "symmetric_gram_",
     "update_running_average",
@@ -643,3 +644,26 @@ def kl_clip_factor(total: Tensor, lr: float, kl_clip: float) -> float | Tensor:
     # a tensor numerator: Python's ``kl_clip / denom`` is ``reciprocal(denom) * kl_clip``
     nu = torch.div(kappa, torch.where(usable, denom, one)).sqrt().clamp(max=1.0)
     return torch.where(usable, nu, one)
+
+
+def scale_in_place(tensors: Sequence[Tensor], factor: float | Tensor) -> None:
+    """Multiply every tensor by ``factor`` in place (ν of :func:`kl_clip_factor`).
+
+    One multi-tensor multiply per dtype. A 0-dim tensor factor (the GPU path's float64 ν)
+    is cast to each group's dtype first: CUDA's multi-tensor kernel takes its one-launch
+    path only when the factor's dtype is the tensors', and otherwise multiplies tensor by
+    tensor; the product is the same either way (an in-place multiply computes in the
+    tensor's dtype, casting the 0-dim factor to it).
+
+    Args:
+        tensors: The tensors to scale.
+        factor: A Python number or a 0-dim tensor on their device.
+    """
+    if not isinstance(factor, Tensor):
+        torch._foreach_mul_(list(tensors), factor)
+        return
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for dtype, group in by_dtype.items():
+        torch._foreach_mul_(group, factor.to(dtype))

@@ -494,7 +494,7 @@ class KFACPreconditioner:
         if inner is not None and kl_clip is not None:
             nu = linalg.kl_clip_factor(inner, self.schedules.lr(k), kl_clip)
             if isinstance(nu, Tensor) or nu != 1.0:
-                torch._foreach_mul_([s.values for s in stacks] + [
+                linalg.scale_in_place([s.values for s in stacks] + [
                     v for name, v in updates.items() if name not in of_stack], nu)
         write_grads(pair for name, v in updates.items()
                     for pair in self.layers[name].grad_targets(v))
