@@ -34,7 +34,7 @@ from kfac_hpc import KFACPreconditioner
 from kfac_hpc.comm import Communicator
 from kfac_hpc.kfac import stacked
 from kfac_hpc.kfac.decomposer import StackedEigenSolve
-from kfac_hpc.kfac.layers import EmbeddingCurvature, LinearCurvature
+from kfac_hpc.kfac.layers import Conv2dCurvature, EmbeddingCurvature, LinearCurvature
 from kfac_hpc.kfac.linalg import precondition_eigen
 from kfac_hpc.kfac.stacked import stack_grads, stack_groups, write_grads
 
@@ -317,6 +317,40 @@ def test_stacked_gradients_and_writes_are_the_layers() -> None:
     assert not stack_grads(curvs, torch.float32)[2].any()
 
 
+def test_gradient_writes_keep_contiguous_pairs_in_one_multi_tensor_copy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights (contiguous rows of a stack) are one multi-tensor copy; biases (a strided
+    column of the stack) and channels-last gradients a second one: on CUDA one strided
+    pair in the list would make the whole copy go pair by pair. The values are written
+    exactly either way."""
+    torch.manual_seed(4)
+    linear = nn.Linear(5, 4)
+    convs = [nn.Conv2d(3, 2, 3, bias=False) for _ in range(3)]
+    for m in (linear, *convs):
+        for p in m.parameters():
+            p.grad = torch.randn_like(p)
+    convs[2].weight.grad = convs[2].weight.grad.to(memory_format=torch.channels_last)
+    values = torch.randn(3, 2, 27)
+    matrix = torch.randn(4, 6)
+    pairs = [pair for i, m in enumerate(convs)
+             for pair in Conv2dCurvature(m).grad_targets(values[i])]
+    pairs += LinearCurvature(linear).grad_targets(matrix)
+    seen: list[int] = []
+    real = torch._foreach_copy_
+
+    def spy(into: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+        seen.append(len(into))
+        real(into, src)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", spy)
+    write_grads(pairs)
+    assert seen == [2, 3]  # two contiguous conv weights; the channels-last one, fc's two
+    for i, m in enumerate(convs):
+        assert torch.equal(m.weight.grad, values[i].view(2, 3, 3, 3))
+    assert torch.equal(linear.weight.grad, matrix[:, :5])
+    assert torch.equal(linear.bias.grad, matrix[:, 5])
+
+
 # ------------------------------------------------------------------- checkpoint resume
 def repeated_mlp(seed: int = 0) -> nn.Module:
     """``test_kfac_faults.mlp``'s input and output with two stacked layers."""
@@ -369,8 +403,8 @@ def stale_step(model: nn.Module, stack: bool) -> tuple[OpCounter, KFACPreconditi
 def test_stale_step_kernels_follow_the_distinct_shapes() -> None:
     """ResNet-50 at an eighth of the widths, precondition-only step: 12 stacks (45
     layers) and 9 layers alone; stacked at most 10 operators per stack, 13 per lone
-    layer and 8 in all besides (measured 236, per-layer path 656; 710 before the
-    ``.grad`` writes were one multi-tensor copy); 4 batched GEMMs per stack, 4 GEMMs per
+    layer and 8 in all besides (measured 237, per-layer path 657; 710 before the
+    ``.grad`` writes were multi-tensor copies); 4 batched GEMMs per stack, 4 GEMMs per
     lone layer. ResNet-101's 105 layers (the same shapes) dispatch the same number."""
     per_layer, pre = stale_step(resnet_eighth(), stack=False)
     pre.close()
@@ -383,7 +417,9 @@ def test_stale_step_kernels_follow_the_distinct_shapes() -> None:
     assert per_layer.kernels > bound, (per_layer.kernels, bound)  # the bound can fail
     assert ops.calls("aten.bmm.") == 4 * groups
     assert ops.calls("aten.mm.") == 4 * alone
-    assert ops.calls("aten._foreach_copy_") == 1
+    # the bias-free convolutions in one multi-tensor copy, fc's weight and bias (strided
+    # columns of its matrix) in another
+    assert ops.calls("aten._foreach_copy_") == 2
     pre.close()
     deeper, pre = stale_step(resnet_eighth((3, 4, 23, 3)), stack=True)
     assert (len(pre.layers), len(pre.stack_groups)) == (105, 12)

@@ -105,22 +105,29 @@ class Stack:
 
 
 def write_grads(targets: Iterable[tuple[Tensor, Tensor]]) -> None:
-    """``param.grad.copy_(value)`` of every pair, as one multi-tensor copy.
+    """``param.grad.copy_(value)`` of every pair, as few multi-tensor copies as can be.
 
-    A parameter without ``.grad`` gets a new one in its dtype, as
+    The pairs whose gradient and value are both contiguous and of one dtype are one
+    multi-tensor copy (on CUDA one launch); the others (a bias, a strided column of its
+    layer's matrix; a channels-last gradient; another dtype) are a second one, which CUDA
+    runs pair by pair, as it would the whole list if they were in it. A parameter without
+    ``.grad`` gets a new one in its dtype, as
     :meth:`~kfac_hpc.kfac.layers.LayerCurvature.set_grad` does.
 
     Args:
         targets: ``(param, value)`` pairs (:meth:`~kfac_hpc.kfac.layers.LayerCurvature.
             grad_targets`), each value shaped as its parameter.
     """
-    into: list[Tensor] = []
-    values: list[Tensor] = []
+    groups: dict[bool, tuple[list[Tensor], list[Tensor]]] = {True: ([], []), False: ([], [])}
     for param, value in targets:
-        if param.grad is None:
+        grad = param.grad
+        if grad is None:
             param.grad = value.to(param.dtype, copy=True)
-        else:
-            into.append(param.grad)
-            values.append(value)
-    if into:
-        torch._foreach_copy_(into, values)
+            continue
+        dense = grad.is_contiguous() and value.is_contiguous() and grad.dtype == value.dtype
+        into, values = groups[dense]
+        into.append(grad)
+        values.append(value)
+    for into, values in groups.values():
+        if into:
+            torch._foreach_copy_(into, values)
