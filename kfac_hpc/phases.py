@@ -118,8 +118,11 @@ class PhaseTimer:
         self.times = {}
 
     def _sync(self) -> None:
+        # the current stream only: work a phase hands to other streams is joined to it
+        # (statistics, stream lanes); a background job's stream is not, and waiting for
+        # it would time the job into the phase and undo its overlap on timed steps
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
 
     @contextmanager
     def phase(self, phase: Phase) -> Iterator[None]:

@@ -165,15 +165,21 @@ def _to_host(batch: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
     return host, ready
 
 
-def _solve_on_host(host: Tensor, ready: torch.cuda.Event | None, solve: Solver
-                   ) -> tuple[Tensor, ...]:
-    """Solve ``host`` once its copy is complete; the results pinned for the way back."""
-    if ready is not None:
-        ready.synchronize()
-    results = tuple(solve(host))
-    if ready is not None:
-        results = tuple(t.pin_memory() for t in results)
-    return results
+def _solve_on_host(host: Tensor, ready: torch.cuda.Event | None, solve: Solver,
+                   device: torch.device) -> tuple[Tensor, ...]:
+    """Solve ``host`` once its copy is complete; the results pinned for the way back.
+
+    On CUDA the worker thread makes the batch's device current first: a thread starts on
+    device 0, and its event wait and pinned allocations would otherwise create a context
+    there on a rank that uses another GPU.
+    """
+    with contextlib.ExitStack() if ready is None else torch.cuda.device(device):
+        if ready is not None:
+            ready.synchronize()
+        results = tuple(solve(host))
+        if ready is not None:
+            results = tuple(t.pin_memory() for t in results)
+        return results
 
 
 def _collect(future: Future[tuple[Tensor, ...]], device: torch.device) -> BatchResult:
@@ -338,7 +344,8 @@ def solve_batches(batches: Sequence[Tensor], solve: Solver,
     for i, batch in enumerate(batches):
         if solves_on_host(batch, host_max_dim):
             host, ready = _to_host(batch)
-            on_host[i] = _host_worker().submit(_solve_on_host, host, ready, solve)
+            on_host[i] = _host_worker().submit(_solve_on_host, host, ready, solve,
+                                               batch.device)
     out: list[BatchResult | None] = [None] * len(batches)
     spread = {i: b for i, b in enumerate(batches)
               if i not in on_host and spreads_over_streams(b, device_streams)}

@@ -35,9 +35,9 @@ def solved_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, str]]
     solve = solves._solve_on_host
 
     def recording(host: Tensor, ready: torch.cuda.Event | None,
-                  solver: solves.Solver) -> tuple[Tensor, ...]:
+                  solver: solves.Solver, device: torch.device) -> tuple[Tensor, ...]:
         seen.append((host.shape[-1], threading.current_thread().name))
-        return solve(host, ready, solver)
+        return solve(host, ready, solver, device)
 
     monkeypatch.setattr(solves, "_solve_on_host", recording)
     yield seen
