@@ -196,8 +196,9 @@ def randomized_eigh(
     columns, the exact ``torch.linalg.eigh`` is used instead (``exact`` is then
     ``True``) and truncated the same way. Computed in ``F``'s dtype (float32
     for half inputs); ``generator`` makes the sketch reproducible (identical on every
-    rank with the same seed: :func:`sketch_generator`). With ``rank`` alone nothing is
-    read back to the host; the energy rule reads the trace and the kept sums.
+    rank with the same seed: :func:`sketch_generator`). With ``rank`` alone the rule reads
+    nothing back, but the small ``eigh`` of the sketch checks its solver's status, one host
+    read on CUDA per factor; the energy rule also reads the trace and the kept sums.
     """
     if F.dim() != 2 or F.shape[0] != F.shape[1]:
         raise ValueError(f"randomized_eigh expects a square matrix, got {tuple(F.shape)}")

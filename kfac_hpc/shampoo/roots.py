@@ -13,7 +13,11 @@ synchronisations follows the number of distinct sizes, not of blocks), and the
 finiteness of every result is read on the host once (the small CUDA matrices are
 decomposed on the host, beside the device's: :mod:`kfac_hpc.solves`). Matrices that
 fail there take the one-matrix path (:func:`inverse_root`, float64 retry included), so
-results are those of :func:`inverse_root` matrix by matrix.
+results are those of :func:`inverse_root` matrix by matrix: bit for bit on the CPU, where
+LAPACK decomposes a batch one matrix at a time; on CUDA torch picks cuSOLVER's routine by
+size and batch count (a batched Jacobi solver for many matrices of at most 32 rows), so a
+matrix's bits there may depend on the batch it is in, and the GPU tests compare to a
+tolerance.
 
 Every result of the eigen path carries the eigenvectors too (the factors' eigenbases,
 ascending). With ``method=SubspaceRoots(...)`` a request that carries its factors'
