@@ -174,14 +174,15 @@ def test_lag_is_validated():
 
 
 class _GemmLocks(TorchDispatchMode):
-    """Record, for each GEMM dispatched on this thread, whether it held the precision lock."""
+    """Record, for each GEMM and QR dispatched on this thread, whether it held the precision
+    lock (a CUDA QR of small matrices runs in cuBLAS, whose math mode follows the flag)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.held: list[bool] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if str(func).startswith(GEMMS):
+        if str(func).startswith((*GEMMS, "aten.linalg_qr.")):
             self.held.append(precision._FLAGS._is_owned())  # type: ignore[attr-defined]
         return func(*args, **(kwargs or {}))
 
@@ -192,8 +193,8 @@ class _GemmLocks(TorchDispatchMode):
 def test_background_products_run_at_the_users_precision_setting(monkeypatch, options):
     """Torch's product precision flags are process-wide, and the step's TF32 blocks (on
     CUDA, the statistics' default) change them while a background job runs: every GEMM
-    of a background job is launched holding the lock those blocks hold, so it sees the
-    user's own setting whatever the threads' timing."""
+    and QR of a background job is launched holding the lock those blocks hold, so it sees
+    the user's own setting whatever the threads' timing."""
     seen: list[_GemmLocks] = []
 
     class Recorded(BackgroundJob):
@@ -212,7 +213,7 @@ def test_background_products_run_at_the_users_precision_setting(monkeypatch, opt
     pre.close()
     assert len(seen) >= 2  # inverse steps 3 and 6 ran in the background
     held = [h for mode in seen for h in mode.held]
-    assert held and all(held), f"{held.count(False)} of {len(held)} GEMMs without the lock"
+    assert held and all(held), f"{held.count(False)} of {len(held)} GEMMs/QRs without the lock"
 
 
 def _flags() -> str:

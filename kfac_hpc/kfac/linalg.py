@@ -23,7 +23,13 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from kfac_hpc.kfac.precision import MatmulPrecision, matmul, tf32_products, user_setting_matmul
+from kfac_hpc.kfac.precision import (
+    MatmulPrecision,
+    matmul,
+    tf32_products,
+    user_setting_matmul,
+    user_setting_qr,
+)
 from kfac_hpc.solves import DEFAULT_PLACEMENT, SolvePlacement, Solver, solve_batches, symmetric_eigh
 
 __all__ = [
@@ -415,7 +421,7 @@ def subspace_step(factors: Tensor, bases: Tensor) -> tuple[Tensor, Tensor]:
         The new bases ``(n, d, d)`` and their Rayleigh quotients ``(n, d)`` (unclamped:
         a PSD factor's may be slightly negative from rounding), ascending.
     """
-    q, _ = torch.linalg.qr(user_setting_matmul(factors, bases.flip(-1)))
+    q = user_setting_qr(user_setting_matmul(factors, bases.flip(-1)))
     quotients, order = (q * user_setting_matmul(factors, q)).sum(dim=1).sort(dim=-1)
     return q.gather(2, order.unsqueeze(1).expand_as(q)), quotients
 

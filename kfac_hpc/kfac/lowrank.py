@@ -63,7 +63,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kfac_hpc.kfac.precision import user_setting_matmul
+from kfac_hpc.kfac.precision import user_setting_matmul, user_setting_qr
 
 __all__ = [
     "CompleteASolve",
@@ -163,9 +163,9 @@ def _sketched_eigh(F: Tensor, sketch: int, power_iters: int,
     d = F.shape[0]
     mm = user_setting_matmul  # may run on the background decompositions' thread
     omega = torch.randn(d, sketch, dtype=F.dtype, device=F.device, generator=generator)
-    q, _ = torch.linalg.qr(mm(F, omega))
+    q = user_setting_qr(mm(F, omega))
     for _ in range(power_iters):
-        q, _ = torch.linalg.qr(mm(F, q))
+        q = user_setting_qr(mm(F, q))
     b = mm(q.t(), mm(F, q))
     evals, u = torch.linalg.eigh((b + b.t()) / 2)
     return evals, mm(q, u)

@@ -35,7 +35,7 @@ from torch import Tensor
 from kfac_hpc.kfac.options import PRECISIONS, MatmulPrecision
 
 __all__ = ["PRECISIONS", "MatmulPrecision", "full_precision_products", "matmul", "round_operand",
-           "tf32_products", "user_setting_matmul", "user_setting_products"]
+           "tf32_products", "user_setting_matmul", "user_setting_products", "user_setting_qr"]
 
 _TF32_DROPPED_BITS = 13  # float32 has 23 mantissa bits, TF32 keeps 10
 
@@ -146,6 +146,19 @@ def user_setting_matmul(a: Tensor, b: Tensor) -> Tensor:
     """
     with user_setting_products():
         return a @ b
+
+
+def user_setting_qr(a: Tensor) -> Tensor:
+    """``torch.linalg.qr(a).Q`` at the user's own precision setting, from any thread.
+
+    On CUDA a batched QR of small matrices runs in cuBLAS, whose handle takes its math
+    mode (TF32 or not) from the process-wide flag when the call starts; launched while
+    another thread's precision block is open it would take that block's. See
+    :func:`user_setting_products` (a QR launches without reading anything back).
+    """
+    with user_setting_products():
+        q: Tensor = torch.linalg.qr(a)[0]
+        return q
 
 
 def round_operand(t: Tensor, precision: MatmulPrecision) -> Tensor:
