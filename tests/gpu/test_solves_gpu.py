@@ -9,6 +9,7 @@ host's ``eigh`` of the same values.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -58,10 +59,9 @@ def test_a_side_stream_is_waited_for_and_the_worker_used(device: torch.device,
     threads: list[str] = []
     solve = solves._solve_on_host
 
-    def recording(host: Tensor, ready: torch.cuda.Event | None,
-                  solver: solves.Solver) -> tuple[Tensor, ...]:
+    def recording(*args: Any) -> tuple[Tensor, ...]:  # whatever the worker's signature
         threads.append(threading.current_thread().name)
-        return solve(host, ready, solver)
+        return solve(*args)
 
     monkeypatch.setattr(solves, "_solve_on_host", recording)
     side = torch.cuda.Stream(device)
@@ -115,9 +115,10 @@ def test_batches_spread_over_streams_equal_one_stream(device: torch.device) -> N
 @needs_cuda
 def test_a_fresh_process_spreads_its_first_decompositions_over_streams() -> None:
     """The first linear algebra of a process, on 4 lanes at once: torch loads its CUDA
-    linear algebra on the first call, and lanes making that call together would fail
-    ("lazy wrapper should be called at most once") unless it was loaded before them
-    (``solves.load_cuda_linalg``); every batch solved, the bits of one stream."""
+    linear algebra on the first call, and lanes making that call together can fail ("lazy
+    wrapper should be called at most once", a race: without ``solves.load_cuda_linalg``
+    this may pass by luck) unless it was loaded before them; every batch solved, the bits
+    of one stream."""
     import os
     import subprocess
     import sys
