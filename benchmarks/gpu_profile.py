@@ -69,7 +69,8 @@ from mpi4py import MPI
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import format_table, machine, write_json
+from common import format_table, machine, synchronize, write_json
+from common import timed as common_timed
 
 from kfac_hpc import KFACPreconditioner, solves
 from kfac_hpc.comm import Communicator
@@ -102,11 +103,6 @@ def make_model(name: str, device: torch.device, image_size: int) -> nn.Module:
     return model.to(device)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def repeat(fn: Callable[[], object], n: int) -> None:
     """Call ``fn`` ``n`` times."""
     for _ in range(n):
@@ -114,11 +110,8 @@ def repeat(fn: Callable[[], object], n: int) -> None:
 
 
 def timed(fn: Callable[[], object], device: torch.device) -> float:
-    sync(device)
-    start = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - start
+    """Seconds of one call of ``fn``, ``device`` synchronised around it."""
+    return common_timed(fn, device)[1]
 
 
 class Trainer:
@@ -412,11 +405,11 @@ def profile_section(device: torch.device, batch: tuple[Tensor, Tensor],
     out: dict[str, Any] = {}
     for kind in ("sgd", "f", "fi", "p"):
         runner = baseline if kind == "sgd" else trainer
-        sync(device)
+        synchronize(device)
         start = time.perf_counter()
         with profile(activities=activities) as prof:
             runner.run(kind)
-            sync(device)
+            synchronize(device)
         wall = time.perf_counter() - start
         events = prof.key_averages()
         device_attr = "self_device_time_total"

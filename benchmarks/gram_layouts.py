@@ -65,7 +65,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -77,7 +76,7 @@ import torch
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import format_table, machine, write_json
+from common import format_table, machine, synchronize, timed, write_json
 
 from kfac_hpc.kfac import layers, linalg
 from kfac_hpc.kfac.layers import Conv2dCurvature, register_layers
@@ -163,19 +162,9 @@ def kfac_shapes(model: nn.Module, batch: int, image: int) -> Counter[tuple[int, 
 
 def timed_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
     """Median ms of ``reps`` calls after one warm-up (device synchronised around each)."""
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    synchronize(device)
+    return statistics.median(timed(fn, device)[1] * 1e3 for _ in range(reps))
 
 
 def variants(n: int, d: int, k: int, device: torch.device, batched: bool = True

@@ -173,13 +173,11 @@ def _solve_on_host(host: Tensor, ready: torch.cuda.Event | None, solve: Solver,
     device 0, and its event wait and pinned allocations would otherwise create a context
     there on a rank that uses another GPU.
     """
-    with contextlib.ExitStack() if ready is None else torch.cuda.device(device):
-        if ready is not None:
-            ready.synchronize()
-        results = tuple(solve(host))
-        if ready is not None:
-            results = tuple(t.pin_memory() for t in results)
-        return results
+    if ready is None:  # a CPU batch: nothing to wait for, nothing to copy back
+        return tuple(solve(host))
+    with torch.cuda.device(device):
+        ready.synchronize()
+        return tuple(t.pin_memory() for t in solve(host))
 
 
 def _collect(future: Future[tuple[Tensor, ...]], device: torch.device) -> BatchResult:

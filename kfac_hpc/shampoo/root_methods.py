@@ -200,7 +200,6 @@ class NewtonRoots(_DecomposesEveryTime):
     tolerance: float = 1e-4
     check_every: int = 5
 
-
     def __post_init__(self) -> None:
         """Validate the fields (one error naming the field, its value and what is allowed)."""
         for name in ("max_iterations", "check_every"):

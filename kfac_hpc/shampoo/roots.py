@@ -330,6 +330,33 @@ class _Redo:
     request: RootRequest  # their prepared matrices, for the eigen path
 
 
+def _redo(position: int, matrices: Tensor, kept: list[bool], request: RootRequest
+          ) -> _Redo | None:
+    """The rows of a request's prepared ``matrices`` not ``kept``, for the eigen path."""
+    lost = [j for j, ok in enumerate(kept) if not ok]
+    if not lost:
+        return None
+    return _Redo(position, lost, RootRequest(matrices[device_index(lost, matrices.device)],
+                                             1.0, request.p, request.epsilon))
+
+
+def _finish_on_eigen_path(results: dict[int, RootResult], requests: Sequence[RootRequest],
+                          plain: list[int], redos: list[_Redo], placement: SolvePlacement
+                          ) -> list[RootResult]:
+    """Compute the ``plain`` requests and the ``redos``' rows by the eigen path, in one call.
+
+    Fills ``results`` with the plain requests' results and puts the redone rows in their
+    place; returns the results in request order.
+    """
+    redone = _eigen_inverse_roots([requests[k] for k in plain] + [r.request for r in redos],
+                                  placement)
+    for k, result in zip(plain, redone):
+        results[k] = result
+    for redo, result in zip(redos, redone[len(plain):]):
+        _replace_rows(results[redo.position], redo.rows, result)
+    return [results[k] for k in range(len(requests))]
+
+
 class _RefreshGroup:
     """Requests of one size, dtype and device that carry bases: one subspace step for all."""
 
@@ -362,13 +389,7 @@ class _RefreshGroup:
         for position, (rows, (request,)) in zip(positions, _segments(self.requests, id)):
             kept = good[rows]
             result = RootResult(self.roots[rows], [False] * len(kept), self.bases[rows], kept)
-            lost = [j for j, ok in enumerate(kept) if not ok]
-            redo = None
-            if lost:
-                matrices = self.matrices[rows][device_index(lost, self.matrices.device)]
-                redo = _Redo(position, lost,
-                             RootRequest(matrices, 1.0, request.p, request.epsilon))
-            out.append((result, redo))
+            out.append((result, _redo(position, self.matrices[rows], kept, request)))
         return out
 
 
@@ -400,21 +421,19 @@ def _subspace_inverse_roots(requests: Sequence[RootRequest], method: SubspaceRoo
                 if redo is not None:
                     redos.append(redo)
             at += n
-        redone = _eigen_inverse_roots([requests[k] for k in plain]
-                                      + [r.request for r in redos], placement)
-    for k, result in zip(plain, redone):
-        results[k] = result
-    for redo, result in zip(redos, redone[len(plain):]):
-        _replace_rows(results[redo.position], redo.rows, result)
-    return [results[k] for k in range(len(requests))]
+        return _finish_on_eigen_path(results, requests, plain, redos, placement)
 
 
 def _replace_rows(mine: RootResult, rows: list[int], redone: RootResult) -> None:
-    """Put the eigen path's results for ``rows`` of a refreshed result in their place."""
-    assert mine.bases is not None and redone.bases is not None
+    """Put the eigen path's results for ``rows`` of a result in their place.
+
+    The bases too, where the result has them (not Newton's).
+    """
     where = device_index(rows, mine.roots.device)
     mine.roots.index_copy_(0, where, redone.roots)
-    mine.bases.index_copy_(0, where, redone.bases)
+    if mine.bases is not None:
+        assert redone.bases is not None  # the eigen path returns bases
+        mine.bases.index_copy_(0, where, redone.bases)
     for j, failed in zip(rows, redone.failed):
         mine.failed[j] = failed
 
@@ -486,7 +505,7 @@ def newton_inverse_roots(requests: Sequence[RootRequest], method: NewtonRoots, *
             eigen_only.append(k)
         else:
             by_kind.setdefault((f.shape[-1], f.dtype, f.device, order), []).append(k)
-    results: list[RootResult | None] = [None] * len(requests)
+    results: dict[int, RootResult] = {}
     with torch.autocast(device_type=requests[0].factors.device.type, enabled=False):
         members = [[requests[k] for k in ks] for ks in by_kind.values()]
         matrices = [_prepared(m) for m in members]
@@ -494,26 +513,14 @@ def newton_inverse_roots(requests: Sequence[RootRequest], method: NewtonRoots, *
                                                _segments(m, lambda r: r.epsilon)))
                    for a, m, (_, _, _, order) in zip(matrices, members, by_kind)]
         run = newton_roots(batches, method)
-        # what Newton gave up on, per request, for the eigen path: (request, its rows)
-        retry: list[RootRequest] = [requests[k] for k in eigen_only]
-        lost_rows: list[tuple[int, list[int]]] = []
+        redos: list[_Redo] = []  # what Newton gave up on, for the eigen path
         for ks, a, m, outcome in zip(by_kind.values(), matrices, members, run.outcomes):
             for k, (rows, (request,)) in zip(ks, _segments(m, id)):
-                results[k] = RootResult(outcome.roots[rows], [False] * (rows.stop - rows.start))
-                lost = [j for j in range(rows.start, rows.stop) if not outcome.converged[j]]
-                if lost:
-                    retry.append(RootRequest(a[device_index(lost, a.device)], 1.0, request.p,
-                                             request.epsilon))
-                    lost_rows.append((k, [j - rows.start for j in lost]))
-        redone = _eigen_inverse_roots(retry, placement) if retry else []
-    for k, result in zip(eigen_only, redone):
-        results[k] = result
-    for (k, lost), result in zip(lost_rows, redone[len(eigen_only):]):
-        mine = results[k]
-        assert mine is not None
-        mine.roots.index_copy_(0, device_index(lost, mine.roots.device), result.roots)
-        for j, failed in zip(lost, result.failed):
-            mine.failed[j] = failed
-    return [r for r in results if r is not None], run
+                converged = outcome.converged[rows]
+                results[k] = RootResult(outcome.roots[rows], [False] * len(converged))
+                redo = _redo(k, a[rows], converged, request)
+                if redo is not None:
+                    redos.append(redo)
+        return _finish_on_eigen_path(results, requests, eigen_only, redos, placement), run
 
 
