@@ -26,7 +26,7 @@ from kfac_hpc import KFACPreconditioner
 from kfac_hpc.comm import Communicator
 from kfac_hpc.kfac.lowrank import LowRankFactor, randomized_eigh, sketch_generator
 from kfac_hpc.kfac.options import conflicts
-from kfac_hpc.plan.cost import KFACOptions
+from kfac_hpc.plan.options import KFACOptions
 from kfac_hpc.train.config import ConfigError, TrainConfig
 
 DAMPING = 0.01

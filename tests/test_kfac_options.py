@@ -23,7 +23,7 @@ from kfac_hpc.kfac.options import (
     reduces_factors,
 )
 from kfac_hpc.kfac.placement import FactorKey
-from kfac_hpc.plan.cost import KFACOptions
+from kfac_hpc.plan.options import KFACOptions
 from kfac_hpc.train.config import ConfigError, TrainConfig
 
 COMBINATIONS = list(itertools.product(

@@ -371,7 +371,7 @@ def test_dp_kfac_input_shape_balances_owner_work(comm):
     busiest owner's share of the work drops."""
     from kfac_hpc.kfac.placement import LayerShape, place, work_per_step
     from kfac_hpc.plan import KFACOptions
-    from kfac_hpc.plan.cost import Distribution
+    from kfac_hpc.plan.distribution import Distribution
     from kfac_hpc.plan.model_shapes import model_spec
 
     batch = 16

@@ -28,8 +28,9 @@ from torch import nn
 
 from kfac_hpc import KFACPreconditioner
 from kfac_hpc.comm import Communicator
-from kfac_hpc.plan.cost import BYTE_PHASES, Distribution, KFACOptions, construction_traffic
+from kfac_hpc.plan.distribution import BYTE_PHASES, Distribution, construction_traffic
 from kfac_hpc.plan.model_shapes import model_spec
+from kfac_hpc.plan.options import KFACOptions
 
 INPUT = (3, 8, 8)
 STEPS = 5

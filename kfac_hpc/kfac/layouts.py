@@ -4,7 +4,7 @@ Each function lays out one kind of message as a
 :class:`~kfac_hpc.kfac.exchange.MessageLayout` from the placement, the layers'
 dimensions and (for decompositions) the :class:`~kfac_hpc.kfac.decomposer.Decomposer`.
 The exchanges (:mod:`kfac_hpc.kfac.exchanges`) send by these layouts and the planner
-(:mod:`kfac_hpc.plan.cost`) counts their bytes from the same functions, so a change of
+(:mod:`kfac_hpc.plan.distribution`) counts their bytes from the same functions, so a change of
 what travels changes both. Pure: no communication, no tensors.
 """
 

@@ -1,8 +1,8 @@
 """The one description of K-FAC's strategies and options (docs/design.md, "kfac — options").
 
 Read by the preconditioner (:class:`~kfac_hpc.kfac.preconditioner.KFACPreconditioner`
-validates its arguments with it), the planner (:class:`kfac_hpc.plan.cost.KFACOptions`
-and the schedule of :func:`kfac_hpc.plan.cost.estimate`) and the driver's configuration
+validates its arguments with it), the planner (:class:`kfac_hpc.plan.options.KFACOptions`
+and the schedule of :func:`kfac_hpc.plan.timing.estimate`) and the driver's configuration
 (:meth:`kfac_hpc.train.config.TrainConfig.validate`). A new option or rule is added here
 once; every reader then agrees.
 

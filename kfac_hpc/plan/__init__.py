@@ -2,7 +2,10 @@
 
 * :mod:`~kfac_hpc.plan.model_shapes`: K-FAC layer shapes of a real ``nn.Module``;
 * :mod:`~kfac_hpc.plan.collectives`: α–β formulas of the MPI collectives;
-* :mod:`~kfac_hpc.plan.cost`: exact bytes, memory and predicted time per iteration;
+* :mod:`~kfac_hpc.plan.options`: the preconditioner settings priced (``KFACOptions``);
+* :mod:`~kfac_hpc.plan.distribution`: who owns and sends what: exact bytes and memory
+  per rank;
+* :mod:`~kfac_hpc.plan.timing`: predicted time per iteration (``estimate``);
 * :mod:`~kfac_hpc.plan.profile`: machine profiles (JSON; bundled examples);
 * :mod:`~kfac_hpc.plan.choose`: candidates, the plan table, the ``auto`` choice;
 * :mod:`~kfac_hpc.plan.calibrate` / :mod:`~kfac_hpc.plan.cli`: ``kfac-hpc calibrate``
@@ -10,17 +13,11 @@
 """
 
 from kfac_hpc.plan.choose import Choice, baselines, candidates, choose, plan
-from kfac_hpc.plan.cost import (
-    Distribution,
-    Estimate,
-    KFACOptions,
-    StepTraffic,
-    construction_traffic,
-    estimate,
-    estimate_sgd,
-)
+from kfac_hpc.plan.distribution import Distribution, StepTraffic, construction_traffic
 from kfac_hpc.plan.model_shapes import LayerSpec, ModelSpec, model_spec
+from kfac_hpc.plan.options import KFACOptions
 from kfac_hpc.plan.profile import ComputeRates, Profile, bundled_profiles, load_profile
+from kfac_hpc.plan.timing import Estimate, estimate, estimate_sgd
 
 __all__ = [
     "Choice",

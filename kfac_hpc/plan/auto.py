@@ -30,9 +30,10 @@ from kfac_hpc.kfac.options import (
     default_factor_dtype,
 )
 from kfac_hpc.plan.choose import choose, hybrid_fractions
-from kfac_hpc.plan.cost import Estimate, KFACOptions, estimate
 from kfac_hpc.plan.model_shapes import model_spec
+from kfac_hpc.plan.options import KFACOptions
 from kfac_hpc.plan.profile import Profile, load_profile
+from kfac_hpc.plan.timing import Estimate, estimate
 
 __all__ = ["resolve_auto"]
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from kfac_hpc.plan.cost import STRATEGIES, Estimate, KFACOptions, estimate
+from kfac_hpc.kfac.options import STRATEGIES
 from kfac_hpc.plan.model_shapes import ModelSpec
+from kfac_hpc.plan.options import KFACOptions
 from kfac_hpc.plan.profile import Profile
+from kfac_hpc.plan.timing import Estimate, estimate
 
 __all__ = ["EXACT_STRATEGIES", "Choice", "baselines", "candidates", "choose", "hybrid_fractions",
            "plan"]

@@ -23,11 +23,12 @@ from typing import Any
 from torch import nn
 
 from kfac_hpc.files import write_text_atomic
-from kfac_hpc.kfac.options import DEFAULT_LOW_RANK_MIN_DIM
+from kfac_hpc.kfac.options import DEFAULT_LOW_RANK_MIN_DIM, STRATEGIES
 from kfac_hpc.plan.choose import baselines, plan
-from kfac_hpc.plan.cost import PHASES, STRATEGIES, Estimate, KFACOptions, estimate, estimate_sgd
 from kfac_hpc.plan.model_shapes import model_spec
+from kfac_hpc.plan.options import KFACOptions
 from kfac_hpc.plan.profile import bundled_profiles, load_profile
+from kfac_hpc.plan.timing import PHASES, Estimate, estimate, estimate_sgd
 from kfac_hpc.units import parse_bytes
 
 __all__ = ["add_arguments", "builtin_model", "run"]
