@@ -90,3 +90,44 @@ def count_host_reads(fn: Callable[[], object]) -> HostReads:
     with reads:
         fn()
     return reads
+
+
+class Timeline(TorchDispatchMode):
+    """The operators dispatched and the host reads, in the order they happen (``events``).
+
+    Operators appear by name (``"aten.mm.default"``), host reads as ``"read <method>"``.
+    Use :func:`timeline`, which enters the function mode that sees the reads as well.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        self.events.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+    def positions(self, prefixes: str | tuple[str, ...]) -> list[int]:
+        """Where the events starting with ``prefixes`` happened."""
+        return [i for i, name in enumerate(self.events) if name.startswith(prefixes)]
+
+
+class _ReadsInto(TorchFunctionMode):
+    def __init__(self, events: list[str]) -> None:
+        super().__init__()
+        self.events = events
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if func in _HOST_READS:
+            self.events.append(f"read {func.__name__}")
+        return func(*args, **(kwargs or {}))
+
+
+def timeline(fn: Callable[[], object]) -> Timeline:
+    """Run ``fn`` recording its operators and host reads in order."""
+    line = Timeline()
+    with _ReadsInto(line.events), line:
+        fn()
+    return line

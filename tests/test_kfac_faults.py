@@ -1,8 +1,8 @@
 """K-FAC faults end in one agreed outcome on every rank, and resume is exact.
 
 * Non-finite statistics on one rank: every rank raises ``KFACNumericalError`` (nothing
-  updated, the next steps run: no rank is left waiting); with a GradScaler every rank
-  skips the factor update instead.
+  updated, ``.grad`` untouched, the next steps run: no rank is left waiting); with a
+  GradScaler every rank skips the factor update instead.
 * A failed decomposition on one rank: every rank raises, the old decompositions stay.
 * ``close()`` frees the sub-communicators.
 * Save through ``checkpoint.save`` with its defaults between two inverse updates, load
@@ -79,10 +79,13 @@ def poison_one_rank(comm: Communicator, strategy: str, options: dict, scaler=Non
         x[0, 0] = float("inf")
     backward(model, x, y)
     if scaler is None:
+        grads = [p.grad.clone() for p in model.parameters()]
         with pytest.raises(KFACNumericalError, match="non-finite") as info:
             pre.step()
         assert info.value.ranks == 1
         assert bool(info.value.local) == (comm.rank == bad_rank)
+        for p, g in zip(model.parameters(), grads):  # nor were the gradients preconditioned
+            torch.testing.assert_close(p.grad, g, rtol=0, atol=0, equal_nan=True)
     else:
         pre.step()  # skipped on every rank, no error
     after = factor_snapshot(pre)

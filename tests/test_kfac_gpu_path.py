@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from mpi4py import MPI
-from op_count import GEMMS, count_host_reads, count_ops
+from op_count import GEMMS, count_host_reads, count_ops, timeline
 from shared_cases import (
     case_ids,
     fraction_for,
@@ -256,6 +256,34 @@ def test_steps_between_inverse_updates_read_back_only_the_statistics_screen(
     pre.close()
     steps = [k for k in (1, 2) if k % factor_update_steps == (0 if expected else 1)]
     assert steps and all(reads[k] == expected for k in steps), reads
+
+
+@pytest.mark.parametrize("options", [{}, {"kl_clip": 1e-3}, {"factor_sync": "inverse"}],
+                         ids=["plain", "kl-clip", "factor-sync-inverse"])
+def test_a_factor_step_reads_the_screen_after_queuing_the_preconditioning(gpu_path, options):
+    """Between inverse updates the finiteness read of a factor step (a device sync on a
+    GPU) comes after every precondition GEMM is queued and before ``.grad`` is written:
+    the host then waits while those kernels run. At an inverse step the fold comes
+    first, as the decompositions read the new factors."""
+    model = _resnet50()
+    pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), damping=0.01,
+                             inv_update_steps=3, **options)
+    x, y = torch.randn(2, 3, 16, 16), torch.tensor([1, 2])
+    lines = []
+    for _ in range(4):  # steps 0 and 3 renew the decompositions, 1 and 2 do not
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        lines.append(timeline(pre.step))
+    pre.close()
+    for k, line in enumerate(lines):
+        reads, gemms = line.positions("read "), line.positions(GEMMS)
+        writes = line.positions("aten._foreach_copy_.")
+        assert reads and gemms and writes, k
+        screen = reads[0]
+        if k in (1, 2):
+            assert gemms[-1] < screen < writes[0], (k, screen, gemms[-1], writes[0])
+        else:
+            assert screen < gemms[0], (k, screen, gemms[0])
 
 
 def test_kl_clip_on_the_device_equals_the_host_value() -> None:

@@ -80,6 +80,11 @@ class FactorUpdate:
             on_ready=self._on_factor_ready if self.pipeline is not None else None,
             stream=statistics_stream(store.device, pipelined=self.pipeline is not None))
 
+    @property
+    def sends_factors(self) -> bool:
+        """Whether factor steps send factors (reduced at every factor step)."""
+        return self.reduce and not self.deferred
+
     @timed(Phase.KFAC_FACTORS)
     def update(self, k: int, decay: float) -> None:
         """Fold step ``k``'s statistics into the factors (or the local averages).

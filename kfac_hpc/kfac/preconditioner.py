@@ -402,14 +402,32 @@ class KFACPreconditioner:
         if self._closed:
             raise RuntimeError("KFACPreconditioner.step() after close(); build a new one")
         self._check_device()
-        if self._is_factor_step(k):
+        folds = self._is_factor_step(k)
+        folds_last = folds and self._folds_after_preconditioning(k)
+        if folds and not folds_last:
             self.factor_update.update(k, self.schedules.factor_decay(k))
         self._renew_decompositions(k)
         mine, stacks = self._precondition_my_layers(k)
         updates = self.gradient_exchange.share(mine)
+        if folds_last:
+            self.factor_update.update(k, self.schedules.factor_decay(k))
         # the stacks are this step's updates themselves unless the exchange copied them
         self._apply(updates, () if self.gradient_exchange.needed else stacks, k)
         self.steps += 1
+
+    def _folds_after_preconditioning(self, k: int) -> bool:
+        """Whether factor step ``k`` folds its statistics after preconditioning.
+
+        When nothing in the step reads the new factors (no decomposition renewed,
+        installed or restored) and no factor travels, the fold waits until the gradients
+        are preconditioned and shared: its finiteness read (a device synchronisation on
+        a GPU) then waits while the precondition kernels run, instead of stalling the
+        host before they are queued. The numbers are the same, and so is a failure:
+        ``.grad`` and the factors are untouched when it raises.
+        """
+        return (not self.factor_update.sends_factors and not self._is_inverse_step(k)
+                and self.decomps.decomposed_at is not None  # None: first step, or a load
+                and not self.renewal.due(k, False))
 
     # ----------------------------------------------------------- decompositions
     def _renew_decompositions(self, k: int) -> None:
