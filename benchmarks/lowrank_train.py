@@ -43,7 +43,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 ROOT = Path(__file__).resolve().parent.parent
-DIGITS_TEST_SIZE = 360  # as kfac_hpc.train.data's digits split
+DIGITS_TEST_SIZE = 360  # as kfac_hpc.train.data.sources' digits split
 
 
 # ------------------------------------------------------------- the driver plugins

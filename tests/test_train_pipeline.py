@@ -21,10 +21,9 @@ from kfac_hpc.train.data import (
     ShardedBatchSampler,
     ShardedLoader,
     TensorDataset,
-    _resize_chw,
     load_dataset,
-    resize_center_crop,
 )
+from kfac_hpc.train.data.augment import _resize_chw, resize_center_crop
 
 WORKERS = 2
 
