@@ -16,7 +16,9 @@ mean over seeds, +- std shaded) into ``--fig-dir``.
 
 K-FAC runs the driver's default ``--kfac-approx expand``; ``kfac-comm-opt-reduce`` (not
 in the default list) is comm-opt with ``--kfac-approx reduce`` (K-FAC-reduce, Eschenhagen
-et al. 2023), with its own learning rate (``--lr TASK:kfac-reduce=LR``). ``--target-reference
+et al. 2023), with its own learning rate (``--lr TASK:kfac-reduce=LR``);
+``kfac-comm-opt-subspace`` (not in the default list either) is comm-opt with
+``--kfac-eigen-refresh subspace`` at K-FAC's learning rate. ``--target-reference
 kfac-comm-opt`` measures the target from K-FAC-expand's final accuracy instead of SGD's
 (ratios in the tables are then against expand); with ``--reuse`` it re-analyses finished
 runs without running anything. ``--fig-tag`` names the figures (and results JSON) apart
@@ -90,6 +92,11 @@ OPTIMIZERS: dict[str, list[str]] = {
     # averaged inputs and summed output gradients
     "kfac-comm-opt-reduce": ["--optimizer", "sgd", "--preconditioner", "kfac",
                              "--kfac-strategy", "comm-opt", "--kfac-approx", "reduce"],
+    # eigenbases renewed by one subspace-iteration step from the previous ones (the
+    # first inverse update by eigh): K-FAC's cheaper inverse update, learning rate "kfac"
+    "kfac-comm-opt-subspace": ["--optimizer", "sgd", "--preconditioner", "kfac",
+                               "--kfac-strategy", "comm-opt", "--kfac-eigen-refresh",
+                               "subspace"],
     "kfac-mem-opt": ["--optimizer", "sgd", "--preconditioner", "kfac",
                      "--kfac-strategy", "mem-opt"],
     "kfac-dp-kfac": ["--optimizer", "sgd", "--preconditioner", "kfac",
@@ -103,10 +110,11 @@ DEFAULT_OPTIMIZERS = ("sgd", "adam", "kfac-comm-opt", "kfac-mem-opt", "kfac-dp-k
 GPT_OPTIMIZERS = ("adamw", "kfac-comm-opt", "shampoo")
 LABELS = {"sgd": "SGD", "adam": "Adam", "kfac-comm-opt": "K-FAC comm-opt",
           "kfac-comm-opt-reduce": "K-FAC comm-opt reduce",
+          "kfac-comm-opt-subspace": "K-FAC comm-opt subspace",
           "kfac-mem-opt": "K-FAC mem-opt", "kfac-dp-kfac": "K-FAC dp-kfac",
           "shampoo": "Shampoo", "adamw": "AdamW"}
 COLORS = {"sgd": "black", "adam": "tab:orange", "kfac-comm-opt": "tab:blue",
-          "kfac-comm-opt-reduce": "tab:brown",
+          "kfac-comm-opt-reduce": "tab:brown", "kfac-comm-opt-subspace": "tab:olive",
           "kfac-mem-opt": "tab:cyan", "kfac-dp-kfac": "tab:purple", "shampoo": "tab:green",
           "adamw": "tab:red"}
 TASKS = ("digits", "resnet20", "gpt")
