@@ -1,7 +1,7 @@
 """Head-to-head against KAISA (gpauloski/kfac-pytorch): iteration time, bytes, memory.
 
     launch/local -n P python benchmarks/vs_kaisa.py [--models mlp cnn resnet20 resnet50]
-        [--device cpu|cuda] [--configs sgd kfac_hpc kfac_hpc-reduce kaisa]
+        [--device cpu|cuda] [--configs sgd kfac_hpc kfac_hpc-reduce kfac_hpc-subspace kaisa]
         [--timing schedule|kinds] [--rounds 20] [--warmup 2] [--batch 32]
         [--image-size S] [--factor-steps 1] [--inv-steps 10] [--damping 0.003] [--lr 0.1]
         [--threads T] [--clock wall|cpu] [--max-seconds S] [--factor-warmup N [N ...]]
@@ -32,9 +32,12 @@ Configurations (``--configs``; each has its own copy of the model, same initial 
   ``kfac_approx="expand"``.
 * ``kfac_hpc-reduce``: the same with ``kfac_approx="reduce"`` (K-FAC-reduce for layers
   with positions: convolutions).
+* ``kfac_hpc-subspace``: ``kfac_hpc`` with ``eigen_refresh="subspace"`` (eigenbases after
+  the first renewed by one subspace-iteration step from the previous ones).
 * ``kaisa``: KAISA's ``KFACPreconditioner``, eigen, COMM-OPT (``grad_worker_fraction=1.0``).
 
-Default: ``kfac_hpc kaisa`` with ``--timing schedule``, all four with ``--timing kinds``.
+Default: ``kfac_hpc kaisa`` with ``--timing schedule``, every one but
+``kfac_hpc-subspace`` with ``--timing kinds``.
 The same model (same initial weights), the same fixed synthetic batch per rank, the same
 hyper-parameters (``damping``, ``factor_decay`` 0.95, ``kl_clip`` 0.001, ``lr``,
 eigendecomposition, fp32) and the same ranks go to every library. An iteration is
@@ -230,11 +233,14 @@ from kfac_hpc.units import format_bytes
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 
-CONFIGS = ("sgd", "kfac_hpc", "kfac_hpc-reduce", "kaisa")
+CONFIGS = ("sgd", "kfac_hpc", "kfac_hpc-reduce", "kfac_hpc-subspace", "kaisa")
 LEGACY_CONFIGS = ("kfac_hpc", "kaisa")  # the default with --timing schedule
+KINDS_CONFIGS = ("sgd", "kfac_hpc", "kfac_hpc-reduce", "kaisa")  # the default with kinds
+#: kfac_hpc's configurations other than the plain one, and what each changes
+VARIANTS = {"kfac_hpc-reduce": "reduce", "kfac_hpc-subspace": "subspace"}
 #: labels in tables and JSON keys ("kfac_hpc" and "KAISA" as before the configurations)
 LABELS = {"sgd": "SGD", "kfac_hpc": "kfac_hpc", "kfac_hpc-reduce": "kfac_hpc-reduce",
-          "kaisa": "KAISA"}
+          "kfac_hpc-subspace": "kfac_hpc-subspace", "kaisa": "KAISA"}
 KINDS = ("fi", "f", "p")
 ITERATION = "it"  # the one kind of SGD, and of every configuration with --timing schedule
 SCHEDULES = ((1, 10), (10, 100))
@@ -490,7 +496,9 @@ class Lib:
                                           factor_sync=hp["factor_sync"],
                                           symmetric_packing=hp["symmetric_packing"],
                                           decomposition_streams=hp["decomposition_streams"],
-                                          kfac_approx=approx, **common)
+                                          kfac_approx=approx,
+                                          eigen_refresh="subspace" if config
+                                          == "kfac_hpc-subspace" else "eigh", **common)
         elif self.is_kaisa:
             self.pre = kaisa.preconditioner.KFACPreconditioner(
                 self.model, grad_worker_fraction=1.0, compute_method="eigen", **common)
@@ -816,10 +824,10 @@ def schedule_table(results: dict[str, Any]) -> str:
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, res in results["models"].items():
         k = res.get("KAISA")
-        ours: list[str | None] = [c for c in ("kfac_hpc", "kfac_hpc-reduce") if c in res]
+        ours: list[str | None] = [c for c in ("kfac_hpc", *VARIANTS) if c in res]
         for c in ours or [None]:
             o = res[c] if c is not None else None
-            label = name if c in (None, "kfac_hpc") else f"{name} (reduce)"
+            label = name if c in (None, "kfac_hpc") else f"{name} ({VARIANTS[c]})"
             ratio_med = ratio_mean = "–"
             if o is not None and k is not None:
                 ratio_med = f"{o['median_ms'] / k['median_ms']:.2f}"
@@ -967,7 +975,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.timing is None:
         args.timing = "kinds" if cuda else "schedule"
     if args.configs is None:
-        args.configs = list(CONFIGS if args.timing == "kinds" else LEGACY_CONFIGS)
+        args.configs = list(KINDS_CONFIGS if args.timing == "kinds" else LEGACY_CONFIGS)
     args.configs = [c for c in CONFIGS if c in args.configs]  # fixed order, no repeats
     if cuda and args.clock == "cpu":
         ap.error("--clock cpu measures host CPU time: not GPU work; use --clock wall")
