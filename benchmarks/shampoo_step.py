@@ -144,6 +144,7 @@ from kfac_hpc import GradientAverager
 from kfac_hpc.comm import Communicator
 from kfac_hpc.models import build_model
 from kfac_hpc.shampoo import DistributedShampoo, root_method_from
+from kfac_hpc.shampoo.blocking import MERGE_ORDERS
 from kfac_hpc.shampoo.root_methods import ROOT_METHOD_NAMES
 
 FREQUENCIES = (1, 10, 100)  # composed in the table, with --frequency
@@ -327,7 +328,8 @@ def optimizers(args: argparse.Namespace, meta: Any) -> dict[
         "shampoo": lambda m, c: DistributedShampoo(
             m.named_parameters(), lr=1e-3, betas=(0.9, 0.999), epsilon=1e-12,
             weight_decay=wd, decoupled_weight_decay=True, max_preconditioner_dim=args.max_dim,
-            precondition_frequency=1, start_preconditioning_step=1, grafting="adam",
+            merge_dims_from=args.merge_dims_from, precondition_frequency=1,
+            start_preconditioning_step=1, grafting="adam",
             grafting_beta2=0.999, grafting_epsilon=1e-8, comm=c,
             root_method=root_method_from(args.root_method),
             decomposition_streams=args.decomposition_streams,
@@ -467,6 +469,7 @@ def run_model(name: str, args: argparse.Namespace, comm: Communicator, device: t
         "model": name, "model_description": what, "params": n_params,
         "world_size": comm.size, "device": str(device), "configs": list(runners),
         "baseline": baseline, "blocks": len(blocks), "max_dim": args.max_dim,
+        "merge_dims_from": args.merge_dims_from,
         "root_method": repr(root_method_from(args.root_method)),
         "decomposition_streams": args.decomposition_streams,
         "precondition_vectors": not args.vectors_to_grafting,
@@ -497,7 +500,8 @@ def report(result: dict[str, Any], markdown: bool) -> str:
     cuda = "cuda_peak_bytes" in mem
     lines = [
         f"## {result['model']} ({result['params']:,} parameters, {result['blocks']} blocks "
-        f"of kfac_hpc's Shampoo, max dim {result['max_dim']}, roots "
+        f"of kfac_hpc's Shampoo, max dim {result['max_dim']}, merged from the "
+        f"{result.get('merge_dims_from', 'first')} dimension, roots "
         f"{result.get('root_method', 'EigenRoots()')}, "
         f"{result.get('decomposition_streams', 1)} decomposition stream(s)), "
         f"{result['world_size']} ranks, "
@@ -581,6 +585,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "step, SubspaceRoots(): a root step measured here is a refresh "
                              "9 times in 10) or newton (coupled Newton iteration, "
                              "NewtonRoots())")
+    parser.add_argument("--merge-dims-from", choices=MERGE_ORDERS, default="last",
+                        help="kfac_hpc's Shampoo: where a parameter's small dimensions start "
+                             "to merge into blocks (merge_dims_from; Meta's merges from the "
+                             "last)")
     parser.add_argument("--vectors-to-grafting", action="store_true",
                         help="kfac_hpc's Shampoo with precondition_vectors=False: blocks of "
                              "order 1 take the grafting direction alone (Meta's runs as "
@@ -662,7 +670,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{nominal_estimate(args):.0f} s")
     suffix = ("_cuda" if device.type == "cuda" else "") + (
         "_newton" if args.root_method == "newton" else "") + (
-        f"_streams{args.decomposition_streams}" if args.decomposition_streams != 1 else "")
+        f"_streams{args.decomposition_streams}" if args.decomposition_streams != 1 else "") + (
+        "_merge_first" if args.merge_dims_from == "first" else "")
     for name in models:
         result = run_model(name, args, comm, device, meta, say)
         result["machine"] = info

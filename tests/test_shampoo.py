@@ -440,6 +440,65 @@ def test_load_state_dict_rejects_mismatches() -> None:
         opt.load_state_dict(torch.optim.Adam(model.parameters()).state_dict())
 
 
+def conv_model() -> nn.Module:
+    """Two convolutions whose weights merge differently from the last and the first dim."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.Tanh(), nn.Conv2d(4, 4, 3), nn.Flatten())
+
+
+def train_conv(model: nn.Module, opt: DistributedShampoo, steps: int) -> None:
+    g = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        x = torch.randn(6, 3, 7, 7, generator=g)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+
+def test_blocks_merge_from_the_last_dimension_unless_told() -> None:
+    model = conv_model()
+    last = DistributedShampoo(model.named_parameters(), max_preconditioner_dim=36)
+    first = DistributedShampoo(model.named_parameters(), max_preconditioner_dim=36,
+                               merge_dims_from="first")
+    assert last.state_dict()["blocks"]["2.weight"]["merged_shape"] == [4, 36]
+    assert first.state_dict()["blocks"]["2.weight"]["merged_shape"] == [16, 9]
+    with pytest.raises(ValueError, match="invalid merge_dims_from='middle'; allowed: 'last' "
+                                         "or 'first'"):
+        DistributedShampoo(model.parameters(), merge_dims_from="middle")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("without_the_key", [False, True], ids=["saved", "older-dict"])
+def test_a_state_saved_with_the_other_merge_order_names_the_setting(without_the_key: bool
+                                                                      ) -> None:
+    """A state dict merged from the first dimension (every dict saved before the option
+    had no key for it) does not load into the default; the error names the setting that
+    does, and with it the run continues as the saving one."""
+    model = conv_model()
+    opt = DistributedShampoo(model.named_parameters(), lr=0.01, max_preconditioner_dim=36,
+                             precondition_frequency=2, merge_dims_from="first")
+    train_conv(model, opt, 3)
+    sd = opt.state_dict()
+    if without_the_key:
+        for group in sd["param_groups"]:
+            del group["merge_dims_from"]
+    twin = copy.deepcopy(model)
+    default = DistributedShampoo(twin.named_parameters(), lr=0.01, max_preconditioner_dim=36)
+    with pytest.raises(ValueError, match=r"'0\.weight' was split into blocks \[\[36, 3\]\] "
+                                         r"\(merged shape \[36, 3\]\) but is split into "
+                                         r"\[\[4, 27\]\] here \(merged shape \[4, 27\]\); "
+                                         r"it was saved with max_preconditioner_dim=36, "
+                                         r"merge_dims_from='first': build the optimizer"):
+        default.load_state_dict(sd)
+    resumed = DistributedShampoo(twin.named_parameters(), lr=0.01, max_preconditioner_dim=36,
+                                 merge_dims_from="first")
+    resumed.load_state_dict(sd)
+    assert resumed.param_groups[0]["merge_dims_from"] == "first"
+    train_conv(model, opt, 3)
+    train_conv(twin, resumed, 3)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
 # ------------------------------------------------------------- failures
 def test_nan_gradient_names_parameter_and_block() -> None:
     model = mlp(torch.float32)

@@ -17,7 +17,7 @@ from kfac_hpc.shampoo import (
     kronecker,
     merge_dims,
 )
-from kfac_hpc.shampoo.blocking import split_dim
+from kfac_hpc.shampoo.blocking import MergeOrder, split_dim
 from kfac_hpc.shampoo.kronecker import accumulate_factors, gram_operand, mode_matrices, precondition
 
 
@@ -35,16 +35,40 @@ def test_merge_dims(shape: tuple[int, ...], max_dim: int, merged: tuple[int, ...
     assert merge_dims(shape, max_dim) == merged
 
 
+@pytest.mark.parametrize("shape,max_dim,last,first", [
+    ((32, 32, 3, 3), 1024, (32, 288), (1024, 9)),  # a ResNet-20 conv: (out, in·kh·kw)
+    ((128, 128, 3, 3), 1024, (128, 128, 9), (128, 384, 3)),
+    ((64, 3, 7, 7), 1024, (64, 147), (192, 49)),  # ResNet's stem
+    ((32, 3, 64, 64), 8192, (96, 4096), (6144, 64)),
+    ((1, 2, 5, 1), 10, (10,), (10,)),
+    ((2, 3, 4), 12, (2, 12), (6, 4)),
+])
+def test_merge_dims_from_the_last_or_the_first_dimension(
+        shape: tuple[int, ...], max_dim: int, last: tuple[int, ...],
+        first: tuple[int, ...]) -> None:
+    """The default merges from the last dimension (as Meta's Distributed Shampoo does)."""
+    assert merge_dims(shape, max_dim) == last == merge_dims(shape, max_dim, "last")
+    assert merge_dims(shape, max_dim, "first") == first
+    assert [b.merged_shape for b in block_param("w", shape, max_dim, "first")][:1] == [first]
+
+
+def test_merge_dims_refuses_an_unknown_order() -> None:
+    with pytest.raises(ValueError, match="merge_from must be one of"):
+        merge_dims((4, 4), 8, "middle")  # type: ignore[arg-type]
+
+
 def test_split_dim() -> None:
     assert split_dim(10, 4) == [4, 4, 2]
     assert split_dim(8, 4) == [4, 4]
     assert split_dim(3, 4) == [3]
 
 
+@pytest.mark.parametrize("merge_from", ["last", "first"])
 @pytest.mark.parametrize("shape,max_dim", [((7, 10), 3), ((4, 5, 6), 4), ((9,), 2),
                                            ((64, 32, 3, 3), 100), ((), 5), ((0, 3), 2)])
-def test_blocks_partition_the_parameter(shape: tuple[int, ...], max_dim: int) -> None:
-    blocks = block_param("w", shape, max_dim)
+def test_blocks_partition_the_parameter(shape: tuple[int, ...], max_dim: int,
+                                        merge_from: MergeOrder) -> None:
+    blocks = block_param("w", shape, max_dim, merge_from)
     n = math.prod(shape)
     assert sum(b.numel for b in blocks) == n
     if n == 0:

@@ -23,11 +23,13 @@ for the sole benefit of a communication-free ``state_dict()``. Measured with
 MiB per rank, max over ranks, including the two gather buffers)::
 
     model (params)        all blocks   1 rank   2 ranks   4 ranks   torch Adam
-    MLP 64-256-128-10 (51k)     2.3      2.7       1.5       1.2        0.39
-    ResNet-20 (272k)           91.7     93.8      48.9      25.5        2.08
+    MLP 64-256-128-10 (51k)     2.3      2.3       1.5       1.2        0.39
+    ResNet-20 (272k)           27.0     27.0      15.7       8.4        2.08
 
-(ResNet-20's 3x3 convolutions merge into 768x3, 1024x9 and 64x576 blocks, hence
-factors far larger than the parameters.) The price is that ``state_dict()`` is
+(ResNet-20's 3x3 convolutions merge into ``(c_out, 9·c_in)`` blocks, up to 64x576, so
+its 576² factors hold more than the parameters; merged from the first dimension, the
+earlier rule, its blocks were up to 1024x9 and the state 91.7 MiB. One rank has no
+gather buffers.) The price is that ``state_dict()`` is
 collective: it gathers every block's state onto every rank (an ``allgather_object``
 of metadata plus one ``allgatherv`` of raw bytes; CPU tensors, so a checkpoint briefly
 holds the whole state on every rank), keyed by ``(parameter name, block index)`` with

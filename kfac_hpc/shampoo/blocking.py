@@ -2,10 +2,19 @@
 
 A parameter of shape ``(d_1, ..., d_n)`` is first viewed with consecutive dimensions
 merged while their product stays ``<= max_dim`` (dimensions of size 1 vanish; a
-0-d parameter is ``(1,)``), e.g. a conv weight ``(64, 32, 3, 3)`` with
-``max_dim=1024`` becomes ``(64, 288)``. That *merged* tensor is tiled into blocks of
-at most ``max_dim`` along every dimension, numbered in row-major order of the tile
-grid. A block of order k keeps k Kronecker factors, one per dimension.
+0-d parameter is ``(1,)``), starting from the last dimension (``merge_from="last"``,
+the default): a conv weight ``(out, in, kh, kw)`` keeps ``out`` and merges
+``in·kh·kw`` where that fits, the layout of its unfolded input and of K-FAC's factors
+(Meta's Distributed Shampoo merges the same way). With ``max_dim=1024``, ``(64, 32, 3,
+3)`` becomes ``(64, 288)`` and ``(32, 32, 3, 3)`` becomes ``(32, 288)``.
+``merge_from="first"`` starts from the first dimension instead, the rule of state dicts
+saved before the option existed: ``(32, 32, 3, 3)`` becomes ``(1024, 9)``, whose
+``1024²`` factor costs 45x the root work of ``32² + 288²`` (ResNet-20 at max dim 1024:
+``Σ d³`` 9.7e9 against 1.6e9, factor memory 3.6x).
+
+That *merged* tensor is tiled into blocks of at most ``max_dim`` along every dimension,
+numbered in row-major order of the tile grid. A block of order k keeps k Kronecker
+factors, one per dimension.
 
 Everything here is a pure function of the shape and ``max_dim``: the block list, and
 so a block's identity ``(parameter name, block index)``, never depends on the world
@@ -18,11 +27,17 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
-__all__ = ["BlockSpec", "block_param", "merge_dims", "split_dim"]
+__all__ = ["MERGE_ORDERS", "BlockSpec", "MergeOrder", "block_param", "merge_dims", "split_dim"]
+
+#: Where merging starts: from the last dimension (the default) or from the first.
+MergeOrder = Literal["last", "first"]
+MERGE_ORDERS: tuple[MergeOrder, ...] = ("last", "first")
 
 
-def merge_dims(shape: Sequence[int], max_dim: int) -> tuple[int, ...]:
+def merge_dims(shape: Sequence[int], max_dim: int,
+               merge_from: MergeOrder = "last") -> tuple[int, ...]:
     """Merge consecutive dimensions while their product is ``<= max_dim``.
 
     Dimensions of size 1 are dropped; a 0-d or all-ones shape gives ``(1,)``. A dimension
@@ -31,12 +46,18 @@ def merge_dims(shape: Sequence[int], max_dim: int) -> tuple[int, ...]:
     Args:
         shape: The parameter's shape.
         max_dim: The largest merged dimension.
+        merge_from: ``"last"``: merge from the last dimension towards the first (the
+            default); ``"first"``: from the first towards the last.
 
     Returns:
         The merged shape.
     """
     if max_dim < 1:
         raise ValueError(f"max_dim must be >= 1, got {max_dim}")
+    if merge_from not in MERGE_ORDERS:
+        raise ValueError(f"merge_from must be one of {MERGE_ORDERS}, got {merge_from!r}")
+    if merge_from == "last":
+        return tuple(reversed(merge_dims(tuple(reversed(shape)), max_dim, "first")))
     merged: list[int] = []
     current = 1
     for d in shape:
@@ -98,20 +119,22 @@ class BlockSpec:
         return float(sum(d**3 for d in self.shape))
 
 
-def block_param(name: str, shape: Sequence[int], max_dim: int) -> list[BlockSpec]:
+def block_param(name: str, shape: Sequence[int], max_dim: int,
+                merge_from: MergeOrder = "last") -> list[BlockSpec]:
     """Split a parameter into its blocks (empty if it has no elements).
 
     Args:
         name: The parameter's name.
         shape: Its shape.
         max_dim: The largest block side.
+        merge_from: Where merging starts (:func:`merge_dims`).
 
     Returns:
         The blocks, in the merged view's row-major tile order.
     """
     if math.prod(shape) == 0:
         return []
-    merged = merge_dims(shape, max_dim)
+    merged = merge_dims(shape, max_dim, merge_from)
     chunks = [split_dim(d, max_dim) for d in merged]
     starts = [list(itertools.accumulate([0, *sizes[:-1]])) for sizes in chunks]
     blocks = []

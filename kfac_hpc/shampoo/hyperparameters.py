@@ -15,16 +15,18 @@ from typing import Any
 
 import torch
 
+from kfac_hpc.shampoo.blocking import MERGE_ORDERS
 from kfac_hpc.shampoo.grafting import GRAFTING_KINDS
 
 __all__ = ["COMMUNICATION_DTYPES", "FACTOR_DTYPES", "GROUP_OPTIONS", "validate_dtype",
            "validate_group", "validate_int"]
 
-#: Options that may differ per parameter group (``max_preconditioner_dim`` is read
-#: once, when the group is added: it decides the blocks).
+#: Options that may differ per parameter group (``max_preconditioner_dim`` and
+#: ``merge_dims_from`` are read once, when the group is added: they decide the blocks).
 GROUP_OPTIONS = (
     "lr", "betas", "epsilon", "momentum", "nesterov", "weight_decay", "decoupled_weight_decay",
-    "max_preconditioner_dim", "precondition_frequency", "start_preconditioning_step",
+    "max_preconditioner_dim", "merge_dims_from", "precondition_frequency",
+    "start_preconditioning_step",
     "grafting", "grafting_epsilon", "grafting_beta2", "use_bias_correction",
     "precondition_vectors", "statistics_frequency",
 )
@@ -107,6 +109,9 @@ def validate_group(group: dict[str, Any]) -> None:
         raise _fail("weight_decay", group["weight_decay"], "a number >= 0")
     _check_bool("decoupled_weight_decay", group["decoupled_weight_decay"])
     validate_int("max_preconditioner_dim", group["max_preconditioner_dim"], 1)
+    if group["merge_dims_from"] not in MERGE_ORDERS:
+        raise _fail("merge_dims_from", group["merge_dims_from"],
+                    " or ".join(repr(o) for o in MERGE_ORDERS))
     validate_int("precondition_frequency", group["precondition_frequency"], 1)
     validate_int("start_preconditioning_step", group["start_preconditioning_step"], 1)
     if group["grafting"] is not None and group["grafting"] not in GRAFTING_KINDS:

@@ -38,7 +38,7 @@ from kfac_hpc.shampoo.block_update import (
     start_runs,
     update_statistics,
 )
-from kfac_hpc.shampoo.blocking import BlockSpec
+from kfac_hpc.shampoo.blocking import BlockSpec, MergeOrder
 from kfac_hpc.shampoo.errors import (
     STATUS_EXCEPTION,
     STATUS_NONFINITE_STATISTICS,
@@ -91,6 +91,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         decoupled_weight_decay: bool = True,
         max_preconditioner_dim: int = 1024,
+        merge_dims_from: MergeOrder = "last",
         precondition_frequency: int = 1,
         start_preconditioning_step: int = 1,
         grafting: str | None = "adam",
@@ -126,6 +127,12 @@ class DistributedShampoo(torch.optim.Optimizer):
             decoupled_weight_decay: Add the decay to the direction after preconditioning
                 (AdamW-style); False adds it to the gradient (L2).
             max_preconditioner_dim: Largest block side; read when a group is added.
+            merge_dims_from: Where a parameter's small dimensions start to merge
+                (:mod:`~kfac_hpc.shampoo.blocking`): ``"last"`` (the default: a conv
+                weight ``(out, in, kh, kw)`` becomes ``(out, in·kh·kw)`` where that fits)
+                or ``"first"`` (``(32, 32, 3, 3)`` becomes ``(1024, 9)``: the rule of
+                state dicts saved before this option, which need it to be loaded). Read
+                when a group is added.
             precondition_frequency: Steps between root recomputations.
             start_preconditioning_step: First step (1-based) that uses Shampoo's direction;
                 earlier steps use the grafting direction alone.
@@ -188,7 +195,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         defaults = dict(
             lr=lr, betas=betas, epsilon=epsilon, momentum=momentum, nesterov=nesterov,
             weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
-            max_preconditioner_dim=max_preconditioner_dim,
+            max_preconditioner_dim=max_preconditioner_dim, merge_dims_from=merge_dims_from,
             precondition_frequency=precondition_frequency,
             start_preconditioning_step=start_preconditioning_step, grafting=grafting,
             grafting_epsilon=grafting_epsilon, grafting_beta2=grafting_beta2,
@@ -302,8 +309,8 @@ class DistributedShampoo(torch.optim.Optimizer):
                 self._name_of[p] = name
                 self._param_by_name[name] = p
                 self._blocks_of[p] = []
-                max_dim = group["max_preconditioner_dim"]
-                for spec in blocking.block_param(name, tuple(p.shape), max_dim):
+                max_dim, merge_from = group["max_preconditioner_dim"], group["merge_dims_from"]
+                for spec in blocking.block_param(name, tuple(p.shape), max_dim, merge_from):
                     self._blocks_of[p].append(len(blocks))
                     blocks.append(spec)
                     block_param.append(p)
@@ -739,12 +746,11 @@ class DistributedShampoo(torch.optim.Optimizer):
                           + (" (same names, different order)" if not missing and not extra else ""))
         current = {b.key: b for b in self.layout.blocks}
         states = _normalise_states(sd["state"])
-        for name, info in sd.get("blocks", {}).items():
-            mine = [list(self.layout.blocks[i].shape) for i in self._blocks_of[self._param(name)]]
-            if [list(s) for s in info["block_shapes"]] != mine:
-                raise bad(f"parameter {name!r} was split into blocks {info['block_shapes']} "
-                          f"but is split into {mine} here (different shape or "
-                          "max_preconditioner_dim)")
+        for saved, names in zip(groups, self._param_names()):
+            for name in names:
+                info = sd.get("blocks", {}).get(name)
+                if info is not None:
+                    self._check_blocks(name, info, saved, bad)
         for (name, index), block_state in states.items():
             spec = current.get((name, index))
             if spec is None:
@@ -756,6 +762,31 @@ class DistributedShampoo(torch.optim.Optimizer):
                 if factor is None or tuple(factor.shape) != (d, d):
                     raise bad(f"block ({name!r}, {index}) factor_{i} should be {d}x{d}, got "
                               f"{None if factor is None else tuple(factor.shape)}")
+
+    def _check_blocks(self, name: str, info: BlockShapes, saved_group: dict[str, Any],
+                      bad: Callable[[str], ValueError]) -> None:
+        """Check that parameter ``name`` was split as it is here (merged view and blocks).
+
+        A state dict without ``merge_dims_from`` in its groups was saved when dimensions
+        merged from the first one; the message names the setting that would fit.
+        """
+        p = self._param(name)
+        specs = [self.layout.blocks[i] for i in self._blocks_of[p]]
+        mine = [list(spec.shape) for spec in specs]
+        merged = list(specs[0].merged_shape) if specs else []
+        theirs = [list(s) for s in info["block_shapes"]]
+        if theirs == mine and list(info.get("merged_shape", merged)) == merged:
+            return
+        max_dim = saved_group.get("max_preconditioner_dim", 1024)
+        fits = [order for order in blocking.MERGE_ORDERS
+                if [list(b.shape) for b in blocking.block_param(
+                    name, tuple(p.shape), max_dim, order)] == theirs]
+        hint = (f"; it was saved with max_preconditioner_dim={max_dim}, merge_dims_from="
+                f"{fits[0]!r}: build the optimizer with those to load it" if fits
+                else " (different shape, max_preconditioner_dim or merge_dims_from)")
+        raise bad(f"parameter {name!r} was split into blocks {info['block_shapes']} (merged "
+                  f"shape {info.get('merged_shape')}) but is split into {mine} here (merged "
+                  f"shape {merged}){hint}")
 
     def _param(self, name: str) -> Tensor:
         if name not in self._param_by_name:
