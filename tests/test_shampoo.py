@@ -487,7 +487,10 @@ def test_a_state_saved_with_the_other_merge_order_names_the_setting(without_the_
                                          r"\(merged shape \[36, 3\]\) but is split into "
                                          r"\[\[4, 27\]\] here \(merged shape \[4, 27\]\); "
                                          r"it was saved with max_preconditioner_dim=36, "
-                                         r"merge_dims_from='first': build the optimizer"):
+                                         r"merge_dims_from='first': build DistributedShampoo "
+                                         r"with those to load it \(kfac-hpc train: "
+                                         r"--shampoo-options max_preconditioner_dim=36,"
+                                         r"merge_dims_from=first\)"):
         default.load_state_dict(sd)
     resumed = DistributedShampoo(twin.named_parameters(), lr=0.01, max_preconditioner_dim=36,
                                  merge_dims_from="first")

@@ -781,9 +781,13 @@ class DistributedShampoo(torch.optim.Optimizer):
         fits = [order for order in blocking.MERGE_ORDERS
                 if [list(b.shape) for b in blocking.block_param(
                     name, tuple(p.shape), max_dim, order)] == theirs]
-        hint = (f"; it was saved with max_preconditioner_dim={max_dim}, merge_dims_from="
-                f"{fits[0]!r}: build the optimizer with those to load it" if fits
-                else " (different shape, max_preconditioner_dim or merge_dims_from)")
+        hint = " (different shape, max_preconditioner_dim or merge_dims_from)"
+        if fits:
+            settings = {"max_preconditioner_dim": max_dim, "merge_dims_from": fits[0]}
+            hint = ("; it was saved with " + ", ".join(f"{k}={v!r}" for k, v in settings.items())
+                    + ": build DistributedShampoo with those to load it (kfac-hpc train: "
+                    "--shampoo-options " + ",".join(f"{k}={v}" for k, v in settings.items())
+                    + ")")
         raise bad(f"parameter {name!r} was split into blocks {info['block_shapes']} (merged "
                   f"shape {info.get('merged_shape')}) but is split into {mine} here (merged "
                   f"shape {merged}){hint}")
