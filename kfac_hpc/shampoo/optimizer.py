@@ -144,7 +144,7 @@ class DistributedShampoo(torch.optim.Optimizer):
                 scales, any parameter that merges to one dimension) with a ``d x d``
                 factor. False: they take the grafting direction alone and keep no factors
                 or roots (ResNet-50 at max dim 1024: 107 of its 161 parameters, 115 of
-                its 250 factors, 47 % of a root step's ``sum(d**3)``). A group option
+                its 250 factors, 49 % of a root step's ``sum(d**3)``). A group option
                 (``load_state_dict`` restores the saved groups' value, as for the
                 others, and rebalances the owners when it differs); a vector's factors,
                 roots and bases are dropped at its first step left to grafting, and
