@@ -110,6 +110,40 @@ def test_nonfinite_statistics_agreed(comm, strategy, options):
     poison_one_rank(comm, strategy, options)
 
 
+def test_a_step_that_raises_before_its_fold_drops_its_statistics(monkeypatch):
+    """Between inverse updates one rank folds after preconditioning; an error there
+    leaves the factors as they were and drops the step's statistics, so the next step
+    folds its own alone, as one that never captured the failed one's."""
+    def run(fail: bool) -> dict[str, torch.Tensor]:
+        model = mlp()
+        pre = kfac(model, Communicator(MPI.COMM_SELF), "comm-opt")
+        for step in range(3):
+            backward(model, *batch(step, 0))
+            pre.step()
+        before = factor_snapshot(pre)
+        if fail:
+            backward(model, *batch(3, 0))
+            real = pre._precondition_my_layers
+
+            def raises(k: int):  # type: ignore[no-untyped-def]
+                raise RuntimeError("injected")
+
+            monkeypatch.setattr(pre, "_precondition_my_layers", raises)
+            with pytest.raises(RuntimeError, match="injected"):
+                pre.step()
+            monkeypatch.setattr(pre, "_precondition_my_layers", real)
+            for key, value in before.items():
+                assert torch.equal(factor_snapshot(pre)[key], value), key
+        backward(model, *batch(4, 0))
+        pre.step()
+        pre.close()
+        return factor_snapshot(pre)
+
+    failed, clean = run(True), run(False)
+    for key in clean:
+        assert torch.equal(failed[key], clean[key]), key
+
+
 class Scaler:
     """The two methods K-FAC reads from a ``torch.amp.GradScaler``."""
 

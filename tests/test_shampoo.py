@@ -502,6 +502,23 @@ def test_a_state_saved_with_the_other_merge_order_names_the_setting(without_the_
         assert torch.equal(a, b)
 
 
+def test_the_message_names_the_saved_merge_order_where_both_would_fit() -> None:
+    """A 2-D weight is blocked alike from either end; the message then names the order
+    the state was saved with, which fits the other parameters too."""
+    torch.manual_seed(0)
+    model = nn.Linear(40, 50)
+    opt = DistributedShampoo(model.named_parameters(), max_preconditioner_dim=36,
+                             merge_dims_from="first")
+    model(torch.randn(8, 40)).square().mean().backward()
+    opt.step()
+    sd = opt.state_dict()
+    other = DistributedShampoo(copy.deepcopy(model).named_parameters(),
+                               max_preconditioner_dim=64)
+    with pytest.raises(ValueError, match=r"'weight' .* saved with max_preconditioner_dim=36, "
+                                         r"merge_dims_from='first'"):
+        other.load_state_dict(sd)
+
+
 # ------------------------------------------------------------- failures
 def test_nan_gradient_names_parameter_and_block() -> None:
     model = mlp(torch.float32)

@@ -407,8 +407,13 @@ class KFACPreconditioner:
         if folds and not folds_last:
             self.factor_update.update(k, self.schedules.factor_decay(k))
         self._renew_decompositions(k)
-        mine, stacks = self._precondition_my_layers(k)
-        updates = self.gradient_exchange.share(mine)
+        try:
+            mine, stacks = self._precondition_my_layers(k)
+            updates = self.gradient_exchange.share(mine)
+        except BaseException:
+            if folds_last:  # the step is not applied: its statistics are dropped
+                self.factor_update.capture.clear()
+            raise
         if folds_last:
             self.factor_update.update(k, self.schedules.factor_decay(k))
         # the stacks are this step's updates themselves unless the exchange copied them

@@ -778,7 +778,9 @@ class DistributedShampoo(torch.optim.Optimizer):
         if theirs == mine and list(info.get("merged_shape", merged)) == merged:
             return
         max_dim = saved_group.get("max_preconditioner_dim", 1024)
-        fits = [order for order in blocking.MERGE_ORDERS
+        saved_order = saved_group.get("merge_dims_from", "first")  # none saved: "first"
+        orders = [saved_order, *(o for o in blocking.MERGE_ORDERS if o != saved_order)]
+        fits = [order for order in orders
                 if [list(b.shape) for b in blocking.block_param(
                     name, tuple(p.shape), max_dim, order)] == theirs]
         hint = " (different shape, max_preconditioner_dim or merge_dims_from)"
