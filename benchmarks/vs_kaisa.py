@@ -201,7 +201,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -236,8 +236,11 @@ RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 CONFIGS = ("sgd", "kfac_hpc", "kfac_hpc-reduce", "kfac_hpc-subspace", "kaisa")
 LEGACY_CONFIGS = ("kfac_hpc", "kaisa")  # the default with --timing schedule
 KINDS_CONFIGS = ("sgd", "kfac_hpc", "kfac_hpc-reduce", "kaisa")  # the default with kinds
-#: kfac_hpc's configurations other than the plain one, and what each changes
-VARIANTS = {"kfac_hpc-reduce": "reduce", "kfac_hpc-subspace": "subspace"}
+#: kfac_hpc's configurations other than the plain one: their table label and options
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "kfac_hpc-reduce": ("reduce", {"kfac_approx": "reduce"}),
+    "kfac_hpc-subspace": ("subspace", {"eigen_refresh": "subspace"}),
+}
 #: labels in tables and JSON keys ("kfac_hpc" and "KAISA" as before the configurations)
 LABELS = {"sgd": "SGD", "kfac_hpc": "kfac_hpc", "kfac_hpc-reduce": "kfac_hpc-reduce",
           "kfac_hpc-subspace": "kfac_hpc-subspace", "kaisa": "KAISA"}
@@ -489,16 +492,12 @@ class Lib:
             self.averager = GradientAverager(self.model, self.grad_comm)
         if config.startswith("kfac_hpc"):
             self.comm = Communicator(WORLD.Dup(), name="kfac")
-            approx: Literal["expand", "reduce"] = (
-                "reduce" if config == "kfac_hpc-reduce" else "expand")
             self.pre = KFACPreconditioner(self.model, comm=self.comm, strategy="comm-opt",
                                           compute_method="eigen", low_rank=hp["low_rank"],
                                           factor_sync=hp["factor_sync"],
                                           symmetric_packing=hp["symmetric_packing"],
                                           decomposition_streams=hp["decomposition_streams"],
-                                          kfac_approx=approx,
-                                          eigen_refresh="subspace" if config
-                                          == "kfac_hpc-subspace" else "eigh", **common)
+                                          **VARIANTS.get(config, ("", {}))[1], **common)
         elif self.is_kaisa:
             self.pre = kaisa.preconditioner.KFACPreconditioner(
                 self.model, grad_worker_fraction=1.0, compute_method="eigen", **common)
@@ -827,7 +826,7 @@ def schedule_table(results: dict[str, Any]) -> str:
         ours: list[str | None] = [c for c in ("kfac_hpc", *VARIANTS) if c in res]
         for c in ours or [None]:
             o = res[c] if c is not None else None
-            label = name if c in (None, "kfac_hpc") else f"{name} ({VARIANTS[c]})"
+            label = name if c in (None, "kfac_hpc") else f"{name} ({VARIANTS[c][0]})"
             ratio_med = ratio_mean = "–"
             if o is not None and k is not None:
                 ratio_med = f"{o['median_ms'] / k['median_ms']:.2f}"

@@ -67,16 +67,23 @@ _HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__,
 
 
 class HostReads(TorchFunctionMode):
-    """A function mode that counts host reads of tensor values (``calls`` by name)."""
+    """A function mode that counts host reads of tensor values (``calls`` by name).
 
-    def __init__(self) -> None:
+    ``events``: a list each read is also appended to, as ``"read <method>"`` (the one
+    :func:`timeline` shares with its operators).
+    """
+
+    def __init__(self, events: list[str] | None = None) -> None:
         super().__init__()
         self.calls: Counter[str] = Counter()
+        self.events = events
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         if func in _HOST_READS:
             self.calls[func.__name__] += 1
+            if self.events is not None:
+                self.events.append(f"read {func.__name__}")
         return func(*args, **(kwargs or {}))
 
     @property
@@ -96,7 +103,7 @@ class Timeline(TorchDispatchMode):
     """The operators dispatched and the host reads, in the order they happen (``events``).
 
     Operators appear by name (``"aten.mm.default"``), host reads as ``"read <method>"``.
-    Use :func:`timeline`, which enters the function mode that sees the reads as well.
+    Use :func:`timeline`, which enters a :class:`HostReads` that sees the reads as well.
     """
 
     def __init__(self) -> None:
@@ -113,21 +120,9 @@ class Timeline(TorchDispatchMode):
         return [i for i, name in enumerate(self.events) if name.startswith(prefixes)]
 
 
-class _ReadsInto(TorchFunctionMode):
-    def __init__(self, events: list[str]) -> None:
-        super().__init__()
-        self.events = events
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        if func in _HOST_READS:
-            self.events.append(f"read {func.__name__}")
-        return func(*args, **(kwargs or {}))
-
-
 def timeline(fn: Callable[[], object]) -> Timeline:
     """Run ``fn`` recording its operators and host reads in order."""
     line = Timeline()
-    with _ReadsInto(line.events), line:
+    with HostReads(line.events), line:
         fn()
     return line

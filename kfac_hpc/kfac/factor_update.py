@@ -85,6 +85,10 @@ class FactorUpdate:
         """Whether factor steps send factors (reduced at every factor step)."""
         return self.reduce and not self.deferred
 
+    def discard(self) -> None:
+        """Drop the statistics captured since the last update (a step not applied)."""
+        self.capture.clear()
+
     @timed(Phase.KFAC_FACTORS)
     def update(self, k: int, decay: float) -> None:
         """Fold step ``k``'s statistics into the factors (or the local averages).
@@ -170,7 +174,7 @@ class FactorUpdate:
                 log.warning("K-FAC skips the factor update of step %d: non-finite statistics "
                             "on %d rank(s) (AMP overflow)", k, ranks)
             return False
-        self.capture.clear()  # the step is not applied: its statistics are dropped
+        self.discard()  # the step is not applied
         raise statistics_failure(k, ranks, bad)
 
     def _warn_unfired(self) -> None:

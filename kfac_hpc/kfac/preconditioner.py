@@ -405,20 +405,23 @@ class KFACPreconditioner:
         folds = self._is_factor_step(k)
         folds_last = folds and self._folds_after_preconditioning(k)
         if folds and not folds_last:
-            self.factor_update.update(k, self.schedules.factor_decay(k))
+            self._update_factors(k)
         self._renew_decompositions(k)
         try:
             mine, stacks = self._precondition_my_layers(k)
             updates = self.gradient_exchange.share(mine)
         except BaseException:
-            if folds_last:  # the step is not applied: its statistics are dropped
-                self.factor_update.capture.clear()
+            if folds_last:  # the step is not applied
+                self.factor_update.discard()
             raise
         if folds_last:
-            self.factor_update.update(k, self.schedules.factor_decay(k))
+            self._update_factors(k)
         # the stacks are this step's updates themselves unless the exchange copied them
         self._apply(updates, () if self.gradient_exchange.needed else stacks, k)
         self.steps += 1
+
+    def _update_factors(self, k: int) -> None:
+        self.factor_update.update(k, self.schedules.factor_decay(k))
 
     def _folds_after_preconditioning(self, k: int) -> bool:
         """Whether factor step ``k`` folds its statistics after preconditioning.
