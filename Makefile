@@ -55,7 +55,8 @@
 #                   decompositions, kernels, accuracy) and train_throughput.py (kfac-hpc
 #                   train samples/s), each under GPU_COMPARE_TIMEOUT s (300) on GPU_MODEL
 #                   (resnet50), and gram_layouts.py (the statistics' Gram products by
-#                   memory layout); the peers' sources in .peers/kaisa, .peers/meta;
+#                   memory layout) with conv_shifts.py (a convolution's A from patch
+#                   rows or shifted products); the peers' sources in .peers/kaisa, .peers/meta;
 #                   GPU_COMPARE_PARTS picks which of the six run.
 #   Settings: GPU_PYTHON, GPU_RANKS (2), GPU_BATCH (per-rank batch, 32), GPU_OUT,
 #   GPU_MPI_TIMEOUT (s, per test module and per benchmark run), GPU_TEST_ARGS (pytest,
@@ -128,8 +129,8 @@ GPU_FACTOR_WARMUP ?= 800
 # The parts of make gpu-compare to run, in this order, with their nominal times on an
 # H200 (each at most GPU_COMPARE_TIMEOUT): kaisa (vs_kaisa.py, ~100 s), kaisa-warm (the
 # same after GPU_FACTOR_WARMUP factor updates, ~175 s), shampoo (~100 s), profile
-# (gpu_profile.py, ~150 s), train (train_throughput.py, ~120 s), gram (gram_layouts.py,
-# ~30 s). A device session with 15 minutes runs a subset per call, e.g.
+# (gpu_profile.py, ~150 s), train (train_throughput.py, ~120 s), gram (gram_layouts.py
+# and conv_shifts.py, ~45 s). A device session with 15 minutes runs a subset per call, e.g.
 # GPU_COMPARE_PARTS="kaisa-warm profile". Not in the default list: shampoo-newton and
 # shampoo-subspace (shampoo_step.py --root-method newton or subspace, ~100 s each) and
 # roots (shampoo_roots.py: eigh vs Newton roots per factor size, ~120 s).
@@ -274,7 +275,7 @@ gpu-compare: gpu-env
 	$(if $(filter roots,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/shampoo_roots.py --device $(GPU_DEVICE) --image-size $(GPU_IMAGE) --markdown --out $(GPU_OUT) $(GPU_ROOTS_ARGS) 2>&1 | tee $(GPU_OUT)/shampoo_roots_$(GPU_DEVICE).txt')
 	$(if $(filter profile,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/gpu_profile.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --image-size $(GPU_IMAGE) --markdown --out $(GPU_OUT) $(GPU_PROFILE_ARGS) 2>&1 | tee $(GPU_OUT)/gpu_profile_$(GPU_MODEL)_$(GPU_DEVICE).txt')
 	$(if $(filter train,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/train_throughput.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --shape $(GPU_SHAPE) --batch $(GPU_BATCH) --steps 60 --warmup 20 --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/train_throughput_$(GPU_MODEL)_$(GPU_DEVICE).txt')
-	$(if $(filter gram,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/gram_layouts.py --device $(GPU_DEVICE) --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/gram_layouts_$(GPU_DEVICE).txt')
+	$(if $(filter gram,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/gram_layouts.py --device $(GPU_DEVICE) --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/gram_layouts_$(GPU_DEVICE).txt && timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/conv_shifts.py --device $(GPU_DEVICE) --precision tf32 --batches 32 --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/conv_shifts_$(GPU_DEVICE).txt')
 
 # ------------------------------------------------------------------- CUDA-aware MPI
 CUDA_MPI_OUT     ?= .cuda-mpi

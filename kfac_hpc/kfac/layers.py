@@ -76,6 +76,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kfac_hpc.kfac import shifts
 from kfac_hpc.kfac.linalg import column_covariance, covariance, inner64, uses_gpu_path
 from kfac_hpc.kfac.patches import (
     averaged_patches,
@@ -548,9 +549,10 @@ class Conv2dCurvature(LayerCurvature):
                  precision: MatmulPrecision = "full") -> Tensor:
         """Return the factor ``A`` of a convolution.
 
-        Expand via :func:`~kfac_hpc.kfac.patches.patch_covariance` on the CPU (float32/64, full
-        precision, at least 8 input channels), otherwise :meth:`a_factor_unfold` (the GPU path: one
-        unfold, one GEMM); or reduce.
+        Expand on the CPU (float32/64, full precision, at least 8 input channels) from
+        shifted products of the input where :func:`~kfac_hpc.kfac.shifts.pays` (stride 1),
+        else by :func:`~kfac_hpc.kfac.patches.patch_covariance`; otherwise
+        :meth:`a_factor_unfold` (the GPU path: one unfold, one GEMM); or reduce.
         """
         source = _bf16_rows_source(inputs, dtype, precision) if self.approx == "expand" else None
         if source is not None:
@@ -562,7 +564,11 @@ class Conv2dCurvature(LayerCurvature):
                 or precision != "full" or uses_gpu_path(x.device)):
             return self.a_factor_unfold(x, precision=precision)
         x = x if x.dim() == 4 else x.unsqueeze(0)
-        return patch_covariance(x, *self._conv_geometry(), self.pads(),
+        kernel_size, stride, dilation = self._conv_geometry()
+        if shifts.pays(x, kernel_size, stride, dilation, self.pads()):
+            return shifts.shifted_covariance(x, kernel_size, dilation, self.pads(),
+                                             append_one=self.has_bias)
+        return patch_covariance(x, kernel_size, stride, dilation, self.pads(),
                                 append_one=self.has_bias)
 
     # On the CPU, with more output positions than features, the factors are summed per
