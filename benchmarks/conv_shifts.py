@@ -86,7 +86,7 @@ def measure(model: str, c: int, hw: int, b: int, args: argparse.Namespace,
     return {"model": model, "channels": c, "map": hw, "batch": b,
             "ms": {k: v * 1e3 for k, v in times.items()},
             "flops_ratio": shifted / (rows / 2),
-            "pays": shifts.pays(x.cpu(), KERNEL, STRIDE, DILATION, PADS),
+            "pays": shifts.pays(x, KERNEL, STRIDE, DILATION, PADS, "cpu"),
             "rel_diff": float((got - ref).norm() / ref.norm())}
 
 

@@ -14,9 +14,11 @@ stem), 1000 classes, one fixed synthetic batch, fp32 model, one process
   ``fi`` (factor and inverse update), with the device synchronised around each
   iteration, for each pair (``stats_precision``, ``precondition_precision``), for TF32
   statistics from column-major convolution rows (``layers.COLUMN_MAJOR_ROWS_DEVICES``)
-  and on a side stream (``statistics_stream.SIDE_STREAM_DEVICES``, CUDA only) and for
-  ``kfac_approx="reduce"``; the schedules (1,10) = (fi + 9f)/10 and (10,100) =
-  (fi + 9f + 90p)/100 composed from them, and the ratios to SGD.
+  and on a side stream (``statistics_stream.SIDE_STREAM_DEVICES``, CUDA only), for
+  stride-1 convolutions' ``A`` from shifted products on the GPU path (TF32 and full
+  statistics; ``shifts.SHIFTED_PRODUCTS_PATHS``) and for ``kfac_approx="reduce"``; the
+  schedules (1,10) = (fi + 9f)/10 and (10,100) = (fi + 9f + 90p)/100 composed from them,
+  and the ratios to SGD.
 * ``schedule``: mean ms per iteration over two whole inverse periods of a real schedule
   (``--schedule F I``, default (1,10)) with each ``decomposition_lag`` of ``--lags``
   (decompositions in a worker thread on a side stream), against SGD.
@@ -74,7 +76,7 @@ from common import timed as common_timed
 
 from kfac_hpc import KFACPreconditioner, solves
 from kfac_hpc.comm import Communicator
-from kfac_hpc.kfac import layers, linalg, statistics_stream
+from kfac_hpc.kfac import layers, linalg, shifts, statistics_stream
 from kfac_hpc.kfac.layers import LayerCurvature, register_layers
 from kfac_hpc.kfac.options import PRECISIONS
 from kfac_hpc.models import build_model
@@ -85,6 +87,8 @@ PRECISION_PAIRS = [("full", "full"), ("tf32", "full"), ("tf32", "tf32"), ("bf16"
 COLUMNS_LABEL = "stats tf32, column-major rows"
 # ... and with the statistics on a side stream (statistics_stream.SIDE_STREAM_DEVICES; CUDA)
 SIDE_STREAM_LABEL = "stats tf32, side stream"
+# ... and with stride-1 convolutions' A from shifted products (shifts.SHIFTED_PRODUCTS_PATHS)
+SHIFTS_LABELS = ("stats tf32, shifted products", "stats full, shifted products")
 
 
 def make_model(name: str, device: torch.device, image_size: int) -> nn.Module:
@@ -151,6 +155,8 @@ KIND_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
        for s, p in PRECISION_PAIRS},
     "columns": (COLUMNS_LABEL, {"stats_precision": "tf32"}),
     "side-stream": (SIDE_STREAM_LABEL, {"stats_precision": "tf32"}),
+    "shifts": (SHIFTS_LABELS[0], {"stats_precision": "tf32"}),
+    "shifts-full": (SHIFTS_LABELS[1], {"stats_precision": "full"}),
     "reduce": ("reduce, auto", {"kfac_approx": "reduce"}),
     # cheaper inverse updates: warm-started eigenbases, randomized low rank, inverses
     "subspace": ("eigen_refresh subspace", {"eigen_refresh": "subspace"}),
@@ -167,7 +173,10 @@ def kinds_section(device: torch.device, batch: tuple[Tensor, Tensor], args: argp
     out: dict[str, Any] = {}
     default_layout = layers.COLUMN_MAJOR_ROWS_DEVICES
     default_streams = statistics_stream.SIDE_STREAM_DEVICES
+    default_shifts = shifts.SHIFTED_PRODUCTS_PATHS
     for label, kfac in configs:
+        shifts.SHIFTED_PRODUCTS_PATHS = (default_shifts | {"gpu"} if label in SHIFTS_LABELS
+                                         else default_shifts)
         layers.COLUMN_MAJOR_ROWS_DEVICES = (frozenset({device.type}) if label == COLUMNS_LABEL
                                             else default_layout)
         statistics_stream.SIDE_STREAM_DEVICES = (
@@ -192,6 +201,7 @@ def kinds_section(device: torch.device, batch: tuple[Tensor, Tensor], args: argp
         trainer.close()
     layers.COLUMN_MAJOR_ROWS_DEVICES = default_layout
     statistics_stream.SIDE_STREAM_DEVICES = default_streams
+    shifts.SHIFTED_PRODUCTS_PATHS = default_shifts
     return out
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from kfac_hpc.kfac import shifts
+from kfac_hpc.kfac import layers, shifts
 from kfac_hpc.kfac.layers import Conv2dCurvature, curvature_for
 from kfac_hpc.kfac.precision import round_operand
 from tests.op_count import count_ops
@@ -20,6 +20,10 @@ EXTRA_CASES = {
                        (3, 2, 1, 7)),
     "one_image_wide_kernel": (dict(in_channels=4, out_channels=2, kernel_size=(2, 5),
                                    padding=(1, 2), dilation=(2, 1)), (1, 4, 6, 9)),
+    "one_column_images": (dict(in_channels=3, out_channels=2, kernel_size=3, padding=1),
+                          (2, 3, 5, 1)),
+    "one_row_tall_kernel": (dict(in_channels=2, out_channels=2, kernel_size=(3, 1),
+                                 padding=(1, 0), bias=False), (2, 2, 1, 6)),
 }
 CASES = {name: case for name, case in {**CONV_CASES, **FAST_CONV, **EXTRA_CASES}.items()
          if case[0].get("stride", 1) in (1, (1, 1))
@@ -57,7 +61,8 @@ def test_shifted_products_equal_the_patch_rows(kwargs: dict, shape: tuple) -> No
 
 def test_a_factor_takes_the_shifted_products_where_they_pay(monkeypatch) -> None:
     """On the CPU a stride-1 3x3 convolution's A comes from shifted products (and equals
-    the patch rows'); a strided one, or a device not in the set, keeps the patch rows."""
+    the patch rows'); a strided one, the GPU path, or a path not in the set keeps the
+    patch rows."""
     calls: list[tuple[int, ...]] = []
     real = shifts.shifted_covariance
 
@@ -73,25 +78,52 @@ def test_a_factor_takes_the_shifted_products_where_they_pay(monkeypatch) -> None
     assert calls == [(4, 16, 16, 16)]
     _, strided = _conv(dict(in_channels=16, out_channels=8, kernel_size=3, padding=1, stride=2))
     strided.a_factor(x)
-    monkeypatch.setattr(shifts, "SHIFTED_PRODUCTS_DEVICES", frozenset())
+    with monkeypatch.context() as gpu:
+        gpu.setattr(layers, "uses_gpu_path", lambda device: True)
+        curv.a_factor(x)
+        assert calls == [(4, 16, 16, 16)]
+        gpu.setattr(shifts, "SHIFTED_PRODUCTS_PATHS", frozenset({"cpu", "gpu"}))
+        assert rel_err(curv.a_factor(x), curv.a_factor_unfold(x)) < 1e-12
+        assert calls == [(4, 16, 16, 16)] * 2
+    monkeypatch.setattr(shifts, "SHIFTED_PRODUCTS_PATHS", frozenset())
     curv.a_factor(x)
-    assert calls == [(4, 16, 16, 16)]
+    assert calls == [(4, 16, 16, 16)] * 2
 
 
-def test_pays_for_large_maps_with_many_channels_or_an_input_in_cache() -> None:
-    """Few channels pay only while the input is small, and small maps not at all
+def test_unbatched_and_autocast_inputs_take_the_shifted_products(monkeypatch) -> None:
+    """A ``(C, H, W)`` input is one image, and under CPU autocast the products stay in the
+    input's dtype: both as the patch rows give them."""
+    calls: list[tuple[int, ...]] = []
+    real = shifts.shifted_covariance
+    monkeypatch.setattr(shifts, "shifted_covariance",
+                        lambda x, *a, **k: calls.append(tuple(x.shape)) or real(x, *a, **k))
+    torch.manual_seed(35)
+    _, curv = _conv(dict(in_channels=16, out_channels=8, kernel_size=3, padding=1))
+    x = torch.randn(16, 16, 16, dtype=DT)
+    assert rel_err(curv.a_factor(x), curv.a_factor_unfold(x)) < 1e-12
+    x32 = torch.randn(2, 16, 16, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = curv.a_factor(x32)
+    assert under.dtype == torch.float32
+    assert rel_err(under.double(), curv.a_factor_unfold(x32.double())) < 1e-6
+    assert calls == [(1, 16, 16, 16), (2, 16, 16, 16)]
+
+
+def test_pays_where_the_multiply_adds_fall_enough() -> None:
+    """Maps of 14x14 and more pay, at any batch and channel count; 8x8 and 7x7 not
     (measured: see shifts.pays)."""
     kernel, one, two, same = (3, 3), (1, 1), (2, 2), (1, 1, 1, 1)
 
     def pays(shape: tuple[int, ...], kernel_size=kernel, stride=one,  # type: ignore[no-untyped-def]
-             device: str = "cpu") -> bool:
-        return shifts.pays(torch.empty(shape, device=device), kernel_size, stride, one, same)
+             path: str = "cpu") -> bool:
+        return shifts.pays(torch.empty(shape, device="meta"), kernel_size, stride, one, same,
+                           path)
 
-    assert pays((128, shifts.MANY_CHANNELS, 32, 32))
-    assert not pays((128, shifts.MANY_CHANNELS, 32, 32), device="meta")  # not in the set
-    assert pays((8, 16, 32, 32))
-    assert not pays((128, 16, 32, 32))  # few channels, beyond cache
+    assert pays((128, 64, 32, 32))
+    assert not pays((128, 64, 32, 32), path="gpu")  # not in the set
+    assert pays((8, 16, 32, 32)) and pays((128, 16, 32, 32))
     assert not pays((8, 512, 8, 8))  # 0.92 of the multiply-adds
+    assert not pays((8, 512, 7, 7))  # 1.0
     assert pays((8, 256, 14, 14))
     assert not pays((8, 16, 32, 32), stride=two)
     assert not pays((8, 16, 32, 32), kernel_size=(1, 1))
@@ -120,7 +152,36 @@ def test_operators_do_not_grow_with_the_batch() -> None:
         _shifted(curv, x)  # the layout is built (and cached) outside the count
         return count_ops(lambda: _shifted(curv, x)).kernels
 
-    assert kernels(1) == kernels(9) <= 50
+    assert kernels(1) == kernels(9) <= 60
+
+
+def test_border_patches_are_gathered_a_few_images_at_a_time() -> None:
+    """The border patches are the only ones built: at most ``border_chunk`` elements
+    (whole images, at least one) at once, whatever the batch; every chunking gives the
+    same factor to summation order."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Gathers(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sizes: list[int] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            if str(func).startswith("aten.index_select"):
+                self.sizes.append(out.numel())
+            return out
+
+    torch.manual_seed(34)
+    _, curv = _conv(dict(in_channels=4, out_channels=4, kernel_size=3, padding=1))
+    x = torch.randn(12, 4, 8, 8, dtype=DT)
+    whole = _shifted(curv, x)
+    per_image = 8 * 15 * 9 * 4  # 8 offsets' borders of up to 15 pixels, 9 offsets, 4 channels
+    for chunk, most in ((1, per_image), (3 * per_image, 3 * per_image), (1 << 30, 12 * per_image)):
+        with Gathers() as seen:
+            got = _shifted(curv, x, border_chunk=chunk)
+        assert max(seen.sizes) == most, (chunk, seen.sizes)
+        assert rel_err(got, whole) < 1e-13
 
 
 def test_flops_against_the_patch_rows() -> None:

@@ -549,10 +549,11 @@ class Conv2dCurvature(LayerCurvature):
                  precision: MatmulPrecision = "full") -> Tensor:
         """Return the factor ``A`` of a convolution.
 
-        Expand on the CPU (float32/64, full precision, at least 8 input channels) from
-        shifted products of the input where :func:`~kfac_hpc.kfac.shifts.pays` (stride 1),
-        else by :func:`~kfac_hpc.kfac.patches.patch_covariance`; otherwise
-        :meth:`a_factor_unfold` (the GPU path: one unfold, one GEMM); or reduce.
+        Expand (float32/64, at least 8 input channels) from shifted products of the
+        input where :func:`~kfac_hpc.kfac.shifts.pays` on this device's statistics path
+        (stride 1; the CPU's); else on the CPU at full precision by
+        :func:`~kfac_hpc.kfac.patches.patch_covariance`; otherwise :meth:`a_factor_unfold`
+        (the GPU path: one unfold, one GEMM). Or reduce.
         """
         source = _bf16_rows_source(inputs, dtype, precision) if self.approx == "expand" else None
         if source is not None:
@@ -560,14 +561,15 @@ class Conv2dCurvature(LayerCurvature):
         x = _cast(inputs, dtype)
         if self.approx == "reduce":
             return self._reduce_a(x, precision)
-        if (x.dtype not in _WIDE or self.module.in_channels < _FAST_MIN_CHANNELS
-                or precision != "full" or uses_gpu_path(x.device)):
-            return self.a_factor_unfold(x, precision=precision)
         x = x if x.dim() == 4 else x.unsqueeze(0)
         kernel_size, stride, dilation = self._conv_geometry()
-        if shifts.pays(x, kernel_size, stride, dilation, self.pads()):
+        path = "gpu" if uses_gpu_path(x.device) else "cpu"
+        fast = x.dtype in _WIDE and self.module.in_channels >= _FAST_MIN_CHANNELS
+        if fast and shifts.pays(x, kernel_size, stride, dilation, self.pads(), path):
             return shifts.shifted_covariance(x, kernel_size, dilation, self.pads(),
-                                             append_one=self.has_bias)
+                                             append_one=self.has_bias, precision=precision)
+        if not fast or precision != "full" or path == "gpu":
+            return self.a_factor_unfold(x, precision=precision)
         return patch_covariance(x, kernel_size, stride, dilation, self.pads(),
                                 append_one=self.has_bias)
 

@@ -11,10 +11,12 @@ so every block is, up to a border, the product of the input with itself shifted 
 ``Δ``: ``S(Δ) = Σ_{q in the image} x[q] x[q + Δ]ᵀ``. There are ``(2kh−1)(2kw−1)``
 distinct shifts, and ``S(−Δ) = S(Δ)ᵀ``, so a 3x3 kernel needs 13 products of ``C x C``
 where the patch rows need one of ``9C x 9C`` (81 blocks): about a sixth of the flops,
-and no patch rows (the input is copied once, channels-last). The border is what the
-window ``P + δ_i`` leaves out of the image: ``E_i``, a strip of ``|δ_i|`` rows and
-columns along the edges. Then ``A_ij = S(Δ) − Σ_{q ∈ E_i} x[q] x[q + Δ]ᵀ``; the strips'
-products for all ``j`` are one batched GEMM of the strip pixels against their patches.
+and the input is copied once, channels-last, instead of into patch rows. The border is
+what the window ``P + δ_i`` leaves out of the image: ``E_i``, a strip of ``|δ_i|`` rows
+and columns along the edges. Then ``A_ij = S(Δ) − Σ_{q ∈ E_i} x[q] x[q + Δ]ᵀ``; the
+strips' products for all ``j`` are batched GEMMs of the strip pixels against their
+patches: the only patches built, gathered for a few images at a time (at most
+:data:`BORDER_CHUNK` elements), so the extra memory does not grow with the batch.
 
 **One buffer, shifts as offsets.** The input is laid out channels-last and flattened,
 ``(rows, C)``, each image followed by ``dh·(kh−1)`` zero rows and each image row by
@@ -25,11 +27,11 @@ buffer: ``bufᵀ[0:N] · buf[s:s+N]``, no copies.
 
 **Cost.** For a 3x3 kernel with ``Ho = H``: ``13·b·(H+2)(W+2)·C²`` multiply-adds for the
 shifted products and about ``b·(H+W)·8·9·C²`` for the borders, against ``b·H·W·81·C²``
-(one GEMM of the patch rows) or about half of that (a symmetric rank-k update): 2-5x
-fewer at ``H = 14..56``, about as many at ``H = 7``
-(:func:`shifted_products_flops`). Where it is used is :func:`pays`, measured with
-``benchmarks/conv_shifts.py`` (docs/design.md, "Convolution statistics by shifted
-products").
+(one GEMM of the patch rows): 3.0-4.9x fewer at ``H = 14..56``; against the symmetric
+rank-k update of the CPU's patch path (about half the GEMM's) 1.5-2.5x fewer there and
+about as many at ``H = 7`` (:func:`shifted_products_flops`). Where it is used is
+:func:`pays`, measured with ``benchmarks/conv_shifts.py`` (docs/design.md, "Convolution
+statistics by shifted products").
 
 The result equals the patch path up to summation order (tested at 1e-12 in float64 for
 padding incl. ``"same"`` and none, dilation, bias, non-square kernels) and is exactly
@@ -46,46 +48,59 @@ from torch import Tensor
 
 from kfac_hpc.kfac.precision import MatmulPrecision, matmul, round_operand
 
-__all__ = ["SHIFTED_PRODUCTS_DEVICES", "pays", "shifted_covariance", "shifted_products_flops"]
+__all__ = ["SHIFTED_PRODUCTS_PATHS", "pays", "shifted_covariance", "shifted_products_flops"]
 
 Pads = tuple[int, int, int, int]  # (top, bottom, left, right)
 Pair = tuple[int, int]
 
-#: Devices whose stride-1 convolutions take the shifted products where :func:`pays` says
-#: so. The CPU: 1.15-2.3x faster there than the patch paths on ResNet-20's
-#: and ResNet-50's layers (2-core Xeon, benchmarks/RESULTS.md). Not yet CUDA: there the
-#: patch rows' one GEMM runs on tensor cores, and the shifts are 13 GEMMs and a gather
-#: per layer; ``benchmarks/conv_shifts.py --device cuda`` decides.
-SHIFTED_PRODUCTS_DEVICES: frozenset[str] = frozenset({"cpu"})
+#: The statistics paths (``"cpu"``, ``"gpu"``: :func:`~kfac_hpc.kfac.linalg.uses_gpu_path`)
+#: whose stride-1 convolutions take the shifted products where :func:`pays` says so. The
+#: CPU: ResNet-50's stride-1 layers of 14x14 maps and more 1.7-2.3x faster than the
+#: patch paths (2-core Xeon, benchmarks/RESULTS.md). Not yet the GPU: there the patch
+#: rows' one GEMM runs on tensor cores, and the shifts are 13 GEMMs, a gather and a
+#: batched GEMM per layer; ``benchmarks/conv_shifts.py --device cuda`` decides.
+SHIFTED_PRODUCTS_PATHS: frozenset[str] = frozenset({"cpu"})
 
 #: Where the shifted products need at most this share of the multiply-adds of the patch
-#: rows' symmetric update (at 8x8 maps and smaller, 0.9 and more, they gained at most 12 %
-#: and lost within a training step).
+#: rows' symmetric update. At 8x8 and 7x7 maps (0.92 and 1.0 of them) they took
+#: 0.95-1.25x the time of the faster patch path.
 FLOPS_BELOW = 0.7
-#: From this many input channels the shifted products pay at any batch size. With fewer,
-#: each ``C x C`` product streams the input from memory once per shift, so they pay
-#: only while the input (:data:`CACHED_INPUT` elements) stays in cache.
-MANY_CHANNELS = 64
-CACHED_INPUT = 1 << 20
+
+#: Elements of the border patches gathered at once (a few images at a time).
+BORDER_CHUNK = 1 << 22
 
 _HOST = torch.device("cpu")  # the layouts' indices are built here (whatever the default device)
 
 
 @dataclass(frozen=True)
 class _Layout:
-    """Where everything lies in the flattened buffer, for one input geometry."""
+    """Where everything lies in the flattened buffer, for one image geometry.
 
-    images_at: int  # first row of the first image
+    The buffer holds ``images_at`` zero rows, the images (``image_rows`` each), and
+    ``reach`` zero rows.
+    """
+
+    reach: int  # the largest |offset| of a shift, in buffer rows
     image_rows: int  # buffer rows per image (Hp·Wp)
     padded: Pair  # (Hp, Wp)
-    length: int  # buffer rows in all
     shifts: tuple[int, ...]  # buffer offsets of the shifts Δ ≥ 0 (row-major order)
     block_source: Tensor  # (kk, kk): block (i, j) is table[k] (table = S, then Sᵀ)
     border_offsets: Tensor  # (m,): the kernel offsets whose window misses pixels
-    border_rows: Tensor  # (m·n_max,): the missed pixels' rows, each offset's padded to n_max
-    border_patches: Tensor  # (m·n_max·kk,): the rows of those pixels' patches
+    border_patches: Tensor  # (m, P, kk): per such offset, the rows (from an image's
+    #                         start) of its missed pixels' patches, padded to the most
+    border_valid: Tensor  # (m, P): which entries are pixels (not padding)
+    offset_rows: Tensor  # (m,): 0..m-1, to pick each offset's own column block
     upper_blocks: Tensor  # (2, kk·(kk−1)/2): (i, j) of the blocks above the diagonal
     lower_blocks: Tensor  # (2, kk·(kk−1)/2): (j, i) of the same blocks
+
+    @property
+    def images_at(self) -> int:
+        """The first row of the first image (after ``reach + 1`` zero rows)."""
+        return self.reach + 1
+
+    def length(self, b: int) -> int:
+        """Buffer rows for ``b`` images."""
+        return self.images_at + b * self.image_rows + self.reach
 
 
 def _output_size(h: int, w: int, kernel_size: Pair, dilation: Pair, pads: Pads) -> Pair:
@@ -113,43 +128,42 @@ def _missed(h: int, w: int, wp: int, kernel_size: Pair, dilation: Pair, pads: Pa
 
 
 @functools.lru_cache(maxsize=128)
-def _layout(b: int, h: int, w: int, kernel_size: Pair, dilation: Pair, pads: Pads,
+def _layout(h: int, w: int, kernel_size: Pair, dilation: Pair, pads: Pads,
             device: torch.device) -> _Layout:
     (kh, kw), (dh, dw) = kernel_size, dilation
     top, _, left, _ = pads
     hp, wp = h + dh * (kh - 1), w + dw * (kw - 1)
-    reach = dh * (kh - 1) * wp + dw * (kw - 1)  # the largest |offset| of a shift
-    images_at = reach + 1  # zeros before the first image; row ``reach`` pads the borders
-    image_rows = hp * wp
     steps = [(a, e) for a in range(kh) for e in range(-(kw - 1), kw) if a > 0 or e >= 0]
     where = {step: k for k, step in enumerate(steps)}
     offsets = [(i, j) for i in range(kh) for j in range(kw)]
     source = [[where[(jh - ih, jw - iw)] if (jh - ih, jw - iw) in where
                else len(steps) + where[(ih - jh, iw - jw)]
                for jh, jw in offsets] for ih, iw in offsets]
-    flat = torch.tensor([(ih * dh - top) * wp + (iw * dw - left) for ih, iw in offsets],
-                        device=_HOST)
+    # buffer rows of kernel offset k relative to the output position: (ih·dh − top)·Wp + …
+    flat = [(ih * dh - top) * wp + (iw * dw - left) for ih, iw in offsets]
     missed = _missed(h, w, wp, kernel_size, dilation, pads)
-    starts = images_at + image_rows * torch.arange(b, device=_HOST).unsqueeze(1)
-    widest = b * max((p.numel() for _, p in missed), default=0)
-    border_rows = torch.full((len(missed), widest), reach, dtype=torch.long, device=_HOST)
-    for r, (_, pixels) in enumerate(missed):
-        border_rows[r, :b * pixels.numel()] = (starts + pixels).reshape(-1)
-    border_offsets = torch.tensor([k for k, _ in missed], dtype=torch.long, device=_HOST)
-    relative = flat.unsqueeze(0) - flat[border_offsets].unsqueeze(1)  # (m, kk): δ_j − δ_i
-    patches = border_rows.unsqueeze(2) + relative.unsqueeze(1)
+    widest = max((p.numel() for _, p in missed), default=0)
+    patches = torch.zeros(len(missed), widest, kh * kw, dtype=torch.long, device=_HOST)
+    valid = torch.zeros(len(missed), widest, dtype=torch.bool, device=_HOST)
+    for r, (k, pixels) in enumerate(missed):  # the patch reading pixel q at offset k
+        patches[r, :pixels.numel()] = (pixels.unsqueeze(1) - flat[k]
+                                       + torch.tensor(flat, device=_HOST))
+        valid[r, :pixels.numel()] = True
     upper = torch.triu_indices(kh * kw, kh * kw, 1, device=_HOST)
     return _Layout(
-        images_at, image_rows, (hp, wp), images_at + b * image_rows + reach,
+        dh * (kh - 1) * wp + dw * (kw - 1), hp * wp, (hp, wp),
         tuple(a * dh * wp + e * dw for a, e in steps),
-        torch.tensor(source, dtype=torch.long, device=_HOST).to(device), border_offsets.to(device),
-        border_rows.reshape(-1).to(device), patches.reshape(-1).to(device),
+        torch.tensor(source, dtype=torch.long, device=_HOST).to(device),
+        torch.tensor([k for k, _ in missed], dtype=torch.long, device=_HOST).to(device),
+        patches.to(device), valid.to(device),
+        torch.arange(len(missed), device=_HOST).to(device),
         upper.to(device), upper.flip(0).to(device))
 
 
 def shifted_covariance(x: Tensor, kernel_size: Pair, dilation: Pair, pads: Pads, *,
                        append_one: bool = False,
-                       precision: MatmulPrecision = "full") -> Tensor:
+                       precision: MatmulPrecision = "full",
+                       border_chunk: int = BORDER_CHUNK) -> Tensor:
     """Expand ``A`` of a stride-1 convolution from shifted products of its input.
 
     Args:
@@ -159,6 +173,8 @@ def shifted_covariance(x: Tensor, kernel_size: Pair, dilation: Pair, pads: Pads,
         pads: Zero padding ``(top, bottom, left, right)``.
         append_one: Append the bias row and column (``Σ ā`` and the row count).
         precision: Operand precision of the products (:mod:`kfac_hpc.kfac.precision`).
+        border_chunk: Elements of border patches gathered at once (whole images, at
+            least one).
 
     Returns:
         ``(d, d)``, ``d = C·kh·kw (+1)``, columns in the weight's ``(c, i, j)`` order and
@@ -171,13 +187,16 @@ def shifted_covariance(x: Tensor, kernel_size: Pair, dilation: Pair, pads: Pads,
     if x.dim() != 4:
         raise ValueError(f"shifted_covariance expects (b, C, H, W) input, got {tuple(x.shape)}")
     b, c, h, w = x.shape
-    ho, wo = _output_size(h, w, kernel_size, dilation, pads)
+    kernel = (int(kernel_size[0]), int(kernel_size[1]))
+    dil = (int(dilation[0]), int(dilation[1]))
+    pad4 = (int(pads[0]), int(pads[1]), int(pads[2]), int(pads[3]))
+    ho, wo = _output_size(h, w, kernel, dil, pad4)
     if b == 0 or ho <= 0 or wo <= 0:
         raise ValueError("covariance of zero rows is undefined")
-    kk = kernel_size[0] * kernel_size[1]
-    lay = _layout(b, h, w, kernel_size, dilation, pads, x.device)
+    kk = kernel[0] * kernel[1]
+    lay = _layout(h, w, kernel, dil, pad4, x.device)
     with torch.autocast(device_type=x.device.type, enabled=False):
-        buf = x.new_zeros(lay.length, c)
+        buf = x.new_zeros(lay.length(b), c)
         n_all = b * lay.image_rows
         images = buf[lay.images_at:lay.images_at + n_all]
         images.view(b, *lay.padded, c)[:, :h, :w] = x.permute(0, 2, 3, 1)
@@ -185,17 +204,15 @@ def shifted_covariance(x: Tensor, kernel_size: Pair, dilation: Pair, pads: Pads,
             matmul(images.t(), buf[lay.images_at + s:lay.images_at + s + n_all], precision)
             for s in lay.shifts])
         blocks = torch.cat([products, products.transpose(1, 2)])[lay.block_source]
-        m = lay.border_offsets.numel()
         # the bias column sums the operands as the products see them (rounded or not)
         sums = round_operand(images, precision).sum(dim=0).expand(kk, c) if append_one else None
-        if m:  # the pixels each offset's window misses, against their patches
-            missed = buf.index_select(0, lay.border_rows).reshape(m, -1, c)
-            patches = buf.index_select(0, lay.border_patches).reshape(m, -1, kk * c)
-            border = matmul(missed.transpose(1, 2), patches, precision)
+        m = lay.border_offsets.numel()
+        if m:
+            border, missed_sums = _borders(buf, lay, b, kernel, precision, border_chunk)
             blocks[lay.border_offsets] -= border.reshape(m, c, kk, c).permute(0, 2, 1, 3)
             if sums is not None:
                 sums = sums.clone()
-                sums[lay.border_offsets] -= round_operand(missed, precision).sum(dim=1)
+                sums[lay.border_offsets] -= missed_sums
         full = _symmetric(blocks, lay).permute(2, 0, 3, 1).reshape(c * kk, c * kk)
         if sums is not None:  # weight order (c, i); the bias row and column
             d = c * kk
@@ -207,6 +224,31 @@ def shifted_covariance(x: Tensor, kernel_size: Pair, dilation: Pair, pads: Pads,
             with_bias[d, d] = b * ho * wo
             full = with_bias
     return full.div_(b * ho * wo)
+
+
+def _borders(buf: Tensor, lay: _Layout, b: int, kernel: Pair, precision: MatmulPrecision,
+             chunk: int) -> tuple[Tensor, Tensor]:
+    """Per border offset, its missed pixels' products with their patches, and their sums.
+
+    Returns ``(m, C, kk·C)`` and ``(m, C)`` (the sums rounded as the products see them),
+    over whole images gathered at most ``chunk`` patch elements at a time.
+    """
+    c, kk = buf.shape[1], kernel[0] * kernel[1]
+    m, widest, _ = lay.border_patches.shape
+    border = buf.new_zeros(m, c, kk * c)
+    sums = buf.new_zeros(m, c)
+    per_chunk = max(1, chunk // max(1, m * widest * kk * c))
+    valid = lay.border_valid.view(m, 1, widest, 1)
+    for first in range(0, b, per_chunk):
+        starts = lay.images_at + lay.image_rows * torch.arange(
+            first, min(b, first + per_chunk), device=buf.device)
+        rows = torch.where(valid, lay.border_patches.unsqueeze(1) + starts.view(1, -1, 1, 1),
+                           lay.reach)  # padding reads the zero row ``reach``
+        patches = buf.index_select(0, rows.reshape(-1)).reshape(m, -1, kk, c)
+        missed = patches[lay.offset_rows, :, lay.border_offsets]  # (m, rows, C)
+        border += matmul(missed.transpose(1, 2), patches.reshape(m, -1, kk * c), precision)
+        sums += round_operand(missed, precision).sum(dim=1)
+    return border, sums
 
 
 def _symmetric(blocks: Tensor, lay: _Layout) -> Tensor:
@@ -244,21 +286,19 @@ def shifted_products_flops(b: int, h: int, w: int, kernel_size: Pair, dilation: 
     return b * (n_shifts * hp * wp + border), b * ho * wo * kk * kk
 
 
-def pays(x: Tensor, kernel_size: Pair, stride: Pair, dilation: Pair, pads: Pads) -> bool:
+def pays(x: Tensor, kernel_size: Pair, stride: Pair, dilation: Pair, pads: Pads,
+         path: str = "cpu") -> bool:
     """Say whether a convolution's expand ``A`` comes from shifted products.
 
-    On :data:`SHIFTED_PRODUCTS_DEVICES`, for stride 1 and a kernel of more than one
-    offset, where they need at most :data:`FLOPS_BELOW` of the multiply-adds of the
-    symmetric update, with :data:`MANY_CHANNELS` input channels or an input of fewer
-    than :data:`CACHED_INPUT` elements.
+    On the statistics paths of :data:`SHIFTED_PRODUCTS_PATHS` (``path``: ``"cpu"`` or
+    ``"gpu"``), for stride 1 and a kernel of more than one offset, where they need at
+    most :data:`FLOPS_BELOW` of the multiply-adds of the symmetric update.
     """
-    if x.device.type not in SHIFTED_PRODUCTS_DEVICES or x.dim() != 4:
+    if path not in SHIFTED_PRODUCTS_PATHS or x.dim() != 4:
         return False
     if tuple(stride) != (1, 1) or kernel_size[0] * kernel_size[1] == 1:
         return False
-    b, c, h, w = x.shape
-    if c < MANY_CHANNELS and x.numel() >= CACHED_INPUT:
-        return False
+    b, _, h, w = x.shape
     shifted, rows = shifted_products_flops(b, h, w, tuple(kernel_size), tuple(dilation),
                                            tuple(pads))
     return shifted <= FLOPS_BELOW * rows / 2

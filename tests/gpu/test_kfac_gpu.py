@@ -251,6 +251,32 @@ def test_column_major_rows_on_the_device_equal_row_major(device, monkeypatch, pr
         assert excess.max() <= 0, f"above the bound by {excess.max():.3g}"
 
 
+def test_shifted_products_on_the_device_equal_the_patch_rows(device, monkeypatch):
+    """The GPU statistics path with shifted products (``shifts.SHIFTED_PRODUCTS_PATHS``
+    with ``"gpu"``, which conv_shifts.py may decide for): a stride-1 convolution's ``A``
+    computed on the device from 13 shifted products and the borders' batched GEMM equals
+    the patch rows' one GEMM in float64 to summation order, exactly symmetric, and the
+    CPU's."""
+    from kfac_hpc.kfac import shifts
+    from kfac_hpc.kfac.layers import Conv2dCurvature
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(16, 24, 3, padding=1).to(device=device, dtype=torch.float64)
+    curv = Conv2dCurvature(conv)
+    x = torch.randn(8, 16, 14, 14, device=device, dtype=torch.float64)
+    rows = curv.a_factor_unfold(x)
+    monkeypatch.setattr(shifts, "SHIFTED_PRODUCTS_PATHS", frozenset({"cpu", "gpu"}))
+    calls = []
+    real = shifts.shifted_covariance
+    monkeypatch.setattr(shifts, "shifted_covariance",
+                        lambda *a, **k: calls.append(a[0].device) or real(*a, **k))
+    got = curv.a_factor(x)
+    assert calls == [x.device] and got.device == x.device
+    assert torch.equal(got, got.t())
+    torch.testing.assert_close(got, rows, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(got.cpu(), curv.a_factor_unfold(x.cpu()), rtol=1e-12, atol=1e-14)
+
+
 @needs_cuda
 @pytest.mark.parametrize("strategy, options", CASES[:2], ids=IDS[:2])
 def test_statistics_on_a_side_stream_train_alike(device, monkeypatch, strategy,
