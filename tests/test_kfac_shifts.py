@@ -143,6 +143,26 @@ def test_rounded_operands_give_the_product_of_the_rounded_input(precision) -> No
     assert rel_err(full.double(), rounded.double()) > 1e-5
 
 
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_a_factor_hands_its_precision_to_the_shifted_products(monkeypatch, precision) -> None:  # type: ignore[no-untyped-def]
+    """``a_factor(..., precision=p)`` on the CPU takes the shifts with operands rounded as
+    the rows' product rounds them (bias column included): the float64 factor of the
+    rounded input, not the full-precision one."""
+    calls: list[str] = []
+    real = shifts.shifted_covariance
+    monkeypatch.setattr(shifts, "shifted_covariance",
+                        lambda *a, **k: calls.append(k["precision"]) or real(*a, **k))
+    torch.manual_seed(36)
+    _, curv = _conv(dict(in_channels=8, out_channels=4, kernel_size=3, padding=1))
+    x = torch.randn(3, 8, 16, 16)
+    got = curv.a_factor(x, torch.float32, precision)
+    assert calls == [precision]
+    rounded = curv.a_factor_unfold(round_operand(x, precision).double())
+    full = curv.a_factor_unfold(x.double())
+    assert rel_err(got.double(), rounded) < 1e-6
+    assert rel_err(got.double(), full) > 1e-5
+
+
 def test_operators_do_not_grow_with_the_batch() -> None:
     """A fixed number of products per layer: no per-sample or per-pixel loop."""
     _, curv = _conv(dict(in_channels=4, out_channels=4, kernel_size=3, padding=1))
@@ -177,7 +197,8 @@ def test_border_patches_are_gathered_a_few_images_at_a_time() -> None:
     x = torch.randn(12, 4, 8, 8, dtype=DT)
     whole = _shifted(curv, x)
     per_image = 8 * 15 * 9 * 4  # 8 offsets' borders of up to 15 pixels, 9 offsets, 4 channels
-    for chunk, most in ((1, per_image), (3 * per_image, 3 * per_image), (1 << 30, 12 * per_image)):
+    for chunk, most in ((1, per_image), (5 * per_image, 5 * per_image),
+                        (1 << 30, 12 * per_image)):  # 5 + 5 + 2 images: an uneven split
         with Gathers() as seen:
             got = _shifted(curv, x, border_chunk=chunk)
         assert max(seen.sizes) == most, (chunk, seen.sizes)

@@ -287,7 +287,7 @@ def shifted_products_flops(b: int, h: int, w: int, kernel_size: Pair, dilation: 
 
 
 def pays(x: Tensor, kernel_size: Pair, stride: Pair, dilation: Pair, pads: Pads,
-         path: str = "cpu") -> bool:
+         path: str) -> bool:
     """Say whether a convolution's expand ``A`` comes from shifted products.
 
     On the statistics paths of :data:`SHIFTED_PRODUCTS_PATHS` (``path``: ``"cpu"`` or
