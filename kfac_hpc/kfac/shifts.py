@@ -200,6 +200,9 @@ def shifted_covariance(x: Tensor, kernel_size: Pair, dilation: Pair, pads: Pads,
         n_all = b * lay.image_rows
         images = buf[lay.images_at:lay.images_at + n_all]
         images.view(b, *lay.padded, c)[:, :h, :w] = x.permute(0, 2, 3, 1)
+        if precision != "full" and x.device.type == "cpu":  # round every operand once
+            images.copy_(round_operand(images, precision))
+            precision = "full"
         products = torch.stack([
             matmul(images.t(), buf[lay.images_at + s:lay.images_at + s + n_all], precision)
             for s in lay.shifts])
