@@ -14,9 +14,10 @@ where the patch rows need one of ``9C x 9C`` (81 blocks): about a sixth of the f
 and the input is copied once, channels-last, instead of into patch rows. The border is
 what the window ``P + δ_i`` leaves out of the image: ``E_i``, a strip of ``|δ_i|`` rows
 and columns along the edges. Then ``A_ij = S(Δ) − Σ_{q ∈ E_i} x[q] x[q + Δ]ᵀ``; the
-strips' products for all ``j`` are batched GEMMs of the strip pixels against their
-patches: the only patches built, gathered for a few images at a time (at most
-:data:`BORDER_CHUNK` elements), so the extra memory does not grow with the batch.
+strips' products are GEMMs of the strip pixels against their patch blocks from offset
+``i`` on (those below the diagonal are transposes): the only patches built, gathered for
+a few images at a time (at most :data:`BORDER_CHUNK` elements), so the extra memory does
+not grow with the batch.
 
 **One buffer, shifts as offsets.** The input is laid out channels-last and flattened,
 ``(rows, C)``, each image followed by ``dh·(kh−1)`` zero rows and each image row by
@@ -25,11 +26,12 @@ rows of the buffer (``Wp`` the padded width): a shift that leaves the image land
 zeros, never on another row or image. So ``S(Δ)`` is one GEMM of two views of the same
 buffer: ``bufᵀ[0:N] · buf[s:s+N]``, no copies.
 
-**Cost.** For a 3x3 kernel with ``Ho = H``: ``13·b·(H+2)(W+2)·C²`` multiply-adds for the
-shifted products and about ``b·(H+W)·8·9·C²`` for the borders, against ``b·H·W·81·C²``
-(one GEMM of the patch rows): 3.0-4.9x fewer at ``H = 14..56``; against the symmetric
-rank-k update of the CPU's patch path (about half the GEMM's) 1.5-2.5x fewer there and
-about as many at ``H = 7`` (:func:`shifted_products_flops`). Where it is used is
+**Cost.** For a 3x3 "same" kernel on an ``H×H`` map: ``13·b·(H+2)²·C²`` multiply-adds
+for the shifted products and about ``60·b·H·C²`` for the borders (each offset's missed
+pixels against the blocks from it on), against ``b·H²·81·C²`` (one GEMM of the patch
+rows): 3.8-5.4x fewer at ``H = 14..56``, 2.7x at ``H = 7``; against the symmetric rank-k
+update of the CPU's patch path (about half the GEMM's) 0.37-0.52 of its multiply-adds at
+``H = 14..56`` and 0.73 at ``H = 7`` (:func:`shifted_products_flops`). Where it is used is
 :func:`pays`, measured with ``benchmarks/conv_shifts.py`` (docs/design.md, "Convolution
 statistics by shifted products").
 
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -55,16 +58,17 @@ Pair = tuple[int, int]
 
 #: The statistics paths (``"cpu"``, ``"gpu"``: :func:`~kfac_hpc.kfac.linalg.uses_gpu_path`)
 #: whose stride-1 convolutions take the shifted products where :func:`pays` says so. The
-#: CPU: ResNet-50's stride-1 layers of 14x14 maps and more 1.7-2.3x faster than the
-#: patch paths (2-core Xeon, benchmarks/RESULTS.md). Not yet the GPU: there the patch
-#: rows' one GEMM runs on tensor cores, and the shifts are 13 GEMMs, a gather and a
-#: batched GEMM per layer; ``benchmarks/conv_shifts.py --device cuda`` decides.
+#: CPU: ResNet-50's stride-1 3x3 layers 1.7-3x faster than the patch paths (2-core Xeon,
+#: benchmarks/RESULTS.md). Not yet the GPU: there the patch rows' one GEMM runs on tensor
+#: cores, and the shifts are 13 GEMMs and, per border offset, a gather and a GEMM;
+#: ``benchmarks/conv_shifts.py --device cuda`` decides.
 SHIFTED_PRODUCTS_PATHS: frozenset[str] = frozenset({"cpu"})
 
 #: Where the shifted products need at most this share of the multiply-adds of the patch
-#: rows' symmetric update. At 8x8 and 7x7 maps (0.92 and 1.0 of them) they took
-#: 0.95-1.25x the time of the faster patch path.
-FLOPS_BELOW = 0.7
+#: rows' symmetric update: 3x3 "same" layers on maps of 7x7 and more (0.73 there; 0.37 at
+#: 56x56), where they took 0.33-0.98x the time of the faster patch path on this CPU.
+#: Smaller maps (1.06 at 4x4) were not measured.
+FLOPS_BELOW = 0.75
 
 #: Elements of the border patches gathered at once (a few images at a time).
 BORDER_CHUNK = 1 << 22
@@ -85,11 +89,10 @@ class _Layout:
     padded: Pair  # (Hp, Wp)
     shifts: tuple[int, ...]  # buffer offsets of the shifts Δ ≥ 0 (row-major order)
     block_source: Tensor  # (kk, kk): block (i, j) is table[k] (table = S, then Sᵀ)
-    border_offsets: Tensor  # (m,): the kernel offsets whose window misses pixels
-    border_patches: Tensor  # (m, P, kk): per such offset, the rows (from an image's
-    #                         start) of its missed pixels' patches, padded to the most
-    border_valid: Tensor  # (m, P): which entries are pixels (not padding)
-    offset_rows: Tensor  # (m,): 0..m-1, to pick each offset's own column block
+    border_offsets: tuple[int, ...]  # the kernel offsets whose window misses pixels
+    border_patches: tuple[Tensor, ...]  # per such offset k, (P_k, kk − k): the rows (from
+    #   an image's start) of its missed pixels' patches from offset k on (the blocks on
+    #   and above the diagonal; column 0 is the pixel itself)
     upper_blocks: Tensor  # (2, kk·(kk−1)/2): (i, j) of the blocks above the diagonal
     lower_blocks: Tensor  # (2, kk·(kk−1)/2): (j, i) of the same blocks
 
@@ -142,22 +145,15 @@ def _layout(h: int, w: int, kernel_size: Pair, dilation: Pair, pads: Pads,
     # buffer rows of kernel offset k relative to the output position: (ih·dh − top)·Wp + …
     flat = [(ih * dh - top) * wp + (iw * dw - left) for ih, iw in offsets]
     missed = _missed(h, w, wp, kernel_size, dilation, pads)
-    widest = max((p.numel() for _, p in missed), default=0)
-    patches = torch.zeros(len(missed), widest, kh * kw, dtype=torch.long, device=_HOST)
-    valid = torch.zeros(len(missed), widest, dtype=torch.bool, device=_HOST)
-    for r, (k, pixels) in enumerate(missed):  # the patch reading pixel q at offset k
-        patches[r, :pixels.numel()] = (pixels.unsqueeze(1) - flat[k]
-                                       + torch.tensor(flat, device=_HOST))
-        valid[r, :pixels.numel()] = True
+    later = torch.tensor(flat, device=_HOST)
+    patches = tuple(  # the patch reading pixel q at offset k, from offset k on
+        (pixels.unsqueeze(1) - flat[k] + later[k:]).to(device) for k, pixels in missed)
     upper = torch.triu_indices(kh * kw, kh * kw, 1, device=_HOST)
     return _Layout(
         dh * (kh - 1) * wp + dw * (kw - 1), hp * wp, (hp, wp),
         tuple(a * dh * wp + e * dw for a, e in steps),
         torch.tensor(source, dtype=torch.long, device=_HOST).to(device),
-        torch.tensor([k for k, _ in missed], dtype=torch.long, device=_HOST).to(device),
-        patches.to(device), valid.to(device),
-        torch.arange(len(missed), device=_HOST).to(device),
-        upper.to(device), upper.flip(0).to(device))
+        tuple(k for k, _ in missed), patches, upper.to(device), upper.flip(0).to(device))
 
 
 def shifted_covariance(x: Tensor, kernel_size: Pair, dilation: Pair, pads: Pads, *,
@@ -209,13 +205,13 @@ def shifted_covariance(x: Tensor, kernel_size: Pair, dilation: Pair, pads: Pads,
         blocks = torch.cat([products, products.transpose(1, 2)])[lay.block_source]
         # the bias column sums the operands as the products see them (rounded or not)
         sums = round_operand(images, precision).sum(dim=0).expand(kk, c) if append_one else None
-        m = lay.border_offsets.numel()
-        if m:
-            border, missed_sums = _borders(buf, lay, b, kernel, precision, border_chunk)
-            blocks[lay.border_offsets] -= border.reshape(m, c, kk, c).permute(0, 2, 1, 3)
-            if sums is not None:
-                sums = sums.clone()
-                sums[lay.border_offsets] -= missed_sums
+        if sums is not None and lay.border_offsets:
+            sums = sums.clone()
+        for k, (border, missed_sum) in zip(lay.border_offsets, _borders(
+                buf, lay, b, precision, border_chunk, sums is not None)):
+            blocks[k, k:].sub_(border.view(c, kk - k, c).transpose(0, 1))
+            if sums is not None and missed_sum is not None:
+                sums[k].sub_(missed_sum)
         full = _symmetric(blocks, lay).permute(2, 0, 3, 1).reshape(c * kk, c * kk)
         if sums is not None:  # weight order (c, i); the bias row and column
             d = c * kk
@@ -229,29 +225,35 @@ def shifted_covariance(x: Tensor, kernel_size: Pair, dilation: Pair, pads: Pads,
     return full.div_(b * ho * wo)
 
 
-def _borders(buf: Tensor, lay: _Layout, b: int, kernel: Pair, precision: MatmulPrecision,
-             chunk: int) -> tuple[Tensor, Tensor]:
-    """Per border offset, its missed pixels' products with their patches, and their sums.
+def _borders(buf: Tensor, lay: _Layout, b: int, precision: MatmulPrecision, chunk: int,
+             with_sums: bool) -> list[tuple[Tensor, Tensor | None]]:
+    """Per border offset, its missed pixels against their patch blocks, and their sums.
 
-    Returns ``(m, C, kk·C)`` and ``(m, C)`` (the sums rounded as the products see them),
-    over whole images gathered at most ``chunk`` patch elements at a time.
+    For offset ``k``: ``(C, (kk − k)·C)``, the blocks from ``k`` on (the ones below the
+    diagonal are their transposes), and ``(C,)``, the pixels' sums rounded as the
+    products see them (only ``with_sums``); over whole images gathered at most ``chunk``
+    patch elements at a time.
     """
-    c, kk = buf.shape[1], kernel[0] * kernel[1]
-    m, widest, _ = lay.border_patches.shape
-    border = buf.new_zeros(m, c, kk * c)
-    sums = buf.new_zeros(m, c)
-    per_chunk = max(1, chunk // max(1, m * widest * kk * c))
-    valid = lay.border_valid.view(m, 1, widest, 1)
+    c = buf.shape[1]
+    out: list[tuple[Tensor, Tensor | None]] = []
+    per_image = sum(p.numel() for p in lay.border_patches) * c
+    per_chunk = max(1, chunk // max(1, per_image))
     for first in range(0, b, per_chunk):
         starts = lay.images_at + lay.image_rows * torch.arange(
             first, min(b, first + per_chunk), device=buf.device)
-        rows = torch.where(valid, lay.border_patches.unsqueeze(1) + starts.view(1, -1, 1, 1),
-                           lay.reach)  # padding reads the zero row ``reach``
-        patches = buf.index_select(0, rows.reshape(-1)).reshape(m, -1, kk, c)
-        missed = patches[lay.offset_rows, :, lay.border_offsets]  # (m, rows, C)
-        border += matmul(missed.transpose(1, 2), patches.reshape(m, -1, kk * c), precision)
-        sums += round_operand(missed, precision).sum(dim=1)
-    return border, sums
+        for k, rows in enumerate(lay.border_patches):
+            index = (rows.unsqueeze(0) + starts.view(-1, 1, 1)).reshape(-1)
+            patches = buf.index_select(0, index).reshape(-1, rows.shape[1] * c)
+            missed = patches[:, :c]  # the pixel itself: its patch at its own offset
+            border = matmul(missed.t(), patches, precision)
+            sums = round_operand(missed, precision).sum(dim=0) if with_sums else None
+            if first == 0:
+                out.append((border, sums))
+            else:
+                out[k][0].add_(border)
+                if sums is not None:
+                    cast(Tensor, out[k][1]).add_(sums)
+    return out
 
 
 def _symmetric(blocks: Tensor, lay: _Layout) -> Tensor:
@@ -275,16 +277,16 @@ def shifted_products_flops(b: int, h: int, w: int, kernel_size: Pair, dilation: 
     """Multiply-adds per ``C²`` of the shifted products and of the patch rows' product.
 
     Returns:
-        ``(shifted, rows)``: the shifted products with their borders (as computed:
-        each offset's border padded to the widest), and one full GEMM of the
-        ``b·Ho·Wo`` patch rows (``(kh·kw)²`` blocks; a symmetric update does about half).
+        ``(shifted, rows)``: the shifted products with their borders (each offset
+        ``k``'s missed pixels against the ``kh·kw − k`` blocks from ``k`` on), and one
+        full GEMM of the ``b·Ho·Wo`` patch rows (``(kh·kw)²`` blocks; a symmetric update
+        does about half).
     """
     (kh, kw), (dh, dw) = kernel_size, dilation
     ho, wo = _output_size(h, w, kernel_size, dilation, pads)
     kk = kh * kw
     hp, wp = h + dh * (kh - 1), w + dw * (kw - 1)
-    missed = _missed(h, w, wp, kernel_size, dilation, pads)
-    border = len(missed) * max((p.numel() for _, p in missed), default=0) * kk
+    border = sum(p.numel() * (kk - k) for k, p in _missed(h, w, wp, kernel_size, dilation, pads))
     n_shifts = ((2 * kh - 1) * (2 * kw - 1) + 1) // 2
     return b * (n_shifts * hp * wp + border), b * ho * wo * kk * kk
 
