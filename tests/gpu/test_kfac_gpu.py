@@ -254,7 +254,7 @@ def test_column_major_rows_on_the_device_equal_row_major(device, monkeypatch, pr
 def test_shifted_products_on_the_device_equal_the_patch_rows(device, monkeypatch):
     """The GPU statistics path with shifted products (``shifts.SHIFTED_PRODUCTS_PATHS``
     with ``"gpu"``, which conv_shifts.py may decide for): a stride-1 convolution's ``A``
-    computed on the device from 13 shifted products and the borders' batched GEMM equals
+    computed on the device from 13 shifted products and a GEMM per border offset equals
     the patch rows' one GEMM in float64 to summation order, exactly symmetric, and the
     CPU's."""
     from kfac_hpc.kfac import shifts
