@@ -21,16 +21,16 @@ precision (CUDA). Writes ``benchmarks/out/conv_shifts_<device>.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import platform
-import time
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import format_table, machine, select_device, timed, write_json
 
 from kfac_hpc.kfac import shifts
 from kfac_hpc.kfac.linalg import covariance
@@ -44,12 +44,6 @@ LAYERS = [("resnet20", 16, 32), ("resnet20", 32, 16), ("resnet20", 64, 8),
           ("resnet50", 512, 7)]
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (nothing on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def best_interleaved(fns: dict[str, Callable[[], Any]], repeat: int,
                      device: torch.device) -> dict[str, float]:
     """Best seconds of each function, called round-robin after one warm-up call each."""
@@ -58,11 +52,7 @@ def best_interleaved(fns: dict[str, Callable[[], Any]], repeat: int,
     best = dict.fromkeys(fns, math.inf)
     for _ in range(repeat):
         for key, fn in fns.items():
-            synchronize(device)
-            t0 = time.perf_counter()
-            fn()
-            synchronize(device)
-            best[key] = min(best[key], time.perf_counter() - t0)
+            best[key] = min(best[key], timed(fn, device)[1])
     return best
 
 
@@ -92,22 +82,23 @@ def measure(model: str, c: int, hw: int, b: int, args: argparse.Namespace,
 
 def show(results: list[dict[str, Any]]) -> None:
     """Print the markdown table."""
-    heads = ["layer", "batch", "rows ms", "symmetric ms", "shifts ms", "shifts / best other",
-             "flops shifts / symmetric", "CPU takes it", "rel diff"]
-    print("| " + " | ".join(heads) + " |")
-    print("|" + "|".join("---:" if i else "---" for i in range(len(heads))) + "|")
+    rows = []
     for r in results:
         ms = r["ms"]
         other = min(v for k, v in ms.items() if k != "shifts")
-        print(f"| {r['model']} {r['channels']}ch {r['map']}x{r['map']} | {r['batch']} | "
-              f"{ms['rows']:.1f} | {ms.get('symmetric', math.nan):.1f} | {ms['shifts']:.1f} | "
-              f"{ms['shifts'] / other:.2f} | {r['flops_ratio']:.2f} | "
-              f"{'yes' if r['pays'] else 'no'} | {r['rel_diff']:.1e} |")
+        rows.append([f"{r['model']} {r['channels']}ch {r['map']}x{r['map']}", r["batch"],
+                     f"{ms['rows']:.1f}", f"{ms.get('symmetric', math.nan):.1f}",
+                     f"{ms['shifts']:.1f}", f"{ms['shifts'] / other:.2f}",
+                     f"{r['flops_ratio']:.2f}", "yes" if r["pays"] else "no",
+                     f"{r['rel_diff']:.1e}"])
+    print(format_table(["layer", "batch", "rows ms", "symmetric ms", "shifts ms",
+                        "shifts / best other", "flops shifts / symmetric", "CPU takes it",
+                        "rel diff"], rows, markdown=True))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--precision", choices=["full", "tf32", "bf16"], default="full")
     ap.add_argument("--batches", type=int, nargs="+", default=[32, 128])
     ap.add_argument("--repeat", type=int, default=7)
@@ -117,7 +108,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = select_device(args.device)
     layers = [LAYERS[0], LAYERS[2]] if args.quick else LAYERS
     batches = [8] if args.quick else args.batches
     results = []
@@ -130,15 +121,15 @@ def main() -> None:
                 print(f"# {model} {c}ch {hw}x{hw} batch {b}: "
                       + ", ".join(f"{k} {v:.1f} ms" for k, v in results[-1]["ms"].items()),
                       flush=True)
+    info = machine()
     name = (torch.cuda.get_device_name(device) if device.type == "cuda"
-            else platform.processor() or platform.machine())
+            else info.get("cpu", "CPU"))
     print(f"\n{name}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"precision {args.precision}, {os.cpu_count()} cores\n")
+          f"precision {args.precision}\n")
     show(results)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"conv_shifts_{device.type}.json"
-    path.write_text(json.dumps({"device": name, "torch": torch.__version__,
-                                "precision": args.precision, "results": results}, indent=1))
+    path = write_json(args.out / f"conv_shifts_{device.type}.json",
+                      {"device": name, "machine": info, "torch": torch.__version__,
+                       "precision": args.precision, "results": results})
     print(f"\nwrote {path}")
 
 

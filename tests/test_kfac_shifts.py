@@ -37,6 +37,29 @@ def _conv(kwargs: dict) -> tuple[nn.Conv2d, Conv2dCurvature]:
     return conv, curv
 
 
+class ShiftedCalls:
+    """What ``shifts.shifted_covariance`` was called with: input shapes and precisions."""
+
+    def __init__(self) -> None:
+        self.shapes: list[tuple[int, ...]] = []
+        self.precisions: list[str] = []
+
+
+@pytest.fixture
+def shifted_calls(monkeypatch: pytest.MonkeyPatch) -> ShiftedCalls:
+    """Record the calls of ``shifts.shifted_covariance`` (still computing the result)."""
+    calls = ShiftedCalls()
+    real = shifts.shifted_covariance
+
+    def spy(x, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.shapes.append(tuple(x.shape))
+        calls.precisions.append(kwargs.get("precision", "full"))
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(shifts, "shifted_covariance", spy)
+    return calls
+
+
 def _shifted(curv: Conv2dCurvature, x: torch.Tensor, **kwargs) -> torch.Tensor:  # type: ignore[no-untyped-def]
     kernel_size, _, dilation = curv._conv_geometry()
     return shifts.shifted_covariance(x, kernel_size, dilation, curv.pads(),
@@ -59,18 +82,11 @@ def test_shifted_products_equal_the_patch_rows(kwargs: dict, shape: tuple) -> No
     assert rel_err(got, want) < 1e-12
 
 
-def test_a_factor_takes_the_shifted_products_where_they_pay(monkeypatch) -> None:
+def test_a_factor_takes_the_shifted_products_where_they_pay(monkeypatch, shifted_calls) -> None:  # type: ignore[no-untyped-def]
     """On the CPU a stride-1 3x3 convolution's A comes from shifted products (and equals
     the patch rows'); a strided one, the GPU path, or a path not in the set keeps the
     patch rows."""
-    calls: list[tuple[int, ...]] = []
-    real = shifts.shifted_covariance
-
-    def spy(x, *args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(tuple(x.shape))
-        return real(x, *args, **kwargs)
-
-    monkeypatch.setattr(shifts, "shifted_covariance", spy)
+    calls = shifted_calls.shapes
     torch.manual_seed(32)
     x = torch.randn(4, 16, 16, 16, dtype=DT)
     _, curv = _conv(dict(in_channels=16, out_channels=8, kernel_size=3, padding=1))
@@ -90,13 +106,10 @@ def test_a_factor_takes_the_shifted_products_where_they_pay(monkeypatch) -> None
     assert calls == [(4, 16, 16, 16)] * 2
 
 
-def test_unbatched_and_autocast_inputs_take_the_shifted_products(monkeypatch) -> None:
+def test_unbatched_and_autocast_inputs_take_the_shifted_products(shifted_calls) -> None:  # type: ignore[no-untyped-def]
     """A ``(C, H, W)`` input is one image, and under CPU autocast the products stay in the
     input's dtype: both as the patch rows give them."""
-    calls: list[tuple[int, ...]] = []
-    real = shifts.shifted_covariance
-    monkeypatch.setattr(shifts, "shifted_covariance",
-                        lambda x, *a, **k: calls.append(tuple(x.shape)) or real(x, *a, **k))
+    calls = shifted_calls.shapes
     torch.manual_seed(35)
     _, curv = _conv(dict(in_channels=16, out_channels=8, kernel_size=3, padding=1))
     x = torch.randn(16, 16, 16, dtype=DT)
@@ -144,14 +157,11 @@ def test_rounded_operands_give_the_product_of_the_rounded_input(precision) -> No
 
 
 @pytest.mark.parametrize("precision", ["tf32", "bf16"])
-def test_a_factor_hands_its_precision_to_the_shifted_products(monkeypatch, precision) -> None:  # type: ignore[no-untyped-def]
+def test_a_factor_hands_its_precision_to_the_shifted_products(shifted_calls, precision) -> None:  # type: ignore[no-untyped-def]
     """``a_factor(..., precision=p)`` on the CPU takes the shifts with operands rounded as
     the rows' product rounds them (bias column included): the float64 factor of the
     rounded input, not the full-precision one."""
-    calls: list[str] = []
-    real = shifts.shifted_covariance
-    monkeypatch.setattr(shifts, "shifted_covariance",
-                        lambda *a, **k: calls.append(k["precision"]) or real(*a, **k))
+    calls = shifted_calls.precisions
     torch.manual_seed(36)
     _, curv = _conv(dict(in_channels=8, out_channels=4, kernel_size=3, padding=1))
     x = torch.randn(3, 8, 16, 16)

@@ -52,6 +52,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
+from kfac_hpc.kfac.patches import conv_output_size
 from kfac_hpc.kfac.precision import MatmulPrecision, matmul, round_operand
 
 __all__ = ["SHIFTED_PRODUCTS_PATHS", "pays", "shifted_covariance", "shifted_products_flops"]
@@ -109,18 +110,12 @@ class _Layout:
         return self.images_at + b * self.image_rows + self.reach
 
 
-def _output_size(h: int, w: int, kernel_size: Pair, dilation: Pair, pads: Pads) -> Pair:
-    (kh, kw), (dh, dw) = kernel_size, dilation
-    top, bottom, left, right = pads
-    return h + top + bottom - dh * (kh - 1), w + left + right - dw * (kw - 1)
-
-
 def _missed(h: int, w: int, wp: int, kernel_size: Pair, dilation: Pair, pads: Pads
             ) -> list[tuple[int, Tensor]]:
     """Per kernel offset whose window misses pixels: (offset, their rows in an image)."""
     (kh, kw), (dh, dw) = kernel_size, dilation
     top, _, left, _ = pads
-    ho, wo = _output_size(h, w, kernel_size, dilation, pads)
+    ho, wo = conv_output_size(h, w, kernel_size, (1, 1), dilation, pads)
     rows = torch.arange(h, device=_HOST).unsqueeze(1)
     cols = torch.arange(w, device=_HOST).unsqueeze(0)
     missed = []
@@ -189,7 +184,7 @@ def shifted_covariance(x: Tensor, kernel_size: Pair, dilation: Pair, pads: Pads,
     kernel = (int(kernel_size[0]), int(kernel_size[1]))
     dil = (int(dilation[0]), int(dilation[1]))
     pad4 = (int(pads[0]), int(pads[1]), int(pads[2]), int(pads[3]))
-    ho, wo = _output_size(h, w, kernel, dil, pad4)
+    ho, wo = conv_output_size(h, w, kernel, (1, 1), dil, pad4)
     if b == 0 or ho <= 0 or wo <= 0:
         raise ValueError("covariance of zero rows is undefined")
     kk = kernel[0] * kernel[1]
@@ -274,24 +269,21 @@ def _symmetric(blocks: Tensor, lay: _Layout) -> Tensor:
     return blocks
 
 
-@functools.lru_cache(maxsize=256)
 def shifted_products_flops(b: int, h: int, w: int, kernel_size: Pair, dilation: Pair,
                            pads: Pads) -> tuple[int, int]:
     """Multiply-adds per ``C²`` of the shifted products and of the patch rows' product.
 
     Returns:
-        ``(shifted, rows)``: the shifted products with their borders (each offset
-        ``k``'s missed pixels against the ``kh·kw − k`` blocks from ``k`` on), and one
-        full GEMM of the ``b·Ho·Wo`` patch rows (``(kh·kw)²`` blocks; a symmetric update
-        does about half).
+        ``(shifted, rows)``: the shifted products with their borders, as
+        :func:`shifted_covariance` computes them (each offset ``k``'s missed pixels
+        against the ``kh·kw − k`` blocks from ``k`` on), and one full GEMM of the
+        ``b·Ho·Wo`` patch rows (``(kh·kw)²`` blocks; a symmetric update does about half).
     """
-    (kh, kw), (dh, dw) = kernel_size, dilation
-    ho, wo = _output_size(h, w, kernel_size, dilation, pads)
-    kk = kh * kw
-    hp, wp = h + dh * (kh - 1), w + dw * (kw - 1)
-    border = sum(p.numel() * (kk - k) for k, p in _missed(h, w, wp, kernel_size, dilation, pads))
-    n_shifts = ((2 * kh - 1) * (2 * kw - 1) + 1) // 2
-    return b * (n_shifts * hp * wp + border), b * ho * wo * kk * kk
+    lay = _layout(h, w, tuple(kernel_size), tuple(dilation), tuple(pads), _HOST)
+    ho, wo = conv_output_size(h, w, kernel_size, (1, 1), dilation, pads)
+    border = sum(rows.numel() for rows in lay.border_patches)
+    kk = kernel_size[0] * kernel_size[1]
+    return b * (len(lay.shifts) * lay.image_rows + border), b * ho * wo * kk * kk
 
 
 def pays(x: Tensor, kernel_size: Pair, stride: Pair, dilation: Pair, pads: Pads,
@@ -307,6 +299,5 @@ def pays(x: Tensor, kernel_size: Pair, stride: Pair, dilation: Pair, pads: Pads,
     if tuple(stride) != (1, 1) or kernel_size[0] * kernel_size[1] == 1:
         return False
     b, _, h, w = x.shape
-    shifted, rows = shifted_products_flops(b, h, w, tuple(kernel_size), tuple(dilation),
-                                           tuple(pads))
+    shifted, rows = shifted_products_flops(b, h, w, kernel_size, dilation, pads)
     return shifted <= FLOPS_BELOW * rows / 2
