@@ -62,7 +62,7 @@
 #   GPU_MPI_TIMEOUT (s, per test module and per benchmark run), GPU_TEST_ARGS (pytest,
 #   e.g. -k), GPU_TEST_MODULES (space-separated test files), GPU_KFAC_ARGS /
 #   GPU_COLL_ARGS / GPU_PROFILE_ARGS / GPU_SHAMPOO_ARGS / GPU_ROOTS_ARGS / GPU_VS_KAISA_ARGS (extra
-#   benchmark arguments), GPU_FACTOR_WARMUP (800: --factor-warmup of gpu-compare's
+#   benchmark arguments), GPU_SHAMPOO_PROFILE (--profile; empty: none), GPU_FACTOR_WARMUP (800: --factor-warmup of gpu-compare's
 #   second vs_kaisa.py run), GPU_WHEELS (.gpu-wheels), GPU_PREFIX
 #   (default ${TMPDIR:-/tmp}/kfac_hpc-gpu-prefix-<uid>), GPU_PYVER / GPU_ARCH (x86_64 or
 #   aarch64) for gpu-wheels, GPU_MPI (a prefix of make cuda-mpi: its bin, lib and
@@ -119,6 +119,8 @@ GPU_KFAC_ARGS    ?=
 GPU_COLL_ARGS    ?=
 GPU_PROFILE_ARGS ?=
 GPU_SHAMPOO_ARGS ?=
+# the shampoo part's profiler tables (empty: none; the part then takes about 42 s, not 110+)
+GPU_SHAMPOO_PROFILE ?= --profile
 GPU_ROOTS_ARGS ?=
 GPU_VS_KAISA_ARGS ?=
 GPU_MODEL        ?= resnet50
@@ -269,7 +271,7 @@ gpu-compare: gpu-env
 	@mkdir -p $(GPU_OUT)
 	$(if $(filter kaisa,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/vs_kaisa.py --device $(GPU_DEVICE) --models $(GPU_MODEL) --timing kinds --max-seconds 100 --markdown --out $(GPU_OUT) $(GPU_VS_KAISA_ARGS) 2>&1 | tee $(GPU_OUT)/vs_kaisa_$(GPU_MODEL)_$(GPU_DEVICE).txt')
 	$(if $(filter kaisa-warm,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/vs_kaisa.py --device $(GPU_DEVICE) --models $(GPU_MODEL) --timing kinds --configs sgd kfac_hpc kaisa --factor-warmup $(GPU_FACTOR_WARMUP) --max-seconds 240 --markdown --out $(GPU_OUT) $(GPU_VS_KAISA_ARGS) 2>&1 | tee $(GPU_OUT)/vs_kaisa_$(GPU_MODEL)_$(GPU_DEVICE)_warmup$(lastword $(GPU_FACTOR_WARMUP)).txt')
-	$(if $(filter shampoo,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/shampoo_step.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --max-seconds 100 --profile --markdown --out $(GPU_OUT) $(GPU_SHAMPOO_ARGS) 2>&1 | tee $(GPU_OUT)/shampoo_step_$(GPU_MODEL)_$(GPU_DEVICE).txt')
+	$(if $(filter shampoo,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/shampoo_step.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --max-seconds 100 $(GPU_SHAMPOO_PROFILE) --markdown --out $(GPU_OUT) $(GPU_SHAMPOO_ARGS) 2>&1 | tee $(GPU_OUT)/shampoo_step_$(GPU_MODEL)_$(GPU_DEVICE).txt')
 	$(if $(filter shampoo-newton,$(GPU_COMPARE_PARTS)),$(call shampoo_root_method,newton))
 	$(if $(filter shampoo-subspace,$(GPU_COMPARE_PARTS)),$(call shampoo_root_method,subspace))
 	$(if $(filter roots,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/shampoo_roots.py --device $(GPU_DEVICE) --image-size $(GPU_IMAGE) --markdown --out $(GPU_OUT) $(GPU_ROOTS_ARGS) 2>&1 | tee $(GPU_OUT)/shampoo_roots_$(GPU_DEVICE).txt')

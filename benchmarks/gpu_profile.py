@@ -13,8 +13,9 @@ stem), 1000 classes, one fixed synthetic batch, fp32 model, one process
   the K-FAC iteration kinds ``f`` (factor update), ``p`` (stale decompositions) and
   ``fi`` (factor and inverse update), with the device synchronised around each
   iteration, for each pair (``stats_precision``, ``precondition_precision``), for TF32
-  statistics from column-major convolution rows (``layers.COLUMN_MAJOR_ROWS_DEVICES``)
-  and on a side stream (``statistics_stream.SIDE_STREAM_DEVICES``, CUDA only), for
+  statistics from column-major and from row-major convolution rows (whatever the
+  default, ``layers.COLUMN_MAJOR_ROWS_DEVICES``: CUDA column-major) and on a side
+  stream (``statistics_stream.SIDE_STREAM_DEVICES``, CUDA only), for
   stride-1 convolutions' ``A`` from shifted products on the GPU path (TF32 and full
   statistics; ``shifts.SHIFTED_PRODUCTS_PATHS``) and for ``kfac_approx="reduce"``; the
   schedules (1,10) = (fi + 9f)/10 and (10,100) = (fi + 9f + 90p)/100 composed from them,
@@ -83,8 +84,10 @@ from kfac_hpc.models import build_model
 from kfac_hpc.solves import SolvePlacement
 
 PRECISION_PAIRS = [("full", "full"), ("tf32", "full"), ("tf32", "tf32"), ("bf16", "tf32")]
-# the kinds section's run with convolution rows column-major (layers.COLUMN_MAJOR_ROWS_DEVICES)
+# the kinds section's runs with convolution rows column-major and row-major whatever the
+# default (layers.COLUMN_MAJOR_ROWS_DEVICES)
 COLUMNS_LABEL = "stats tf32, column-major rows"
+ROWS_LABEL = "stats tf32, row-major rows"
 # ... and with the statistics on a side stream (statistics_stream.SIDE_STREAM_DEVICES; CUDA)
 SIDE_STREAM_LABEL = "stats tf32, side stream"
 # ... and with stride-1 convolutions' A from shifted products (shifts.SHIFTED_PRODUCTS_PATHS)
@@ -154,6 +157,7 @@ KIND_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                     {"stats_precision": s, "precondition_precision": p})
        for s, p in PRECISION_PAIRS},
     "columns": (COLUMNS_LABEL, {"stats_precision": "tf32"}),
+    "rows": (ROWS_LABEL, {"stats_precision": "tf32"}),
     "side-stream": (SIDE_STREAM_LABEL, {"stats_precision": "tf32"}),
     "shifts": (SHIFTS_LABELS[0], {"stats_precision": "tf32"}),
     "shifts-full": (SHIFTS_LABELS[1], {"stats_precision": "full"}),
@@ -177,8 +181,9 @@ def kinds_section(device: torch.device, batch: tuple[Tensor, Tensor], args: argp
     for label, kfac in configs:
         shifts.SHIFTED_PRODUCTS_PATHS = (default_shifts | {"gpu"} if label in SHIFTS_LABELS
                                          else default_shifts)
-        layers.COLUMN_MAJOR_ROWS_DEVICES = (frozenset({device.type}) if label == COLUMNS_LABEL
-                                            else default_layout)
+        layers.COLUMN_MAJOR_ROWS_DEVICES = (
+            frozenset({device.type}) if label == COLUMNS_LABEL
+            else frozenset() if label == ROWS_LABEL else default_layout)
         statistics_stream.SIDE_STREAM_DEVICES = (
             frozenset({"cuda"}) if label == SIDE_STREAM_LABEL and device.type == "cuda"
             else default_streams)

@@ -30,7 +30,7 @@ weights) and its own communicators (``Dup`` s of the world):
   ``eigen`` (``EigenRoots()``, the default: batched ``eigh``) or ``newton``
   (``NewtonRoots()``: the coupled Newton iteration, GEMMs only; Meta's keeps its default,
   eigendecomposition, either way), its eigen-path solves spread over
-  ``--decomposition-streams`` CUDA streams (``decomposition_streams``, default 1).
+  ``--decomposition-streams`` CUDA streams (``decomposition_streams``, default the library's, 8).
 * ``meta``: Meta's ``DistributedShampoo`` (facebookresearch/optimizers, package
   ``distributed_shampoo``) with the same settings in its terms:
   ``grafting_config=AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8)``, betas
@@ -146,6 +146,7 @@ from kfac_hpc.models import build_model
 from kfac_hpc.shampoo import DistributedShampoo, root_method_from
 from kfac_hpc.shampoo.blocking import MERGE_ORDERS
 from kfac_hpc.shampoo.root_methods import ROOT_METHOD_NAMES
+from kfac_hpc.solves import DEFAULT_DEVICE_STREAMS
 
 FREQUENCIES = (1, 10, 100)  # composed in the table, with --frequency
 NEVER = 10**9
@@ -596,9 +597,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--statistics-frequency", type=int, default=1,
                         help="kfac_hpc's Shampoo: steps between factor updates (its "
                              "statistics_frequency; Meta's runs as always)")
-    parser.add_argument("--decomposition-streams", type=int, default=1,
+    parser.add_argument("--decomposition-streams", type=int, default=DEFAULT_DEVICE_STREAMS,
                         help="kfac_hpc's Shampoo: CUDA streams its root step's eigh batches "
-                             "are spread over (decomposition_streams, default 1)")
+                             "are spread over (decomposition_streams, default "
+                             f"{DEFAULT_DEVICE_STREAMS}, the library's)")
     parser.add_argument("--weight-decay", type=float, default=None,
                         help="decoupled weight decay of adamw, shampoo and meta (default "
                              "0.01 when adamw is selected, else 0)")
@@ -670,7 +672,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{nominal_estimate(args):.0f} s")
     suffix = ("_cuda" if device.type == "cuda" else "") + (
         "_newton" if args.root_method == "newton" else "") + (
-        f"_streams{args.decomposition_streams}" if args.decomposition_streams != 1 else "") + (
+        f"_streams{args.decomposition_streams}"
+        if args.decomposition_streams != DEFAULT_DEVICE_STREAMS else "") + (
         "_merge_first" if args.merge_dims_from == "first" else "")
     for name in models:
         result = run_model(name, args, comm, device, meta, say)

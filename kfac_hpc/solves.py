@@ -27,7 +27,12 @@ batch is split into chunks of matrices, and the chunks go to the streams by cost
 from filling a large GPU with a 1024x1024 matrix (10.5 ms on an H200, against 25 ms for
 eight times the flops at 2048), so independent solves on separate streams may overlap.
 Every matrix is solved by the same call as on one stream, so the results are the same
-bits whatever the spread. Not a default yet: ``benchmarks/gpu_profile.py`` measures it.
+bits whatever the spread. The default is 8 streams (:data:`DEFAULT_DEVICE_STREAMS`): on
+an NVIDIA H200 (torch 2.11, CUDA 13), ResNet-50's K-FAC inverse update (108 factors)
+took 1279 ms on one stream, 1052 on 2, 932 on 4 and 881 on 8 (``gpu_profile.py``), and
+Shampoo's root step (250 factors) 1107 ms on one, 902, 818 and 762 (``shampoo_roots.py``;
+benchmarks/RESULTS.md, GPU). The streams are made, with their threads, only when a CUDA
+batch is spread; the CPU never is.
 
 Results equal those of the same solver on the host for the host's batches (the same
 LAPACK call); which batches go where, and in which precision, depends only on their
@@ -46,13 +51,19 @@ from typing import cast
 import torch
 from torch import Tensor
 
-__all__ = ["DEFAULT_HOST_MAX_DIM", "DEFAULT_PLACEMENT", "JACOBI_ROWS", "BatchResult", "EighResult",
+__all__ = ["DEFAULT_DEVICE_STREAMS", "DEFAULT_HOST_MAX_DIM", "DEFAULT_PLACEMENT", "JACOBI_ROWS",
+           "BatchResult", "EighResult",
            "SolvePlacement", "Solver", "eigh_batches", "eigh_dtype", "load_cuda_linalg",
            "solve_batches", "solves_on_host", "spreads_over_streams", "symmetric_eigh"]
 
 #: The largest CUDA matrix decomposed on the host by default: none (0). Measured on an
 #: NVIDIA H200 (module docstring): the device, with :func:`eigh_dtype`, is faster.
 DEFAULT_HOST_MAX_DIM = 0
+
+#: The CUDA streams (a worker thread each) the device's decompositions of more than 32
+#: rows are spread over by default: 8, the fastest of 1, 2, 4 and 8 for K-FAC's inverse
+#: update and Shampoo's root step on an NVIDIA H200 (module docstring).
+DEFAULT_DEVICE_STREAMS = 8
 
 #: The rows of the float32 CUDA matrices torch decomposes with cuSOLVER's Jacobi solver
 #: (``linalg_eigh_cusolver`` in ATen: ``syevj`` for 32 <= n <= 512), inclusive.
@@ -68,11 +79,11 @@ class SolvePlacement:
             ``host_decomposition_max_dim`` of K-FAC and Shampoo).
         device_streams: The CUDA streams, each with a worker thread, the device's
             batches are spread over (1: the calling thread's stream;
-            ``decomposition_streams``).
+            ``decomposition_streams``; default :data:`DEFAULT_DEVICE_STREAMS`).
     """
 
     host_max_dim: int = DEFAULT_HOST_MAX_DIM
-    device_streams: int = 1
+    device_streams: int = DEFAULT_DEVICE_STREAMS
 
     def __post_init__(self) -> None:
         """Validate both (one error naming the first problem and its fix)."""
@@ -86,7 +97,7 @@ class SolvePlacement:
                              f"thread's stream), got {self.device_streams!r}")
 
 
-#: The default placement: everything on the calling thread's device stream.
+#: The default placement: every CUDA batch on the device, spread over the default streams.
 DEFAULT_PLACEMENT = SolvePlacement()
 
 #: What a solver returned for a batch, or the error it raised.
@@ -314,8 +325,21 @@ def _solve_on_streams(batches: dict[int, Tensor], solve: Solver, lanes: int
             continue
         ordered = cast(list[tuple[Tensor, ...]], parts)
         out[i] = ordered[0] if len(ordered) == 1 else tuple(
-            torch.cat([r[t] for r in ordered]) for t in range(len(ordered[0])))
+            _concatenate([r[t] for r in ordered]) for t in range(len(ordered[0])))
     return out
+
+
+def _concatenate(parts: list[Tensor]) -> Tensor:
+    """The chunks' results as one batch, in the layout one call on the whole batch gives.
+
+    ``torch.linalg.eigh`` returns each matrix of eigenvectors column-major; a plain
+    ``torch.cat`` would make them row-major, and the GEMMs that read them afterwards could
+    then take other kernels (other roundings) than after a solve on one stream.
+    """
+    first = parts[0]
+    if first.dim() >= 2 and not first.is_contiguous() and first.mT.is_contiguous():
+        return torch.cat([p.mT for p in parts]).mT
+    return torch.cat(parts)
 
 
 def solve_batches(batches: Sequence[Tensor], solve: Solver,

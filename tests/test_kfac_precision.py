@@ -19,6 +19,7 @@ from torch import nn
 from kfac_hpc import KFACPreconditioner
 from kfac_hpc.kfac import linalg
 from kfac_hpc.kfac.layers import Conv2dCurvature
+from kfac_hpc.kfac.options import resolve_precision
 from kfac_hpc.kfac.precision import matmul, round_operand
 
 UNIT = {"full": 0.0, "tf32": 2.0**-11, "bf16": 2.0**-8}
@@ -113,3 +114,15 @@ def test_auto_is_full_on_the_cpu_and_explicit_choices_apply():
     rows = torch.cat([x, torch.ones(8, 1)], dim=1)
     torch.testing.assert_close(a, linalg.covariance(round_operand(rows, "bf16")))
     pre.close()
+
+
+def test_auto_is_tf32_for_float32_on_cuda_only():
+    """``auto`` (both options' default): TF32 operands for float32 on CUDA, measured faster
+    there for statistics and preconditioning alike; full precision for float64 and on
+    every other device; explicit choices pass through."""
+    assert resolve_precision("auto", device_type="cuda", dtype="float32") == "tf32"
+    assert resolve_precision("auto", device_type="cuda", dtype="float64") == "full"
+    for device in ("cpu", "meta"):
+        assert resolve_precision("auto", device_type=device, dtype="float32") == "full"
+    assert resolve_precision("bf16", device_type="cpu", dtype="float32") == "bf16"
+    assert resolve_precision("full", device_type="cuda", dtype="float32") == "full"

@@ -237,15 +237,32 @@ def test_only_cuda_batches_of_more_than_32_rows_spread_over_streams() -> None:
 @pytest.fixture
 def lanes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, list[tuple[int, int]]]]]:
     """CPU batches of more than 2 rows spread over the lanes, as CUDA ones of more than
-    32 do; records each lane's thread and the (batch, chunk) pieces it solved."""
+    32 do; records each lane's thread and the (batch, chunk) pieces it solved.
+
+    The CPU's ``torch.linalg.eigh`` stands in for cuSOLVER's, whose result for a matrix
+    does not depend on where the matrix lies in its batch
+    (``tests/gpu/test_solves_gpu.py``). MKL's does on some CPUs (AMD EPYC: a matrix at an
+    address that is not a multiple of 64 bytes is rounded otherwise), and a chunk moves
+    its matrices to other offsets. So here each matrix is decomposed alone from a fresh,
+    aligned copy, and the results are returned in the layout of torch's (column-major
+    eigenvectors).
+    """
     seen: list[tuple[str, list[tuple[int, int]]]] = []
     solve_lane = solves._solve_lane
+    eigh = torch.linalg.eigh
+
+    def aligned_eigh(a: Tensor) -> tuple[Tensor, Tensor]:
+        pairs = [eigh(m.clone()) for m in a.reshape(-1, *a.shape[-2:])]
+        values = torch.stack([w for w, _ in pairs]).reshape(a.shape[:-1])
+        vectors = torch.stack([v.mT for _, v in pairs]).mT.reshape(a.shape)
+        return values, vectors
 
     def recording(pieces: list[tuple[int, int, Tensor]], *args: object) -> object:
         seen.append((threading.current_thread().name, [(i, j) for i, j, _ in pieces]))
         return solve_lane(pieces, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(solves, "_solve_lane", recording)
+    monkeypatch.setattr(torch.linalg, "eigh", aligned_eigh)
     monkeypatch.setattr(solves, "spreads_over_streams",
                         lambda batch, k: k > 1 and batch.shape[-1] > 2)
     yield seen
@@ -259,6 +276,7 @@ def test_spread_batches_are_split_by_cost_and_equal_one_stream(
     for got, want in zip(spread, alone):
         assert not isinstance(got, Exception)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert got[1].stride() == want[1].stride()  # eigh's layout: column-major vectors
     assert all(name.startswith("kfac-hpc-stream-solves") for name, _ in lanes)
     pieces = sorted(p for _, lane in lanes for p in lane)
     # 5 matrices of 12 rows in 3 chunks, 2 of 30 rows in 2; the 2-row batch stays whole

@@ -42,7 +42,7 @@ from kfac_hpc.kfac.options import (
     conflicts,
     sends_factors,
 )
-from kfac_hpc.solves import DEFAULT_HOST_MAX_DIM, SolvePlacement
+from kfac_hpc.solves import DEFAULT_DEVICE_STREAMS, DEFAULT_HOST_MAX_DIM, SolvePlacement
 
 __all__ = ["KFACConfig", "Schedules", "batch_shape", "dtype_name"]
 
@@ -99,7 +99,7 @@ class KFACConfig:
     stats_precision: PrecisionOption = "auto"
     precondition_precision: PrecisionOption = "auto"
     host_decomposition_max_dim: int = DEFAULT_HOST_MAX_DIM
-    decomposition_streams: int = 1
+    decomposition_streams: int = DEFAULT_DEVICE_STREAMS
 
     @property
     def solve_placement(self) -> SolvePlacement:

@@ -33,7 +33,7 @@ from kfac_hpc.kfac.options import (
     STRATEGIES,
     conflicts,
 )
-from kfac_hpc.solves import DEFAULT_HOST_MAX_DIM
+from kfac_hpc.solves import DEFAULT_DEVICE_STREAMS, DEFAULT_HOST_MAX_DIM
 
 __all__ = [
     "DATASETS",
@@ -214,7 +214,7 @@ class TrainConfig:
         "tf32 for float32 factors on CUDA, full elsewhere)", "kfac")
     kfac_precondition_precision: str = _opt(
         "auto", "auto | full | tf32 | bf16: operands of the preconditioning GEMMs (auto: "
-        "full)", "kfac")
+        "tf32 for float32 decompositions on CUDA, full elsewhere)", "kfac")
     # -- distribution and device
     ddp: bool = _opt(False, "average gradients with torch DDP (gloo/nccl) instead of MPI",
                      "distributed")
@@ -231,8 +231,9 @@ class TrainConfig:
         "of matrices up to this size on a CUDA device run on the host CPU while the device "
         "solves the larger ones; 0: all on the device", "distributed")
     decomposition_streams: int = _opt(
-        1, "on CUDA, spread the device's decompositions (K-FAC's inverse updates, Shampoo's "
-        "roots) of more than 32 rows over N streams and worker threads (the same results)",
+        DEFAULT_DEVICE_STREAMS, "on CUDA, spread the device's decompositions (K-FAC's "
+        "inverse updates, Shampoo's roots) of more than 32 rows over N streams and worker "
+        "threads (the same results)",
         "distributed")
     # -- output
     out: str | None = _opt(None, "output directory (default runs/<timestamp>)", "output")

@@ -97,7 +97,7 @@ def test_float32_factors_of_jacobis_range_are_decomposed_in_float64(device: torc
 @needs_cuda
 def test_batches_spread_over_streams_equal_one_stream(device: torch.device) -> None:
     """Batches still being computed on a side stream, spread over 3 streams: the same
-    bits as on the calling stream, and the caller's stream waits for them."""
+    bits and layout as on the calling stream, and the caller's stream waits for them."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -106,10 +106,13 @@ def test_batches_spread_over_streams_equal_one_stream(device: torch.device) -> N
         spread = solves.eigh_batches(batches, SolvePlacement(0, 3))
         pairs = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(one, spread)
                  if not isinstance(a, Exception) and not isinstance(b, Exception)]
+        strides = [(a[1].stride(), b[1].stride()) for a, b in zip(one, spread)
+                   if not isinstance(a, Exception) and not isinstance(b, Exception)]
     torch.cuda.current_stream(device).wait_stream(side)
     assert len(pairs) == len(SIZES)
     for dvalues, dvectors in pairs:
         assert not dvalues.any() and not dvectors.any()
+    assert all(a == b for a, b in strides), strides
 
 
 @needs_cuda
