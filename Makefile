@@ -61,7 +61,8 @@
 #   Settings: GPU_PYTHON, GPU_RANKS (2), GPU_BATCH (per-rank batch, 32), GPU_OUT,
 #   GPU_MPI_TIMEOUT (s, per test module and per benchmark run), GPU_TEST_ARGS (pytest,
 #   e.g. -k), GPU_TEST_MODULES (space-separated test files), GPU_KFAC_ARGS /
-#   GPU_COLL_ARGS / GPU_PROFILE_ARGS / GPU_SHAMPOO_ARGS / GPU_ROOTS_ARGS / GPU_VS_KAISA_ARGS (extra
+#   GPU_COLL_ARGS / GPU_PROFILE_ARGS / GPU_SHAMPOO_ARGS / GPU_ROOTS_ARGS / GPU_VS_KAISA_ARGS /
+#   GPU_TRAIN_ARGS (extra
 #   benchmark arguments), GPU_SHAMPOO_PROFILE (--profile; empty: none), GPU_FACTOR_WARMUP (800: --factor-warmup of gpu-compare's
 #   second vs_kaisa.py run), GPU_WHEELS (.gpu-wheels), GPU_PREFIX
 #   (default ${TMPDIR:-/tmp}/kfac_hpc-gpu-prefix-<uid>), GPU_PYVER / GPU_ARCH (x86_64 or
@@ -119,6 +120,7 @@ GPU_KFAC_ARGS    ?=
 GPU_COLL_ARGS    ?=
 GPU_PROFILE_ARGS ?=
 GPU_SHAMPOO_ARGS ?=
+GPU_TRAIN_ARGS ?=
 # the shampoo part's profiler tables (empty: none; the part then takes about 42 s, not 110+)
 GPU_SHAMPOO_PROFILE ?= --profile
 GPU_ROOTS_ARGS ?=
@@ -131,7 +133,7 @@ GPU_FACTOR_WARMUP ?= 800
 # The parts of make gpu-compare to run, in this order, with their nominal times on an
 # H200 (each at most GPU_COMPARE_TIMEOUT): kaisa (vs_kaisa.py, ~100 s), kaisa-warm (the
 # same after GPU_FACTOR_WARMUP factor updates, ~175 s), shampoo (~100 s), profile
-# (gpu_profile.py, ~150 s), train (train_throughput.py, ~120 s), gram (gram_layouts.py
+# (gpu_profile.py, ~150 s), train (train_throughput.py, ~150 s), gram (gram_layouts.py
 # and conv_shifts.py, ~45 s). A device session with 15 minutes runs a subset per call, e.g.
 # GPU_COMPARE_PARTS="kaisa-warm profile". Not in the default list: shampoo-newton and
 # shampoo-subspace (shampoo_step.py --root-method newton or subspace, ~100 s each) and
@@ -276,7 +278,7 @@ gpu-compare: gpu-env
 	$(if $(filter shampoo-subspace,$(GPU_COMPARE_PARTS)),$(call shampoo_root_method,subspace))
 	$(if $(filter roots,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/shampoo_roots.py --device $(GPU_DEVICE) --image-size $(GPU_IMAGE) --markdown --out $(GPU_OUT) $(GPU_ROOTS_ARGS) 2>&1 | tee $(GPU_OUT)/shampoo_roots_$(GPU_DEVICE).txt')
 	$(if $(filter profile,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/gpu_profile.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --image-size $(GPU_IMAGE) --markdown --out $(GPU_OUT) $(GPU_PROFILE_ARGS) 2>&1 | tee $(GPU_OUT)/gpu_profile_$(GPU_MODEL)_$(GPU_DEVICE).txt')
-	$(if $(filter train,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/train_throughput.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --shape $(GPU_SHAPE) --batch $(GPU_BATCH) --steps 60 --warmup 20 --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/train_throughput_$(GPU_MODEL)_$(GPU_DEVICE).txt')
+	$(if $(filter train,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/train_throughput.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --shape $(GPU_SHAPE) --batch $(GPU_BATCH) --steps 220 --warmup 20 --markdown --out $(GPU_OUT) $(GPU_TRAIN_ARGS) 2>&1 | tee $(GPU_OUT)/train_throughput_$(GPU_MODEL)_$(GPU_DEVICE).txt')
 	$(if $(filter gram,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/gram_layouts.py --device $(GPU_DEVICE) --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/gram_layouts_$(GPU_DEVICE).txt && timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/conv_shifts.py --device $(GPU_DEVICE) --precision tf32 --batches 32 --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/conv_shifts_$(GPU_DEVICE).txt')
 
 # ------------------------------------------------------------------- CUDA-aware MPI

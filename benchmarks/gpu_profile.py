@@ -25,9 +25,10 @@ stem), 1000 classes, one fixed synthetic batch, fp32 model, one process
   (decompositions in a worker thread on a side stream), against SGD.
 * ``decompositions``: one inverse update (``pre.decomps.update``) against the bare
   solver calls on the same factors: ``torch.linalg.eigh`` one factor at a time and
-  batched by size (``linalg.eigh_clamped_many``, all on the device), and batched by size
-  with the CUDA factors up to each ``--host-max-dims`` value decomposed on the host
-  beside the device's (``host_decomposition_max_dim``; 0: none), and all on the device
+  batched by size (``linalg.eigh_clamped_many``, all on the device, one stream), and
+  batched by size with the CUDA factors up to each ``--host-max-dims`` value decomposed on
+  the host beside the device's (``host_decomposition_max_dim``; 0: none; one stream), and
+  all on the device
   spread over each ``--device-streams`` count of CUDA streams and worker threads
   (``kfac_hpc.solves.SolvePlacement(device_streams=S)``). Then, per distinct factor size (one
   factor ``F`` of that size, the count of that size), the ms of one
@@ -351,12 +352,13 @@ def decompositions_section(device: torch.device, batch: tuple[Tensor, Tensor],
             torch.linalg.eigh(f)
 
     each = [timed(one_by_one, device) for _ in range(3)]
-    batched = [timed(lambda: linalg.eigh_clamped_many(factors, placement=SolvePlacement(0)), device)
+    batched = [timed(lambda: linalg.eigh_clamped_many(factors, placement=SolvePlacement(0, 1)),
+                     device)
                for _ in range(3)]
     # host_decomposition_max_dim: CUDA factors up to this size on the host, beside the
     # device's (kfac_hpc.solves); the wall time of all of them, batched by size
     by_host_max_dim = {h: statistics.median(
-        timed(partial(linalg.eigh_clamped_many, factors, placement=SolvePlacement(h)), device)
+        timed(partial(linalg.eigh_clamped_many, factors, placement=SolvePlacement(h, 1)), device)
         for _ in range(3)) * 1e3 for h in args.host_max_dims}
     sizes: dict[int, list[Tensor]] = {}
     for f in factors:

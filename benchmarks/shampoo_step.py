@@ -98,7 +98,8 @@ after at least ``--min-steps`` of them, once the time since the process started 
 the last round's time would pass S (rank 0 decides, every rank follows); the number of
 timed rounds is printed and recorded.
 
-Writes ``shampoo_step_<model>_n<ranks>[_cuda][_newton].json`` under ``--out``; prints the
+Writes ``shampoo_step_<model>_n<ranks>[_cuda][_newton][_streams<S>][_merge_first].json``
+under ``--out`` (``_streams<S>``: not the library's default count); prints the
 tables on rank 0 (Markdown with ``--markdown``). Compare runs at 1, 2 and 4 ranks by
 running it three times.
 """
@@ -146,7 +147,7 @@ from kfac_hpc.models import build_model
 from kfac_hpc.shampoo import DistributedShampoo, root_method_from
 from kfac_hpc.shampoo.blocking import MERGE_ORDERS
 from kfac_hpc.shampoo.root_methods import ROOT_METHOD_NAMES
-from kfac_hpc.solves import DEFAULT_DEVICE_STREAMS
+from kfac_hpc.solves import default_device_streams
 
 FREQUENCIES = (1, 10, 100)  # composed in the table, with --frequency
 NEVER = 10**9
@@ -597,10 +598,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--statistics-frequency", type=int, default=1,
                         help="kfac_hpc's Shampoo: steps between factor updates (its "
                              "statistics_frequency; Meta's runs as always)")
-    parser.add_argument("--decomposition-streams", type=int, default=DEFAULT_DEVICE_STREAMS,
+    parser.add_argument("--decomposition-streams", type=int, default=default_device_streams(),
                         help="kfac_hpc's Shampoo: CUDA streams its root step's eigh batches "
                              "are spread over (decomposition_streams, default "
-                             f"{DEFAULT_DEVICE_STREAMS}, the library's)")
+                             f"{default_device_streams()}, the library's)")
     parser.add_argument("--weight-decay", type=float, default=None,
                         help="decoupled weight decay of adamw, shampoo and meta (default "
                              "0.01 when adamw is selected, else 0)")
@@ -673,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
     suffix = ("_cuda" if device.type == "cuda" else "") + (
         "_newton" if args.root_method == "newton" else "") + (
         f"_streams{args.decomposition_streams}"
-        if args.decomposition_streams != DEFAULT_DEVICE_STREAMS else "") + (
+        if args.decomposition_streams != default_device_streams() else "") + (
         "_merge_first" if args.merge_dims_from == "first" else "")
     for name in models:
         result = run_model(name, args, comm, device, meta, say)

@@ -228,7 +228,7 @@ from mpi4py import MPI
 from kfac_hpc import GradientAverager, KFACPreconditioner
 from kfac_hpc.comm import Communicator
 from kfac_hpc.models import build_model
-from kfac_hpc.solves import DEFAULT_DEVICE_STREAMS
+from kfac_hpc.solves import default_device_streams
 from kfac_hpc.units import format_bytes
 
 WORLD = MPI.COMM_WORLD
@@ -959,9 +959,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "(the same preconditioned gradients, fewer bytes)")
     ap.add_argument("--symmetric-packing", action="store_true",
                     help="kfac_hpc only: factors travel as upper triangles")
-    ap.add_argument("--decomposition-streams", type=int, default=DEFAULT_DEVICE_STREAMS,
+    ap.add_argument("--decomposition-streams", type=int, default=default_device_streams(),
                     metavar="S", help="kfac_hpc only: its decompositions spread over S CUDA "
-                    f"streams (default {DEFAULT_DEVICE_STREAMS}, the library's)")
+                    f"streams (default {default_device_streams()}, the library's)")
     ap.add_argument("--out", type=Path, default=OUT_DIR,
                     help=f"folder of vs_kaisa_n<ranks>[_cuda][_warmup<N>].json (default {OUT_DIR})")
     ap.add_argument("--json", default="", help="also write the JSON to this file")

@@ -27,7 +27,8 @@ batch is split into chunks of matrices, and the chunks go to the streams by cost
 from filling a large GPU with a 1024x1024 matrix (10.5 ms on an H200, against 25 ms for
 eight times the flops at 2048), so independent solves on separate streams may overlap.
 Every matrix is solved by the same call as on one stream, so the results are the same
-bits whatever the spread. The default is 8 streams (:data:`DEFAULT_DEVICE_STREAMS`): on
+bits whatever the spread. The default is 8 streams (:data:`DEFAULT_DEVICE_STREAMS`; fewer
+on fewer cores, :func:`default_device_streams`): on
 an NVIDIA H200 (torch 2.11, CUDA 13), ResNet-50's K-FAC inverse update (108 factors)
 took 1279 ms on one stream, 1052 on 2, 932 on 4 and 881 on 8 (``gpu_profile.py``), and
 Shampoo's root step (250 factors) 1107 ms on one, 902, 818 and 762 (``shampoo_roots.py``;
@@ -42,28 +43,51 @@ size, dtype and device, so a run and its resumption compute alike.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
 from torch import Tensor
 
 __all__ = ["DEFAULT_DEVICE_STREAMS", "DEFAULT_HOST_MAX_DIM", "DEFAULT_PLACEMENT", "JACOBI_ROWS",
-           "BatchResult", "EighResult",
-           "SolvePlacement", "Solver", "eigh_batches", "eigh_dtype", "load_cuda_linalg",
-           "solve_batches", "solves_on_host", "spreads_over_streams", "symmetric_eigh"]
+           "BatchResult", "EighResult", "SolvePlacement", "Solver", "default_device_streams",
+           "eigh_batches", "eigh_dtype", "load_cuda_linalg", "solve_batches", "solves_on_host",
+           "spreads_over_streams", "symmetric_eigh", "usable_cores"]
 
 #: The largest CUDA matrix decomposed on the host by default: none (0). Measured on an
 #: NVIDIA H200 (module docstring): the device, with :func:`eigh_dtype`, is faster.
 DEFAULT_HOST_MAX_DIM = 0
 
-#: The CUDA streams (a worker thread each) the device's decompositions of more than 32
-#: rows are spread over by default: 8, the fastest of 1, 2, 4 and 8 for K-FAC's inverse
-#: update and Shampoo's root step on an NVIDIA H200 (module docstring).
+#: The most CUDA streams (a worker thread each) the device's decompositions of more than
+#: 32 rows are spread over by default: 8, the fastest of 1, 2, 4 and 8 for K-FAC's inverse
+#: update and Shampoo's root step on an NVIDIA H200 (module docstring); fewer where the
+#: process may run on fewer cores (:func:`default_device_streams`).
 DEFAULT_DEVICE_STREAMS = 8
+
+
+def usable_cores() -> int:
+    """The cores this process may run on.
+
+    Its affinity mask (a batch system's binding), else the machine's cores.
+    """
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity masks on this platform
+        return os.cpu_count() or 1
+
+
+def default_device_streams() -> int:
+    """The default ``decomposition_streams``.
+
+    :data:`DEFAULT_DEVICE_STREAMS`, or the cores this process may run on when fewer: each
+    stream's worker thread waits on its solver's host read, and CUDA spins while it waits,
+    so a rank bound to 2 cores gets 2 streams.
+    """
+    return max(1, min(DEFAULT_DEVICE_STREAMS, usable_cores()))
 
 #: The rows of the float32 CUDA matrices torch decomposes with cuSOLVER's Jacobi solver
 #: (``linalg_eigh_cusolver`` in ATen: ``syevj`` for 32 <= n <= 512), inclusive.
@@ -79,11 +103,23 @@ class SolvePlacement:
             ``host_decomposition_max_dim`` of K-FAC and Shampoo).
         device_streams: The CUDA streams, each with a worker thread, the device's
             batches are spread over (1: the calling thread's stream;
-            ``decomposition_streams``; default :data:`DEFAULT_DEVICE_STREAMS`).
+            ``decomposition_streams``; default :func:`default_device_streams`).
     """
 
     host_max_dim: int = DEFAULT_HOST_MAX_DIM
-    device_streams: int = DEFAULT_DEVICE_STREAMS
+    device_streams: int = field(default_factory=default_device_streams)
+
+    @classmethod
+    def of(cls, host_max_dim: int, device_streams: int | None) -> SolvePlacement:
+        """The placement of two options (``decomposition_streams`` None: the default).
+
+        Args:
+            host_max_dim: ``host_decomposition_max_dim``.
+            device_streams: ``decomposition_streams``; None: :func:`default_device_streams`.
+        """
+        if device_streams is None:
+            return cls(host_max_dim)
+        return cls(host_max_dim, device_streams)
 
     def __post_init__(self) -> None:
         """Validate both (one error naming the first problem and its fix)."""

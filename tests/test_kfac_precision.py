@@ -126,3 +126,24 @@ def test_auto_is_tf32_for_float32_on_cuda_only():
         assert resolve_precision("auto", device_type=device, dtype="float32") == "full"
     assert resolve_precision("bf16", device_type="cpu", dtype="float32") == "bf16"
     assert resolve_precision("full", device_type="cuda", dtype="float32") == "full"
+
+
+def test_the_preconditioner_resolves_both_options_for_its_device_and_dtypes(monkeypatch):
+    """Both options go through ``resolve_precision`` with the layers' device and the
+    factors' and decompositions' dtypes (a model on the meta device, so a device type
+    written into the call would show), and the results are what the step uses."""
+    from kfac_hpc.kfac import preconditioner
+
+    calls = []
+
+    def spy(value, **kw):
+        calls.append((value, kw))
+        return resolve_precision(value, **kw)
+
+    monkeypatch.setattr(preconditioner, "resolve_precision", spy)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).to("meta")
+    pre = KFACPreconditioner(model, inv_dtype=torch.float64)
+    assert calls == [("auto", {"device_type": "meta", "dtype": "float32"}),
+                     ("auto", {"device_type": "meta", "dtype": "float64"})]
+    assert (pre.stats_precision, pre.precondition_precision) == ("full", "full")
+    pre.close()

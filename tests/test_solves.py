@@ -276,7 +276,8 @@ def test_spread_batches_are_split_by_cost_and_equal_one_stream(
     for got, want in zip(spread, alone):
         assert not isinstance(got, Exception)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-        assert got[1].stride() == want[1].stride()  # eigh's layout: column-major vectors
+        # eigh's layout: column-major vectors, contiguous values
+        assert got[0].stride() == want[0].stride() and got[1].stride() == want[1].stride()
     assert all(name.startswith("kfac-hpc-stream-solves") for name, _ in lanes)
     pieces = sorted(p for _, lane in lanes for p in lane)
     # 5 matrices of 12 rows in 3 chunks, 2 of 30 rows in 2; the 2-row batch stays whole
@@ -297,6 +298,33 @@ def test_a_failing_chunk_fails_its_batch_only(lanes: list[tuple[str, list[tuple[
     assert isinstance(results[0], torch.linalg.LinAlgError)
     assert not isinstance(results[1], Exception)
     assert torch.equal(results[1][1], torch.linalg.eigh(batches[1])[1])
+
+
+@pytest.mark.parametrize(("cores", "streams"), [(1, 1), (2, 2), (7, 7), (8, 8), (64, 8)])
+def test_default_streams_are_eight_or_the_cores_this_process_may_run_on(
+        monkeypatch: pytest.MonkeyPatch, cores: int, streams: int) -> None:
+    """Unset, ``decomposition_streams`` is 8, or the cores of this process's affinity mask
+    (a batch system's binding) when fewer; K-FAC, Shampoo and the placement agree, and the
+    preconditioner's config records the count it uses."""
+    monkeypatch.setattr(solves.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert solves.default_device_streams() == streams
+    assert SolvePlacement().device_streams == streams
+    assert SolvePlacement.of(0, None) == SolvePlacement(0, streams)
+    assert SolvePlacement.of(3, 5) == SolvePlacement(3, 5)
+    pre = KFACPreconditioner(small_cnn(), comm=Communicator(MPI.COMM_SELF))
+    assert pre.config()["decomposition_streams"] == streams
+    pre.close()
+    opt = DistributedShampoo(small_cnn().named_parameters(), comm=Communicator(MPI.COMM_SELF))
+    assert opt.solve_placement.device_streams == streams
+
+
+def test_without_affinity_masks_the_machine_s_cores_count(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    monkeypatch.delattr(solves.os, "sched_getaffinity")
+    monkeypatch.setattr(solves.os, "cpu_count", lambda: 3)
+    assert solves.usable_cores() == 3 and solves.default_device_streams() == 3
+    monkeypatch.setattr(solves.os, "cpu_count", lambda: None)
+    assert solves.default_device_streams() == 1
 
 
 def test_device_streams_must_be_positive() -> None:

@@ -35,6 +35,20 @@ def test_defaults_are_valid_and_resolved() -> None:
     assert TrainConfig(model="resnet20").resolved().damping == 0.003
 
 
+@pytest.mark.parametrize(("model", "steps"), [("mlp", (1, 10)), ("resnet20", (1, 10)),
+                                              ("resnet50", (10, 100))])
+def test_the_update_schedule_defaults_by_model(model: str, steps: tuple[int, int]) -> None:
+    """Unset, the schedule is the model's (ResNet-50: KAISA's ImageNet (10, 100)); given,
+    it is kept; the preconditioner gets the resolved one."""
+    r = TrainConfig(model=model).resolved()
+    assert (r.factor_update_steps, r.inv_update_steps) == steps
+    assert TrainConfig(model=model).base_update_steps == steps
+    given = TrainConfig(model=model, factor_update_steps=2, inv_update_steps=7)
+    assert given.resolved().base_update_steps == (2, 7)
+    given = TrainConfig(model=model, inv_update_steps=7).resolved()
+    assert (given.factor_update_steps, given.inv_update_steps) == (steps[0], 7)
+
+
 @pytest.mark.parametrize(
     ("changes", "expected"),
     [

@@ -42,7 +42,7 @@ from kfac_hpc.kfac.options import (
     conflicts,
     sends_factors,
 )
-from kfac_hpc.solves import DEFAULT_DEVICE_STREAMS, DEFAULT_HOST_MAX_DIM, SolvePlacement
+from kfac_hpc.solves import DEFAULT_HOST_MAX_DIM, SolvePlacement
 
 __all__ = ["KFACConfig", "Schedules", "batch_shape", "dtype_name"]
 
@@ -99,7 +99,7 @@ class KFACConfig:
     stats_precision: PrecisionOption = "auto"
     precondition_precision: PrecisionOption = "auto"
     host_decomposition_max_dim: int = DEFAULT_HOST_MAX_DIM
-    decomposition_streams: int = DEFAULT_DEVICE_STREAMS
+    decomposition_streams: int | None = None
 
     @property
     def solve_placement(self) -> SolvePlacement:
@@ -109,7 +109,7 @@ class KFACConfig:
             ValueError: ``host_decomposition_max_dim`` or ``decomposition_streams`` is
                 out of range.
         """
-        return SolvePlacement(self.host_decomposition_max_dim, self.decomposition_streams)
+        return SolvePlacement.of(self.host_decomposition_max_dim, self.decomposition_streams)
 
     def __post_init__(self) -> None:
         """Validate every option (one error naming the first problem and its fix)."""
@@ -226,7 +226,7 @@ class KFACConfig:
                 "decomposition_lag": self.decomposition_lag,
                 "eigen_refresh": self.eigen_refresh,
                 "host_decomposition_max_dim": self.host_decomposition_max_dim,
-                "decomposition_streams": self.decomposition_streams,
+                "decomposition_streams": self.solve_placement.device_streams,
                 "stats_precision": stats_precision,
                 "precondition_precision": precondition_precision,
                 "accumulation_steps": self.accumulation_steps, "world_size": world_size,

@@ -123,8 +123,8 @@ def resolve_precision(value: str, *, device_type: str, dtype: str) -> MatmulPrec
     ``"full"`` everywhere else, for both of the preconditioner's options, measured on an
     H200 (docs/design.md, "Operand precision"): statistics (a factor update 90 → 73 ms on
     ResNet-50, entries within 1e-4 of float64) and preconditioning (the stale step 35.2 → 30.1
-    ms, (10,100) 52.8 → 46.4 ms; preconditioned gradients within 6e-4 of float64, the rounding
-    that cuDNN's default TF32 convolutions already leave in the weight gradients).
+    ms and 36.8 → 30.8 in two runs; preconditioned gradients within 6e-4 of float64, the
+    rounding that cuDNN's default TF32 convolutions already leave in the weight gradients).
     """
     if value == AUTO:
         return "tf32" if device_type == "cuda" and dtype == "float32" else "full"

@@ -88,7 +88,7 @@ from kfac_hpc.kfac.shapes import rows_per_sample
 from kfac_hpc.kfac.stacked import Stack, stack_grads, stack_groups, write_grads
 from kfac_hpc.kfac.state import KFACStateDict
 from kfac_hpc.phases import Phase, PhaseTimer, timed
-from kfac_hpc.solves import DEFAULT_DEVICE_STREAMS, DEFAULT_HOST_MAX_DIM
+from kfac_hpc.solves import DEFAULT_HOST_MAX_DIM
 
 if TYPE_CHECKING:
     from kfac_hpc.plan.profile import Profile
@@ -158,7 +158,7 @@ class KFACPreconditioner:
         stats_precision: PrecisionOption = "auto",
         precondition_precision: PrecisionOption = "auto",
         host_decomposition_max_dim: int = DEFAULT_HOST_MAX_DIM,
-        decomposition_streams: int = DEFAULT_DEVICE_STREAMS,
+        decomposition_streams: int | None = None,
     ) -> None:
         """Register ``model``'s layers, place their factors and build the parts.
 
@@ -210,9 +210,10 @@ class KFACPreconditioner:
                 ones (0, the default: all on the device, faster on an H200;
                 ``kfac_hpc.solves``; the CPU is unaffected).
             decomposition_streams: On CUDA, the device's decompositions of more than 32
-                rows are spread over this many streams and worker threads (8, the
-                default, measured fastest on an H200; 1: the calling thread's stream;
-                the same results either way; ``kfac_hpc.solves``).
+                rows are spread over this many streams and worker threads (None, the
+                default: 8, measured fastest on an H200, or the cores this process may
+                run on when fewer; 1: the calling thread's stream; the same results
+                either way; ``kfac_hpc.solves``).
 
         Raises:
             ValueError: An option, or a combination of options, is invalid (the message

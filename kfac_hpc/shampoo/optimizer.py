@@ -61,7 +61,7 @@ from kfac_hpc.shampoo.roots import inverse_roots
 from kfac_hpc.shampoo.stacks import BlockStack, Run, runs_of
 from kfac_hpc.shampoo.state import BlockShapes, ShampooStateDict
 from kfac_hpc.shampoo.state_io import describe_block_states, gather_block_states
-from kfac_hpc.solves import DEFAULT_DEVICE_STREAMS, DEFAULT_HOST_MAX_DIM, SolvePlacement
+from kfac_hpc.solves import DEFAULT_HOST_MAX_DIM, SolvePlacement
 
 __all__ = ["STATE_DICT_FORMAT", "STATE_DICT_VERSION", "DistributedShampoo"]
 
@@ -106,7 +106,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         max_consecutive_root_failures: int = 5,
         check_replicas: bool = True,
         host_decomposition_max_dim: int = DEFAULT_HOST_MAX_DIM,
-        decomposition_streams: int = DEFAULT_DEVICE_STREAMS,
+        decomposition_streams: int | None = None,
         root_method: RootMethod = DEFAULT_ROOT_METHOD,
     ) -> None:
         """Split the parameters into blocks and assign every block an owner rank.
@@ -175,8 +175,9 @@ class DistributedShampoo(torch.optim.Optimizer):
                 ``kfac_hpc.solves``; the CPU is unaffected).
             decomposition_streams: At a root step on CUDA, the device's decompositions
                 of more than 32 rows are spread over this many streams and worker threads
-                (8, the default, measured fastest on an H200; 1: the calling thread's
-                stream; the same results; ``kfac_hpc.solves``).
+                (None, the default: 8, measured fastest on an H200, or the cores this
+                process may run on when fewer; 1: the calling thread's stream; the same
+                results; ``kfac_hpc.solves``).
             root_method: How the inverse roots are computed:
                 :class:`~kfac_hpc.shampoo.root_methods.EigenRoots` (the default: batched
                 ``eigh`` per size), :class:`~kfac_hpc.shampoo.root_methods.SubspaceRoots`
@@ -212,9 +213,10 @@ class DistributedShampoo(torch.optim.Optimizer):
             "communication_dtype", communication_dtype, hyper.COMMUNICATION_DTYPES)
         self.max_consecutive_root_failures = hyper.validate_int(
             "max_consecutive_root_failures", max_consecutive_root_failures, 1)
-        self.solve_placement = SolvePlacement(
+        self.solve_placement = SolvePlacement.of(
             hyper.validate_int("host_decomposition_max_dim", host_decomposition_max_dim, 0),
-            hyper.validate_int("decomposition_streams", decomposition_streams, 1))
+            None if decomposition_streams is None
+            else hyper.validate_int("decomposition_streams", decomposition_streams, 1))
         if not isinstance(root_method, EigenRoots | SubspaceRoots | NewtonRoots):
             raise ValueError(
                 f"DistributedShampoo: invalid root_method={root_method!r}; allowed: "

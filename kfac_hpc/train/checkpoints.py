@@ -221,7 +221,7 @@ class CheckpointPolicy:
         # them, or a resumed run would recompute them from newer factors (not exact). With
         # an inverse update every step they are recomputed anyway: not worth the bytes.
         kwargs: dict[str, Any] = ({} if preconditioner is None else
-                                  {"store_eigenbases": self.cfg.inv_update_steps > 1})
+                                  {"store_eigenbases": self.cfg.base_update_steps[1] > 1})
         every = self.cfg.checkpoint_keep_every_epochs
         if every:  # milestones, never rotated away
             kwargs["keep_every_steps"] = every * steps_per_epoch

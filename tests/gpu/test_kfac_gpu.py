@@ -162,6 +162,26 @@ def syncs_per_step(device: torch.device, hidden_layers: int) -> int:
 
 
 @needs_cuda
+def test_float32_defaults_on_the_device(device):
+    """The defaults a float32 CUDA model gets (measured on an H200, docs/design.md): TF32
+    operands for statistics and preconditioning, column-major convolution rows, the
+    decompositions spread over the default streams; and one step runs with them."""
+    from kfac_hpc import solves
+    from kfac_hpc.kfac import layers
+
+    model = cnn(device, torch.float32)
+    pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF))
+    assert (pre.stats_precision, pre.precondition_precision) == ("tf32", "tf32")
+    assert "cuda" in layers.COLUMN_MAJOR_ROWS_DEVICES
+    assert pre.config()["decomposition_streams"] == solves.default_device_streams()
+    x, y = batches(device, torch.float32, n=1)[0]
+    nn.functional.cross_entropy(model(x), y).backward()
+    pre.step()
+    assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+    pre.close()
+
+
+@needs_cuda
 def test_host_syncs_do_not_grow_with_layers(device):
     """Counts, valid flags and finiteness are read once per phase, not per factor."""
     shallow, deep = syncs_per_step(device, 1), syncs_per_step(device, 8)
