@@ -54,7 +54,8 @@ one copy to row-major first (what making the eigen path's ``Q`` row-major would 
 
 "layout now" names what the library runs on the device for that shape (Shampoo:
 ``kronecker.gram_operand``, row-major operands on CUDA, a copy where a mode is not
-row-major; on the CPU a block's last mode, a transposed view, is ``yᵀ·y``; K-FAC:
+row-major, split-K where ``kronecker.splits_gram`` cuts a last mode of few rows into
+chunks; on the CPU a block's last mode, a transposed view, is ``yᵀ·y``; K-FAC:
 ``yᵀ·y`` on its rows), so the totals say what a per-shape choice would save. K-FAC's
 rows are timed in full fp32 and with TF32 products (its CUDA default). Runs on the CPU
 too (a dry run: CPU numbers say nothing about a GPU).
@@ -83,7 +84,7 @@ from kfac_hpc.kfac.layers import Conv2dCurvature, register_layers
 from kfac_hpc.kfac.precision import full_precision_products, tf32_products
 
 SPLIT_MAX_DIM = 64  # split-K is timed for Gram dimensions up to this
-SPLIT_ROWS = 4096  # rows per chunk of split-K
+SPLIT_ROWS = 4096  # rows per chunk of split-K (kronecker.SPLIT_COLUMNS)
 
 
 def resnet50() -> nn.Module:
@@ -122,16 +123,23 @@ def shampoo_shapes(model: nn.Module, max_dim: int) -> Counter[tuple[int, int, in
     return shapes
 
 
-def layout_now(native: str, device: torch.device) -> str:
-    """The product the library runs for a ``native`` layout on ``device``.
+def layout_now(native: str, d: int, k: int, device: torch.device) -> str:
+    """The product the library runs for a ``native`` layout of ``d`` rows and ``k``
+    columns on ``device``.
 
     :func:`kfac_hpc.shampoo.kronecker.gram_operand` (row-major on its devices, a copy
-    where the native layout is not) for Shampoo; K-FAC's rows are "y" and stay.
+    where the native layout is not), or the chunks of :func:`~kfac_hpc.shampoo.kronecker.
+    splits_gram`, for Shampoo; K-FAC's rows are "y" and stay.
     """
+    from kfac_hpc.shampoo import kronecker
     from kfac_hpc.shampoo.kronecker import ROW_MAJOR_GRAM_DEVICES
 
     if native == "x":
         return "x·xᵀ"
+    if native == "y" and device.type in kronecker.SPLIT_GRAM_DEVICES \
+            and d <= kronecker.SPLIT_MAX_ROWS \
+            and k >= kronecker.SPLIT_MIN_CHUNKS * kronecker.SPLIT_COLUMNS:
+        return "split-K"
     if native == "y" and device.type not in ROW_MAJOR_GRAM_DEVICES:
         return "yᵀ·y"
     return "copy+x·xᵀ"
@@ -310,7 +318,7 @@ def measure(shapes: Counter[tuple[int, int, int, str]], device: torch.device, re
         with context:
             ms = {name: timed_ms(fn, device, reps)
                   for name, fn in variants(n, d, k, device, batched).items()}
-        now = "yᵀ·y" if native == "rows" else layout_now(native, device)
+        now = "yᵀ·y" if native == "rows" else layout_now(native, d, k, device)
         # what the library could do: either layout after a copy, the copy-free one where
         # the data has it, the shortcuts
         free = {"x": ["x·xᵀ"], "y": ["yᵀ·y"], "rows": ["yᵀ·y"]}.get(native, [])

@@ -295,3 +295,24 @@ def test_index_tensors_reach_the_device_without_a_sync(device: torch.device) -> 
     assert _syncs(lambda: device_index([1, 3], device)) == 0
     assert _syncs(lambda: torch.tensor([1, 3], dtype=torch.int64, device=device)) >= 1, \
         "CUDA's sync debug mode did not see a pageable copy: the check proves nothing"
+
+
+
+def test_split_gram_products_on_the_device_equal_the_cpu(device: torch.device) -> None:
+    """Blocks whose last mode has 9 rows and 65,536 columns: on CUDA that factor is summed
+    over chunks of columns (``kronecker.splits_gram``), the other four with one product
+    each; every factor equals the CPU's one product, in float64, to summation order."""
+    from kfac_hpc.shampoo import kronecker
+
+    g = torch.Generator().manual_seed(8)
+    shape = (16, 16, 16, 16, 9)
+    x = torch.randn(2, *shape, generator=g, dtype=torch.float64)
+    start = [torch.randn(2, d, d, generator=g, dtype=torch.float64) for d in shape]
+    on_cpu = [f.clone() for f in start]
+    kronecker.accumulate_factors(on_cpu, x, 0.9)
+    on_device = [f.to(device) for f in start]
+    assert kronecker.splits_gram(kronecker.mode_matrices(x.to(device), 4)) \
+        == (device.type == "cuda")
+    kronecker.accumulate_factors(on_device, x.to(device), 0.9)
+    for got, want in zip(on_device, on_cpu):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-12, atol=1e-12)
