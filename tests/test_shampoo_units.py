@@ -232,36 +232,43 @@ def test_factors_equal_in_either_gram_layout(shape: tuple[int, ...],
         torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-14)
 
 
-@pytest.mark.parametrize("beta2", [0.9, 1.0])
-@pytest.mark.parametrize("shape", [(9, 3), (2, 13, 3), (8, 2)])
-def test_split_gram_products_equal_one_product(shape: tuple[int, ...], beta2: float,
+@pytest.mark.parametrize("beta2", [0.9, 1.0, 0.0])
+@pytest.mark.parametrize(("n", "shape", "columns"), [(3, (8, 3), 4), (3, (2, 12, 3), 4),
+                                                     (1, (9, 3), 4), (2, (8, 2), 2)])
+def test_split_gram_products_equal_one_product(n: int, shape: tuple[int, ...], columns: int,
+                                               beta2: float,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A last mode of few rows and a long contraction summed over chunks of columns (the
-    GPU's rule, forced on the CPU with chunks of 2 or 4 columns, a tail included) gives
-    the factors of one product, up to the summation order (float64: ~1e-16 relative);
-    the other modes keep one product."""
-    x = torch.randn(3, *shape, dtype=torch.float64)
-    start = [torch.randn(3, d, d, dtype=torch.float64) for d in shape]
+    GPU's rule, forced on the CPU with chunks of 2 or 4 columns; a remainder for one
+    block) gives the factors of one product, up to the summation order (float64: ~1e-16
+    relative); the other modes keep one product; ``beta2=0`` replaces the old factor
+    (NaN included), as the product's ``beta=0`` does."""
+    x = torch.randn(n, *shape, dtype=torch.float64)
+    start = [torch.randn(n, d, d, dtype=torch.float64) for d in shape]
+    if beta2 == 0.0:
+        start[-1][0, 0, 0] = math.nan
     whole = [f.clone() for f in start]
     accumulate_factors(whole, x, beta2)
     monkeypatch.setattr(kronecker, "SPLIT_GRAM_DEVICES", frozenset({"cpu"}))
-    monkeypatch.setattr(kronecker, "SPLIT_COLUMNS", 2 if shape == (8, 2) else 4)
+    monkeypatch.setattr(kronecker, "SPLIT_COLUMNS", columns)
     monkeypatch.setattr(kronecker, "SPLIT_MIN_CHUNKS", 2)
     split = [mode_matrices(x, i) for i in range(len(shape))]
     assert [kronecker.splits_gram(v) for v in split] == [False] * (len(shape) - 1) + [True]
     chunked = [f.clone() for f in start]
     accumulate_factors(chunked, x, beta2)
     for a, b in zip(whole, chunked):
-        torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-14)
+        assert bool(torch.isfinite(b).all()) == bool(torch.isfinite(a).all())
+        torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-14, equal_nan=True)
 
 
 def test_the_split_takes_few_rows_long_contractions_on_the_gpu_only(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The rule's bounds: at most 16 rows, at least 16 chunks of 4096 columns, a last mode
-    (a transposed row-major view), on CUDA."""
-    def view(n_rows: int, columns: int, last: bool = True) -> torch.Tensor:
-        x = torch.empty(1, columns, n_rows, device="meta") if last else \
-            torch.empty(1, n_rows, columns, device="meta")
+    (a transposed row-major view) whose chunks are views (a whole number of them, or one
+    block), on CUDA."""
+    def view(n_rows: int, columns: int, last: bool = True, n: int = 2) -> torch.Tensor:
+        x = torch.empty(n, columns, n_rows, device="meta") if last else \
+            torch.empty(n, n_rows, columns, device="meta")
         return mode_matrices(x, 1) if last else mode_matrices(x, 0)
 
     assert frozenset({"cuda"}) == kronecker.SPLIT_GRAM_DEVICES
@@ -269,8 +276,10 @@ def test_the_split_takes_few_rows_long_contractions_on_the_gpu_only(
     monkeypatch.setattr(kronecker, "SPLIT_GRAM_DEVICES", frozenset({"meta"}))
     assert kronecker.splits_gram(view(9, 65536)) and kronecker.splits_gram(view(16, 65536))
     assert not kronecker.splits_gram(view(17, 65536))
-    assert not kronecker.splits_gram(view(9, 65535))
+    assert not kronecker.splits_gram(view(9, 65535, n=1))
     assert not kronecker.splits_gram(view(9, 65536, last=False))
+    assert not kronecker.splits_gram(view(9, 65536 + 100))  # a remainder, two blocks
+    assert kronecker.splits_gram(view(9, 65536 + 100, n=1))
 
 
 def test_running_average_of_factors() -> None:

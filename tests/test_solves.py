@@ -304,16 +304,30 @@ def test_a_failing_chunk_fails_its_batch_only(lanes: list[tuple[str, list[tuple[
 def test_default_streams_are_eight_or_the_cores_this_process_may_run_on(
         monkeypatch: pytest.MonkeyPatch, cores: int, streams: int) -> None:
     """Unset, ``decomposition_streams`` is 8, or the cores of this process's affinity mask
-    (a batch system's binding) when fewer; K-FAC, Shampoo and the placement agree, and the
-    preconditioner's config records the count it uses."""
+    (a batch system's binding) when fewer, resolved once at construction: K-FAC's
+    decompositions get that placement and its config records it, though the mask changes
+    afterwards; Shampoo and the placement agree."""
+    from kfac_hpc.kfac import preconditioner
+
     monkeypatch.setattr(solves.os, "sched_getaffinity", lambda pid: set(range(cores)))
     assert solves.default_device_streams() == streams
     assert SolvePlacement().device_streams == streams
     assert SolvePlacement.of(0, None) == SolvePlacement(0, streams)
     assert SolvePlacement.of(3, 5) == SolvePlacement(3, 5)
+    placements: list[SolvePlacement] = []
+    make = preconditioner.make_decomposer
+
+    def spy(**kw: object) -> object:
+        placements.append(kw["placement"])  # type: ignore[arg-type]
+        return make(**kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(preconditioner, "make_decomposer", spy)
     pre = KFACPreconditioner(small_cnn(), comm=Communicator(MPI.COMM_SELF))
+    monkeypatch.setattr(solves.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    assert placements == [SolvePlacement(0, streams)]
     assert pre.config()["decomposition_streams"] == streams
     pre.close()
+    monkeypatch.setattr(solves.os, "sched_getaffinity", lambda pid: set(range(cores)))
     opt = DistributedShampoo(small_cnn().named_parameters(), comm=Communicator(MPI.COMM_SELF))
     assert opt.solve_placement.device_streams == streams
 

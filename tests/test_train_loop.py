@@ -8,6 +8,7 @@ in-process. The global batch is kept at 64 whatever the world size.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 from shared_cases import SMOOTH_MLP
 
+from kfac_hpc.solves import usable_cores
 from kfac_hpc.train.config import TrainConfig
 from kfac_hpc.train.loop import TrainResult, train
 
@@ -80,12 +82,19 @@ def test_sgd_reaches_95_percent_within_6_epochs(comm: Any, tmp_path: Path) -> No
 @pytest.mark.mpi(min_size=2)
 def test_kfac_reaches_95_percent_within_4_epochs(comm: Any, tmp_path: Path) -> None:
     """K-FAC (comm-opt, damping 0.1) on SGD, cosine over 4 epochs: >= 95 % test accuracy
-    within 4 epochs (measured, seeds 0-2, 2 and 4 ranks: first >= 95 % at epoch 2-3)."""
+    within 4 epochs (measured, seeds 0-2, 2 and 4 ranks: first >= 95 % at epoch 2-3).
+    The run records the schedule and decomposition streams it used (the streams: 8, or
+    this rank's share of the node's cores when fewer)."""
     cfg = config(tmp_path, comm.size, epochs=4, preconditioner="kfac", target_accuracy=0.95)
     result = train(cfg, comm, verbose=False)
     assert result.ranks_agree
     assert result.epochs_to_target is not None, [h["test_acc"] for h in result.history]
     assert result.bytes_per_step > 0
+    if comm.rank == 0:
+        used = json.loads((Path(cfg.out or "") / "config.json").read_text())["config"]
+        share = max(1, usable_cores() // comm.size)  # the ranks share this one node
+        assert used["decomposition_streams"] == min(8, share)
+        assert (used["factor_update_steps"], used["inv_update_steps"]) == (1, 10)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -42,7 +42,7 @@ from kfac_hpc.kfac.options import (
     conflicts,
     sends_factors,
 )
-from kfac_hpc.solves import DEFAULT_HOST_MAX_DIM, SolvePlacement
+from kfac_hpc.solves import DEFAULT_HOST_MAX_DIM, SolvePlacement, default_device_streams
 
 __all__ = ["KFACConfig", "Schedules", "batch_shape", "dtype_name"]
 
@@ -112,7 +112,14 @@ class KFACConfig:
         return SolvePlacement.of(self.host_decomposition_max_dim, self.decomposition_streams)
 
     def __post_init__(self) -> None:
-        """Validate every option (one error naming the first problem and its fix)."""
+        """Validate every option (one error naming the first problem and its fix).
+
+        ``decomposition_streams=None`` is resolved here, once
+        (:func:`~kfac_hpc.solves.default_device_streams`), so the count recorded is the
+        count used.
+        """
+        if self.decomposition_streams is None:
+            object.__setattr__(self, "decomposition_streams", default_device_streams())
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {(*STRATEGIES, 'auto')}, "
                              f"got {self.strategy!r}")
@@ -226,7 +233,7 @@ class KFACConfig:
                 "decomposition_lag": self.decomposition_lag,
                 "eigen_refresh": self.eigen_refresh,
                 "host_decomposition_max_dim": self.host_decomposition_max_dim,
-                "decomposition_streams": self.solve_placement.device_streams,
+                "decomposition_streams": self.decomposition_streams,
                 "stats_precision": stats_precision,
                 "precondition_precision": precondition_precision,
                 "accumulation_steps": self.accumulation_steps, "world_size": world_size,

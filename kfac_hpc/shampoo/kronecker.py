@@ -76,13 +76,16 @@ def splits_gram(x: Tensor) -> bool:
     On the devices of :data:`SPLIT_GRAM_DEVICES`, for at most :data:`SPLIT_MAX_ROWS`
     rows and at least :data:`SPLIT_MIN_CHUNKS` chunks of :data:`SPLIT_COLUMNS` columns,
     where ``X_(i)`` is the transposed view of a row-major ``(n, K, d)`` (a block's last
-    mode), so the chunks are views.
+    mode) whose chunks are views: ``K`` a multiple of the chunk, or one block (with a
+    remainder and several blocks the chunks of all blocks are no batch of views).
 
     Args:
         x: ``X_(i)`` of a batch, ``(n, d, K)`` (:func:`mode_matrices`).
     """
-    return (x.device.type in SPLIT_GRAM_DEVICES and x.shape[1] <= SPLIT_MAX_ROWS
-            and x.shape[2] >= SPLIT_MIN_CHUNKS * SPLIT_COLUMNS and x.mT.is_contiguous())
+    n, d, k = x.shape
+    return (x.device.type in SPLIT_GRAM_DEVICES and d <= SPLIT_MAX_ROWS
+            and k >= SPLIT_MIN_CHUNKS * SPLIT_COLUMNS and x.mT.is_contiguous()
+            and (k % SPLIT_COLUMNS == 0 or n == 1))
 
 
 def _split_gram(x: Tensor) -> Tensor:
@@ -118,9 +121,13 @@ def accumulate_factors(factors: Sequence[Tensor], blocks: Tensor, beta2: float) 
     for i, factor in enumerate(factors):
         view = mode_matrices(blocks, i)
         if splits_gram(view):
+            gram = _split_gram(view)
+            if beta2 == 0.0:  # as baddbmm_(beta=0): the old values (NaN too) not read
+                factor.copy_(gram)
+                continue
             if beta2 != 1.0:
                 factor.mul_(beta2)
-            factor.add_(_split_gram(view), alpha=alpha)
+            factor.add_(gram, alpha=alpha)
             continue
         x = gram_operand(blocks, i, blocks.device.type)
         factor.baddbmm_(x, x.mT, beta=beta2, alpha=alpha)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from kfac_hpc.models import build_model
+from kfac_hpc.solves import usable_cores as local_cores
 from kfac_hpc.train.config import ConfigError, TrainConfig
 from kfac_hpc.train.data import DatasetSplits, load_dataset
 from kfac_hpc.train.optim import build_averager, build_optimizer, build_preconditioner
@@ -79,18 +80,6 @@ def agreed(aux: Communicator, fn: Callable[[], _T]) -> _T:
         r, rep = crashes[0]
         raise RuntimeError(f"rank {r} failed during setup: {rep[1]}")
     raise ConfigError(failed[0][1][2])
-
-
-def local_cores() -> int:
-    """CPU cores this process may run on.
-
-    Returns:
-        The count (all of the machine's where affinity is unknown).
-    """
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def node_rank(aux: Communicator) -> tuple[int, int]:
