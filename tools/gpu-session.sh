@@ -12,7 +12,9 @@
 # roots, profile, train, gram). Each part's output goes to OUT/<part>.txt, its files under OUT/gpu/, and
 # a line "=== part <name>: exit R in S s" to the terminal and OUT/session.txt.
 # GPU_MPI (default .cuda-mpi/openmpi-4.1.4-cuda13 when present), GPU_PYTHON (python3) and
-# GPU_DEVICE (cuda; cpu is the dry run) are passed on to make.
+# GPU_DEVICE (cuda; cpu is the dry run) are passed on to make. With GPU_SESSION_PACK=FILE
+# (e.g. $OUT/session1.tgz, where a device tool returns few files) OUT is packed into FILE
+# after every part, so a call cut short still returns the parts that finished.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 [[ $# -ge 2 ]] || { echo "usage: tools/gpu-session.sh OUT PART[=SECONDS]..." >&2; exit 2; }
@@ -23,7 +25,14 @@ mpi="${GPU_MPI-$([[ -x $default_mpi/bin/mpiexec ]] && echo "$PWD/$default_mpi")}
 python="${GPU_PYTHON:-python3}"
 device="${GPU_DEVICE:-cuda}"
 status=0
-{ date -u; nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"; } > "$out/session.txt"
+pack="${GPU_SESSION_PACK:-}"
+{
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null \
+        || echo "no nvidia-smi"
+    "$python" -c "import sys, torch; print('python', sys.version.split()[0], 'torch',
+torch.__version__, 'cuda', torch.version.cuda)" 2>&1
+} > "$out/session.txt"
 
 note() { echo "$*" | tee -a "$out/session.txt"; }
 
@@ -36,7 +45,13 @@ run_part() {  # name seconds command...
     tail -n 30 "$out/$name.txt"
     note "=== part $name: exit $rc in $((SECONDS - start)) s"
     [[ $rc -eq 0 ]] || status=1
+    pack_out
     return $rc
+}
+
+pack_out() {  # OUT into GPU_SESSION_PACK, replaced whole (a tarball of a few MB)
+    [[ -n "$pack" ]] || return 0
+    tar czf "$pack.tmp" -C "$(dirname "$out")" "$(basename "$out")" && mv "$pack.tmp" "$pack"
 }
 
 make_args() {
@@ -69,4 +84,5 @@ for spec in "$@"; do
     esac
 done
 note "=== session: $([[ $status -eq 0 ]] && echo all parts passed || echo some part failed)"
+pack_out
 exit $status
