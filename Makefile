@@ -60,7 +60,8 @@
 #                   GPU_COMPARE_PARTS picks which of the six run.
 #   Settings: GPU_PYTHON, GPU_RANKS (2), GPU_BATCH (per-rank batch, 32), GPU_OUT,
 #   GPU_MPI_TIMEOUT (s, per test module and per benchmark run), GPU_TEST_ARGS (pytest,
-#   e.g. -k), GPU_TEST_MODULES (space-separated test files), GPU_KFAC_ARGS /
+#   e.g. -k), GPU_TEST_MODULES (space-separated test files), GPU_TEST_JOBS (modules of a
+#   stage at a time, 1), GPU_KFAC_ARGS /
 #   GPU_COLL_ARGS / GPU_PROFILE_ARGS / GPU_SHAMPOO_ARGS / GPU_ROOTS_ARGS / GPU_VS_KAISA_ARGS /
 #   GPU_TRAIN_ARGS (extra
 #   benchmark arguments), GPU_SHAMPOO_PROFILE (--profile; empty: none), GPU_FACTOR_WARMUP (800: --factor-warmup of gpu-compare's
@@ -116,6 +117,8 @@ GPU_OUT          ?= benchmarks/out/gpu
 GPU_MPI_TIMEOUT  ?= 1800
 GPU_TEST_ARGS    ?=
 GPU_TEST_MODULES ?=
+# test modules of a stage run at a time (sharing the GPUs; output printed per module)
+GPU_TEST_JOBS    ?= 1
 GPU_KFAC_ARGS    ?=
 GPU_COLL_ARGS    ?=
 GPU_PROFILE_ARGS ?=
@@ -247,7 +250,7 @@ gpu-env:
 
 gpu-test: gpu-env
 	@$(GPU_RUN) env PYTHON=$(GPU_PYTHON) RANKS=$(GPU_RANKS) MPI_TIMEOUT=$(GPU_MPI_TIMEOUT) \
-	  GPU_TEST_MODULES="$(GPU_TEST_MODULES)" tests/run_gpu.sh $(GPU_TEST_ARGS)
+	  GPU_TEST_MODULES="$(GPU_TEST_MODULES)" JOBS=$(GPU_TEST_JOBS) tests/run_gpu.sh $(GPU_TEST_ARGS)
 
 gpu-bench: gpu-bench-step gpu-bench-collectives
 

@@ -19,7 +19,9 @@
 #   PYTHON=python3 RANKS=2 MPI_TIMEOUT=1800 tests/run_gpu.sh [PYTEST ARGS...]
 #
 # GPU_TEST_MODULES (space-separated paths) narrows the modules; pytest arguments (-k ...)
-# go to every run. MAX_RERUNS (10) bounds the reruns of one module.
+# go to every run. MAX_RERUNS (10) bounds the reruns of one module. JOBS (1) runs that
+# many modules of a stage at a time (sharing the GPUs; a machine with the cores for it),
+# each module's output printed whole when the stage ends.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
@@ -35,6 +37,8 @@ RANKS="${RANKS:-2}"
 MPI_TIMEOUT="${MPI_TIMEOUT:-1800}"
 SERIAL_TIMEOUT="${SERIAL_TIMEOUT:-$MPI_TIMEOUT}"
 MAX_RERUNS="${MAX_RERUNS:-10}"
+JOBS="${JOBS:-1}"
+[[ "$JOBS" =~ ^[1-9][0-9]*$ ]] || { echo "run_gpu: JOBS must be a positive integer, got '$JOBS'" >&2; exit 2; }
 read -r -a modules <<< "${GPU_TEST_MODULES:-$(echo tests/gpu/test_*.py)}"
 [[ ${#modules[@]} -gt 0 && -f "${modules[0]}" ]] || { echo "run_gpu: no test modules" >&2; exit 2; }
 
@@ -133,61 +137,95 @@ run_module() {
     fi
 }
 
-# run_stage NAME RANKS [PYTEST ARGS...]: every module, serially (RANKS 0) or on RANKS ranks.
+# module_runs STAGE RANKS MODULE OUT [PYTEST ARGS...]: one module's runs, again without the
+# tests that took a run down; its counts go to OUT/result ("passed failed skipped rc"),
+# its failing tests to OUT/failures, a module that ended without its reports to
+# OUT/missing.
+module_runs() {
+    local name="$1" ranks="$2" module="$3" out="$4"; shift 4
+    local t0=$SECONDS module_rc=0 attempt=0 deselect=() n_failed=0 note="" lost=0
+    local expected=$(( ranks == 0 ? 1 : ranks ))
+    local dir rc found id what counts n_passed n_skipped line
+    mkdir -p "$out"
+    : > "$out/failures"
+    while :; do
+        attempt=$((attempt + 1))
+        dir="$out/$attempt"
+        echo "--- $name $module:$([[ $ranks -eq 0 ]] || echo " launch/local -n $ranks") $PYTHON -m pytest $module${deselect[*]:+ ${deselect[*]}}"
+        run_module "$name" "$ranks" "$module" "$dir" "$@" "${deselect[@]}"
+        rc=$?
+        [[ $rc -eq 0 ]] || echo  # after a run killed mid-line (or MPI's abort notice): a new line
+        [[ $rc -eq 5 ]] && rc=0  # no tests collected: accepted
+        [[ $module_rc -ne 0 ]] || module_rc=$rc
+        shopt -s nullglob
+        local xmls=("$dir"/rank*.xml)
+        shopt -u nullglob
+        [[ ${#xmls[@]} -lt $expected ]] || break
+        # The run died before every rank wrote its report: name the test, rerun without.
+        found=0
+        while IFS=$'\t' read -r id what; do
+            [[ -n "$id" ]] || continue
+            found=1 lost=$((lost + 1))
+            echo "FAILED ($name) $id: $what" >> "$out/failures"
+            deselect+=("--deselect=$id")
+        done <<< "$(culprits "$dir")"
+        if [[ $found -eq 0 || $attempt -gt $MAX_RERUNS ]]; then
+            note="; no report from $((expected - ${#xmls[@]})) of $expected rank(s): died outside a test or after $MAX_RERUNS reruns"
+            echo "$(basename "$module") (exit $rc)" > "$out/missing"
+            echo "ABORTED ($name) $module: exit $rc, $((expected - ${#xmls[@]})) rank(s) without a report" >> "$out/failures"
+            [[ $module_rc -ne 0 ]] || module_rc=1
+            break
+        fi
+        echo "--- $name $module: exit $rc in a test; again without the test(s) that took it down"
+    done
+    counts="$(count "$dir" "$module")"
+    read -r n_passed n_failed n_skipped _ <<< "${counts%%$'\n'*}"
+    n_failed=$(( ${n_failed:-0} + lost ))
+    while IFS= read -r line; do
+        [[ -n "$line" ]] && echo "FAILED ($name) $line" >> "$out/failures"
+    done <<< "$(tail -n +2 <<< "$counts")"
+    [[ $module_rc -eq 0 && $n_failed -gt 0 ]] && module_rc=1
+    [[ $attempt -eq 1 ]] || note="; $attempt runs$note"
+    echo "--- $name $module: ${n_passed:-0} passed, $n_failed failed, ${n_skipped:-0} skipped (exit $module_rc) in $((SECONDS - t0)) s$note"
+    echo "${n_passed:-0} $n_failed ${n_skipped:-0} $module_rc" > "$out/result"
+}
+
+# run_stage NAME RANKS [PYTEST ARGS...]: every module, serially (RANKS 0) or on RANKS ranks;
+# JOBS modules at a time (their output then printed whole, module by module, as each
+# stage ends).
 run_stage() {
     local name="$1" ranks="$2"; shift 2
     local start=$SECONDS passed=0 failed=0 skipped=0 stage_rc=0 missing=()
-    local module dir rc module_rc t0 counts n_passed n_failed n_skipped line note
-    local expected attempt id what found deselect=()
+    local module out n_passed n_failed n_skipped module_rc line
     local how="serially"
     [[ $ranks -eq 0 ]] || how="each on $ranks MPI ranks"
+    [[ $JOBS -le 1 ]] || how+=", $JOBS at a time"
     echo "=== $name: ${#modules[@]} module(s), $how${*:+, pytest args: $*}"
     for module in "${modules[@]}"; do
-        t0=$SECONDS module_rc=0 attempt=0 deselect=() n_failed=0 note=""
-        expected=$(( ranks == 0 ? 1 : ranks ))
-        local lost=0
-        while :; do
-            attempt=$((attempt + 1))
-            dir="$reports/$name/$(basename "$module" .py)/$attempt"
-            echo "--- $name $module:$([[ $ranks -eq 0 ]] || echo " launch/local -n $ranks") $PYTHON -m pytest $module${deselect[*]:+ ${deselect[*]}}"
-            run_module "$name" "$ranks" "$module" "$dir" "$@" "${deselect[@]}"
-            rc=$?
-            [[ $rc -eq 0 ]] || echo  # after a run killed mid-line (or MPI's abort notice): a new line
-            [[ $rc -eq 5 ]] && rc=0  # no tests collected: accepted
-            [[ $module_rc -ne 0 ]] || module_rc=$rc
-            shopt -s nullglob
-            local xmls=("$dir"/rank*.xml)
-            shopt -u nullglob
-            [[ ${#xmls[@]} -lt $expected ]] || break
-            # The run died before every rank wrote its report: name the test, rerun without.
-            found=0
-            while IFS=$'\t' read -r id what; do
-                [[ -n "$id" ]] || continue
-                found=1 lost=$((lost + 1))
-                failures+=("FAILED ($name) $id: $what")
-                deselect+=("--deselect=$id")
-            done <<< "$(culprits "$dir")"
-            if [[ $found -eq 0 || $attempt -gt $MAX_RERUNS ]]; then
-                note="; no report from $((expected - ${#xmls[@]})) of $expected rank(s): died outside a test or after $MAX_RERUNS reruns"
-                missing+=("$(basename "$module") (exit $rc)")
-                failures+=("ABORTED ($name) $module: exit $rc, $((expected - ${#xmls[@]})) rank(s) without a report")
-                [[ $module_rc -ne 0 ]] || module_rc=1
-                break
-            fi
-            echo "--- $name $module: exit $rc in a test; again without the test(s) that took it down"
+        out="$reports/$name/$(basename "$module" .py)"
+        if [[ $JOBS -le 1 ]]; then
+            module_runs "$name" "$ranks" "$module" "$out" "$@"
+            continue
+        fi
+        while [[ $(jobs -rp | wc -l) -ge $JOBS ]]; do
+            wait -n
         done
-        counts="$(count "$dir" "$module")"
-        read -r n_passed n_failed n_skipped _ <<< "${counts%%$'\n'*}"
-        n_failed=$(( ${n_failed:-0} + lost ))
-        passed=$((passed + ${n_passed:-0})) failed=$((failed + n_failed))
-        skipped=$((skipped + ${n_skipped:-0}))
-        while IFS= read -r line; do
-            [[ -n "$line" ]] && failures+=("FAILED ($name) $line")
-        done <<< "$(tail -n +2 <<< "$counts")"
-        [[ $module_rc -eq 0 && $n_failed -gt 0 ]] && module_rc=1
+        mkdir -p "$out"
+        module_runs "$name" "$ranks" "$module" "$out" "$@" > "$out/log" 2>&1 &
+    done
+    wait
+    for module in "${modules[@]}"; do
+        out="$reports/$name/$(basename "$module" .py)"
+        [[ $JOBS -le 1 ]] || cat "$out/log"
+        read -r n_passed n_failed n_skipped module_rc < "$out/result" \
+            || { n_passed=0 n_failed=1 n_skipped=0 module_rc=1; }
+        passed=$((passed + n_passed)) failed=$((failed + n_failed))
+        skipped=$((skipped + n_skipped))
         [[ $stage_rc -ne 0 ]] || stage_rc=$module_rc
-        [[ $attempt -eq 1 ]] || note="; $attempt runs$note"
-        echo "--- $name $module: ${n_passed:-0} passed, $n_failed failed, ${n_skipped:-0} skipped (exit $module_rc) in $((SECONDS - t0)) s$note"
+        while IFS= read -r line; do
+            [[ -n "$line" ]] && failures+=("$line")
+        done < "$out/failures"
+        [[ ! -f "$out/missing" ]] || missing+=("$(cat "$out/missing")")
     done
     line="=== $name: $passed passed, $failed failed, $skipped skipped (exit $stage_rc) in $((SECONDS - start)) s"
     [[ ${#missing[@]} -eq 0 ]] || line+="; no report: ${missing[*]}"
