@@ -47,8 +47,10 @@ stem), 1000 classes, one fixed synthetic batch, fp32 model, one process
   iteration: wall time under the profiler, host time, device time (the kernels' and
   copies' own, counted once), kernel launches, the 20 kernels with the most device time
   and the 20 operators whose kernels took the most (an operator's includes its children's:
-  ``aten::addmm`` and the GEMM kernel it launched); host time near or above device time:
-  launch-bound.
+  ``aten::addmm`` and the GEMM kernel it launched), and the library's phases (its
+  ``kfac_hpc.<phase>`` profiler ranges, the hooks' statistics among them) with their host
+  time and the device time of the kernels launched inside; host time near or above device
+  time: launch-bound.
 * ``accuracy``: for five layers of the model (the first, the last, and three between
   at 15, 50 and 85 % of the K-FAC layers in model order) the factors of one batch in
   fp32 full/TF32/bf16 against float64 on the same device (the worst entry error normalised by
@@ -450,6 +452,10 @@ def profile_section(device: torch.device, batch: tuple[Tensor, Tensor],
             "top": [(e.key, e.count, e.self_device_time_total / 1e3) for e in kernels[:20]],
             "top operators": [(e.key, e.count, e.device_time_total / 1e3)
                               for e in operators[:20]],
+            # the library's named ranges (kfac_hpc.phases.profiler_range): host time and
+            # the device time of the kernels launched inside
+            "phases": [(e.key, e.count, e.cpu_time_total / 1e3, e.device_time_total / 1e3)
+                       for e in on_host if e.key.startswith("kfac_hpc.")],
         }
     trainer.close()
     baseline.close()
@@ -609,6 +615,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(format_table(["operator", "calls", "device ms (with children)"],
                                [[k[:60], str(c), f"{t:.2f}"]
                                 for k, c, t in v.get("top operators", [])], md), flush=True)
+            if v.get("phases"):
+                print(format_table(["phase", "calls", "host ms", "device ms"],
+                                   [[k, str(c), f"{h:.2f}", f"{d:.2f}"]
+                                    for k, c, h, d in v["phases"]], md), flush=True)
     if "accuracy" in args.sections:
         result["accuracy"] = accuracy_section(device, batch, args)
         print("\n" + accuracy_table(result["accuracy"], md), flush=True)

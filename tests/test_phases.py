@@ -89,3 +89,30 @@ def test_shampoo_step_reports_its_declared_phases() -> None:
     _backward(model)
     opt.step()
     assert set(timer.times) == {Phase.SHAMPOO_BLOCKS, Phase.SHAMPOO_APPLY}
+
+
+def test_phases_and_statistics_are_named_ranges_while_a_profiler_records() -> None:
+    """Under ``torch.profiler`` a K-FAC step's phases and the hooks' statistics appear as
+    ``kfac_hpc.<name>`` ranges (one statistics range per factor); without a profiler no
+    range is made."""
+    from contextlib import nullcontext
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from kfac_hpc.phases import profiler_range
+
+    assert isinstance(profiler_range("kfac_statistics"), nullcontext)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(4 * 6 * 6, 3))
+    pre = KFACPreconditioner(model, inv_update_steps=1)
+    x, y = torch.randn(4, 3, 6, 6), torch.randint(0, 3, (4,))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        assert not isinstance(profiler_range("kfac_statistics"), nullcontext)
+        nn.functional.cross_entropy(model(x), y).backward()
+        pre.step()
+    calls = {e.key: e.count for e in prof.key_averages() if e.key.startswith("kfac_hpc.")}
+    assert calls["kfac_hpc.kfac_statistics"] == 4  # A and G of two layers
+    for phase in (Phase.KFAC_FACTORS, Phase.KFAC_DECOMPOSITIONS, Phase.KFAC_PRECONDITION):
+        assert calls[f"kfac_hpc.{phase.value}"] >= 1, calls
+    pre.close()

@@ -18,6 +18,7 @@ from torch.utils.hooks import RemovableHandle
 from kfac_hpc.kfac.layers import LayerCurvature
 from kfac_hpc.kfac.precision import MatmulPrecision
 from kfac_hpc.kfac.statistics_stream import SameStream, StatisticsStream
+from kfac_hpc.phases import profiler_range
 
 FactorCallback = Callable[["LayerStatistics", str], None]
 
@@ -97,15 +98,17 @@ class StatisticsCapture:
             if not isinstance(output, Tensor) or not output.requires_grad:
                 return
             dtype = self._dtype_of(name)
-            self.stream.run(inputs[:1], lambda: stats.add("A", stats.curvature.a_factor(
-                inputs[0], dtype=dtype, precision=self._precision)))
+            with profiler_range("kfac_statistics"):
+                self.stream.run(inputs[:1], lambda: stats.add("A", stats.curvature.a_factor(
+                    inputs[0], dtype=dtype, precision=self._precision)))
             self._ready(stats, "A")
 
             def grad_hook(grad: Tensor) -> None:
                 scale = self._grad_scale()  # a device tensor under AMP: read there too
                 reads = [grad, scale] if isinstance(scale, Tensor) else [grad]
-                self.stream.run(reads, lambda: stats.add("G", stats.curvature.g_factor(
-                    grad, dtype=dtype, grad_scale=scale, precision=self._precision)))
+                with profiler_range("kfac_statistics"):
+                    self.stream.run(reads, lambda: stats.add("G", stats.curvature.g_factor(
+                        grad, dtype=dtype, grad_scale=scale, precision=self._precision)))
                 self._ready(stats, "G")
 
             output.register_hook(grad_hook)
