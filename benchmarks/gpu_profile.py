@@ -49,8 +49,9 @@ stem), 1000 classes, one fixed synthetic batch, fp32 model, one process
   and the 20 operators whose kernels took the most (an operator's includes its children's:
   ``aten::addmm`` and the GEMM kernel it launched), and the library's phases (its
   ``kfac_hpc.<phase>`` profiler ranges, the hooks' statistics among them) with their host
-  time and the device time of the kernels launched inside; host time near or above device
-  time: launch-bound.
+  time and the device time of the kernels launched inside from the same thread (the
+  decompositions spread over streams run in worker threads: not in their range); host
+  time near or above device time: launch-bound.
 * ``accuracy``: for five layers of the model (the first, the last, and three between
   at 15, 50 and 85 % of the K-FAC layers in model order) the factors of one batch in
   fp32 full/TF32/bf16 against float64 on the same device (the worst entry error normalised by
@@ -439,8 +440,10 @@ def profile_section(device: torch.device, batch: tuple[Tensor, Tensor],
                                                             "cuLaunchKernel",
                                                             "cudaLaunchKernelExC"))
         # device-side events (kernels, copies) hold the device time once; host-side
-        # operators hold their children's (device_time_total), which would count it twice
-        on_device = [e for e in events if e.device_type != DeviceType.CPU]
+        # operators hold their children's (device_time_total), which would count it twice,
+        # and so do the device-side spans of named ranges (user annotations)
+        on_device = [e for e in events
+                     if e.device_type != DeviceType.CPU and not e.is_user_annotation]
         on_host = [e for e in events if e.device_type == DeviceType.CPU]
         kernels = sorted(on_device, key=lambda e: e.self_device_time_total, reverse=True)
         operators = sorted(on_host, key=lambda e: e.device_time_total, reverse=True)
@@ -453,7 +456,8 @@ def profile_section(device: torch.device, batch: tuple[Tensor, Tensor],
             "top operators": [(e.key, e.count, e.device_time_total / 1e3)
                               for e in operators[:20]],
             # the library's named ranges (kfac_hpc.phases.profiler_range): host time and
-            # the device time of the kernels launched inside
+            # the device time of the kernels launched inside from the same thread (not
+            # those of the decompositions' stream lanes, worker threads of their own)
             "phases": [(e.key, e.count, e.cpu_time_total / 1e3, e.device_time_total / 1e3)
                        for e in on_host if e.key.startswith("kfac_hpc.")],
         }

@@ -21,7 +21,7 @@
 # GPU_TEST_MODULES (space-separated paths) narrows the modules; pytest arguments (-k ...)
 # go to every run. MAX_RERUNS (10) bounds the reruns of one module. JOBS (1) runs that
 # many modules of a stage at a time (sharing the GPUs; a machine with the cores for it),
-# each module's output printed whole when the stage ends.
+# each module's output printed whole, in module order, once it and those before it ended.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
@@ -47,6 +47,18 @@ color=no
 [[ -t 1 ]] && color=yes
 reports="$(mktemp -d "${TMPDIR:-/tmp}/kfac_hpc-gpu-reports.XXXXXX")" || exit 2
 trap 'rm -rf "$reports"' EXIT
+# Interrupted or timed out: end the modules running in the background (JOBS > 1; they
+# ignore SIGINT) and what they started, then exit (the EXIT trap cleans up).
+# shellcheck disable=SC2329  # called by the INT and TERM traps
+stop_jobs() {
+    local pid
+    for pid in $(jobs -p); do
+        pkill -TERM -P "$pid" 2>/dev/null
+        kill -TERM "$pid" 2>/dev/null
+    done
+}
+trap 'stop_jobs; exit 130' INT
+trap 'stop_jobs; exit 143' TERM
 summary=()   # one "=== stage: ..." line per stage
 failures=()  # one line per failing test, and per module that ended without its reports
 status=0
@@ -191,34 +203,45 @@ module_runs() {
 }
 
 # run_stage NAME RANKS [PYTEST ARGS...]: every module, serially (RANKS 0) or on RANKS ranks;
-# JOBS modules at a time (their output then printed whole, module by module, as each
-# stage ends).
+# JOBS modules at a time (each module's output then printed whole, in module order, as
+# soon as it and the modules before it have ended).
 run_stage() {
     local name="$1" ranks="$2"; shift 2
     local start=$SECONDS passed=0 failed=0 skipped=0 stage_rc=0 missing=()
-    local module out n_passed n_failed n_skipped module_rc line
+    local module out n_passed n_failed n_skipped module_rc line i outs=() shown=0
     local how="serially"
     [[ $ranks -eq 0 ]] || how="each on $ranks MPI ranks"
     [[ $JOBS -le 1 ]] || how+=", $JOBS at a time"
     echo "=== $name: ${#modules[@]} module(s), $how${*:+, pytest args: $*}"
-    for module in "${modules[@]}"; do
-        out="$reports/$name/$(basename "$module" .py)"
+    for i in "${!modules[@]}"; do
+        module="${modules[$i]}"
+        out="$reports/$name/$i-$(basename "$module" .py)"  # a module listed twice: two
+        outs+=("$out")
         if [[ $JOBS -le 1 ]]; then
             module_runs "$name" "$ranks" "$module" "$out" "$@"
             continue
         fi
         while [[ $(jobs -rp | wc -l) -ge $JOBS ]]; do
             wait -n
+            while [[ $shown -lt $i && -f "${outs[$shown]}/result" ]]; do
+                cat "${outs[$shown]}/log"
+                shown=$((shown + 1))
+            done
         done
         mkdir -p "$out"
         module_runs "$name" "$ranks" "$module" "$out" "$@" > "$out/log" 2>&1 &
     done
     wait
-    for module in "${modules[@]}"; do
-        out="$reports/$name/$(basename "$module" .py)"
-        [[ $JOBS -le 1 ]] || cat "$out/log"
-        read -r n_passed n_failed n_skipped module_rc < "$out/result" \
-            || { n_passed=0 n_failed=1 n_skipped=0 module_rc=1; }
+    for i in "${!modules[@]}"; do
+        module="${modules[$i]}" out="${outs[$i]}"
+        [[ $JOBS -le 1 || $i -lt $shown ]] || cat "$out/log"
+        touch "$out/failures"
+        if [[ ! -f "$out/result" ]] \
+                || ! read -r n_passed n_failed n_skipped module_rc < "$out/result"; then
+            n_passed=0 n_failed=1 n_skipped=0 module_rc=1
+            echo "ABORTED ($name) $module: ended without its counts" >> "$out/failures"
+            echo "$(basename "$module") (no counts)" > "$out/missing"
+        fi
         passed=$((passed + n_passed)) failed=$((failed + n_failed))
         skipped=$((skipped + n_skipped))
         [[ $stage_rc -ne 0 ]] || stage_rc=$module_rc

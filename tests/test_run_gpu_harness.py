@@ -12,11 +12,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from fresh_env import fresh_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,20 +70,34 @@ def harness(tmp_path: Path, jobs: int) -> tuple[int, list[str]]:
     shutil.copy2(ROOT / "setup.cfg", work / "setup.cfg")
     for name, text in MODULES.items():
         (work / "tests" / "gpu" / name).write_text(text)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
-    env.update(PYTHON=sys.executable, RANKS="2", MPI_TIMEOUT="240", JOBS=str(jobs),
-               KFAC_HPC_TEST_DEVICE="cpu",
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
-    p = subprocess.run([str(work / "tests" / "run_gpu.sh")], cwd=work, env=env, text=True,
-                       capture_output=True, timeout=600, check=False)
-    summary = p.stdout[p.stdout.index("=== gpu-test summary"):].splitlines()[1:]
+    env = fresh_env(PYTHON=sys.executable, RANKS="2", MPI_TIMEOUT="100", JOBS=str(jobs),
+                    KFAC_HPC_TEST_DEVICE="cpu",
+                    PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    for name in ("GPU_TEST_MODULES", "MAX_RERUNS", "SERIAL_TIMEOUT", "PYTEST_ADDOPTS",
+                 "KFAC_HPC_TEST_NO_ABORT", "KFAC_HPC_TEST_RECORD"):
+        env.pop(name, None)
+    # a session of its own, so a run that outlasts its time is ended whole
+    p = subprocess.Popen([str(work / "tests" / "run_gpu.sh")], cwd=work, env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        stdout, stderr = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        stdout, stderr = p.communicate()
+        pytest.fail(f"the harness took over 120 s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    assert "=== gpu-test summary" in stdout, stdout[-3000:] + stderr[-3000:]
+    summary = stdout[stdout.index("=== gpu-test summary"):].splitlines()[1:]
     # times vary, and which ranks record a failure before the abort takes them down
     return p.returncode, [re.sub(r"failed on rank [\d,]+", "failed on rank R",
                                  re.sub(r" in \d+ s", "", line)) for line in summary]
 
 
-@pytest.mark.skipif(shutil.which("mpiexec", path=str(Path(sys.executable).parent))
-                    is None and shutil.which("mpiexec") is None, reason="needs mpiexec")
+MPIEXEC = os.environ.get("MPIEXEC", "mpiexec")
+
+
+@pytest.mark.skipif(shutil.which(MPIEXEC, path=str(Path(sys.executable).parent))
+                    is None and shutil.which(MPIEXEC) is None, reason="needs mpiexec")
+@pytest.mark.timeout(280)
 def test_one_and_two_modules_at_a_time_report_alike(tmp_path: Path) -> None:
     one = harness(tmp_path, 1)
     two = harness(tmp_path, 2)

@@ -51,7 +51,13 @@ run_part() {  # name seconds command...
 
 pack_out() {  # OUT into GPU_SESSION_PACK, replaced whole (a tarball of a few MB)
     [[ -n "$pack" ]] || return 0
-    tar czf "$pack.tmp" -C "$(dirname "$out")" "$(basename "$out")" && mv "$pack.tmp" "$pack"
+    local name rc
+    name="$(basename "$pack")"
+    # tar's status 1: a file changed while read (a timed-out part's job still writing)
+    tar czf "$pack.tmp" --exclude="$name" --exclude="$name.tmp" \
+        -C "$(dirname "$out")" "$(basename "$out")"
+    rc=$?
+    if [[ $rc -le 1 ]]; then mv "$pack.tmp" "$pack"; else rm -f "$pack.tmp"; fi
 }
 
 make_args() {
