@@ -123,22 +123,19 @@ def shampoo_shapes(model: nn.Module, max_dim: int) -> Counter[tuple[int, int, in
     return shapes
 
 
-def layout_now(native: str, d: int, k: int, device: torch.device) -> str:
-    """The product the library runs for a ``native`` layout of ``d`` rows and ``k``
-    columns on ``device``.
+def layout_now(native: str, n: int, d: int, k: int, device: torch.device) -> str:
+    """The product the library runs for a ``native`` layout of ``n`` blocks of ``d`` rows
+    and ``k`` columns on ``device``.
 
     :func:`kfac_hpc.shampoo.kronecker.gram_operand` (row-major on its devices, a copy
     where the native layout is not), or the chunks of :func:`~kfac_hpc.shampoo.kronecker.
     splits_gram`, for Shampoo; K-FAC's rows are "y" and stay.
     """
-    from kfac_hpc.shampoo import kronecker
-    from kfac_hpc.shampoo.kronecker import ROW_MAJOR_GRAM_DEVICES
+    from kfac_hpc.shampoo.kronecker import ROW_MAJOR_GRAM_DEVICES, splits_gram_shape
 
     if native == "x":
         return "x·xᵀ"
-    if native == "y" and device.type in kronecker.SPLIT_GRAM_DEVICES \
-            and d <= kronecker.SPLIT_MAX_ROWS \
-            and k >= kronecker.SPLIT_MIN_CHUNKS * kronecker.SPLIT_COLUMNS:
+    if native == "y" and splits_gram_shape(n, d, k, device.type):
         return "split-K"
     if native == "y" and device.type not in ROW_MAJOR_GRAM_DEVICES:
         return "yᵀ·y"
@@ -318,7 +315,7 @@ def measure(shapes: Counter[tuple[int, int, int, str]], device: torch.device, re
         with context:
             ms = {name: timed_ms(fn, device, reps)
                   for name, fn in variants(n, d, k, device, batched).items()}
-        now = "yᵀ·y" if native == "rows" else layout_now(native, d, k, device)
+        now = "yᵀ·y" if native == "rows" else layout_now(native, n, d, k, device)
         # what the library could do: either layout after a copy, the copy-free one where
         # the data has it, the shortcuts
         free = {"x": ["x·xᵀ"], "y": ["yᵀ·y"], "rows": ["yᵀ·y"]}.get(native, [])

@@ -19,11 +19,10 @@ traces and ``key_averages()`` show where the library's time goes.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from enum import Enum
 from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
@@ -182,7 +181,7 @@ def profiler_range(name: str) -> AbstractContextManager[object]:
     """
     if torch._C._autograd._profiler_enabled():
         return torch.profiler.record_function(f"kfac_hpc.{name}")
-    return contextlib.nullcontext()
+    return nullcontext()
 
 
 class Timed(Protocol):

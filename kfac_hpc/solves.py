@@ -80,14 +80,18 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def default_device_streams() -> int:
+def default_device_streams(cores: int | None = None) -> int:
     """The default ``decomposition_streams``.
 
-    :data:`DEFAULT_DEVICE_STREAMS`, or the cores this process may run on when fewer: each
-    stream's worker thread waits on its solver's host read, and CUDA spins while it waits,
-    so a rank bound to 2 cores gets 2 streams.
+    :data:`DEFAULT_DEVICE_STREAMS`, or the cores when fewer: each stream's worker thread
+    waits on its solver's host read, and CUDA spins while it waits, so a rank bound to 2
+    cores gets 2 streams.
+
+    Args:
+        cores: The cores the streams' threads may use (default: :func:`usable_cores`;
+            ``kfac-hpc train`` passes its rank's share of the node's).
     """
-    return max(1, min(DEFAULT_DEVICE_STREAMS, usable_cores()))
+    return max(1, min(DEFAULT_DEVICE_STREAMS, usable_cores() if cores is None else cores))
 
 #: The rows of the float32 CUDA matrices torch decomposes with cuSOLVER's Jacobi solver
 #: (``linalg_eigh_cusolver`` in ATen: ``syevj`` for 32 <= n <= 512), inclusive.

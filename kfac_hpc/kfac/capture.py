@@ -22,6 +22,9 @@ from kfac_hpc.phases import profiler_range
 
 FactorCallback = Callable[["LayerStatistics", str], None]
 
+#: The profiler range of the statistics the hooks compute (``kfac_hpc.kfac_statistics``).
+STATISTICS_RANGE = "kfac_statistics"
+
 
 @dataclass
 class LayerStatistics:
@@ -98,7 +101,7 @@ class StatisticsCapture:
             if not isinstance(output, Tensor) or not output.requires_grad:
                 return
             dtype = self._dtype_of(name)
-            with profiler_range("kfac_statistics"):
+            with profiler_range(STATISTICS_RANGE):
                 self.stream.run(inputs[:1], lambda: stats.add("A", stats.curvature.a_factor(
                     inputs[0], dtype=dtype, precision=self._precision)))
             self._ready(stats, "A")
@@ -106,7 +109,7 @@ class StatisticsCapture:
             def grad_hook(grad: Tensor) -> None:
                 scale = self._grad_scale()  # a device tensor under AMP: read there too
                 reads = [grad, scale] if isinstance(scale, Tensor) else [grad]
-                with profiler_range("kfac_statistics"):
+                with profiler_range(STATISTICS_RANGE):
                     self.stream.run(reads, lambda: stats.add("G", stats.curvature.g_factor(
                         grad, dtype=dtype, grad_scale=scale, precision=self._precision)))
                 self._ready(stats, "G")

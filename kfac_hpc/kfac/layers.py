@@ -565,14 +565,15 @@ class Conv2dCurvature(LayerCurvature):
             return self._reduce_a(x, precision)
         x = x if x.dim() == 4 else x.unsqueeze(0)
         kernel_size, stride, dilation = self._conv_geometry()
+        pads = self.pads()
         path = "gpu" if uses_gpu_path(x.device) else "cpu"
         fast = x.dtype in _WIDE and self.module.in_channels >= _FAST_MIN_CHANNELS
-        if fast and shifts.pays(x, kernel_size, stride, dilation, self.pads(), path):
-            return shifts.shifted_covariance(x, kernel_size, dilation, self.pads(),
+        if fast and shifts.pays(x, kernel_size, stride, dilation, pads, path):
+            return shifts.shifted_covariance(x, kernel_size, dilation, pads,
                                              append_one=self.has_bias, precision=precision)
         if not fast or precision != "full" or path == "gpu":
             return self.a_factor_unfold(x, precision=precision)
-        return patch_covariance(x, kernel_size, stride, dilation, self.pads(),
+        return patch_covariance(x, kernel_size, stride, dilation, pads,
                                 append_one=self.has_bias)
 
     # On the CPU, with more output positions than features, the factors are summed per

@@ -21,7 +21,8 @@ from torch import Tensor
 from kfac_hpc.shampoo.errors import nonfinite_marks
 
 __all__ = ["ROW_MAJOR_GRAM_DEVICES", "SPLIT_GRAM_DEVICES", "accumulate_factors",
-           "diagonal_marks", "gram_operand", "mode_matrices", "precondition", "splits_gram"]
+           "diagonal_marks", "gram_operand", "mode_matrices", "precondition", "splits_gram",
+           "splits_gram_shape"]
 
 
 #: Device types whose Gram products get row-major ``X_(i)`` (a copy where it is a
@@ -83,9 +84,13 @@ def splits_gram(x: Tensor) -> bool:
         x: ``X_(i)`` of a batch, ``(n, d, K)`` (:func:`mode_matrices`).
     """
     n, d, k = x.shape
-    return (x.device.type in SPLIT_GRAM_DEVICES and d <= SPLIT_MAX_ROWS
-            and k >= SPLIT_MIN_CHUNKS * SPLIT_COLUMNS and x.mT.is_contiguous()
-            and (k % SPLIT_COLUMNS == 0 or n == 1))
+    return x.mT.is_contiguous() and splits_gram_shape(n, d, k, x.device.type)
+
+
+def splits_gram_shape(n: int, d: int, k: int, device_type: str) -> bool:
+    """:func:`splits_gram` for a last mode's ``X_(i)`` of shape ``(n, d, k)`` on ``device_type``."""
+    return (device_type in SPLIT_GRAM_DEVICES and d <= SPLIT_MAX_ROWS
+            and k >= SPLIT_MIN_CHUNKS * SPLIT_COLUMNS and (k % SPLIT_COLUMNS == 0 or n == 1))
 
 
 def _split_gram(x: Tensor) -> Tensor:

@@ -50,7 +50,7 @@ import torch
 from kfac_hpc.phases import Phase
 from kfac_hpc.runtime.watchdog import Watchdog
 from kfac_hpc.shampoo.optimizer import DistributedShampoo
-from kfac_hpc.solves import DEFAULT_DEVICE_STREAMS
+from kfac_hpc.solves import default_device_streams
 from kfac_hpc.train.checkpoints import KFAC_DROPPED, CheckpointPolicy, Resumed, wants_checkpoints
 from kfac_hpc.train.config import GPU_READ_EVERY_STEPS, TrainConfig
 from kfac_hpc.train.data import ShardedLoader, rescaled_batch_size
@@ -218,7 +218,7 @@ class Trainer:
             torch.set_num_threads(cfg.threads or share)
             if cfg.decomposition_streams is None:  # 8, or fewer: one waiting thread each
                 self.cfg = cfg = dataclasses.replace(
-                    cfg, decomposition_streams=min(DEFAULT_DEVICE_STREAMS, share))
+                    cfg, decomposition_streams=default_device_streams(share))
             self.device = select_device(cfg, self.comm, self.aux, self.local_rank,
                                         verbose=self.verbose)
             core, wanted = agreed(self.aux, lambda: (build_core(cfg, self.comm, self.device),
