@@ -48,7 +48,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -154,6 +154,7 @@ _lane_threads = 0
 _lane_streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
 #: A chunk of a batch: (batch index, chunk index, its matrices).
 _Piece = tuple[int, int, Tensor]
+_T = TypeVar("_T")
 
 
 _linalg_loaded: set[torch.device] = set()
@@ -254,15 +255,25 @@ def spreads_over_streams(batch: Tensor, device_streams: int) -> bool:
     return device_streams > 1 and batch.device.type == "cuda" and batch.shape[-1] > 32
 
 
-def _lane_pool(lanes: int) -> ThreadPoolExecutor:
-    """The worker threads of the streams (grown to ``lanes`` threads when asked)."""
+def _submit_to_lanes(lanes: int, calls: Sequence[tuple[Callable[..., _T], tuple[object, ...]]]
+                     ) -> list[Future[_T]]:
+    """Submit ``calls`` to the streams' worker threads (grown to ``lanes`` threads first).
+
+    A pool too small for ``lanes`` is replaced by a larger one and shut down without
+    waiting: work already queued on it still runs, and its threads exit once idle. The
+    calls are submitted under the same lock, so no caller submits to a pool another has
+    just shut down.
+    """
     global _lanes, _lane_threads
     with _worker_lock:
         if _lanes is None or _lane_threads < lanes:
+            replaced = _lanes
             _lanes = ThreadPoolExecutor(max_workers=lanes,
                                         thread_name_prefix="kfac-hpc-stream-solves")
             _lane_threads = lanes
-        return _lanes
+            if replaced is not None:
+                replaced.shutdown(wait=False)
+        return [_lanes.submit(fn, *args) for fn, args in calls]
 
 
 def _lane_stream(device: torch.device, lane: int) -> torch.cuda.Stream:
@@ -347,9 +358,8 @@ def _solve_on_streams(batches: dict[int, Tensor], solve: Solver, lanes: int
         consumer = torch.cuda.current_stream(device)
         ready = torch.cuda.Event()
         ready.record(consumer)
-    pool = _lane_pool(lanes)
-    futures = [pool.submit(_solve_lane, lane_pieces, solve, lane, ready, consumer)
-               for lane, lane_pieces in enumerate(plan) if lane_pieces]
+    futures = _submit_to_lanes(lanes, [(_solve_lane, (lane_pieces, solve, lane, ready, consumer))
+                                       for lane, lane_pieces in enumerate(plan) if lane_pieces])
     solved: dict[tuple[int, int], BatchResult] = {}
     for future in futures:
         done, results = future.result()

@@ -286,6 +286,41 @@ def test_spread_batches_are_split_by_cost_and_equal_one_stream(
     assert first == {(2, 0), (2, 1), (0, 0)}  # the largest pieces first, one per lane
 
 
+def test_more_lanes_replace_the_pool_and_end_the_old_threads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asking for more lanes than the pool has builds a larger pool; the old one is shut
+    down (its threads exit) and the work queued on it still completes."""
+    monkeypatch.setattr(solves, "_lanes", None)
+    monkeypatch.setattr(solves, "_lane_threads", 0)
+    release = threading.Event()
+
+    def lane_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate()
+                if t.name.startswith("kfac-hpc-stream-solves") and t.is_alive()}
+
+    def held(value: int) -> int:
+        release.wait(30)
+        return value
+
+    before = lane_threads()
+    first = solves._submit_to_lanes(2, [(held, (1,)), (held, (2,))])
+    old_threads = lane_threads() - before
+    assert len(old_threads) == 2
+    second = solves._submit_to_lanes(3, [(held, (3,))])
+    assert solves._lane_threads == 3
+    release.set()
+    assert [f.result(timeout=30) for f in first + second] == [1, 2, 3]
+    for t in old_threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in old_threads)
+    # a request for no more lanes than the pool has keeps it
+    pool = solves._lanes
+    assert solves._submit_to_lanes(2, [(held, (4,))])[0].result(timeout=30) == 4
+    assert solves._lanes is pool
+    assert pool is not None
+    pool.shutdown(wait=True)
+
+
 def test_a_failing_chunk_fails_its_batch_only(lanes: list[tuple[str, list[tuple[int, int]]]]
                                               ) -> None:
     def solve(batch: Tensor) -> tuple[Tensor, ...]:
