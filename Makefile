@@ -63,8 +63,9 @@
 #   e.g. -k), GPU_TEST_MODULES (space-separated test files), GPU_TEST_JOBS (modules of a
 #   stage at a time, 1), GPU_KFAC_ARGS /
 #   GPU_COLL_ARGS / GPU_PROFILE_ARGS / GPU_SHAMPOO_ARGS / GPU_ROOTS_ARGS / GPU_VS_KAISA_ARGS /
-#   GPU_TRAIN_ARGS (extra
-#   benchmark arguments), GPU_SHAMPOO_PROFILE (--profile; empty: none), GPU_FACTOR_WARMUP (800: --factor-warmup of gpu-compare's
+#   GPU_TRAIN_ARGS / GPU_GRAM_ARGS (extra
+#   benchmark arguments), GPU_CONV_SHIFTS (yes: the gram part runs conv_shifts.py too;
+#   empty: not), GPU_SHAMPOO_PROFILE (--profile; empty: none), GPU_FACTOR_WARMUP (800: --factor-warmup of gpu-compare's
 #   second vs_kaisa.py run), GPU_WHEELS (.gpu-wheels), GPU_PREFIX
 #   (default ${TMPDIR:-/tmp}/kfac_hpc-gpu-prefix-<uid>), GPU_PYVER / GPU_ARCH (x86_64 or
 #   aarch64) for gpu-wheels, GPU_MPI (a prefix of make cuda-mpi: its bin, lib and
@@ -122,6 +123,9 @@ GPU_TEST_JOBS    ?= 1
 GPU_KFAC_ARGS    ?=
 GPU_COLL_ARGS    ?=
 GPU_PROFILE_ARGS ?=
+GPU_GRAM_ARGS ?=
+# the gram part's conv_shifts.py run (shifted products against patch rows; empty: none)
+GPU_CONV_SHIFTS ?= yes
 GPU_SHAMPOO_ARGS ?=
 GPU_TRAIN_ARGS ?=
 # the shampoo part's profiler tables (empty: none; the part then takes about 42 s, not 110+)
@@ -282,7 +286,7 @@ gpu-compare: gpu-env
 	$(if $(filter roots,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/shampoo_roots.py --device $(GPU_DEVICE) --image-size $(GPU_IMAGE) --markdown --out $(GPU_OUT) $(GPU_ROOTS_ARGS) 2>&1 | tee $(GPU_OUT)/shampoo_roots_$(GPU_DEVICE).txt')
 	$(if $(filter profile,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/gpu_profile.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --image-size $(GPU_IMAGE) --markdown --out $(GPU_OUT) $(GPU_PROFILE_ARGS) 2>&1 | tee $(GPU_OUT)/gpu_profile_$(GPU_MODEL)_$(GPU_DEVICE).txt')
 	$(if $(filter train,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/train_throughput.py --device $(GPU_DEVICE) --model $(GPU_MODEL) --shape $(GPU_SHAPE) --batch $(GPU_BATCH) --steps 220 --warmup 20 --markdown --out $(GPU_OUT) $(GPU_TRAIN_ARGS) 2>&1 | tee $(GPU_OUT)/train_throughput_$(GPU_MODEL)_$(GPU_DEVICE).txt')
-	$(if $(filter gram,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/gram_layouts.py --device $(GPU_DEVICE) --markdown --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/gram_layouts_$(GPU_DEVICE).txt && timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/conv_shifts.py --device $(GPU_DEVICE) --precision tf32 --batches 32 --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/conv_shifts_$(GPU_DEVICE).txt')
+	$(if $(filter gram,$(GPU_COMPARE_PARTS)),$(GPU_RUN) bash -o pipefail -c 'timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/gram_layouts.py --device $(GPU_DEVICE) --markdown --out $(GPU_OUT) $(GPU_GRAM_ARGS) 2>&1 | tee $(GPU_OUT)/gram_layouts_$(GPU_DEVICE).txt $(if $(GPU_CONV_SHIFTS),&& timeout $(GPU_COMPARE_TIMEOUT) $(GPU_PYTHON) benchmarks/conv_shifts.py --device $(GPU_DEVICE) --precision tf32 --batches 32 --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/conv_shifts_$(GPU_DEVICE).txt)')
 
 # ------------------------------------------------------------------- CUDA-aware MPI
 CUDA_MPI_OUT     ?= .cuda-mpi

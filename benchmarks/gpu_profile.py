@@ -17,7 +17,9 @@ stem), 1000 classes, one fixed synthetic batch, fp32 model, one process
   default, ``layers.COLUMN_MAJOR_ROWS_DEVICES``: CUDA column-major) and on a side
   stream (``statistics_stream.SIDE_STREAM_DEVICES``, CUDA only), for
   stride-1 convolutions' ``A`` from shifted products on the GPU path (TF32 and full
-  statistics; ``shifts.SHIFTED_PRODUCTS_PATHS``) and for ``kfac_approx="reduce"``; the
+  statistics; ``shifts.SHIFTED_PRODUCTS_PATHS``), with long products of few columns
+  summed over chunks of rows (``linalg.SPLIT_ROWS_DEVICES``) and for
+  ``kfac_approx="reduce"``; the
   schedules (1,10) = (fi + 9f)/10 and (10,100) = (fi + 9f + 90p)/100 composed from them,
   and the ratios to SGD.
 * ``schedule``: mean ms per iteration over two whole inverse periods of a real schedule
@@ -99,6 +101,9 @@ ROWS_LABEL = "stats tf32, row-major rows"
 SIDE_STREAM_LABEL = "stats tf32, side stream"
 # ... and with stride-1 convolutions' A from shifted products (shifts.SHIFTED_PRODUCTS_PATHS)
 SHIFTS_LABELS = ("stats tf32, shifted products", "stats full, shifted products")
+# ... and with long products of few columns summed over chunks of rows
+# (linalg.SPLIT_ROWS_DEVICES)
+SPLIT_ROWS_LABEL = "stats tf32, split rows"
 
 
 def make_model(name: str, device: torch.device, image_size: int) -> nn.Module:
@@ -168,6 +173,7 @@ KIND_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "side-stream": (SIDE_STREAM_LABEL, {"stats_precision": "tf32"}),
     "shifts": (SHIFTS_LABELS[0], {"stats_precision": "tf32"}),
     "shifts-full": (SHIFTS_LABELS[1], {"stats_precision": "full"}),
+    "split-rows": (SPLIT_ROWS_LABEL, {"stats_precision": "tf32"}),
     "reduce": ("reduce, auto", {"kfac_approx": "reduce"}),
     # cheaper inverse updates: warm-started eigenbases, randomized low rank, inverses
     "subspace": ("eigen_refresh subspace", {"eigen_refresh": "subspace"}),
@@ -185,7 +191,10 @@ def kinds_section(device: torch.device, batch: tuple[Tensor, Tensor], args: argp
     default_layout = layers.COLUMN_MAJOR_ROWS_DEVICES
     default_streams = statistics_stream.SIDE_STREAM_DEVICES
     default_shifts = shifts.SHIFTED_PRODUCTS_PATHS
+    default_split = linalg.SPLIT_ROWS_DEVICES
     for label, kfac in configs:
+        linalg.SPLIT_ROWS_DEVICES = (default_split | {device.type} if label == SPLIT_ROWS_LABEL
+                                     else default_split)
         shifts.SHIFTED_PRODUCTS_PATHS = (default_shifts | {"gpu"} if label in SHIFTS_LABELS
                                          else default_shifts)
         layers.COLUMN_MAJOR_ROWS_DEVICES = (
@@ -213,6 +222,8 @@ def kinds_section(device: torch.device, batch: tuple[Tensor, Tensor], args: argp
         trainer.close()
     layers.COLUMN_MAJOR_ROWS_DEVICES = default_layout
     statistics_stream.SIDE_STREAM_DEVICES = default_streams
+    shifts.SHIFTED_PRODUCTS_PATHS = default_shifts
+    linalg.SPLIT_ROWS_DEVICES = default_split
     shifts.SHIFTED_PRODUCTS_PATHS = default_shifts
     return out
 

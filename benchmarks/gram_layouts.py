@@ -20,9 +20,11 @@ of ResNet-50 (torchvision's when it imports, else ``kfac_hpc.models``'), the ms 
 * ``yᵀ·y``: the same data stored ``(n, K, d)``, ``baddbmm_(F, Yᵀ, Y)``;
 * ``copy+x·xᵀ`` / ``copy+yᵀ·y``: the layout the caller does not have, made by one copy
   first (what switching layouts would cost);
-* ``split-K`` (``d`` ≤ 64 only): ``Y`` cut into ``s`` chunks of about 4096 rows, one
-  batched product per chunk and a sum: a small Gram matrix of a long ``K`` otherwise
-  leaves most of the GPU idle;
+* ``split-K`` (Shampoo: ``d`` ≤ 64; K-FAC: ``d`` ≤ 1152 and ``K`` ≥ 16,384): the rows
+  cut into ``s`` chunks of 4096, one batched product of the chunks and a sum: a small
+  Gram matrix of a long ``K`` otherwise may leave most of the GPU idle, unless the
+  GEMM library splits ``K`` itself (K-FAC's chunks are cut in the layout it has, so a
+  column-major one's are strided views, no copy);
 * ``outer`` (``K`` = 1 only, Shampoo's 1-D blocks): the outer product element-wise
   (``addcmul_``) instead of a GEMM with one column.
 
@@ -55,10 +57,13 @@ one copy to row-major first (what making the eigen path's ``Q`` row-major would 
 "layout now" names what the library runs on the device for that shape (Shampoo:
 ``kronecker.gram_operand``, row-major operands on CUDA, a copy where a mode is not
 row-major, split-K where ``kronecker.splits_gram`` cuts a last mode of few rows into
-chunks; on the CPU a block's last mode, a transposed view, is ``yᵀ·y``; K-FAC:
-``yᵀ·y`` on its rows), so the totals say what a per-shape choice would save. K-FAC's
-rows are timed in full fp32 and with TF32 products (its CUDA default). Runs on the CPU
-too (a dry run: CPU numbers say nothing about a GPU).
+chunks; on the CPU a block's last mode, a transposed view, is ``yᵀ·y``; K-FAC: its rows
+as it builds them, a convolution's column-major on the devices of
+``layers.COLUMN_MAJOR_ROWS_DEVICES`` (``x·xᵀ``), else ``yᵀ·y``), so the totals say what a
+per-shape choice would save; "TFLOP/s now" is the shape's flops over that product's
+time (how far each shape is from the GPU's peak). K-FAC's rows are timed in full fp32
+and with TF32 products (its CUDA default). Runs on the CPU too (a dry run: CPU numbers
+say nothing about a GPU).
 """
 
 from __future__ import annotations
@@ -83,7 +88,9 @@ from kfac_hpc.kfac import layers, linalg
 from kfac_hpc.kfac.layers import Conv2dCurvature, register_layers
 from kfac_hpc.kfac.precision import full_precision_products, tf32_products
 
-SPLIT_MAX_DIM = 64  # split-K is timed for Gram dimensions up to this
+SPLIT_MAX_DIM = 64  # split-K is timed for Shampoo's Gram dimensions up to this
+KFAC_SPLIT_MAX_DIM = 1152  # and for K-FAC's factors up to this, of at least KFAC_SPLIT_MIN_K rows
+KFAC_SPLIT_MIN_K = 4 * 4096
 SPLIT_ROWS = 4096  # rows per chunk of split-K (kronecker.SPLIT_COLUMNS)
 
 
@@ -142,9 +149,12 @@ def layout_now(native: str, n: int, d: int, k: int, device: torch.device) -> str
     return "copy+x·xᵀ"
 
 
-def kfac_shapes(model: nn.Module, batch: int, image: int) -> Counter[tuple[int, int, int, str]]:
-    """(1, d, K, "rows") of every factor of a K-FAC factor update (``expand``): the
-    rows ``(K, d)`` row-major, whose product is "yᵀ·y" on every device."""
+def kfac_shapes(model: nn.Module, batch: int, image: int, device: torch.device
+                ) -> Counter[tuple[int, int, int, str]]:
+    """(1, d, K, native) of every factor of a K-FAC factor update (``expand``) on
+    ``device``: a convolution's rows column-major ("x", stored ``(d, K)``: the product
+    "x·xᵀ") on the devices of ``layers.COLUMN_MAJOR_ROWS_DEVICES``, else row-major
+    ("y", stored ``(K, d)``: "yᵀ·y"), as the library builds them; a Linear's "y"."""
     curvs, _ = register_layers(model)
     positions: dict[str, int] = {}  # output positions per sample (1 for a Linear)
     handles = []
@@ -158,10 +168,12 @@ def kfac_shapes(model: nn.Module, batch: int, image: int) -> Counter[tuple[int, 
     for h in handles:
         h.remove()
     shapes: Counter[tuple[int, int, int, str]] = Counter()
+    columns = device.type in layers.COLUMN_MAJOR_ROWS_DEVICES
     for name, curv in curvs.items():
         rows = batch * positions[name]
-        shapes[(1, curv.a_dim, rows, "rows")] += 1
-        shapes[(1, curv.g_dim, rows, "rows")] += 1
+        native = "x" if columns and isinstance(curv, Conv2dCurvature) else "y"
+        shapes[(1, curv.a_dim, rows, native)] += 1
+        shapes[(1, curv.g_dim, rows, native)] += 1
     return shapes
 
 
@@ -172,13 +184,36 @@ def timed_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float
     return statistics.median(timed(fn, device)[1] * 1e3 for _ in range(reps))
 
 
-def variants(n: int, d: int, k: int, device: torch.device, batched: bool = True
-             ) -> dict[str, Callable[[], object]]:
+def kfac_split(x: Tensor, y: Tensor, native: str) -> Tensor:
+    """K-FAC's ``0.1·yᵀy`` summed over chunks of :data:`SPLIT_ROWS` rows: one batched
+    product of the chunks in the ``native`` layout (``x = yᵀ`` stored ``(d, K)``: its
+    chunks are strided views; ``y`` stored ``(K, d)``), a sum, the remainder added."""
+    k, d = y.shape
+    s = k // SPLIT_ROWS
+    rows = s * SPLIT_ROWS
+    if native == "x":
+        head = x[:, :rows].view(d, s, SPLIT_ROWS).transpose(0, 1)  # (s, d, c), no copy
+        total = torch.bmm(head, head.mT).sum(0)
+        tail_x = x[:, rows:]
+        if tail_x.shape[1]:
+            total.addmm_(tail_x, tail_x.mT)
+    else:
+        chunks = y[:rows].view(s, SPLIT_ROWS, d)
+        total = torch.bmm(chunks.mT, chunks).sum(0)
+        tail_y = y[rows:]
+        if tail_y.shape[0]:
+            total.addmm_(tail_y.mT, tail_y)
+    return total.mul_(0.1)
+
+
+def variants(n: int, d: int, k: int, device: torch.device, batched: bool = True,
+             native: str = "y") -> dict[str, Callable[[], object]]:
     """The products to time for one shape (fresh random data, fp32).
 
     ``batched``: ``baddbmm_`` into running factors, as Shampoo's stacks; else (``n`` = 1)
     one 2-D ``addmm`` with ``beta=0`` and the scale in ``alpha``, as K-FAC's
-    :func:`~kfac_hpc.kfac.linalg.covariance`.
+    :func:`~kfac_hpc.kfac.linalg.covariance`, whose split-K (:func:`kfac_split`) chunks
+    the ``native`` layout.
     """
     gen = torch.Generator(device="cpu").manual_seed(d * 7919 + k)
     y = torch.randn(n, k, d, generator=gen).to(device)  # (n, K, d)
@@ -202,7 +237,9 @@ def variants(n: int, d: int, k: int, device: torch.device, batched: bool = True
     }
     if k == 1:  # a 1-D block: its factor is an outer product, element-wise
         out["outer"] = lambda: f.mul_(0.9).addcmul_(x, x.mT, value=0.1)
-    if d <= SPLIT_MAX_DIM and k >= 2 * SPLIT_ROWS:
+    if not batched and d <= KFAC_SPLIT_MAX_DIM and k >= KFAC_SPLIT_MIN_K:
+        out["split-K"] = partial(kfac_split, x[0], y[0], native)
+    elif batched and d <= SPLIT_MAX_DIM and k >= 2 * SPLIT_ROWS:
         s = k // SPLIT_ROWS
         rows = s * SPLIT_ROWS
         head = y[:, :rows].reshape(n * s, SPLIT_ROWS, d)
@@ -314,11 +351,13 @@ def measure(shapes: Counter[tuple[int, int, int, str]], device: torch.device, re
         context = tf32_products() if tf32 and device.type == "cuda" else nullcontext()
         with context:
             ms = {name: timed_ms(fn, device, reps)
-                  for name, fn in variants(n, d, k, device, batched).items()}
-        now = "yᵀ·y" if native == "rows" else layout_now(native, n, d, k, device)
+                  for name, fn in variants(n, d, k, device, batched, native).items()}
+        # K-FAC multiplies its rows as they are; Shampoo as kronecker.gram_operand says
+        now = {"x": "x·xᵀ", "y": "yᵀ·y"}[native] if not batched \
+            else layout_now(native, n, d, k, device)
         # what the library could do: either layout after a copy, the copy-free one where
         # the data has it, the shortcuts
-        free = {"x": ["x·xᵀ"], "y": ["yᵀ·y"], "rows": ["yᵀ·y"]}.get(native, [])
+        free = {"x": ["x·xᵀ"], "y": ["yᵀ·y"]}.get(native, [])
         choices = {c: ms[c] for c in ["copy+x·xᵀ", "copy+yᵀ·y", *free, *SHORTCUTS] if c in ms}
         best = min(choices, key=lambda c: choices[c])
         rows.append({"n": n, "d": d, "K": k, "count": count, "now": now, "ms": ms,
@@ -332,16 +371,18 @@ def table(rows: list[dict[str, Any]], markdown: bool) -> str:
     for r in rows:
         cells = [f"{r['ms'][c]:.3f}" if c in r["ms"] else "" for c in COLUMNS]
         body.append([str(r["n"]), str(r["d"]), str(r["K"]), str(r["count"]), f"{r['gflop']:.2f}",
-                     r["now"], *cells, r["best"]])
+                     r["now"], f"{r['gflop'] / r['ms'][r['now']]:.1f}", *cells, r["best"]])
     totals = {c: sum(r["count"] * r["ms"].get(c, r["ms"][r["now"]] if c in SHORTCUTS else 0.0)
                      for r in rows) for c in COLUMNS}
     now_total = sum(r["count"] * r["ms"][r["now"]] for r in rows)
     best_total = sum(r["count"] * r["best ms"] for r in rows)
-    body.append(["Σ count·ms", "", "", "", f"{sum(r['count'] * r['gflop'] for r in rows):.1f}",
-                 f"now {now_total:.2f}", *[f"{totals[c]:.2f}" for c in COLUMNS],
+    gflop = sum(r["count"] * r["gflop"] for r in rows)
+    body.append(["Σ count·ms", "", "", "", f"{gflop:.1f}", f"now {now_total:.2f}",
+                 f"{gflop / now_total:.1f}", *[f"{totals[c]:.2f}" for c in COLUMNS],
                  f"best {best_total:.2f}"])
-    return format_table(["n", "d", "K", "count", "GFLOP", "layout now", *COLUMNS, "best"],
-                        body, markdown)
+    # TFLOP/s now: the shape's flops over the time of the product the library runs
+    return format_table(["n", "d", "K", "count", "GFLOP", "layout now", "TFLOP/s now",
+                         *COLUMNS, "best"], body, markdown)
 
 
 ROOT_COLUMNS = ["Q column-major", "Q row-major", "copy+row-major"]
@@ -490,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(("shampoo factor update (fp32, batched)",
                      shampoo_shapes(resnet50(), args.max_dim), False, True))
     if "kfac" in args.sets:
-        shapes = kfac_shapes(resnet50(), args.batch, args.image_size)
+        shapes = kfac_shapes(resnet50(), args.batch, args.image_size, device)
         runs.append(("K-FAC factors (fp32, 2-D addmm)", shapes, False, False))
         runs.append(("K-FAC factors (TF32 products, 2-D addmm)", shapes, True, False))
     for title, shapes, tf32, batched in runs:

@@ -424,3 +424,79 @@ def test_bf16_statistics_of_float32_tensors_build_bf16_rows(monkeypatch, gpu_pat
     scale = b / 0.5
     assert torch.equal(a, real(rows_a, precision="bf16"))
     assert torch.equal(gf, real(rows_g, scale * scale, precision="bf16"))
+
+
+# ------------------------------------------- statistics summed over chunks of rows
+@pytest.fixture
+def split_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU sums long products over chunks as SPLIT_ROWS_DEVICES would (GPU path),
+    with chunks of 8 rows and at least 16 rows, so small tensors take the split."""
+    monkeypatch.setattr(linalg, "SPLIT_ROWS_DEVICES", frozenset({"cpu"}))
+    monkeypatch.setattr(linalg, "SPLIT_ROWS", 8)
+    monkeypatch.setattr(linalg, "SPLIT_ROWS_MIN_ROWS", 16)
+
+
+@pytest.mark.parametrize("n", [16, 37])  # whole chunks; chunks and a remainder
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])
+def test_split_products_equal_one_product(gpu_path, split_rows, n, layout):
+    """One batched product of the chunks (views, whatever the layout), a sum and the
+    remainder: the product of all rows up to the summation order, and a fixed number of
+    kernels whatever the number of chunks."""
+    g = torch.Generator().manual_seed(n)
+    data = torch.randn(n, 5, generator=g, dtype=torch.float64)
+    rows = data if layout == "row-major" else data.t().contiguous().t()
+    assert linalg.splits_rows(rows)
+    ops = count_ops(lambda: linalg.covariance(rows, 4.0))
+    got = linalg.covariance(rows, 4.0)
+    torch.testing.assert_close(got, 4.0 * data.t() @ data / n, rtol=1e-13, atol=0)
+    assert ops.calls("aten.bmm.") == 1 and ops.calls("aten.clone.") == 0
+    assert ops.calls("aten.addmm") == (1 if n % 8 else 0)
+    assert ops.kernels <= 4  # bmm, sum, the remainder's addmm, the scale
+
+
+def test_rows_outside_the_rule_take_one_product(gpu_path, split_rows, monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    few = torch.randn(15, 5, generator=g, dtype=torch.float64)  # fewer than 16 rows
+    wide = torch.randn(40, linalg.SPLIT_ROWS_MAX_DIM + 1, generator=g, dtype=torch.float64)
+    strided = torch.randn(40, 10, generator=g, dtype=torch.float64)[:, ::2]  # no chunk views
+    for rows in (few, wide, strided):
+        assert not linalg.splits_rows(rows)
+        ops = count_ops(lambda rows=rows: linalg.covariance(rows))
+        assert ops.calls("aten.bmm.") == 0 and ops.calls("aten.addmm.") == 1
+    monkeypatch.setattr(linalg, "SPLIT_ROWS_DEVICES", frozenset({"cuda"}))
+    assert not linalg.splits_rows(torch.randn(40, 5))  # not on a device of the set
+
+
+@pytest.mark.parametrize("conv", [nn.Conv2d(4, 6, 3, padding=1), nn.Conv2d(4, 6, 1)],
+                         ids=["3x3", "1x1"])
+@pytest.mark.parametrize("columns", [False, True], ids=["row-major", "column-major"])
+def test_split_conv_factors_equal_the_cpu_path(monkeypatch, split_rows, conv, columns):
+    """A convolution's factors from split products (rows of either layout) equal the
+    CPU path's in float64."""
+    curv = Conv2dCurvature(conv.double())
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 4, 5, 6, generator=g, dtype=torch.float64)  # 90 rows: 11 chunks + 2
+    dy = torch.randn(conv(x).shape, generator=g, dtype=torch.float64)
+    if columns:
+        monkeypatch.setattr(layers, "COLUMN_MAJOR_ROWS_DEVICES", frozenset({"cpu"}))
+    split = linalg.split_gram
+    split_layouts: list[bool] = []  # whether each split's rows were row-major
+
+    def spy(rows: torch.Tensor) -> torch.Tensor:
+        split_layouts.append(rows.is_contiguous())
+        return split(rows)
+
+    monkeypatch.setattr(linalg, "split_gram", spy)
+    (a_cpu, g_cpu), (a_split, g_split) = _both_paths(
+        monkeypatch, lambda: (curv.a_factor(x), curv.g_factor(dy, grad_scale=0.5)))
+    assert split_layouts == [not columns] * 2  # A and G, only on the GPU path
+    torch.testing.assert_close(a_split, a_cpu, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(g_split, g_cpu, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("strategy, options", CASES[:2], ids=case_ids(CASES[:2]))
+def test_training_with_split_products_equals_the_cpu_path(monkeypatch, strategy, options):
+    monkeypatch.setattr(linalg, "SPLIT_ROWS_DEVICES", frozenset({"cpu"}))
+    monkeypatch.setattr(linalg, "SPLIT_ROWS", 8)
+    monkeypatch.setattr(linalg, "SPLIT_ROWS_MIN_ROWS", 16)
+    _compare_training(monkeypatch, Communicator(MPI.COMM_SELF), strategy, options)

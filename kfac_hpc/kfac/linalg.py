@@ -51,6 +51,8 @@ __all__ = [
     "precondition_inverse",
     "refresh_eigenbases",
     "scale_in_place",
+    "split_gram",
+    "splits_rows",
     "subspace_step",
     "symmetric_gram_",
     "update_running_average",
@@ -94,6 +96,63 @@ def uses_gpu_path(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
+#: Device types whose statistics of few columns and many rows are summed over chunks of
+#: rows (:func:`splits_rows`): none until a GPU measures it (``benchmarks/gram_layouts.py``,
+#: the K-FAC tables' split-K column; ``gpu_profile.py --kinds split-rows``). A small
+#: ``d×d`` product of a long contraction is few output tiles, which may leave most of a
+#: GPU idle unless the GEMM library splits the contraction itself.
+SPLIT_ROWS_DEVICES: frozenset[str] = frozenset()
+#: Rows per chunk of :func:`split_gram`.
+SPLIT_ROWS = 4096
+#: :func:`splits_rows`: at most this many columns ...
+SPLIT_ROWS_MAX_DIM = 1152
+#: ... and at least this many rows (four chunks).
+SPLIT_ROWS_MIN_ROWS = 4 * SPLIT_ROWS
+
+
+def splits_rows(rows: Tensor) -> bool:
+    """Say whether :func:`covariance` sums ``rows``' product over chunks of rows.
+
+    On the devices of :data:`SPLIT_ROWS_DEVICES`, for ``(n, d)`` rows with ``d`` at most
+    :data:`SPLIT_ROWS_MAX_DIM` and ``n`` at least :data:`SPLIT_ROWS_MIN_ROWS`, laid out
+    row-major or column-major (the layouts whose chunks are views).
+
+    Args:
+        rows: The ``(n, d)`` rows.
+    """
+    n, d = rows.shape
+    return (rows.device.type in SPLIT_ROWS_DEVICES and d <= SPLIT_ROWS_MAX_DIM
+            and n >= SPLIT_ROWS_MIN_ROWS and (rows.is_contiguous() or rows.t().is_contiguous()))
+
+
+def split_gram(rows: Tensor) -> Tensor:
+    """``rowsᵀ rows`` summed over chunks of :data:`SPLIT_ROWS` rows.
+
+    One batched product of the chunks, views of ``rows`` in its layout (row-major
+    ``(n, d)``, or column-major: ``rows.t()`` contiguous), a sum over the chunks, and the
+    remainder's product added: three kernels whatever ``n``. Equals ``rows.t() @ rows``
+    up to the summation order.
+
+    Args:
+        rows: ``(n, d)`` rows, row-major or column-major, at least one chunk of them.
+
+    Returns:
+        The ``(d, d)`` product, in ``rows``' dtype.
+    """
+    n, d = rows.shape
+    count = n // SPLIT_ROWS
+    head = count * SPLIT_ROWS
+    if rows.is_contiguous():
+        chunks = rows[:head].view(count, SPLIT_ROWS, d).mT  # (count, d, SPLIT_ROWS)
+    else:
+        chunks = rows.t()[:, :head].view(d, count, SPLIT_ROWS).transpose(0, 1)
+    total = torch.bmm(chunks, chunks.mT).sum(0)
+    tail = rows[head:]
+    if tail.shape[0]:
+        total.addmm_(tail.t(), tail)
+    return total
+
+
 def covariance(rows: Tensor, scale: float = 1.0, *,
                precision: MatmulPrecision = "full",
                out_dtype: torch.dtype | None = None) -> Tensor:
@@ -108,7 +167,9 @@ def covariance(rows: Tensor, scale: float = 1.0, *,
     rounding: ``M + Mᵀ`` reads ``Mᵀ`` uncoalesced (7 ms per ResNet-50 factor update on
     an H200, as much as the statistics' GEMMs), and nothing downstream needs bitwise
     symmetry: the solvers read one triangle (``eigh`` and Cholesky the lower), packing
-    the upper, and every rank receives the same reduced sums. ``precision`` rounds float32
+    the upper, and every rank receives the same reduced sums. There, rows of few columns
+    and many rows may be summed over chunks (:func:`splits_rows`, :func:`split_gram`;
+    on no device yet). ``precision`` rounds float32
     operands to TF32 or bf16 (:mod:`kfac_hpc.kfac.precision`). ``scale`` (e.g. ``b²``
     for ``δ = b·∂L/∂y``) is applied to the small result, never to the rows; with
     power-of-two ``scale`` and ``n_rows`` the result is bitwise that of scaling the
@@ -149,7 +210,10 @@ def covariance(rows: Tensor, scale: float = 1.0, *,
             # multiply of the same accumulator would be, without its pass over d×d);
             # beta=0: the input is ignored, so an uninitialised scalar costs no fill
             with tf32_products() if cuda_tf32 else contextlib.nullcontext():
-                m = torch.addmm(rows.new_empty(()), rows.t(), rows, beta=0, alpha=alpha)
+                if gpu and splits_rows(rows):
+                    m = split_gram(rows).mul_(alpha)
+                else:
+                    m = torch.addmm(rows.new_empty(()), rows.t(), rows, beta=0, alpha=alpha)
         else:
             m = matmul(rows.t(), rows, precision).mul_(alpha)
         return m if gpu else torch.add(m, m.t())
