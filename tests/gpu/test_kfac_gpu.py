@@ -271,6 +271,53 @@ def test_column_major_rows_on_the_device_equal_row_major(device, monkeypatch, pr
         assert excess.max() <= 0, f"above the bound by {excess.max():.3g}"
 
 
+@pytest.mark.parametrize("columns", [False, True], ids=["row-major", "column-major"])
+@pytest.mark.parametrize("precision", ["full", "tf32"])
+def test_split_rows_on_the_device_equal_one_product(device, monkeypatch, columns, precision):
+    """Statistics summed over chunks of rows on the device (``linalg.SPLIT_ROWS_DEVICES``,
+    which gram_layouts.py and gpu_profile.py --kinds split-rows may decide for), from
+    row-major or column-major rows: the factors of one product, in float64 to summation
+    order; in TF32 each product is within its operands' rounding (two of 2⁻¹⁰ each, the
+    kernels may round or truncate) and the float32 accumulation bound of the exact one."""
+    from kfac_hpc.kfac import layers, linalg
+    from kfac_hpc.kfac.layers import Conv2dCurvature
+
+    dtype = torch.float64 if precision == "full" else torch.float32
+    torch.manual_seed(0)
+    curv = Conv2dCurvature(nn.Conv2d(16, 24, 3, padding=1).to(device=device, dtype=dtype))
+    x = torch.randn(8, 16, 14, 14, device=device, dtype=dtype)  # 1568 rows
+    dy = torch.randn(8, 24, 14, 14, device=device, dtype=dtype)
+    monkeypatch.setattr(layers, "COLUMN_MAJOR_ROWS_DEVICES",
+                        frozenset({device.type}) if columns else frozenset())
+    monkeypatch.setattr(linalg, "SPLIT_ROWS", 256)  # 6 chunks and a remainder of 32 rows
+    monkeypatch.setattr(linalg, "SPLIT_ROWS_MIN_ROWS", 1024)
+
+    def factors() -> tuple[torch.Tensor, torch.Tensor]:
+        return (curv.a_factor(x, precision=precision),
+                curv.g_factor(dy, grad_scale=0.5, precision=precision))
+
+    whole = factors()
+    monkeypatch.setattr(linalg, "SPLIT_ROWS_DEVICES", frozenset({device.type}))
+    calls = []
+    real = linalg.split_gram
+    monkeypatch.setattr(linalg, "split_gram", lambda rows: calls.append(rows.shape) or real(rows))
+    split = factors()
+    assert len(calls) == (2 if linalg.uses_gpu_path(device) else 0)
+    if dtype == torch.float64:
+        for got, want in zip(split, whole):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+        return
+    rows = 8 * 14 * 14
+    exact = (curv.a_factor(x.double(), torch.float64, "full"),
+             curv.g_factor(dy.double(), torch.float64, 0.5, "full"))
+    magnitudes = (curv.a_factor(x.double().abs(), torch.float64, "full"),
+                  curv.g_factor(dy.double().abs(), torch.float64, 0.5, "full"))
+    for got, want, m in zip(split, exact, magnitudes):
+        bound = ((rows + 2) * 2.0**-23 + 2 * 2.0**-10) * m
+        excess = (got.double() - want).abs() - bound
+        assert excess.max() <= 0, f"above the bound by {excess.max():.3g}"
+
+
 def test_shifted_products_on_the_device_equal_the_patch_rows(device, monkeypatch):
     """The GPU statistics path with shifted products (``shifts.SHIFTED_PRODUCTS_PATHS``
     with ``"gpu"``, which conv_shifts.py may decide for): a stride-1 convolution's ``A``
