@@ -25,7 +25,7 @@ from kfac_hpc.plan import (
     load_profile,
     model_spec,
 )
-from kfac_hpc.plan.calibrate import fit_alpha_beta
+from kfac_hpc.plan.calibrate import PROBES, fit_alpha_beta
 from kfac_hpc.plan.choose import hybrid_fractions
 from kfac_hpc.plan.cli import builtin_model
 from kfac_hpc.plan.collectives import coefficients, collective_time, wire_bytes
@@ -221,8 +221,45 @@ def test_plan_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_calibrate_cli_world_of_one(tmp_path: Path) -> None:
+    """Without a GPU, the default device (auto) measures the CPU: its probes' sizes, no
+    memory budget, the device named in the description."""
     out = tmp_path / "p.json"
     assert main(["calibrate", "--quick", "--out", str(out)]) == 0
     prof = load_profile(out)
     assert isinstance(prof, Profile) and prof.source == "calibrated" and 1 in prof.by_ranks
     assert prof.compute.gemm_flops > 0 and len(prof.compute.eigh) == 3
+    if not torch.cuda.is_available():
+        assert [n for n, _ in prof.compute.eigh] == list(PROBES["cpu"].quick_decompositions)
+        assert prof.description.endswith("(CPU)") and prof.memory_per_rank_bytes is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_calibrate_on_cuda_without_a_gpu_says_so(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "p.json"
+    assert main(["calibrate", "--quick", "--device", "cuda", "--out", str(out)]) == 2
+    text = capsys.readouterr().out
+    assert "no CUDA device visible to every rank" in text and "--device cpu" in text
+    assert not out.exists()
+
+
+def test_calibrate_clocks_wait_for_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU every clock read of a probe follows a device synchronisation (queued
+    kernels count, not just their launches): here a stand-in device whose 'kernels'
+    finish only when synchronised."""
+    from mpi4py import MPI
+
+    from kfac_hpc.plan import calibrate
+
+    pending: list[float] = []  # seconds of work queued on the stand-in device
+    clock = [0.0]
+
+    def sync() -> None:
+        clock[0] += sum(pending)
+        pending.clear()
+
+    monkeypatch.setattr(calibrate, "_synchronizer", lambda device: sync)
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock[0])
+    seconds = calibrate._slowest(MPI.COMM_SELF, lambda: pending.append(0.25), repeat=3,
+                                 device=torch.device("cuda"))
+    assert seconds == pytest.approx(0.25)

@@ -33,6 +33,7 @@ from mpi4py import MPI
 from kfac_hpc.comm.communicator import Communicator, Handle, ReduceOp
 from kfac_hpc.comm.cuda import CudaSupport
 from kfac_hpc.comm.errors import install_abort_on_error
+from kfac_hpc.runtime.device import select_local_gpu
 from kfac_hpc.units import parse_bytes
 
 CHECK_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
@@ -747,7 +748,7 @@ def run(args: argparse.Namespace) -> int:
                 f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); run it on GPU "
                 "nodes, or without --device to check CPU tensors")
             return 0
-        device = _select_local_gpu(comm)
+        device = select_local_gpu(comm.mpi)
         say(f"device: cuda (GPU of each rank's local rank); {comm.cuda.summary()}")
         staged = Communicator(comm.mpi, cuda=CudaSupport.staged(comm.cuda.vendor, "selfcheck"),
                               name="selfcheck/staged")
@@ -780,14 +781,3 @@ def run(args: argparse.Namespace) -> int:
             f"({elapsed:.1f} s)")
     sys.stdout.flush()
     return 1 if failed else 0
-
-
-def _select_local_gpu(comm: Communicator) -> torch.device:
-    """The GPU of this rank's local rank, made current before MPI sees device memory."""
-    from kfac_hpc.runtime.device import select_device
-
-    node = comm.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
-    try:
-        return select_device("cuda", local_rank=node.Get_rank())
-    finally:
-        node.Free()

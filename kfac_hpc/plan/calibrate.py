@@ -19,6 +19,14 @@ Run it the way the training job runs (same ranks per node, same launcher)::
   second), and what a blocking collective costs beyond α–β when ranks reach it from
   computation (``sync_overhead_s``: scheduling and arrival skew).
 
+``--device`` says where (``auto``, the default: each rank's GPU when every rank has
+one, as ``kfac-hpc train`` picks it, else the CPU). On a GPU the compute probes run
+there, synchronised before each clock read, at sizes that fill a GPU
+(:data:`PROBES`), its products at the library's default precision for float32 there
+(TF32 on CUDA), the collectives on device buffers (the Communicator stages or passes
+them as it would in training), and the profile's memory per rank is the GPU's memory
+shared among the ranks using it.
+
 ``--merge`` adds the measurement to an existing profile as its ``by_ranks`` entry for
 this world size (the first measurement also becomes the profile's base values).
 """
@@ -26,12 +34,14 @@ this world size (the first measurement also becomes the profile's base values).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import socket
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -52,6 +62,40 @@ NETWORK_SIZES = (8, 4 << 10, 64 << 10, 512 << 10, 4 << 20)
 QUICK_NETWORK_SIZES = (8, 64 << 10, 1 << 20)
 DECOMP_SIZES = (16, 32, 64, 128, 256, 512, 1024)
 QUICK_DECOMP_SIZES = (16, 64, 256)
+CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class ProbeSizes:
+    """The sizes of the compute probes on one kind of device.
+
+    Attributes:
+        gemm: ``(rows, cols)`` of the ``xᵀx`` products whose median rate is ``gemm_flops``.
+        copy_elements: float32 elements of the copy that measures memory bandwidth.
+        decompositions: Matrix orders at which ``eigh`` and the inverse are timed.
+        quick_decompositions: The orders of ``--quick``.
+        train_batch: The batch of the probe net's forward+backward (``train_flops``).
+        train_image: Its input's height and width.
+    """
+
+    gemm: tuple[tuple[int, int], ...]
+    copy_elements: int
+    decompositions: tuple[int, ...]
+    quick_decompositions: tuple[int, ...]
+    train_batch: int
+    train_image: int
+
+
+#: The probes' sizes by device type: a GPU needs larger ones to be busy rather than
+#: launch-bound, and K-FAC's GPU runs decompose larger factors (ResNet-50: up to 4608).
+PROBES = {
+    "cpu": ProbeSizes(gemm=((4096, 256), (512, 512), (2048, 128)), copy_elements=4 << 20,
+                      decompositions=DECOMP_SIZES, quick_decompositions=QUICK_DECOMP_SIZES,
+                      train_batch=32, train_image=16),
+    "cuda": ProbeSizes(gemm=((65536, 512), (16384, 1024), (8192, 2048)), copy_elements=64 << 20,
+                       decompositions=(*DECOMP_SIZES, 2048, 4096),
+                       quick_decompositions=(64, 256, 1024), train_batch=256, train_image=32),
+}
 
 
 def fit_alpha_beta(kind: str, p: int, samples: Sequence[tuple[float, float]]) -> LinkCost:
@@ -79,7 +123,8 @@ def fit_alpha_beta(kind: str, p: int, samples: Sequence[tuple[float, float]]) ->
     return LinkCost(float(alpha), float(beta), "ring")
 
 
-def measure_network(comm: Communicator, sizes: Sequence[int], repeat: int
+def measure_network(comm: Communicator, sizes: Sequence[int], repeat: int,
+                    device: torch.device = CPU
                     ) -> tuple[dict[str, LinkCost], list[dict[str, Any]]]:
     """Measure and fit α–β per collective (collective over ``comm``).
 
@@ -87,6 +132,8 @@ def measure_network(comm: Communicator, sizes: Sequence[int], repeat: int
         comm: The ranks to measure on.
         sizes: Block sizes in bytes.
         repeat: Samples per collective and size.
+        device: Where the buffers live (a GPU's: the Communicator stages them or hands
+            them to MPI as it would in training).
 
     Returns:
         The fitted cost per collective, and the raw samples (bytes in the counters'
@@ -96,7 +143,7 @@ def measure_network(comm: Communicator, sizes: Sequence[int], repeat: int
 
     raw: list[dict[str, Any]] = []
     for block in sizes:
-        calls = {c: communicator_op(comm, c, block) for c in COLLECTIVES}
+        calls = {c: communicator_op(comm, c, block, device=device) for c in COLLECTIVES}
         timed = time_calls(calls, comm.mpi, repeat=repeat)
         for kind, s in timed.items():
             nbytes = block * comm.size if kind in ("reduce_scatter", "allgather") else block
@@ -107,9 +154,19 @@ def measure_network(comm: Communicator, sizes: Sequence[int], repeat: int
     return links, raw
 
 
+def _synchronizer(device: torch.device) -> Callable[[], None]:
+    """What waits for ``device``'s queued work (nothing on the CPU)."""
+    if device.type == "cuda":
+        return partial(torch.cuda.synchronize, device)
+    return lambda: None
+
+
 def _slowest(mpi: MPI.Comm, fn: Callable[[], object], repeat: int, inner: int = 0,
-             sample_s: float = 0.05) -> float:
+             sample_s: float = 0.05, device: torch.device = CPU) -> float:
     """Time the seconds per call with every rank calling at once.
+
+    On a GPU the device is synchronised before each clock read, so a call's time is its
+    kernels' as much as its launches'.
 
     Each rank takes its mean over ``repeat`` samples (after a barrier), then the slowest
     rank's mean is the result. A sample repeats the call for at least ``sample_s``
@@ -118,10 +175,13 @@ def _slowest(mpi: MPI.Comm, fn: Callable[[], object], repeat: int, inner: int = 
     training step is a sum of many calls and pays its share of descheduled time;
     per-sample maxima over ranks would instead charge every call the worst rank's hiccup.
     """
+    sync = _synchronizer(device)
     fn()
+    sync()
     if inner <= 0:
         t0 = time.perf_counter()
         fn()
+        sync()
         first = time.perf_counter() - t0
         inner = int(mpi.allreduce(max(1, min(1000, math.ceil(sample_s / max(first, 1e-9)))),
                                   op=MPI.MAX))
@@ -131,6 +191,7 @@ def _slowest(mpi: MPI.Comm, fn: Callable[[], object], repeat: int, inner: int = 
         t0 = time.perf_counter()
         for _ in range(inner):
             fn()
+        sync()
         values.append((time.perf_counter() - t0) / inner)
     return float(mpi.allreduce(float(np.mean(values)), op=MPI.MAX))
 
@@ -169,17 +230,20 @@ def measure_sync(mpi: MPI.Comm, repeat: int) -> float:
     return max(0.0, pair - alone - bare)
 
 
-def _spd(n: int) -> torch.Tensor:
+def _spd(n: int, device: torch.device = CPU) -> torch.Tensor:
     g = torch.Generator().manual_seed(n)
-    x = torch.randn(4 * n, n, generator=g)
+    x = torch.randn(4 * n, n, generator=g).to(device)
     return x.t() @ x / (4 * n)
 
 
-def probe_net() -> tuple[nn.Module, tuple[int, ...]]:
+def probe_net(image: int = 16) -> tuple[nn.Module, tuple[int, ...]]:
     """Build the small conv net whose forward+backward rate calibrates ``train_flops``.
 
+    Args:
+        image: The input's height and width.
+
     Returns:
-        The model and its input batch shape.
+        The model and its input sample shape.
     """
     torch.manual_seed(0)
     net = nn.Sequential(
@@ -187,20 +251,35 @@ def probe_net() -> tuple[nn.Module, tuple[int, ...]]:
         nn.Conv2d(32, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
         nn.Conv2d(32, 64, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-    return net, (16, 16, 16)
+    return net, (16, image, image)
 
 
-def measure_compute(mpi: MPI.Comm, decomp_sizes: Sequence[int], repeat: int,
-                    report: Callable[[str], None] = lambda _: None) -> ComputeRates:
+def _library_products(device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """The precision K-FAC's float32 products take on ``device`` by default (TF32 on CUDA)."""
+    from kfac_hpc.kfac.options import resolve_precision
+    from kfac_hpc.kfac.precision import full_precision_products, tf32_products
+
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    precision = resolve_precision("auto", device_type=device.type, dtype="float32")
+    return tf32_products() if precision == "tf32" else full_precision_products()
+
+
+def measure_compute(mpi: MPI.Comm, decomp_sizes: Sequence[int] | None, repeat: int,
+                    report: Callable[[str], None] = lambda _: None,
+                    device: torch.device = CPU) -> ComputeRates:
     """Measure the compute rates of one rank with every rank of ``mpi`` working at the same time.
 
     Collective over ``mpi`` (the slowest rank's times count).
 
     Args:
         mpi: The ranks that work at once.
-        decomp_sizes: Matrix orders at which eigh and inverse are timed.
+        decomp_sizes: Matrix orders at which eigh and inverse are timed (None: the
+            device's, :data:`PROBES`).
         repeat: Samples per measurement.
         report: Sees a line of progress per measurement.
+        device: Where the probes run (a GPU: :data:`PROBES`' sizes for it, the library's
+            default float32 precision for its products).
 
     Returns:
         The rates; ``overlap_efficiency`` is 0 (not measured).
@@ -208,45 +287,53 @@ def measure_compute(mpi: MPI.Comm, decomp_sizes: Sequence[int], repeat: int,
     from kfac_hpc.kfac import linalg
     from kfac_hpc.plan.model_shapes import model_spec
 
-    a, b, c = torch.randn(8, 8), torch.randn(8, 8), torch.empty(8, 8)
+    sizes = PROBES["cuda" if device.type == "cuda" else "cpu"]
+    slowest = partial(_slowest, mpi, device=device)
+    a, b = torch.randn(8, 8, device=device), torch.randn(8, 8, device=device)
+    c = torch.empty(8, 8, device=device)
 
     def tiny() -> None:
         for _ in range(10):
             torch.add(a, b, out=c)
             c.mul_(0.5)
 
-    op = _slowest(mpi, tiny, repeat) / 20
+    op = slowest(tiny, repeat) / 20
     report(f"op overhead {op * 1e6:.1f} us")
     gemm_rates = []
-    for rows, cols in ((4096, 256), (512, 512), (2048, 128)):
-        x = torch.randn(rows, cols)
-        t = _slowest(mpi, partial(torch.mm, x.t(), x), repeat)
-        gemm_rates.append(2 * rows * cols * cols / t)
+    with _library_products(device):
+        for rows, cols in sizes.gemm:
+            x = torch.randn(rows, cols, device=device)
+            t = slowest(partial(torch.mm, x.t(), x), repeat)
+            gemm_rates.append(2 * rows * cols * cols / t)
     gemm = statistics.median(gemm_rates)
     report(f"gemm {gemm / 1e9:.1f} GFLOP/s")
-    src, dst = torch.randn(4 << 20), torch.empty(4 << 20)
-    bandwidth = 2 * src.nbytes / _slowest(mpi, lambda: dst.copy_(src), repeat)
+    src = torch.randn(sizes.copy_elements, device=device)
+    dst = torch.empty_like(src)
+    bandwidth = 2 * src.nbytes / slowest(partial(dst.copy_, src), repeat)
+    del src, dst  # 512 MiB on a GPU
     report(f"memory {bandwidth / 1e9:.1f} GB/s")
     eigh, inverse = [], []
-    for n in decomp_sizes:
-        f = _spd(n)
+    for n in sizes.decompositions if decomp_sizes is None else decomp_sizes:
+        f = _spd(n, device)
         reps = max(3, repeat // 2) if n >= 512 else repeat
-        eigh.append((n, _slowest(mpi, partial(linalg.eigh_clamped, f), reps)))
-        inverse.append((n, _slowest(mpi, partial(linalg.damped_inverse, f, 1e-3), reps)))
+        eigh.append((n, slowest(partial(linalg.eigh_clamped, f), reps)))
+        inverse.append((n, slowest(partial(linalg.damped_inverse, f, 1e-3), reps)))
         report(f"n={n}: eigh {eigh[-1][1] * 1e3:.2f} ms, inverse {inverse[-1][1] * 1e3:.2f} ms")
     from kfac_hpc.kfac.layers import curvature_for
 
-    conv = nn.Conv2d(16, 16, 3, padding=1, bias=False)
+    conv = nn.Conv2d(16, 16, 3, padding=1, bias=False).to(device)
     curv = curvature_for(conv)
     assert curv is not None
-    patches = torch.randn(32, 16, 32, 32)
-    unfold_s = _slowest(mpi, partial(curv.a_rows, patches), repeat)
+    patches = torch.randn(32, 16, 32, 32, device=device)
+    unfold_s = slowest(partial(curv.a_rows, patches), repeat)
     im2col = 32 * 32 * 32 * curv.weight_cols * 4 / unfold_s
     report(f"im2col {im2col / 1e9:.2f} GB/s")
-    net, shape = probe_net()
+    net, shape = probe_net(sizes.train_image)
+    net.to(device)
     spec = model_spec(net, input_shape=shape)
-    x = torch.randn(32, *shape)
-    y = torch.randint(0, 10, (32,))
+    batch = sizes.train_batch
+    x = torch.randn(batch, *shape, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
 
     def train_step() -> None:
         net.zero_grad()
@@ -254,19 +341,21 @@ def measure_compute(mpi: MPI.Comm, decomp_sizes: Sequence[int], repeat: int,
 
     torch.manual_seed(0)
     tiny_net = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(4, 4), nn.ReLU())])
-    tiny_x = torch.randn(1, 4)
+    tiny_net.to(device)
+    tiny_x = torch.randn(1, 4, device=device)
     tiny_opt = torch.optim.SGD(tiny_net.parameters(), lr=0.0)
 
     def tiny_step() -> None:
         tiny_net.zero_grad()
         tiny_net(tiny_x).sum().backward()
 
-    module = _slowest(mpi, tiny_step, repeat) / 12
-    param = _slowest(mpi, tiny_opt.step, repeat) / 12
+    module = slowest(tiny_step, repeat) / 12
+    param = slowest(tiny_opt.step, repeat) / 12
     report(f"per module (fwd+bwd) {module * 1e6:.1f} us, per parameter (SGD) "
            f"{param * 1e6:.1f} us")
-    t = _slowest(mpi, train_step, repeat)
-    flops = 3 * sum(2.0 * 32 * s.rows_per_sample * s.weight_cols * s.g_dim for s in spec.layers)
+    t = slowest(train_step, repeat)
+    flops = 3 * sum(2.0 * batch * s.rows_per_sample * s.weight_cols * s.g_dim
+                    for s in spec.layers)
     framework = spec.leaf_modules * module
     train = flops / max(t - framework, 0.2 * t)
     report(f"train {train / 1e9:.1f} GFLOP/s (forward+backward {t * 1e3:.2f} ms)")
@@ -277,6 +366,52 @@ def measure_compute(mpi: MPI.Comm, decomp_sizes: Sequence[int], repeat: int,
                         overlap_efficiency=0.0, im2col_bandwidth=im2col,
                         module_overhead_s=module, param_overhead_s=param,
                         sync_overhead_s=sync)
+
+
+def calibration_device(mpi: MPI.Comm, choice: str) -> torch.device | None:
+    """The device every rank measures on (collective over ``mpi``).
+
+    Args:
+        mpi: The ranks.
+        choice: ``"cpu"``; ``"cuda"`` (None when a rank has no GPU); ``"auto"`` (the GPU
+            when every rank has one, else the CPU).
+
+    Returns:
+        This rank's device (its node-local rank's GPU, made current), or None.
+    """
+    if choice == "cpu":
+        return CPU
+    everywhere = bool(mpi.allreduce(int(torch.cuda.is_available()), op=MPI.MIN))
+    if not everywhere:
+        return None if choice == "cuda" else CPU
+    from kfac_hpc.runtime.device import select_local_gpu
+
+    return select_local_gpu(mpi)
+
+
+def describe_device(device: torch.device) -> str:
+    """``"CPU"``, or the GPU's name (for the profile's description)."""
+    if device.type != "cuda":
+        return "CPU"
+    return f"GPU {torch.cuda.get_device_name(device)}"
+
+
+def gpu_memory_per_rank(mpi: MPI.Comm, device: torch.device) -> int | None:
+    """A GPU's memory divided among the ranks of its node that use it (collective).
+
+    The smallest share over all ranks; None on the CPU (the profile then has no memory
+    budget, as before). Every rank measures on the same kind of device
+    (:func:`calibration_device`), so all or none make the collective calls.
+    """
+    if device.type != "cuda":
+        return None
+    node = mpi.Split_type(MPI.COMM_TYPE_SHARED, key=mpi.Get_rank())
+    try:
+        sharing = node.allgather(device.index).count(device.index)
+    finally:
+        node.Free()
+    share = torch.cuda.get_device_properties(device).total_memory // sharing
+    return int(mpi.allreduce(share, op=MPI.MIN))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -300,6 +435,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "behind (not measured; default 0: CPU MPI progresses only "
                              "inside MPI calls)")
     parser.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                        help="where to measure: auto (default) each rank's GPU when every "
+                             "rank has one (as kfac-hpc train picks it), else the CPU; "
+                             "measure where the training job computes")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -324,15 +463,25 @@ def run(args: argparse.Namespace) -> int:
         if rank == 0:
             print(text, flush=True)
 
-    say(f"# kfac-hpc calibrate: {size} rank(s), {args.threads} torch thread(s) per rank")
-    compute = measure_compute(comm.mpi, QUICK_DECOMP_SIZES if args.quick else DECOMP_SIZES,
-                              3 if args.quick else args.repeat, say)
+    device = calibration_device(comm.mpi, getattr(args, "device", "cpu"))
+    if device is None:
+        say("kfac-hpc calibrate --device cuda: no CUDA device visible to every rank "
+            f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); run it on the GPU "
+            "nodes the job trains on, or with --device cpu to measure the CPUs")
+        return 2
+    where = describe_device(device)
+    say(f"# kfac-hpc calibrate: {size} rank(s), {args.threads} torch thread(s) per rank, "
+        f"on {where}")
+    probes = PROBES["cuda" if device.type == "cuda" else "cpu"]
+    compute = measure_compute(comm.mpi, probes.quick_decompositions if args.quick else None,
+                              3 if args.quick else args.repeat, say, device=device)
     compute = ComputeRates(**{**compute.__dict__,
                               "overlap_efficiency": args.overlap_efficiency})
     raw: list[dict[str, Any]] = []
     if size > 1:
         network, raw = measure_network(comm, QUICK_NETWORK_SIZES if args.quick
-                                       else NETWORK_SIZES, 3 if args.quick else args.repeat)
+                                       else NETWORK_SIZES, 3 if args.quick else args.repeat,
+                                       device)
         for kind, link in network.items():
             say(f"{kind:>15}: alpha {link.alpha * 1e6:8.2f} us, "
                 f"beta {link.beta * 1e9:8.4f} s/GB ({1 / max(link.beta, 1e-30) / 1e9:.2f} GB/s)")
@@ -340,6 +489,7 @@ def run(args: argparse.Namespace) -> int:
         network = {k: LinkCost(0.0, 0.0, "ring") for k in COLLECTIVES}
         say("one rank: no network measured (collectives cost nothing at world size 1)")
     host = comm.mpi.bcast(socket.gethostname(), 0)
+    memory = gpu_memory_per_rank(comm.mpi, device)
     entry = {"network": network, "compute": compute}
     if rank == 0:
         base: Profile | None = None
@@ -348,9 +498,12 @@ def run(args: argparse.Namespace) -> int:
         if base is None:
             base = Profile(name=args.name or f"calibrated-{host}", network=network,
                            compute=compute, source="calibrated",
-                           description=f"measured by kfac-hpc calibrate on {host}",
+                           description=f"measured by kfac-hpc calibrate on {host} ({where})",
                            assumptions=("overlap_efficiency is not measured "
-                                        f"(set to {args.overlap_efficiency})",))
+                                        f"(set to {args.overlap_efficiency})",),
+                           memory_per_rank_bytes=memory)
+        elif base.memory_per_rank_bytes is None and memory is not None:
+            base = Profile(**{**base.__dict__, "memory_per_rank_bytes": memory})
         by_ranks = {**base.by_ranks, size: entry}
         profile = Profile(**{**base.__dict__, "by_ranks": by_ranks})
         profile.save(args.out)

@@ -17,11 +17,15 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
 __all__ = ["DEVICE_CHOICES", "LOCAL_RANK_VARIABLES", "LocalRank", "NoCudaDeviceError",
-           "local_rank_from_environment", "select_device", "selected_device"]
+           "local_rank_from_environment", "select_device", "select_local_gpu", "selected_device"]
 
 #: ``(variable, launcher)`` in order of preference.
 LOCAL_RANK_VARIABLES: tuple[tuple[str, str], ...] = (
@@ -129,6 +133,32 @@ def select_device(device: str = "auto", *, local_rank: int | None = None,
     torch.cuda.set_device(chosen)
     _selected = chosen
     return chosen
+
+
+def select_local_gpu(mpi_comm: MPI.Comm) -> torch.device:
+    """Select the GPU of this rank's rank on its node, read from MPI once it has started.
+
+    For tools that start MPI before choosing a device (``kfac-hpc selfcheck``,
+    ``kfac-hpc calibrate``): the node's ranks in the order of their ranks in
+    ``mpi_comm`` take ``cuda:<local rank mod visible GPUs>`` (:func:`select_device`).
+    Collective over ``mpi_comm``.
+
+    Args:
+        mpi_comm: The ranks that choose together.
+
+    Returns:
+        The chosen GPU, made current.
+
+    Raises:
+        NoCudaDeviceError: This rank sees no CUDA device.
+    """
+    from mpi4py import MPI
+
+    node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.Get_rank())
+    try:
+        return select_device("cuda", local_rank=node.Get_rank())
+    finally:
+        node.Free()
 
 
 def selected_device() -> torch.device | None:
