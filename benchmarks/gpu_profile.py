@@ -222,7 +222,6 @@ def kinds_section(device: torch.device, batch: tuple[Tensor, Tensor], args: argp
         trainer.close()
     layers.COLUMN_MAJOR_ROWS_DEVICES = default_layout
     statistics_stream.SIDE_STREAM_DEVICES = default_streams
-    shifts.SHIFTED_PRODUCTS_PATHS = default_shifts
     linalg.SPLIT_ROWS_DEVICES = default_split
     shifts.SHIFTED_PRODUCTS_PATHS = default_shifts
     return out

@@ -20,11 +20,12 @@ of ResNet-50 (torchvision's when it imports, else ``kfac_hpc.models``'), the ms 
 * ``yᵀ·y``: the same data stored ``(n, K, d)``, ``baddbmm_(F, Yᵀ, Y)``;
 * ``copy+x·xᵀ`` / ``copy+yᵀ·y``: the layout the caller does not have, made by one copy
   first (what switching layouts would cost);
-* ``split-K`` (Shampoo: ``d`` ≤ 64; K-FAC: ``d`` ≤ 1152 and ``K`` ≥ 16,384): the rows
-  cut into ``s`` chunks of 4096, one batched product of the chunks and a sum: a small
-  Gram matrix of a long ``K`` otherwise may leave most of the GPU idle, unless the
-  GEMM library splits ``K`` itself (K-FAC's chunks are cut in the layout it has, so a
-  column-major one's are strided views, no copy);
+* ``split-K`` (Shampoo: ``d`` ≤ 64; K-FAC: where ``linalg.splits_rows``' sizes allow,
+  ``d`` ≤ 1152 and ``K`` ≥ 16,384): the rows cut into ``s`` chunks of 4096, one batched
+  product of the chunks and a sum: a small Gram matrix of a long ``K`` otherwise may
+  leave most of the GPU idle, unless the GEMM library splits ``K`` itself (K-FAC's is
+  ``linalg.split_gram`` on the rows in the layout it builds: a column-major one's chunks
+  are strided views, no copy);
 * ``outer`` (``K`` = 1 only, Shampoo's 1-D blocks): the outer product element-wise
   (``addcmul_``) instead of a GEMM with one column.
 
@@ -89,9 +90,9 @@ from kfac_hpc.kfac.layers import Conv2dCurvature, register_layers
 from kfac_hpc.kfac.precision import full_precision_products, tf32_products
 
 SPLIT_MAX_DIM = 64  # split-K is timed for Shampoo's Gram dimensions up to this
-KFAC_SPLIT_MAX_DIM = 1152  # and for K-FAC's factors up to this, of at least KFAC_SPLIT_MIN_K rows
-KFAC_SPLIT_MIN_K = 4 * 4096
-SPLIT_ROWS = 4096  # rows per chunk of split-K (kronecker.SPLIT_COLUMNS)
+SPLIT_ROWS = 4096  # rows per chunk of Shampoo's split-K (kronecker.SPLIT_COLUMNS)
+# K-FAC's split-K is linalg.split_gram, timed where its rule's sizes allow
+# (linalg.SPLIT_ROWS_MAX_DIM columns, linalg.SPLIT_ROWS_MIN_ROWS rows)
 
 
 def resnet50() -> nn.Module:
@@ -184,36 +185,14 @@ def timed_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float
     return statistics.median(timed(fn, device)[1] * 1e3 for _ in range(reps))
 
 
-def kfac_split(x: Tensor, y: Tensor, native: str) -> Tensor:
-    """K-FAC's ``0.1·yᵀy`` summed over chunks of :data:`SPLIT_ROWS` rows: one batched
-    product of the chunks in the ``native`` layout (``x = yᵀ`` stored ``(d, K)``: its
-    chunks are strided views; ``y`` stored ``(K, d)``), a sum, the remainder added."""
-    k, d = y.shape
-    s = k // SPLIT_ROWS
-    rows = s * SPLIT_ROWS
-    if native == "x":
-        head = x[:, :rows].view(d, s, SPLIT_ROWS).transpose(0, 1)  # (s, d, c), no copy
-        total = torch.bmm(head, head.mT).sum(0)
-        tail_x = x[:, rows:]
-        if tail_x.shape[1]:
-            total.addmm_(tail_x, tail_x.mT)
-    else:
-        chunks = y[:rows].view(s, SPLIT_ROWS, d)
-        total = torch.bmm(chunks.mT, chunks).sum(0)
-        tail_y = y[rows:]
-        if tail_y.shape[0]:
-            total.addmm_(tail_y.mT, tail_y)
-    return total.mul_(0.1)
-
-
 def variants(n: int, d: int, k: int, device: torch.device, batched: bool = True,
              native: str = "y") -> dict[str, Callable[[], object]]:
     """The products to time for one shape (fresh random data, fp32).
 
     ``batched``: ``baddbmm_`` into running factors, as Shampoo's stacks; else (``n`` = 1)
     one 2-D ``addmm`` with ``beta=0`` and the scale in ``alpha``, as K-FAC's
-    :func:`~kfac_hpc.kfac.linalg.covariance`, whose split-K (:func:`kfac_split`) chunks
-    the ``native`` layout.
+    :func:`~kfac_hpc.kfac.linalg.covariance`, whose split-K
+    (:func:`~kfac_hpc.kfac.linalg.split_gram`) chunks the ``native`` layout.
     """
     gen = torch.Generator(device="cpu").manual_seed(d * 7919 + k)
     y = torch.randn(n, k, d, generator=gen).to(device)  # (n, K, d)
@@ -237,8 +216,10 @@ def variants(n: int, d: int, k: int, device: torch.device, batched: bool = True,
     }
     if k == 1:  # a 1-D block: its factor is an outer product, element-wise
         out["outer"] = lambda: f.mul_(0.9).addcmul_(x, x.mT, value=0.1)
-    if not batched and d <= KFAC_SPLIT_MAX_DIM and k >= KFAC_SPLIT_MIN_K:
-        out["split-K"] = partial(kfac_split, x[0], y[0], native)
+    if not batched and d <= linalg.SPLIT_ROWS_MAX_DIM and k >= linalg.SPLIT_ROWS_MIN_ROWS:
+        # the library's product on the rows as it builds them: column-major rows are
+        # the transposed view of x
+        out["split-K"] = partial(linalg.split_gram, x[0].t() if native == "x" else y[0], 0.1)
     elif batched and d <= SPLIT_MAX_DIM and k >= 2 * SPLIT_ROWS:
         s = k // SPLIT_ROWS
         rows = s * SPLIT_ROWS

@@ -440,8 +440,8 @@ def split_rows(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("layout", ["row-major", "column-major"])
 def test_split_products_equal_one_product(gpu_path, split_rows, n, layout):
     """One batched product of the chunks (views, whatever the layout), a sum and the
-    remainder: the product of all rows up to the summation order, and a fixed number of
-    kernels whatever the number of chunks."""
+    remainder, scaled inside the products: the product of all rows up to the summation
+    order, and three kernels at most whatever the number of chunks."""
     g = torch.Generator().manual_seed(n)
     data = torch.randn(n, 5, generator=g, dtype=torch.float64)
     rows = data if layout == "row-major" else data.t().contiguous().t()
@@ -449,16 +449,19 @@ def test_split_products_equal_one_product(gpu_path, split_rows, n, layout):
     ops = count_ops(lambda: linalg.covariance(rows, 4.0))
     got = linalg.covariance(rows, 4.0)
     torch.testing.assert_close(got, 4.0 * data.t() @ data / n, rtol=1e-13, atol=0)
-    assert ops.calls("aten.bmm.") == 1 and ops.calls("aten.clone.") == 0
+    assert ops.calls("aten.baddbmm.") == 1 and ops.calls("aten.clone.") == 0
     assert ops.calls("aten.addmm") == (1 if n % 8 else 0)
-    assert ops.kernels <= 4  # bmm, sum, the remainder's addmm, the scale
+    assert ops.kernels <= 3  # the chunks' product, their sum, the remainder's
 
 
 def test_rows_outside_the_rule_take_one_product(gpu_path, split_rows, monkeypatch):
+    """Too few rows, too many columns, a layout whose chunks are not views, half
+    precision, or a device outside SPLIT_ROWS_DEVICES: one product."""
     g = torch.Generator().manual_seed(3)
     few = torch.randn(15, 5, generator=g, dtype=torch.float64)  # fewer than 16 rows
     wide = torch.randn(40, linalg.SPLIT_ROWS_MAX_DIM + 1, generator=g, dtype=torch.float64)
     strided = torch.randn(40, 10, generator=g, dtype=torch.float64)[:, ::2]  # no chunk views
+    assert not linalg.splits_rows(torch.randn(40, 5, generator=g).bfloat16())
     for rows in (few, wide, strided):
         assert not linalg.splits_rows(rows)
         ops = count_ops(lambda rows=rows: linalg.covariance(rows))
@@ -482,9 +485,9 @@ def test_split_conv_factors_equal_the_cpu_path(monkeypatch, split_rows, conv, co
     split = linalg.split_gram
     split_layouts: list[bool] = []  # whether each split's rows were row-major
 
-    def spy(rows: torch.Tensor) -> torch.Tensor:
+    def spy(rows: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
         split_layouts.append(rows.is_contiguous())
-        return split(rows)
+        return split(rows, alpha)
 
     monkeypatch.setattr(linalg, "split_gram", spy)
     (a_cpu, g_cpu), (a_split, g_split) = _both_paths(
@@ -495,8 +498,17 @@ def test_split_conv_factors_equal_the_cpu_path(monkeypatch, split_rows, conv, co
 
 
 @pytest.mark.parametrize("strategy, options", CASES[:2], ids=case_ids(CASES[:2]))
-def test_training_with_split_products_equals_the_cpu_path(monkeypatch, strategy, options):
-    monkeypatch.setattr(linalg, "SPLIT_ROWS_DEVICES", frozenset({"cpu"}))
-    monkeypatch.setattr(linalg, "SPLIT_ROWS", 8)
-    monkeypatch.setattr(linalg, "SPLIT_ROWS_MIN_ROWS", 16)
+def test_training_with_split_products_equals_the_cpu_path(monkeypatch, split_rows, strategy,
+                                                          options):
+    """Training whose statistics take the split products (on the GPU path) equals the
+    CPU path's in float64."""
+    split = linalg.split_gram
+    calls: list[int] = []
+
+    def spy(rows: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+        calls.append(rows.shape[0])
+        return split(rows, alpha)
+
+    monkeypatch.setattr(linalg, "split_gram", spy)
     _compare_training(monkeypatch, Communicator(MPI.COMM_SELF), strategy, options)
+    assert calls, "no statistics took the split products"

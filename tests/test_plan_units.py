@@ -28,7 +28,13 @@ from kfac_hpc.plan import (
 from kfac_hpc.plan.calibrate import PROBES, fit_alpha_beta
 from kfac_hpc.plan.choose import hybrid_fractions
 from kfac_hpc.plan.cli import builtin_model
-from kfac_hpc.plan.collectives import coefficients, collective_time, wire_bytes
+from kfac_hpc.plan.collectives import (
+    COLLECTIVES,
+    LinkCost,
+    coefficients,
+    collective_time,
+    wire_bytes,
+)
 from kfac_hpc.units import parse_bytes
 
 
@@ -231,6 +237,28 @@ def test_calibrate_cli_world_of_one(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
         assert [n for n, _ in prof.compute.eigh] == list(PROBES["cpu"].quick_decompositions)
         assert prof.description.endswith("(CPU)") and prof.memory_per_rank_bytes is None
+        assert prof.measured_on == "CPU"
+
+
+def test_calibrate_merges_measurements_of_one_device_only(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--merge`` into a profile measured on another device exits 2 naming both, before
+    measuring, and leaves the file as it was; a profile of the same device, or one that
+    does not record its device, takes the entry."""
+    out = tmp_path / "p.json"
+    gpu = Profile(name="gpu", network={k: LinkCost(1e-6, 1e-10, "ring") for k in COLLECTIVES},
+                  compute=load_profile("a100-ib200").compute, source="calibrated",
+                  measured_on="GPU NVIDIA H200")
+    gpu.save(out)
+    before = out.read_text()
+    assert main(["calibrate", "--quick", "--merge", "--device", "cpu", "--out", str(out)]) == 2
+    text = capsys.readouterr().out
+    assert "measured on GPU NVIDIA H200" in text and "on CPU" in text
+    assert "gemm" not in text and out.read_text() == before
+    replace(gpu, measured_on="").save(out)  # measured before devices were recorded
+    assert main(["calibrate", "--quick", "--merge", "--device", "cpu", "--out", str(out)]) == 0
+    merged = load_profile(out)
+    assert merged.measured_on == "CPU" and 1 in merged.by_ranks and merged.name == "gpu"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
@@ -258,8 +286,8 @@ def test_calibrate_clocks_wait_for_the_device(monkeypatch: pytest.MonkeyPatch) -
         clock[0] += sum(pending)
         pending.clear()
 
-    monkeypatch.setattr(calibrate, "_synchronizer", lambda device: sync)
-    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(calibrate, "synchronizer", lambda device: sync)
+    monkeypatch.setattr(calibrate, "_clock", lambda: clock[0])
     seconds = calibrate._slowest(MPI.COMM_SELF, lambda: pending.append(0.25), repeat=3,
                                  device=torch.device("cuda"))
     assert seconds == pytest.approx(0.25)

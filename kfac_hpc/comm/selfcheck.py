@@ -33,7 +33,7 @@ from mpi4py import MPI
 from kfac_hpc.comm.communicator import Communicator, Handle, ReduceOp
 from kfac_hpc.comm.cuda import CudaSupport
 from kfac_hpc.comm.errors import install_abort_on_error
-from kfac_hpc.runtime.device import select_local_gpu
+from kfac_hpc.runtime.device import select_local_gpu, synchronizer
 from kfac_hpc.units import parse_bytes
 
 CHECK_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
@@ -517,7 +517,8 @@ class Samples:
 
 def time_calls(calls: Mapping[str, Callable[[], object]], mpi_comm: MPI.Comm, *, repeat: int,
                sample_s: float = 2e-3, max_inner: int = 64, warmup: int = 1,
-               inner_groups: Sequence[Collection[str]] | None = None) -> dict[str, Samples]:
+               inner_groups: Sequence[Collection[str]] | None = None,
+               sync: Callable[[], None] | None = None) -> dict[str, Samples]:
     """Time the seconds per call of each entry of ``calls``: ``repeat`` samples each.
 
     A sample times a batch of back-to-back calls after a barrier and its value is the
@@ -539,15 +540,19 @@ def time_calls(calls: Mapping[str, Callable[[], object]], mpi_comm: MPI.Comm, *,
         warmup: Calls of each entry before measuring.
         inner_groups: Entries that share a batch length (default: all entries form one
             group).
+        sync: Waits for work the calls queue on a device (e.g. the copies back of
+            staged GPU buffers); called before every clock read, so a sample counts it.
 
     Returns:
         The samples of each entry, by name.
     """
+    wait = sync if sync is not None else (lambda: None)
     names = list(calls)
     probe = np.empty(len(names))
     for k, fn in enumerate(calls.values()):
         for _ in range(warmup):
             fn()
+        wait()
         # the fastest of up to 5 single calls (within sample_s): robust to a hiccup.
         # Times are agreed over ranks, so every rank makes the same number of calls.
         best, spent, tries = float("inf"), 0.0, 0
@@ -555,6 +560,7 @@ def time_calls(calls: Mapping[str, Callable[[], object]], mpi_comm: MPI.Comm, *,
             mpi_comm.Barrier()
             start = time.perf_counter()
             fn()
+            wait()
             took = mpi_comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
             best, spent, tries = min(best, took), spent + took, tries + 1
         probe[k] = best
@@ -573,6 +579,7 @@ def time_calls(calls: Mapping[str, Callable[[], object]], mpi_comm: MPI.Comm, *,
             start = time.perf_counter()
             for _ in range(n):
                 fn()
+            wait()
             seconds[name][i] = (time.perf_counter() - start) / n
     for values in seconds.values():
         mpi_comm.Allreduce(MPI.IN_PLACE, values, op=MPI.MAX)
@@ -654,7 +661,7 @@ def time_collectives(comm: Communicator, sizes: Sequence[int], repeat: int,
     out = []
     for nbytes in sizes:
         calls = {c: communicator_op(comm, c, nbytes, device=device) for c in COLLECTIVES}
-        samples = time_calls(calls, comm.mpi, repeat=repeat)
+        samples = time_calls(calls, comm.mpi, repeat=repeat, sync=synchronizer(device))
         out += [Timing(c, nbytes, s.median) for c, s in samples.items()]
         if report is not None:
             report(f"timed {format_bytes(nbytes)}")

@@ -113,28 +113,32 @@ SPLIT_ROWS_MIN_ROWS = 4 * SPLIT_ROWS
 def splits_rows(rows: Tensor) -> bool:
     """Say whether :func:`covariance` sums ``rows``' product over chunks of rows.
 
-    On the devices of :data:`SPLIT_ROWS_DEVICES`, for ``(n, d)`` rows with ``d`` at most
-    :data:`SPLIT_ROWS_MAX_DIM` and ``n`` at least :data:`SPLIT_ROWS_MIN_ROWS`, laid out
-    row-major or column-major (the layouts whose chunks are views).
+    On the devices of :data:`SPLIT_ROWS_DEVICES`, for float32 or float64 ``(n, d)`` rows
+    with ``d`` at most :data:`SPLIT_ROWS_MAX_DIM` and ``n`` at least
+    :data:`SPLIT_ROWS_MIN_ROWS`, laid out row-major or column-major (the layouts whose
+    chunks are views). :func:`covariance` asks it on its float32/float64 product path
+    only (bf16 operands keep one product).
 
     Args:
         rows: The ``(n, d)`` rows.
     """
     n, d = rows.shape
-    return (rows.device.type in SPLIT_ROWS_DEVICES and d <= SPLIT_ROWS_MAX_DIM
-            and n >= SPLIT_ROWS_MIN_ROWS and (rows.is_contiguous() or rows.t().is_contiguous()))
+    return (rows.device.type in SPLIT_ROWS_DEVICES and rows.dtype in _LINALG_DTYPES
+            and d <= SPLIT_ROWS_MAX_DIM and n >= SPLIT_ROWS_MIN_ROWS
+            and (rows.is_contiguous() or rows.t().is_contiguous()))
 
 
-def split_gram(rows: Tensor) -> Tensor:
-    """``rowsᵀ rows`` summed over chunks of :data:`SPLIT_ROWS` rows.
+def split_gram(rows: Tensor, alpha: float = 1.0) -> Tensor:
+    """``alpha · rowsᵀ rows`` summed over chunks of :data:`SPLIT_ROWS` rows.
 
     One batched product of the chunks, views of ``rows`` in its layout (row-major
     ``(n, d)``, or column-major: ``rows.t()`` contiguous), a sum over the chunks, and the
-    remainder's product added: three kernels whatever ``n``. Equals ``rows.t() @ rows``
-    up to the summation order.
+    remainder's product added: three kernels whatever ``n``, ``alpha`` applied inside
+    the products. Equals ``alpha · rows.t() @ rows`` up to the summation order.
 
     Args:
         rows: ``(n, d)`` rows, row-major or column-major, at least one chunk of them.
+        alpha: The scale of the product.
 
     Returns:
         The ``(d, d)`` product, in ``rows``' dtype.
@@ -146,10 +150,11 @@ def split_gram(rows: Tensor) -> Tensor:
         chunks = rows[:head].view(count, SPLIT_ROWS, d).mT  # (count, d, SPLIT_ROWS)
     else:
         chunks = rows.t()[:, :head].view(d, count, SPLIT_ROWS).transpose(0, 1)
-    total = torch.bmm(chunks, chunks.mT).sum(0)
+    # beta=0: the input is ignored, so an uninitialised scalar costs no fill
+    total = torch.baddbmm(rows.new_empty(()), chunks, chunks.mT, beta=0, alpha=alpha).sum(0)
     tail = rows[head:]
     if tail.shape[0]:
-        total.addmm_(tail.t(), tail)
+        total.addmm_(tail.t(), tail, alpha=alpha)
     return total
 
 
@@ -211,7 +216,7 @@ def covariance(rows: Tensor, scale: float = 1.0, *,
             # beta=0: the input is ignored, so an uninitialised scalar costs no fill
             with tf32_products() if cuda_tf32 else contextlib.nullcontext():
                 if gpu and splits_rows(rows):
-                    m = split_gram(rows).mul_(alpha)
+                    m = split_gram(rows, alpha)
                 else:
                     m = torch.addmm(rows.new_empty(()), rows.t(), rows, beta=0, alpha=alpha)
         else:

@@ -41,7 +41,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -55,8 +55,11 @@ from kfac_hpc.comm import Communicator
 from kfac_hpc.files import write_text_atomic
 from kfac_hpc.plan.collectives import COLLECTIVES, LinkCost, coefficients
 from kfac_hpc.plan.profile import ComputeRates, Profile, load_profile
+from kfac_hpc.runtime.device import synchronizer
 
-__all__ = ["add_arguments", "fit_alpha_beta", "measure_compute", "measure_network", "run"]
+__all__ = ["PROBES", "ProbeSizes", "add_arguments", "calibration_device", "describe_device",
+           "fit_alpha_beta", "gpu_identity", "gpu_memory_per_rank", "measure_compute",
+           "measure_network", "probe_sizes", "run"]
 
 NETWORK_SIZES = (8, 4 << 10, 64 << 10, 512 << 10, 4 << 20)
 QUICK_NETWORK_SIZES = (8, 64 << 10, 1 << 20)
@@ -96,6 +99,15 @@ PROBES = {
                        decompositions=(*DECOMP_SIZES, 2048, 4096),
                        quick_decompositions=(64, 256, 1024), train_batch=256, train_image=32),
 }
+
+
+def probe_sizes(device: torch.device) -> ProbeSizes:
+    """The probes' sizes on ``device`` (a GPU's, or the CPU's for any other device)."""
+    return PROBES["cuda" if device.type == "cuda" else "cpu"]
+
+
+#: The clock of the probes (a module attribute, so a test can stand in for it).
+_clock = time.perf_counter
 
 
 def fit_alpha_beta(kind: str, p: int, samples: Sequence[tuple[float, float]]) -> LinkCost:
@@ -144,7 +156,7 @@ def measure_network(comm: Communicator, sizes: Sequence[int], repeat: int,
     raw: list[dict[str, Any]] = []
     for block in sizes:
         calls = {c: communicator_op(comm, c, block, device=device) for c in COLLECTIVES}
-        timed = time_calls(calls, comm.mpi, repeat=repeat)
+        timed = time_calls(calls, comm.mpi, repeat=repeat, sync=synchronizer(device))
         for kind, s in timed.items():
             nbytes = block * comm.size if kind in ("reduce_scatter", "allgather") else block
             raw.append({"collective": kind, "bytes": nbytes, "seconds": s.median})
@@ -152,13 +164,6 @@ def measure_network(comm: Communicator, sizes: Sequence[int], repeat: int,
                                                     for r in raw if r["collective"] == kind])
              for kind in COLLECTIVES}
     return links, raw
-
-
-def _synchronizer(device: torch.device) -> Callable[[], None]:
-    """What waits for ``device``'s queued work (nothing on the CPU)."""
-    if device.type == "cuda":
-        return partial(torch.cuda.synchronize, device)
-    return lambda: None
 
 
 def _slowest(mpi: MPI.Comm, fn: Callable[[], object], repeat: int, inner: int = 0,
@@ -175,24 +180,24 @@ def _slowest(mpi: MPI.Comm, fn: Callable[[], object], repeat: int, inner: int = 
     training step is a sum of many calls and pays its share of descheduled time;
     per-sample maxima over ranks would instead charge every call the worst rank's hiccup.
     """
-    sync = _synchronizer(device)
+    sync = synchronizer(device)
     fn()
     sync()
     if inner <= 0:
-        t0 = time.perf_counter()
+        t0 = _clock()
         fn()
         sync()
-        first = time.perf_counter() - t0
+        first = _clock() - t0
         inner = int(mpi.allreduce(max(1, min(1000, math.ceil(sample_s / max(first, 1e-9)))),
                                   op=MPI.MAX))
     values = []
     for _ in range(repeat):
         mpi.Barrier()
-        t0 = time.perf_counter()
+        t0 = _clock()
         for _ in range(inner):
             fn()
         sync()
-        values.append((time.perf_counter() - t0) / inner)
+        values.append((_clock() - t0) / inner)
     return float(mpi.allreduce(float(np.mean(values)), op=MPI.MAX))
 
 
@@ -200,6 +205,8 @@ def measure_sync(mpi: MPI.Comm, repeat: int) -> float:
     """Measure what a blocking collective costs beyond α–β when ranks reach it from computation.
 
     Scheduling and arrival skew; large on oversubscribed nodes. Collective over ``mpi``.
+    Measured with host work whatever the device: the skew is the hosts' (a GPU job's
+    ranks reach a collective when their hosts do).
 
     Args:
         mpi: The ranks to measure on.
@@ -287,7 +294,7 @@ def measure_compute(mpi: MPI.Comm, decomp_sizes: Sequence[int] | None, repeat: i
     from kfac_hpc.kfac import linalg
     from kfac_hpc.plan.model_shapes import model_spec
 
-    sizes = PROBES["cuda" if device.type == "cuda" else "cpu"]
+    sizes = probe_sizes(device)
     slowest = partial(_slowest, mpi, device=device)
     a, b = torch.randn(8, 8, device=device), torch.randn(8, 8, device=device)
     c = torch.empty(8, 8, device=device)
@@ -379,6 +386,8 @@ def calibration_device(mpi: MPI.Comm, choice: str) -> torch.device | None:
     Returns:
         This rank's device (its node-local rank's GPU, made current), or None.
     """
+    if choice not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"calibrate: invalid device {choice!r}; allowed: 'auto', 'cuda', 'cpu'")
     if choice == "cpu":
         return CPU
     everywhere = bool(mpi.allreduce(int(torch.cuda.is_available()), op=MPI.MIN))
@@ -396,8 +405,24 @@ def describe_device(device: torch.device) -> str:
     return f"GPU {torch.cuda.get_device_name(device)}"
 
 
+def gpu_identity(device: torch.device) -> str:
+    """The physical GPU behind ``device``: its UUID.
+
+    Not its index: ranks given one GPU each by ``CUDA_VISIBLE_DEVICES`` all see theirs as
+    ``cuda:0``. Without a UUID (older torch), the PCI location, else the index.
+    """
+    props = torch.cuda.get_device_properties(device)
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None:
+        return str(uuid)
+    pci = tuple(getattr(props, f"pci_{k}_id", None) for k in ("domain", "bus", "device"))
+    return f"pci {pci}" if None not in pci else f"index {device.index}"
+
+
 def gpu_memory_per_rank(mpi: MPI.Comm, device: torch.device) -> int | None:
     """A GPU's memory divided among the ranks of its node that use it (collective).
+
+    Ranks share a GPU when :func:`gpu_identity` says so.
 
     The smallest share over all ranks; None on the CPU (the profile then has no memory
     budget, as before). Every rank measures on the same kind of device
@@ -406,8 +431,9 @@ def gpu_memory_per_rank(mpi: MPI.Comm, device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     node = mpi.Split_type(MPI.COMM_TYPE_SHARED, key=mpi.Get_rank())
+    mine = gpu_identity(device)
     try:
-        sharing = node.allgather(device.index).count(device.index)
+        sharing = node.allgather(mine).count(mine)
     finally:
         node.Free()
     share = torch.cuda.get_device_properties(device).total_memory // sharing
@@ -450,7 +476,8 @@ def run(args: argparse.Namespace) -> int:
         args: The parsed options.
 
     Returns:
-        The exit status (0).
+        The exit status: 0; 2 when ``--device cuda`` finds a rank without a GPU, or
+        ``--merge`` would mix measurements of different devices.
     """
     from kfac_hpc.comm import install_abort_on_error
 
@@ -463,17 +490,28 @@ def run(args: argparse.Namespace) -> int:
         if rank == 0:
             print(text, flush=True)
 
-    device = calibration_device(comm.mpi, getattr(args, "device", "cpu"))
+    device = calibration_device(comm.mpi, args.device)
     if device is None:
         say("kfac-hpc calibrate --device cuda: no CUDA device visible to every rank "
             f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); run it on the GPU "
             "nodes the job trains on, or with --device cpu to measure the CPUs")
         return 2
     where = describe_device(device)
+    mixed = None
+    if rank == 0 and args.merge and args.out.is_file():
+        measured_on = load_profile(args.out).measured_on
+        if measured_on and measured_on != where:
+            mixed = (f"kfac-hpc calibrate --merge: {args.out} was measured on {measured_on}, "
+                     f"this run measures on {where}; merge runs of one device (--device), "
+                     "or write this one to another --out")
+    mixed = comm.mpi.bcast(mixed, 0)
+    if mixed is not None:
+        say(mixed)
+        return 2
     say(f"# kfac-hpc calibrate: {size} rank(s), {args.threads} torch thread(s) per rank, "
         f"on {where}")
-    probes = PROBES["cuda" if device.type == "cuda" else "cpu"]
-    compute = measure_compute(comm.mpi, probes.quick_decompositions if args.quick else None,
+    compute = measure_compute(comm.mpi,
+                              probe_sizes(device).quick_decompositions if args.quick else None,
                               3 if args.quick else args.repeat, say, device=device)
     compute = ComputeRates(**{**compute.__dict__,
                               "overlap_efficiency": args.overlap_efficiency})
@@ -501,9 +539,10 @@ def run(args: argparse.Namespace) -> int:
                            description=f"measured by kfac-hpc calibrate on {host} ({where})",
                            assumptions=("overlap_efficiency is not measured "
                                         f"(set to {args.overlap_efficiency})",),
-                           memory_per_rank_bytes=memory)
-        elif base.memory_per_rank_bytes is None and memory is not None:
-            base = Profile(**{**base.__dict__, "memory_per_rank_bytes": memory})
+                           memory_per_rank_bytes=memory, measured_on=where)
+        else:  # a profile of this device, or of one not recorded (measured before)
+            base = replace(base, measured_on=where,
+                           memory_per_rank_bytes=base.memory_per_rank_bytes or memory)
         by_ranks = {**base.by_ranks, size: entry}
         profile = Profile(**{**base.__dict__, "by_ranks": by_ranks})
         profile.save(args.out)

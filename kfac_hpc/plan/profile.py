@@ -8,6 +8,7 @@ from public hardware figures, and say so (their ``assumptions`` list).
 JSON layout (every time in seconds, every rate per second, every size in bytes)::
 
     {"name": ..., "description": ..., "source": "assumed" | "calibrated",
+     "measured_on": "CPU" | "GPU <name>" | "" (not recorded),
      "assumptions": [...], "memory_per_rank_bytes": 42949672960,
      "network": {"allreduce": {"alpha": 5e-6, "beta": 4.5e-11, "algorithm": "auto"}, ...},
      "compute": {"train_flops": ..., "gemm_flops": ..., "mem_bandwidth": ...,
@@ -151,6 +152,7 @@ class Profile:
     memory_per_rank_bytes: int | None = None
     by_ranks: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
     measured_at_ranks: int | None = None
+    measured_on: str = ""  # the device kfac-hpc calibrate measured ("": not recorded)
 
     def link(self, kind: str) -> LinkCost:
         """Return the α–β cost of collective ``kind``.
@@ -195,6 +197,7 @@ class Profile:
             "name": self.name,
             "description": self.description,
             "source": self.source,
+            "measured_on": self.measured_on,
             "assumptions": list(self.assumptions),
             "memory_per_rank_bytes": self.memory_per_rank_bytes,
             "network": {k: asdict(v) for k, v in self.network.items()},
@@ -226,6 +229,7 @@ class Profile:
             compute=ComputeRates.from_json(data["compute"]),
             description=str(data.get("description", "")),
             source=str(data.get("source", "assumed")),
+            measured_on=str(data.get("measured_on", "")),
             assumptions=tuple(data.get("assumptions", ())),
             memory_per_rank_bytes=data.get("memory_per_rank_bytes"),
             by_ranks={int(k): v for k, v in data.get("by_ranks", {}).items()},

@@ -15,8 +15,9 @@ daemon's) ``SLURM_LOCALID``, which is then 0 on every rank.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,7 +26,8 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
 __all__ = ["DEVICE_CHOICES", "LOCAL_RANK_VARIABLES", "LocalRank", "NoCudaDeviceError",
-           "local_rank_from_environment", "select_device", "select_local_gpu", "selected_device"]
+           "local_rank_from_environment", "select_device", "select_local_gpu", "selected_device",
+           "synchronizer"]
 
 #: ``(variable, launcher)`` in order of preference.
 LOCAL_RANK_VARIABLES: tuple[tuple[str, str], ...] = (
@@ -159,6 +161,24 @@ def select_local_gpu(mpi_comm: MPI.Comm) -> torch.device:
         return select_device("cuda", local_rank=node.Get_rank())
     finally:
         node.Free()
+
+
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    """What waits for the work queued on ``device`` (for clocks; nothing on the CPU).
+
+    Args:
+        device: The device whose queued work a timing must include.
+
+    Returns:
+        ``torch.cuda.synchronize`` of ``device`` on CUDA, else a call that does nothing.
+    """
+    if device.type == "cuda":
+        return partial(torch.cuda.synchronize, device)
+    return _no_sync
+
+
+def _no_sync() -> None:
+    """Nothing is queued on the CPU."""
 
 
 def selected_device() -> torch.device | None:

@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 from kfac_hpc.cli import main
 from kfac_hpc.plan import load_profile
-from kfac_hpc.plan.calibrate import PROBES
+from kfac_hpc.plan.calibrate import PROBES, gpu_identity
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-only check")
@@ -29,12 +29,15 @@ def test_calibrate_measures_the_gpu(device: torch.device, tmp_path: Path) -> Non
     compute = profile.compute
     assert [n for n, _ in compute.eigh] == list(PROBES["cuda"].quick_decompositions)
     assert torch.cuda.get_device_name(device) in profile.description
+    assert profile.measured_on == f"GPU {torch.cuda.get_device_name(device)}"
+    # the ranks of this node on this physical GPU (its UUID: ranks given a GPU each by
+    # CUDA_VISIBLE_DEVICES all call theirs cuda:0)
     node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
-    sharing = node.allgather(device.index).count(device.index)
+    sharing = node.allgather(gpu_identity(device)).count(gpu_identity(device))
     node.Free()
     total = torch.cuda.get_device_properties(device).total_memory
-    assert profile.memory_per_rank_bytes is not None
-    assert profile.memory_per_rank_bytes <= total // sharing
+    assert profile.memory_per_rank_bytes == MPI.COMM_WORLD.allreduce(total // sharing,
+                                                                      op=MPI.MIN)
     # a data-centre GPU's float32 products run at more than a teraflop (TF32: far more),
     # which no CPU core of the probes' sizes reaches
     assert compute.gemm_flops > 1e12

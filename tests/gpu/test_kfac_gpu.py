@@ -300,7 +300,8 @@ def test_split_rows_on_the_device_equal_one_product(device, monkeypatch, columns
     monkeypatch.setattr(linalg, "SPLIT_ROWS_DEVICES", frozenset({device.type}))
     calls = []
     real = linalg.split_gram
-    monkeypatch.setattr(linalg, "split_gram", lambda rows: calls.append(rows.shape) or real(rows))
+    monkeypatch.setattr(linalg, "split_gram",
+                        lambda rows, alpha=1.0: calls.append(rows.shape) or real(rows, alpha))
     split = factors()
     assert len(calls) == (2 if linalg.uses_gpu_path(device) else 0)
     if dtype == torch.float64:
