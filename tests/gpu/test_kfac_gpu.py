@@ -83,6 +83,29 @@ def test_cuda_equals_cpu_ranks(device, comm, strategy, options):
     compare(device, comm, strategy, options)
 
 
+#: Decompositions on the host while training goes on: every factor (``host_decomposition_
+#: max_dim`` above all sizes) decomposed by LAPACK on a host thread, in the background
+#: (``decomposition_lag``), the way a rank with few factors of its own can keep them
+#: off its GPU; and the same with the inverse method and another strategy.
+HOST_CASES = [("comm-opt", {"decomposition_lag": 1, "host_decomposition_max_dim": 4096}),
+              ("comm-opt", {"decomposition_lag": 1, "host_decomposition_max_dim": 4096,
+                            "compute_method": "inverse"}),
+              ("mem-opt", {"decomposition_lag": 1, "host_decomposition_max_dim": 4096})]
+HOST_IDS = case_ids(HOST_CASES)
+
+
+@pytest.mark.parametrize("strategy, options", HOST_CASES, ids=HOST_IDS)
+def test_background_host_decompositions_on_cuda_equal_cpu(device, strategy, options):
+    compare(device, Communicator(MPI.COMM_SELF), strategy, options)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("strategy, options", HOST_CASES, ids=HOST_IDS)
+def test_background_host_decompositions_on_cuda_equal_cpu_ranks(device, comm, strategy,
+                                                                options):
+    compare(device, comm, strategy, options)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_overlap_hooks_on_cuda_equal_plain_run(device, comm):
     """Reductions posted from backward hooks (staged on a side stream, or device-direct)
