@@ -24,6 +24,8 @@ stem), 1000 classes, one fixed synthetic batch, fp32 model, one process
   and the ratios to SGD.
 * ``schedule``: mean ms per iteration over two whole inverse periods of a real schedule
   (``--schedule F I``, default (1,10)) with each ``decomposition_lag`` of ``--lags``
+  (``L``, or ``L:H`` for that lag with the factors of at most ``H`` rows decomposed on
+  the host, ``host_decomposition_max_dim``)
   (decompositions in a worker thread on a side stream), against SGD.
 * ``decompositions``: one inverse update (``pre.decomps.update``) against the bare
   solver calls on the same factors: ``torch.linalg.eigh`` one factor at a time and
@@ -240,17 +242,37 @@ def kinds_table(res: dict[str, Any], md: bool) -> str:
                          "(1,10)/SGD", "(10,100)/SGD"], rows, md)
 
 
+def _lag_spec(text: str) -> str:
+    """``--lags`` entries: ``L`` or ``L:H``, integers >= 0."""
+    parts = text.split(":")
+    if len(parts) > 2 or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LAG or LAG:HOST_MAX_DIM "
+                                         "(integers >= 0)")
+    return text
+
+
+def lag_row(f_steps: int, i_steps: int, spec: str) -> tuple[str, dict[str, Any]]:
+    """The schedule section's row of one ``--lags`` entry: ``L`` (``decomposition_lag``)
+    or ``L:H`` (and ``host_decomposition_max_dim=H``): (label, K-FAC options)."""
+    lag, _, host = spec.partition(":")
+    options: dict[str, Any] = {"factor_update_steps": f_steps, "inv_update_steps": i_steps,
+                               "decomposition_lag": int(lag)}
+    label = f"({f_steps},{i_steps}) lag {lag}"
+    if host:
+        options["host_decomposition_max_dim"] = int(host)
+        label += f", host <= {host}"
+    return label, options
+
+
 def schedule_section(device: torch.device, batch: tuple[Tensor, Tensor],
                      args: argparse.Namespace) -> dict[str, Any]:
     """Mean ms per iteration of real schedules (every step as the preconditioner's own
     schedule decides) over two whole inverse periods after one: SGD, and K-FAC with
-    each ``decomposition_lag`` of ``--lags``."""
+    each ``decomposition_lag`` of ``--lags`` (``L`` or ``L:H``: :func:`lag_row`)."""
     out: dict[str, Any] = {}
     f_steps, i_steps = args.schedule
     configs: list[tuple[str, dict[str, Any] | None]] = [("SGD", None)]
-    configs += [(f"({f_steps},{i_steps}) lag {lag}",
-                 {"factor_update_steps": f_steps, "inv_update_steps": i_steps,
-                  "decomposition_lag": lag}) for lag in args.lags]
+    configs += [lag_row(f_steps, i_steps, spec) for spec in args.lags]
     for label, kfac in configs:
         model = make_model(args.model, device, args.image_size)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -556,8 +578,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    choices=["kinds", "schedule", "decompositions", "profile", "accuracy"])
     p.add_argument("--schedule", type=int, nargs=2, default=(1, 10), metavar=("F", "I"),
                    help="schedule section: factor_update_steps and inv_update_steps")
-    p.add_argument("--lags", type=int, nargs="+", default=[0, 5, 9],
-                   help="schedule section: decomposition_lag values")
+    p.add_argument("--lags", type=_lag_spec, nargs="+", default=["0", "5", "9"],
+                   help="schedule section: decomposition_lag values, each LAG or "
+                        "LAG:HOST_MAX_DIM (that lag with host_decomposition_max_dim)")
     p.add_argument("--device-streams", type=int, nargs="+", default=[1, 2, 4, 8],
                    help="decompositions: the device's batches spread over this many "
                         "streams (kfac_hpc.solves.eigh_batches)")
