@@ -1,8 +1,9 @@
 """K-FAC on one GPU, phase by phase: operand precisions, decompositions, kernels, accuracy.
 
     python benchmarks/gpu_profile.py [--device cuda] [--batch 32] [--image-size 224]
-        [--rounds 5] [--sections kinds decompositions profile accuracy]
-        [--kinds KEY...] [--markdown] [--out benchmarks/out/gpu]
+        [--rounds 5] [--sections kinds schedule decompositions profile accuracy]
+        [--kinds KEY...] [--schedule F I] [--lags L|L:H ...] [--markdown]
+        [--out benchmarks/out/gpu]
 
 ResNet-50 (torchvision's when it imports, else ``kfac_hpc.models``' with the ImageNet
 stem), 1000 classes, one fixed synthetic batch, fp32 model, one process
@@ -19,14 +20,13 @@ stem), 1000 classes, one fixed synthetic batch, fp32 model, one process
   stride-1 convolutions' ``A`` from shifted products on the GPU path (TF32 and full
   statistics; ``shifts.SHIFTED_PRODUCTS_PATHS``), with long products of few columns
   summed over chunks of rows (``linalg.SPLIT_ROWS_DEVICES``) and for
-  ``kfac_approx="reduce"``; the
-  schedules (1,10) = (fi + 9f)/10 and (10,100) = (fi + 9f + 90p)/100 composed from them,
-  and the ratios to SGD.
+  ``kfac_approx="reduce"``; the schedules (1,10) = (fi + 9f)/10 and (10,100) =
+  (fi + 9f + 90p)/100 composed from them, and the ratios to SGD.
 * ``schedule``: mean ms per iteration over two whole inverse periods of a real schedule
-  (``--schedule F I``, default (1,10)) with each ``decomposition_lag`` of ``--lags``
-  (``L``, or ``L:H`` for that lag with the factors of at most ``H`` rows decomposed on
-  the host, ``host_decomposition_max_dim``)
-  (decompositions in a worker thread on a side stream), against SGD.
+  (``--schedule F I``, default (1,10)) with each entry of ``--lags``: ``L``, a
+  ``decomposition_lag`` (decompositions in a worker thread on a side stream), or
+  ``L:H``, that lag with the factors of at most ``H`` rows decomposed on the host
+  meanwhile (``host_decomposition_max_dim``), against SGD.
 * ``decompositions``: one inverse update (``pre.decomps.update``) against the bare
   solver calls on the same factors: ``torch.linalg.eigh`` one factor at a time and
   batched by size (``linalg.eigh_clamped_many``, all on the device, one stream), and

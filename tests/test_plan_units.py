@@ -25,7 +25,7 @@ from kfac_hpc.plan import (
     load_profile,
     model_spec,
 )
-from kfac_hpc.plan.calibrate import PROBES, fit_alpha_beta
+from kfac_hpc.plan.calibrate import PROBES, fit_alpha_beta, recorded_device
 from kfac_hpc.plan.choose import hybrid_fractions
 from kfac_hpc.plan.cli import builtin_model
 from kfac_hpc.plan.collectives import (
@@ -255,10 +255,14 @@ def test_calibrate_merges_measurements_of_one_device_only(
     text = capsys.readouterr().out
     assert "measured on GPU NVIDIA H200" in text and "on CPU" in text
     assert "gemm" not in text and out.read_text() == before
-    replace(gpu, measured_on="").save(out)  # measured before devices were recorded
+    # calibrated before devices were recorded: then calibrate measured only the CPU
+    replace(gpu, measured_on="", memory_per_rank_bytes=2**30).save(out)
+    assert recorded_device(load_profile(out)) == "CPU"
+    assert recorded_device(replace(gpu, measured_on="", source="assumed")) == ""
     assert main(["calibrate", "--quick", "--merge", "--device", "cpu", "--out", str(out)]) == 0
     merged = load_profile(out)
     assert merged.measured_on == "CPU" and 1 in merged.by_ranks and merged.name == "gpu"
+    assert merged.memory_per_rank_bytes == 2**30  # a CPU run adds no memory share
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")

@@ -59,7 +59,7 @@ from kfac_hpc.runtime.device import synchronizer
 
 __all__ = ["PROBES", "ProbeSizes", "add_arguments", "calibration_device", "describe_device",
            "fit_alpha_beta", "gpu_identity", "gpu_memory_per_rank", "measure_compute",
-           "measure_network", "probe_sizes", "run"]
+           "measure_network", "probe_sizes", "recorded_device", "run"]
 
 NETWORK_SIZES = (8, 4 << 10, 64 << 10, 512 << 10, 4 << 20)
 QUICK_NETWORK_SIZES = (8, 64 << 10, 1 << 20)
@@ -398,6 +398,17 @@ def calibration_device(mpi: MPI.Comm, choice: str) -> torch.device | None:
     return select_local_gpu(mpi)
 
 
+def recorded_device(profile: Profile) -> str:
+    """The device a profile was measured on (``""``: not known, e.g. an assumed one).
+
+    Profiles calibrated before the device was recorded were measured on the CPU:
+    ``kfac-hpc calibrate`` measured nothing else then.
+    """
+    if profile.measured_on or profile.source != "calibrated":
+        return profile.measured_on
+    return "CPU"
+
+
 def describe_device(device: torch.device) -> str:
     """``"CPU"``, or the GPU's name (for the profile's description)."""
     if device.type != "cuda":
@@ -409,12 +420,13 @@ def gpu_identity(device: torch.device) -> str:
     """The physical GPU behind ``device``: its UUID.
 
     Not its index: ranks given one GPU each by ``CUDA_VISIBLE_DEVICES`` all see theirs as
-    ``cuda:0``. Without a UUID (older torch), the PCI location, else the index.
+    ``cuda:0``. Without a UUID (older torch, or an empty or all-zero one), the PCI
+    location, else the index.
     """
     props = torch.cuda.get_device_properties(device)
-    uuid = getattr(props, "uuid", None)
-    if uuid is not None:
-        return str(uuid)
+    uuid = str(getattr(props, "uuid", "") or "")
+    if uuid.strip("0-"):  # some stacks report an empty or all-zero UUID
+        return uuid
     pci = tuple(getattr(props, f"pci_{k}_id", None) for k in ("domain", "bus", "device"))
     return f"pci {pci}" if None not in pci else f"index {device.index}"
 
@@ -499,7 +511,7 @@ def run(args: argparse.Namespace) -> int:
     where = describe_device(device)
     mixed = None
     if rank == 0 and args.merge and args.out.is_file():
-        measured_on = load_profile(args.out).measured_on
+        measured_on = recorded_device(load_profile(args.out))
         if measured_on and measured_on != where:
             mixed = (f"kfac-hpc calibrate --merge: {args.out} was measured on {measured_on}, "
                      f"this run measures on {where}; merge runs of one device (--device), "
@@ -540,9 +552,10 @@ def run(args: argparse.Namespace) -> int:
                            assumptions=("overlap_efficiency is not measured "
                                         f"(set to {args.overlap_efficiency})",),
                            memory_per_rank_bytes=memory, measured_on=where)
-        else:  # a profile of this device, or of one not recorded (measured before)
+        else:  # a profile of this device (or an assumed one): the smaller memory share
+            shares = [m for m in (base.memory_per_rank_bytes, memory) if m is not None]
             base = replace(base, measured_on=where,
-                           memory_per_rank_bytes=base.memory_per_rank_bytes or memory)
+                           memory_per_rank_bytes=min(shares) if shares else None)
         by_ranks = {**base.by_ranks, size: entry}
         profile = Profile(**{**base.__dict__, "by_ranks": by_ranks})
         profile.save(args.out)

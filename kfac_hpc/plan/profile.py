@@ -229,7 +229,7 @@ class Profile:
             compute=ComputeRates.from_json(data["compute"]),
             description=str(data.get("description", "")),
             source=str(data.get("source", "assumed")),
-            measured_on=str(data.get("measured_on", "")),
+            measured_on=str(data.get("measured_on") or ""),
             assumptions=tuple(data.get("assumptions", ())),
             memory_per_rank_bytes=data.get("memory_per_rank_bytes"),
             by_ranks={int(k): v for k, v in data.get("by_ranks", {}).items()},
