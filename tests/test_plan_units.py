@@ -14,6 +14,7 @@ from torch import nn
 from kfac_hpc.cli import main
 from kfac_hpc.kfac.layers import curvature_for
 from kfac_hpc.plan import (
+    ComputeRates,
     Distribution,
     KFACOptions,
     Profile,
@@ -186,6 +187,27 @@ def test_estimates_move_the_right_way() -> None:
     assert math.isclose(sum(base.time.values()), base.total_s)
 
 
+def test_decompositions_run_together_take_their_sum_over_the_concurrency() -> None:
+    """A profile whose rank decomposes 2.5x faster together (a GPU's streams) prices
+    each rank's decompositions at their sum over 2.5; old profiles read 1; below 1 is
+    refused."""
+    model, shape = builtin_model("resnet50")
+    spec = model_spec(model, input_shape=shape)
+    prof = load_profile("a100-ib200")
+    assert prof.compute.decomposition_concurrency == 1.0
+    together = replace(prof, compute=replace(prof.compute, decomposition_concurrency=2.5))
+    for world in (1, 8):
+        one = estimate(spec, KFACOptions(), world, 32, prof).time["decomposition"]
+        spread = estimate(spec, KFACOptions(), world, 32, together).time["decomposition"]
+        assert spread == pytest.approx(one / 2.5)
+    data = prof.compute.to_json()
+    assert data["decomposition_concurrency"] == 1.0
+    del data["decomposition_concurrency"]  # a profile written before the field
+    assert ComputeRates.from_json(data) == prof.compute
+    with pytest.raises(ValueError, match="decomposition_concurrency must be >= 1"):
+        replace(prof.compute, decomposition_concurrency=0.5)
+
+
 def test_published_shape_ordering() -> None:
     """SPD-KFAC's cluster (assumed profile), ResNet-50, 64 ranks, inverses every step."""
     model, shape = builtin_model("resnet50")
@@ -238,6 +260,7 @@ def test_calibrate_cli_world_of_one(tmp_path: Path) -> None:
         assert [n for n, _ in prof.compute.eigh] == list(PROBES["cpu"].quick_decompositions)
         assert prof.description.endswith("(CPU)") and prof.memory_per_rank_bytes is None
         assert prof.measured_on == "CPU"
+        assert prof.compute.decomposition_concurrency == 1.0  # one after another on a CPU
 
 
 def test_calibrate_merges_measurements_of_one_device_only(

@@ -59,7 +59,8 @@ from kfac_hpc.runtime.device import synchronizer
 
 __all__ = ["PROBES", "ProbeSizes", "add_arguments", "calibration_device", "describe_device",
            "fit_alpha_beta", "gpu_identity", "gpu_memory_per_rank", "measure_compute",
-           "measure_network", "probe_sizes", "recorded_device", "run"]
+           "measure_decomposition_concurrency", "measure_network", "probe_sizes",
+           "recorded_device", "run"]
 
 NETWORK_SIZES = (8, 4 << 10, 64 << 10, 512 << 10, 4 << 20)
 QUICK_NETWORK_SIZES = (8, 64 << 10, 1 << 20)
@@ -368,11 +369,50 @@ def measure_compute(mpi: MPI.Comm, decomp_sizes: Sequence[int] | None, repeat: i
     report(f"train {train / 1e9:.1f} GFLOP/s (forward+backward {t * 1e3:.2f} ms)")
     sync = measure_sync(mpi, repeat)
     report(f"collective after compute: {sync * 1e6:.1f} us beyond alpha-beta")
+    concurrency = measure_decomposition_concurrency(mpi, device, repeat)
+    report(f"decompositions together: {concurrency:.2f}x one after another")
     return ComputeRates(train_flops=train, gemm_flops=gemm, mem_bandwidth=bandwidth,
                         op_overhead_s=op, eigh=tuple(eigh), inverse=tuple(inverse),
                         overlap_efficiency=0.0, im2col_bandwidth=im2col,
                         module_overhead_s=module, param_overhead_s=param,
-                        sync_overhead_s=sync)
+                        sync_overhead_s=sync, decomposition_concurrency=concurrency)
+
+
+#: The batches :func:`measure_decomposition_concurrency` decomposes: (matrices, order).
+CONCURRENCY_BATCHES = ((6, 1024), (3, 2048))
+
+
+def measure_decomposition_concurrency(mpi: MPI.Comm, device: torch.device, repeat: int
+                                      ) -> float:
+    """How many times faster the library decomposes batches together than one at a time.
+
+    On CUDA :func:`~kfac_hpc.solves.eigh_batches` spreads a rank's batches over the
+    default streams (:func:`~kfac_hpc.solves.default_device_streams`, as K-FAC does);
+    the ratio of one stream's time to theirs, for :data:`CONCURRENCY_BATCHES`, at least
+    1 (the slowest rank's times). On the CPU the library decomposes one after another:
+    1, nothing measured. Collective over ``mpi`` on CUDA.
+
+    Args:
+        mpi: The ranks that work at once.
+        device: Where the probes run.
+        repeat: Samples per measurement.
+
+    Returns:
+        The concurrency (the profile's ``decomposition_concurrency``).
+    """
+    from kfac_hpc.solves import SolvePlacement, eigh_batches
+
+    if device.type != "cuda":
+        return 1.0
+    # distinct matrices of one order: leading blocks of larger SPD ones (SPD themselves)
+    batches = [torch.stack([_spd(n + i, device)[:n, :n] for i in range(count)])
+               for count, n in CONCURRENCY_BATCHES]
+    reps = max(3, repeat // 2)
+    alone = _slowest(mpi, partial(eigh_batches, batches, SolvePlacement(0, 1)), reps,
+                     device=device)
+    together = _slowest(mpi, partial(eigh_batches, batches, SolvePlacement()), reps,
+                        device=device)
+    return max(1.0, alone / together)
 
 
 def calibration_device(mpi: MPI.Comm, choice: str) -> torch.device | None:

@@ -67,6 +67,10 @@ class ComputeRates:
         param_overhead_s: Optimizer time per parameter tensor (0: 3 ``op_overhead_s``).
         sync_overhead_s: What each blocking collective costs beyond α–β when ranks reach
             it from computation (arrival skew, scheduling; large where ranks share cores).
+        decomposition_concurrency: How many times faster a rank's decompositions run
+            together than one after another (1: one after another, as on the CPU; on
+            CUDA the library spreads them over streams, ``decomposition_streams``): the
+            cost model divides a rank's sum of table times by it.
     """
 
     train_flops: float
@@ -80,6 +84,14 @@ class ComputeRates:
     module_overhead_s: float = 0.0
     param_overhead_s: float = 0.0
     sync_overhead_s: float = 0.0
+    decomposition_concurrency: float = 1.0
+
+    def __post_init__(self) -> None:
+        """Refuse a concurrency below 1 (one error naming the field and the fix)."""
+        if not self.decomposition_concurrency >= 1.0:
+            raise ValueError("profile compute.decomposition_concurrency must be >= 1 (1: "
+                             f"decompositions one after another), got "
+                             f"{self.decomposition_concurrency!r}")
 
     @property
     def unfold_bandwidth(self) -> float:

@@ -180,7 +180,8 @@ def estimate(model: ModelSpec, options: KFACOptions, world: int, batch: int,
       each bucket ``α–β`` priced; with ``overlap`` the part ``overlap_efficiency ·
       (backward + statistics)`` is hidden (never less than the last bucket);
     * decomposition (inverse steps): per rank the sum of its decompositions
-      (eigh/inverse table of the profile); broadcasts: each worker group's network serves
+      (eigh/inverse table of the profile) over the profile's
+      ``decomposition_concurrency``; broadcasts: each worker group's network serves
       the roots in the order they finish (pipelined) with weight ``overlap_efficiency``,
       else after the slowest rank, one after the other (serial);
     * preconditioning: eigen ``4(g²a + ga²)``, inverse ``2(g²a + ga²)`` flops per layer
@@ -378,7 +379,8 @@ def _decompositions_s(ctx: _Context) -> list[float]:
     """Price each rank's decompositions and return the per-rank seconds.
 
     Owned non-local factors, and the local factors of its worker group, each priced by
-    the profile's eigh/inverse table.
+    the profile's eigh/inverse table; their sum divided by the profile's
+    ``decomposition_concurrency`` (decompositions run together on a GPU's streams).
     """
     o, d, c = ctx.options, ctx.dist, ctx.c
     pl = d.placement
@@ -393,7 +395,7 @@ def _decompositions_s(ctx: _Context) -> list[float]:
             if (mine and not d.is_local(layer, f)) or local:
                 t += _decomposition_s(c, n, o.compute_method, d.low_rank_cap(n))
                 t += _OPS["decompose"] * c.op_overhead_s
-        return t
+        return t / c.decomposition_concurrency
 
     return [decompose_s(r) for r in range(ctx.world)]
 
