@@ -33,7 +33,7 @@ from mpi4py import MPI
 from kfac_hpc.comm.communicator import Communicator, Handle, ReduceOp
 from kfac_hpc.comm.cuda import CudaSupport
 from kfac_hpc.comm.errors import install_abort_on_error
-from kfac_hpc.runtime.device import select_local_gpu, synchronizer
+from kfac_hpc.runtime.device import cuda_on_every_rank, select_local_gpu, synchronizer
 from kfac_hpc.units import parse_bytes
 
 CHECK_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
@@ -749,8 +749,7 @@ def run(args: argparse.Namespace) -> int:
     device = CPU
     passes: list[tuple[str, Communicator]] = [("", comm)]
     if getattr(args, "device", "cpu") == "cuda":
-        has_cuda = comm.mpi.allreduce(int(torch.cuda.is_available()), op=MPI.MIN)
-        if not has_cuda:
+        if not cuda_on_every_rank(comm.mpi):
             say("selfcheck --device cuda: SKIPPED: no CUDA device visible to every rank "
                 f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); run it on GPU "
                 "nodes, or without --device to check CPU tensors")

@@ -430,11 +430,10 @@ def calibration_device(mpi: MPI.Comm, choice: str) -> torch.device | None:
         raise ValueError(f"calibrate: invalid device {choice!r}; allowed: 'auto', 'cuda', 'cpu'")
     if choice == "cpu":
         return CPU
-    everywhere = bool(mpi.allreduce(int(torch.cuda.is_available()), op=MPI.MIN))
-    if not everywhere:
-        return None if choice == "cuda" else CPU
-    from kfac_hpc.runtime.device import select_local_gpu
+    from kfac_hpc.runtime.device import cuda_on_every_rank, select_local_gpu
 
+    if not cuda_on_every_rank(mpi):
+        return None if choice == "cuda" else CPU
     return select_local_gpu(mpi)
 
 

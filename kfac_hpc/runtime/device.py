@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
 __all__ = ["DEVICE_CHOICES", "LOCAL_RANK_VARIABLES", "LocalRank", "NoCudaDeviceError",
-           "local_rank_from_environment", "select_device", "select_local_gpu", "selected_device",
-           "synchronizer"]
+           "cuda_on_every_rank", "local_rank_from_environment", "select_device",
+           "select_local_gpu", "selected_device", "synchronizer"]
 
 #: ``(variable, launcher)`` in order of preference.
 LOCAL_RANK_VARIABLES: tuple[tuple[str, str], ...] = (
@@ -135,6 +135,17 @@ def select_device(device: str = "auto", *, local_rank: int | None = None,
     torch.cuda.set_device(chosen)
     _selected = chosen
     return chosen
+
+
+def cuda_on_every_rank(mpi_comm: MPI.Comm) -> bool:
+    """Whether every rank of ``mpi_comm`` sees a CUDA device (collective: all agree).
+
+    Args:
+        mpi_comm: The ranks.
+    """
+    from mpi4py import MPI
+
+    return bool(mpi_comm.allreduce(int(torch.cuda.is_available()), op=MPI.MIN))
 
 
 def select_local_gpu(mpi_comm: MPI.Comm) -> torch.device:
