@@ -17,6 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from kfac_hpc.kfac.layers import LayerCurvature
 from kfac_hpc.kfac.precision import MatmulPrecision
+from kfac_hpc.kfac.statistics_groups import StatisticsGroups
 from kfac_hpc.kfac.statistics_stream import SameStream, StatisticsStream
 from kfac_hpc.phases import profiler_range
 
@@ -62,7 +63,9 @@ class StatisticsCapture:
     ``on_ready(stats, factor)`` is called when a micro-batch's A or G has been added
     (SPD-KFAC's pipelining starts communication from there). ``stream``: where the
     statistics run (:mod:`kfac_hpc.kfac.statistics_stream`); :meth:`join` before the
-    sums are read, :meth:`clear` after.
+    sums are read, :meth:`clear` after. On the GPU path the statistics of same-shaped
+    layers are computed together (:mod:`kfac_hpc.kfac.statistics_groups`), unless
+    ``on_ready`` wants each layer's as soon as it is added.
     """
 
     def __init__(self, layers: dict[str, LayerCurvature], *, dtype_of: Callable[[str], torch.dtype],
@@ -88,6 +91,8 @@ class StatisticsCapture:
         self._active = active
         self._grad_scale = grad_scale
         self._on_ready = on_ready
+        self._groups = None if on_ready is not None else StatisticsGroups(
+            self._run_group, precision)
         self._handles: list[RemovableHandle] = []
         for name, curv in layers.items():
             self._handles.append(curv.module.register_forward_hook(self._forward_hook(name)))
@@ -101,13 +106,19 @@ class StatisticsCapture:
             if not isinstance(output, Tensor) or not output.requires_grad:
                 return
             dtype = self._dtype_of(name)
-            with profiler_range(STATISTICS_RANGE):
-                self.stream.run(inputs[:1], lambda: stats.add("A", stats.curvature.a_factor(
-                    inputs[0], dtype=dtype, precision=self._precision)))
-            self._ready(stats, "A")
+            groups = self._groups
+            if groups is None or not groups.hold_a(stats.curvature, stats.add, inputs[0],
+                                                   output, dtype):
+                with profiler_range(STATISTICS_RANGE):
+                    self.stream.run(inputs[:1], lambda: stats.add("A", stats.curvature.a_factor(
+                        inputs[0], dtype=dtype, precision=self._precision)))
+                self._ready(stats, "A")
 
             def grad_hook(grad: Tensor) -> None:
                 scale = self._grad_scale()  # a device tensor under AMP: read there too
+                if groups is not None and groups.hold_g(stats.curvature, stats.add, grad, dtype,
+                                                        scale):
+                    return
                 reads = [grad, scale] if isinstance(scale, Tensor) else [grad]
                 with profiler_range(STATISTICS_RANGE):
                     self.stream.run(reads, lambda: stats.add("G", stats.curvature.g_factor(
@@ -122,14 +133,22 @@ class StatisticsCapture:
         if self._on_ready is not None:
             self._on_ready(stats, factor)
 
+    def _run_group(self, reads: list[Tensor], work: Callable[[], None]) -> None:
+        with profiler_range(STATISTICS_RANGE):
+            self.stream.run(reads, work)
+
     def join(self) -> None:
-        """Make the current stream wait for every statistic computed so far."""
+        """Compute the held statistics; make the current stream wait for every one so far."""
+        if self._groups is not None:
+            self._groups.flush()
         self.stream.join()
 
     def clear(self) -> None:
         """Forget every layer's sums and counts (used on the current stream until then)."""
         self.stream.release(t for stats in self.stats.values() for t in stats.sums.values()
                             if t is not None)
+        if self._groups is not None:  # nothing held after join(); a discarded step's part
+            self._groups.drop()
         for stats in self.stats.values():
             stats.clear()
 

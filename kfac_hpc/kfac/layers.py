@@ -70,7 +70,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +83,7 @@ from kfac_hpc.kfac.patches import (
     conv_output_size,
     patch_covariance,
     patch_rows,
+    stacked_patch_rows,
 )
 from kfac_hpc.kfac.precision import MatmulPrecision
 
@@ -93,6 +94,7 @@ __all__ = [
     "EmbeddingCurvature",
     "LayerCurvature",
     "LinearCurvature",
+    "Stacking",
     "approx_for",
     "curvature_for",
     "register_layers",
@@ -160,6 +162,20 @@ def _cast(t: Tensor, dtype: torch.dtype | None) -> Tensor:
     """``t`` detached, in ``dtype`` if given (e.g. float32 statistics of fp16/bf16 AMP tensors)."""
     t = t.detach()
     return t if dtype is None else t.to(dtype)
+
+
+
+class Stacking(NamedTuple):
+    """How one layer's factor statistics stack with other layers' (the GPU path).
+
+    Layers whose tensors give the same ``key`` have rows of one shape, computed by the
+    same function of the tensor: their factors can be one batched product
+    (:meth:`LayerCurvature.stacked_rows`, :mod:`kfac_hpc.kfac.statistics_groups`).
+    ``row_bytes``: the bytes of one layer's rows (what a stack of them copies).
+    """
+
+    key: tuple[object, ...]
+    row_bytes: int
 
 
 class LayerCurvature(ABC):
@@ -296,6 +312,53 @@ class LayerCurvature(ABC):
         if isinstance(scale, Tensor):
             return covariance(sums, precision=precision).mul_(scale * scale / positions)
         return covariance(sums, scale * scale / positions, precision=precision)
+
+    # ----- stacked statistics (layers of one shape, the GPU path) -------------------
+    def stacking(self, factor: str, t: Tensor) -> Stacking | None:
+        """How ``factor``'s statistics of ``t`` stack with other layers' (``None``: not).
+
+        ``t`` is the input (``"A"``) or the output gradient (``"G"``). Only expand
+        statistics of float32/float64 tensors stack, computed in the tensor's dtype at
+        the operand precision ``"full"`` or ``"tf32"`` (the caller's conditions:
+        :mod:`kfac_hpc.kfac.statistics_groups`); then :meth:`stacked_rows` of
+        same-keyed tensors gives each layer's rows as :meth:`a_factor` and
+        :meth:`g_factor` build them on the GPU path.
+        """
+        if self.approx != "expand" or t.dtype not in _WIDE:
+            return None
+        return self._stacking(factor, t)
+
+    def _stacking(self, factor: str, t: Tensor) -> Stacking | None:
+        """:meth:`stacking` past the common conditions (none by default)."""
+        return None
+
+    def stacked_rows(self, factor: str, tensors: Sequence[Tensor]) -> tuple[Tensor, int]:
+        """The ``(L, n, d)`` rows of same-keyed ``tensors`` (:meth:`stacking`), and ``b``.
+
+        ``[l]`` holds the rows :meth:`a_factor` (with the bias column) or
+        :meth:`g_factor` (unscaled: ``∂L/∂y``) would build from ``tensors[l]`` on the
+        GPU path, in the same layout; ``b`` is the batch size that scales ``G``'s rows
+        (1 for ``A``).
+        """
+        detached = [t.detach() for t in tensors]
+        if factor == "A":
+            return self._with_stacked_bias_column(self._stacked_input_rows(detached)), 1
+        return self._stacked_output_rows(detached)
+
+    def _stacked_input_rows(self, inputs: Sequence[Tensor]) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} does not stack its statistics")
+
+    def _stacked_output_rows(self, grads: Sequence[Tensor]) -> tuple[Tensor, int]:
+        raise NotImplementedError(f"{type(self).__name__} does not stack its statistics")
+
+    def _with_stacked_bias_column(self, rows: Tensor) -> Tensor:
+        """``(L, n, d)`` rows with a column of ones appended when biased, layout kept."""
+        if not self.has_bias:
+            return rows
+        count, n, _ = rows.shape
+        if rows.shape[2] > 1 and rows.stride(1) == 1:  # column-major: one more row of mT
+            return torch.cat([rows.mT, rows.new_ones(count, 1, n)], dim=1).mT
+        return torch.cat([rows, rows.new_ones(count, n, 1)], dim=2)
 
     def grad_matrix(self, dtype: torch.dtype | None = None) -> Tensor:
         """``∇W̄ = [∇W reshaped to (g_dim, weight_cols), ∇b]`` from the ``.grad`` fields.
@@ -464,6 +527,18 @@ class LinearCurvature(_OutputsOverPositions):
     def _input_rows(self, inputs: Tensor) -> Tensor:
         return inputs.reshape(-1, self.weight_cols)
 
+    def _stacking(self, factor: str, t: Tensor) -> Stacking | None:
+        key = ("Linear", factor, tuple(t.shape), t.dtype, t.device,
+               self.has_bias if factor == "A" else None)
+        return Stacking(key, t.numel() * t.element_size())
+
+    def _stacked_input_rows(self, inputs: Sequence[Tensor]) -> Tensor:
+        return torch.stack(list(inputs)).reshape(len(inputs), -1, self.weight_cols)
+
+    def _stacked_output_rows(self, grads: Sequence[Tensor]) -> tuple[Tensor, int]:
+        b = grads[0].shape[0] if grads[0].dim() > 1 else 1  # as _output_rows
+        return torch.stack(list(grads)).reshape(len(grads), -1, self.g_dim), b
+
 
     def _reduced_inputs(self, inputs: Tensor) -> Tensor:
         if inputs.dim() <= 2:  # no positions: reduce = expand
@@ -538,6 +613,35 @@ class Conv2dCurvature(LayerCurvature):
         if g.device.type in COLUMN_MAJOR_ROWS_DEVICES:
             return g.transpose(0, 1).reshape(self.g_dim, -1).t(), g.shape[0]
         return g.permute(0, 2, 3, 1).reshape(-1, self.g_dim), g.shape[0]
+
+    def _stacking(self, factor: str, t: Tensor) -> Stacking | None:
+        if t.dim() != 4:  # unbatched: one layer at a time
+            return None
+        if factor == "G":
+            return Stacking(("Conv2d", "G", tuple(t.shape), t.dtype, t.device),
+                            t.numel() * t.element_size())
+        kernel_size, stride, dilation = self._conv_geometry()
+        pads = self.pads()
+        path = "gpu" if uses_gpu_path(t.device) else "cpu"
+        if self.module.in_channels >= _FAST_MIN_CHANNELS and shifts.pays(
+                t, kernel_size, stride, dilation, pads, path):
+            return None  # a_factor takes the shifted products
+        ho, wo = conv_output_size(t.shape[2], t.shape[3], kernel_size, stride, dilation, pads)
+        key = ("Conv2d", "A", tuple(t.shape), t.dtype, t.device, kernel_size, stride, dilation,
+               pads, self.has_bias)
+        return Stacking(key, t.shape[0] * ho * wo * self.a_dim * t.element_size())
+
+    def _stacked_input_rows(self, inputs: Sequence[Tensor]) -> Tensor:
+        return stacked_patch_rows(inputs, *self._conv_geometry(), self.pads(),
+                                  column_major=inputs[0].device.type in COLUMN_MAJOR_ROWS_DEVICES)
+
+    def _stacked_output_rows(self, grads: Sequence[Tensor]) -> tuple[Tensor, int]:
+        count, b = len(grads), grads[0].shape[0]
+        if grads[0].device.type in COLUMN_MAJOR_ROWS_DEVICES:
+            return torch.stack([g.transpose(0, 1) for g in grads]).view(
+                count, self.g_dim, -1).mT, b
+        return torch.stack([g.permute(0, 2, 3, 1) for g in grads]).view(
+            count, -1, self.g_dim), b
 
     def _reduced_inputs(self, inputs: Tensor) -> Tensor:
         x = inputs if inputs.dim() == 4 else inputs.unsqueeze(0)

@@ -53,6 +53,7 @@ __all__ = [
     "scale_in_place",
     "split_gram",
     "splits_rows",
+    "stacked_covariance",
     "subspace_step",
     "symmetric_gram_",
     "update_running_average",
@@ -222,6 +223,39 @@ def covariance(rows: Tensor, scale: float = 1.0, *,
         else:
             m = matmul(rows.t(), rows, precision).mul_(alpha)
         return m if gpu else torch.add(m, m.t())
+
+
+
+def stacked_covariance(rows: Tensor, scale: float = 1.0, *,
+                       precision: MatmulPrecision = "full") -> Tensor:
+    """``scale · rows[l]ᵀ rows[l] / n`` for each of ``L`` layers' ``(n, d)`` rows at once.
+
+    The GPU path of :func:`covariance` for layers whose rows have the same shape
+    (:mod:`kfac_hpc.kfac.statistics_groups`): one batched product instead of one per
+    layer, ``scale/n`` applied inside it, the result returned as the GEMM made it
+    (symmetric to rounding, as :func:`covariance`'s GPU path). Each layer's result equals
+    :func:`covariance` of its rows on the GPU path up to the summation order.
+
+    Args:
+        rows: ``(L, n, d)``; each layer's rows row-major, or column-major (``rows.mT``
+            contiguous), the layouts :func:`covariance` takes.
+        scale: The scale of every product (e.g. ``b²`` for ``δ = b·∂L/∂y``).
+        precision: The operand precision (:mod:`kfac_hpc.kfac.precision`).
+
+    Returns:
+        The ``(L, d, d)`` products, in ``rows``' dtype.
+    """
+    if rows.dim() != 3 or rows.shape[1] == 0:
+        raise ValueError(f"stacked_covariance expects (layers, rows, dim) with rows > 0, got "
+                         f"{tuple(rows.shape)}")
+    alpha = scale / rows.shape[1]
+    cuda_tf32 = precision == "tf32" and rows.device.type == "cuda"
+    with _no_autocast(rows):
+        if precision == "full" or rows.dtype != torch.float32 or cuda_tf32:
+            with tf32_products() if cuda_tf32 else contextlib.nullcontext():
+                # beta=0: the input is ignored, so an uninitialised scalar costs no fill
+                return torch.baddbmm(rows.new_empty(()), rows.mT, rows, beta=0, alpha=alpha)
+        return matmul(rows.mT, rows, precision).mul_(alpha)
 
 
 _SYMMETRIC_MIN_DIM = 64

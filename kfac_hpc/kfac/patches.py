@@ -42,6 +42,7 @@ input on ResNet-20's layers, one thread). The patch matrix is never built.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -53,6 +54,7 @@ __all__ = [
     "conv_output_size",
     "patch_covariance",
     "patch_rows",
+    "stacked_patch_rows",
 ]
 
 Pads = tuple[int, int, int, int]  # (top, bottom, left, right)
@@ -178,6 +180,46 @@ def patch_rows(x: Tensor, kernel_size: Pair, stride: Pair, dilation: Pair, pads:
     if column_major:
         return view.permute(3, 4, 5, 0, 1, 2).reshape(c * kh * kw, b * ho * wo).t()
     return view.reshape(b * ho * wo, c * kh * kw)
+
+
+
+def stacked_patch_rows(xs: Sequence[Tensor], kernel_size: Pair, stride: Pair, dilation: Pair,
+                       pads: Pads, *, column_major: bool = False) -> Tensor:
+    """Return :func:`patch_rows` of each of ``L`` same-shaped inputs, stacked: ``(L, n, d)``.
+
+    ``[l]`` holds the same numbers as ``patch_rows(xs[l], ...)`` in the same layout (with
+    ``column_major``: ``result.mT`` contiguous, each layer's rows the transposed view of a
+    row-major ``(d, n)`` copy). Few kernels whatever ``L``: for an unpadded 1x1 kernel the
+    rows are the (strided) inputs themselves, stacked in one copy; otherwise the inputs
+    are stacked, zero-padded once, and the patches gathered in one copy.
+
+    Args:
+        xs: ``(b, C, H, W)`` inputs of one shape, dtype and device.
+        kernel_size: ``(kh, kw)``.
+        stride: ``(sh, sw)``.
+        dilation: ``(dh, dw)``.
+        pads: ``(top, bottom, left, right)`` zero padding.
+        column_major: Build each layer's rows column-major.
+    """
+    b, c, _, _, ho, wo = _input_geometry(xs[0], kernel_size, stride, dilation, pads,
+                                         "stacked_patch_rows")
+    (kh, kw), (sh, sw), (dh, dw) = kernel_size, stride, dilation
+    count, d, n = len(xs), c * kh * kw, b * ho * wo
+    if (kh, kw) == (1, 1) and not any(pads):
+        picked = [x[:, :, ::sh, ::sw] for x in xs]  # (b, C, Ho, Wo) views
+        if column_major:
+            return torch.stack([x.transpose(0, 1) for x in picked]).view(count, c, n).mT
+        return torch.stack([x.permute(0, 2, 3, 1) for x in picked]).view(count, n, c)
+    top, bottom, left, right = pads
+    x = torch.stack(list(xs))  # (L, b, C, H, W)
+    if any(pads):
+        x = torch.nn.functional.pad(x, (left, right, top, bottom))
+    sl, sb, sc, sy, sx = x.stride()
+    view = x.as_strided((count, b, ho, wo, c, kh, kw),
+                        (sl, sb, sy * sh, sx * sw, sc, sy * dh, sx * dw), x.storage_offset())
+    if column_major:
+        return view.permute(0, 4, 5, 6, 1, 2, 3).reshape(count, d, n).mT
+    return view.reshape(count, n, d)
 
 
 _KRON_MAX = 1 << 18  # entries of M_H ⊗ M_W above which averaged_patches uses two GEMMs

@@ -1,0 +1,227 @@
+"""Statistics of same-shaped layers as one batched product (kfac_hpc.kfac.statistics_groups).
+
+The GPU path is forced on CPU tensors (as in test_kfac_gpu_path.py), in float64: each
+layer's factors from a group's product equal the layer's own product up to the
+summation order, whatever the grouping (caps, micro-batches, a layer used twice, an
+output without a gradient), and the grouping of a pass depends on that pass only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from mpi4py import MPI
+from torch import nn
+
+from kfac_hpc import KFACPreconditioner
+from kfac_hpc.comm import Communicator
+from kfac_hpc.kfac import layers, linalg, statistics_groups
+from kfac_hpc.kfac.capture import StatisticsCapture
+from kfac_hpc.kfac.layers import register_layers
+from kfac_hpc.kfac.patches import patch_rows, stacked_patch_rows
+from kfac_hpc.models import Bottleneck, ResNet
+
+
+@pytest.fixture
+def gpu_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every device takes the GPU path (CPU tensors included), column-major rows too."""
+    for module in (linalg, layers, statistics_groups):
+        monkeypatch.setattr(module, "uses_gpu_path", lambda device: True)
+    monkeypatch.setattr(layers, "COLUMN_MAJOR_ROWS_DEVICES", frozenset({"cpu"}))
+    yield
+
+
+def _per_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing stacks: every layer's statistics by its own product."""
+    monkeypatch.setattr(statistics_groups, "STACKED_PRECISIONS", frozenset())
+
+
+GEOMETRIES = {  # kernel, stride, dilation, (top, bottom, left, right)
+    "1x1": ((1, 1), (1, 1), (1, 1), (0, 0, 0, 0)),
+    "1x1-stride": ((1, 1), (2, 2), (1, 1), (0, 0, 0, 0)),
+    "3x3-same": ((3, 3), (1, 1), (1, 1), (1, 1, 1, 1)),
+    "3x2-dilated-stride": ((3, 2), (2, 1), (1, 2), (2, 0, 1, 1)),
+    "3x3-valid": ((3, 3), (1, 1), (1, 1), (0, 0, 0, 0)),
+}
+
+
+@pytest.mark.parametrize("geometry", list(GEOMETRIES.values()), ids=list(GEOMETRIES))
+@pytest.mark.parametrize("column_major", [False, True], ids=["row-major", "column-major"])
+def test_stacked_patch_rows_are_each_inputs_rows(geometry, column_major):
+    """The same numbers as each input's patch_rows, in the same layout."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(2, 3, 7, 6, generator=g, dtype=torch.float64) for _ in range(3)]
+    stacked = stacked_patch_rows(xs, *geometry, column_major=column_major)
+    for i, x in enumerate(xs):
+        rows = patch_rows(x, *geometry, column_major=column_major)
+        assert torch.equal(stacked[i], rows)
+        assert stacked[i].stride() == rows.stride()
+
+
+@pytest.mark.parametrize("column_major", [False, True], ids=["row-major", "column-major"])
+def test_stacked_covariance_is_each_layers_covariance(gpu_path, column_major):
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randn(4, 37, 6, generator=g, dtype=torch.float64)
+    if column_major:
+        rows = rows.mT.contiguous().mT
+    products = linalg.stacked_covariance(rows, 2.25)
+    for i in range(4):
+        torch.testing.assert_close(products[i], linalg.covariance(rows[i], 2.25),
+                                   rtol=1e-13, atol=1e-15)
+    with pytest.raises(ValueError, match="layers, rows, dim"):
+        linalg.stacked_covariance(rows[0])
+
+
+class _Repeated(nn.Module):
+    """Layers of one shape, with and without bias, one used twice, one without gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList([nn.Conv2d(4, 4, 3, padding=1, bias=i % 2 == 0)
+                                    for i in range(4)])
+        self.shared = nn.Conv2d(4, 4, 1)
+        self.unused = nn.Conv2d(4, 4, 1)
+        self.heads = nn.ModuleList([nn.Linear(4 * 36, 5) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for conv in self.convs:
+            x = torch.tanh(conv(x))
+        x = self.shared(torch.tanh(self.shared(x)))
+        self.unused(x)  # captured in forward, never reached by backward
+        flat = x.flatten(1)
+        return sum(head(flat) for head in self.heads)
+
+
+def _captured(model: nn.Module, batches: int = 2) -> tuple[dict, dict]:
+    torch.manual_seed(0)
+    found, _ = register_layers(model)
+    capture = StatisticsCapture(found, dtype_of=lambda _: torch.float64, active=lambda: True,
+                                grad_scale=lambda: 0.5)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(batches):  # micro-batches, as under accumulation
+        x = torch.randn(3, 4, 6, 6, generator=g, dtype=torch.float64)
+        model(x).square().sum().backward()
+    capture.join()
+    sums = {(n, f): s.sums[f] for n, s in capture.stats.items() for f in "AG"}
+    counts = {(n, f): s.counts[f] for n, s in capture.stats.items() for f in "AG"}
+    capture.remove()
+    return sums, counts
+
+
+def _spy_products(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of layers of each batched product, in order."""
+    sizes: list[int] = []
+    product = statistics_groups.stacked_covariance
+
+    def spy(rows: torch.Tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
+        sizes.append(rows.shape[0])
+        return product(rows, *args, **kwargs)
+
+    monkeypatch.setattr(statistics_groups, "stacked_covariance", spy)
+    return sizes
+
+
+@pytest.mark.parametrize("cap", [statistics_groups.GROUP_ROW_BYTES, 3000],
+                         ids=["default-cap", "small-cap"])
+def test_grouped_statistics_equal_layer_by_layer(gpu_path, monkeypatch, cap):
+    """Every layer's sums and counts as its own products give them, over two
+    micro-batches; groups formed (fewer products than factors), split where the cap
+    says (3000 bytes: one layer's rows each, but the heads' 120-byte gradients), and
+    the output never reached by backward is not waited for."""
+    model = _Repeated().double()
+    sizes = _spy_products(monkeypatch)
+    monkeypatch.setattr(statistics_groups, "GROUP_ROW_BYTES", cap)
+    grouped, grouped_counts = _captured(model)
+    with monkeypatch.context() as m:
+        _per_layer(m)
+        alone, alone_counts = _captured(model)
+    assert grouped_counts == alone_counts
+    assert grouped_counts[("shared", "A")] == 4 and grouped_counts[("unused", "G")] == 0
+    for key, value in alone.items():
+        if value is None:
+            assert grouped[key] is None, key
+            continue
+        torch.testing.assert_close(grouped[key], value, rtol=1e-12, atol=1e-14, msg=str(key))
+    # per micro-batch: A of the biased and unbiased 3x3 pairs, the 1x1s (shared twice,
+    # unused), the heads; G of the heads, then the six 4x6x6 outputs (computed when the
+    # next forward begins or the sums are read: the unused layer's never comes)
+    assert sizes == ([2, 2, 3, 3, 3, 6] * 2 if cap > 3000 else
+                     [1] * 10 + [3] + [1] * 16 + [3] + [1] * 6)
+    assert len(sizes) < sum(grouped_counts.values())
+
+
+def test_grouping_is_decided_within_each_pass(gpu_path, monkeypatch):
+    """The first pass groups as every later one does (so a resumed run's first step is
+    computed as the uninterrupted run's)."""
+    model = _Repeated().double()
+    sizes = _spy_products(monkeypatch)
+    _captured(model, batches=1)
+    first = list(sizes)
+    sizes.clear()
+    _captured(model, batches=1)
+    assert sizes == first and len(first) > 0
+
+
+def test_amp_and_bf16_statistics_take_each_layers_path(gpu_path, monkeypatch):
+    """Statistics of float16/bf16 tensors, in bf16 operands or with a device loss scale
+    are not stacked."""
+    sizes = _spy_products(monkeypatch)
+    model = _Repeated().double()
+    found, _ = register_layers(model)
+    for precision, scale in (("bf16", 0.5), ("full", torch.tensor(0.5, dtype=torch.float64))):
+        capture = StatisticsCapture(found, dtype_of=lambda _: torch.float64,
+                                    active=lambda: True, precision=precision,
+                                    grad_scale=lambda s=scale: s)  # type: ignore[misc]
+        model(torch.randn(3, 4, 6, 6, dtype=torch.float64)).sum().backward()
+        capture.join()
+        capture.remove()
+        if precision == "bf16":
+            assert sizes == []
+    assert all(s > 0 for s in sizes)  # the device scale: A stacks, G does not
+    groups = statistics_groups.StatisticsGroups(lambda reads, work: work(), "full")
+    held = groups.hold_a(found["convs.0"], lambda f, v: None,
+                         torch.randn(3, 4, 6, 6).half(), torch.randn(3, 4, 6, 6).half(),
+                         torch.float32)
+    assert not held
+
+
+def _resnet50() -> nn.Module:
+    torch.manual_seed(0)
+    stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8),
+                         nn.ReLU())
+    return ResNet(Bottleneck, (3, 4, 6, 3), (8, 16, 32, 64), stem=stem, stem_channels=8,
+                  num_classes=10).double()
+
+
+def _train_resnet(steps: int = 3) -> nn.Module:
+    model = _resnet50()
+    pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), damping=0.01,
+                             inv_update_steps=2, factor_dtype=torch.float64,
+                             inv_dtype=torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        x = torch.randn(4, 3, 16, 16, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 10, (4,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        pre.step()
+        opt.step()
+    pre.close()
+    return model
+
+
+def test_resnet50_training_with_groups_equals_layer_by_layer(gpu_path, monkeypatch):
+    """ResNet-50's 54 layers (an eighth of the widths), trained in float64 with their
+    statistics grouped by shape (32 products for 108 factors), equal the same training
+    with every factor's own product."""
+    sizes = _spy_products(monkeypatch)
+    grouped = _train_resnet()
+    assert len(sizes) == 3 * 32
+    with monkeypatch.context() as m:
+        _per_layer(m)
+        alone = _train_resnet()
+    for (name, p), q in zip(grouped.named_parameters(), alone.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=f"{name} differs")
