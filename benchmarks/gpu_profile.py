@@ -19,9 +19,11 @@ stem), 1000 classes, one fixed synthetic batch, fp32 model, one process
   stream (``statistics_stream.SIDE_STREAM_DEVICES``, CUDA only), for
   stride-1 convolutions' ``A`` from shifted products on the GPU path (TF32 and full
   statistics; ``shifts.SHIFTED_PRODUCTS_PATHS``), with long products of few columns
-  summed over chunks of rows (``linalg.SPLIT_ROWS_DEVICES``) and for
-  ``kfac_approx="reduce"``; the schedules (1,10) = (fi + 9f)/10 and (10,100) =
-  (fi + 9f + 90p)/100 composed from them, and the ratios to SGD.
+  summed over chunks of rows (``linalg.SPLIT_ROWS_DEVICES``), with every layer's
+  statistics by its own product (``layer-by-layer``: no groups of same-shaped layers,
+  ``statistics_groups.STACKED_PRECISIONS`` empty) and for ``kfac_approx="reduce"``;
+  the schedules (1,10) = (fi + 9f)/10 and (10,100) = (fi + 9f + 90p)/100 composed from
+  them, and the ratios to SGD.
 * ``schedule``: mean ms per iteration over two whole inverse periods of a real schedule
   (``--schedule F I``, default (1,10)) with each entry of ``--lags``: ``L``, a
   ``decomposition_lag`` (decompositions in a worker thread on a side stream), or
@@ -88,7 +90,7 @@ from common import timed as common_timed
 
 from kfac_hpc import KFACPreconditioner, solves
 from kfac_hpc.comm import Communicator
-from kfac_hpc.kfac import layers, linalg, shifts, statistics_stream
+from kfac_hpc.kfac import layers, linalg, shifts, statistics_groups, statistics_stream
 from kfac_hpc.kfac.layers import LayerCurvature, register_layers
 from kfac_hpc.kfac.options import PRECISIONS
 from kfac_hpc.models import build_model
@@ -106,6 +108,8 @@ SHIFTS_LABELS = ("stats tf32, shifted products", "stats full, shifted products")
 # ... and with long products of few columns summed over chunks of rows
 # (linalg.SPLIT_ROWS_DEVICES)
 SPLIT_ROWS_LABEL = "stats tf32, split rows"
+# ... and with every layer's statistics by its own product (no statistics_groups)
+LAYER_BY_LAYER_LABEL = "stats tf32, layer by layer"
 
 
 def make_model(name: str, device: torch.device, image_size: int) -> nn.Module:
@@ -176,6 +180,7 @@ KIND_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "shifts": (SHIFTS_LABELS[0], {"stats_precision": "tf32"}),
     "shifts-full": (SHIFTS_LABELS[1], {"stats_precision": "full"}),
     "split-rows": (SPLIT_ROWS_LABEL, {"stats_precision": "tf32"}),
+    "layer-by-layer": (LAYER_BY_LAYER_LABEL, {"stats_precision": "tf32"}),
     "reduce": ("reduce, auto", {"kfac_approx": "reduce"}),
     # cheaper inverse updates: warm-started eigenbases, randomized low rank, inverses
     "subspace": ("eigen_refresh subspace", {"eigen_refresh": "subspace"}),
@@ -194,7 +199,10 @@ def kinds_section(device: torch.device, batch: tuple[Tensor, Tensor], args: argp
     default_streams = statistics_stream.SIDE_STREAM_DEVICES
     default_shifts = shifts.SHIFTED_PRODUCTS_PATHS
     default_split = linalg.SPLIT_ROWS_DEVICES
+    default_stacked = statistics_groups.STACKED_PRECISIONS
     for label, kfac in configs:
+        statistics_groups.STACKED_PRECISIONS = (frozenset() if label == LAYER_BY_LAYER_LABEL
+                                                else default_stacked)
         linalg.SPLIT_ROWS_DEVICES = (default_split | {device.type} if label == SPLIT_ROWS_LABEL
                                      else default_split)
         shifts.SHIFTED_PRODUCTS_PATHS = (default_shifts | {"gpu"} if label in SHIFTS_LABELS
@@ -226,6 +234,7 @@ def kinds_section(device: torch.device, batch: tuple[Tensor, Tensor], args: argp
     statistics_stream.SIDE_STREAM_DEVICES = default_streams
     linalg.SPLIT_ROWS_DEVICES = default_split
     shifts.SHIFTED_PRODUCTS_PATHS = default_shifts
+    statistics_groups.STACKED_PRECISIONS = default_stacked
     return out
 
 

@@ -164,9 +164,42 @@ def test_grouping_is_decided_within_each_pass(gpu_path, monkeypatch):
     assert sizes == first and len(first) > 0
 
 
-def test_amp_and_bf16_statistics_take_each_layers_path(gpu_path, monkeypatch):
-    """Statistics of float16/bf16 tensors, in bf16 operands or with a device loss scale
-    are not stacked."""
+def test_bf16_activations_stack_as_bf16_rows_of_float32_factors(gpu_path, monkeypatch):
+    """bf16 (AMP) inputs and gradients with float32 factors at TF32 operands stack as
+    each layer's path keeps them (bf16 rows, a float32 product): the same factors to
+    float32 summation order, with fewer products than factors."""
+    sizes = _spy_products(monkeypatch)
+    model = _Repeated().bfloat16()
+
+    def capture_sums() -> dict:
+        found, _ = register_layers(model)
+        capture = StatisticsCapture(found, dtype_of=lambda _: torch.float32,
+                                    active=lambda: True, precision="tf32",
+                                    grad_scale=lambda: 0.5)
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(3, 4, 6, 6, generator=g).bfloat16()
+        model(x).float().square().sum().backward()
+        capture.join()
+        capture.remove()
+        return {(n, f): s.sums[f] for n, s in capture.stats.items() for f in "AG"}
+
+    grouped = capture_sums()
+    assert 0 < len(sizes) < sum(v is not None for v in grouped.values())
+    with monkeypatch.context() as m:
+        _per_layer(m)
+        alone = capture_sums()
+    for key, value in alone.items():
+        if value is None:
+            assert grouped[key] is None, key
+            continue
+        assert grouped[key].dtype == torch.float32
+        torch.testing.assert_close(grouped[key], value, rtol=1e-5, atol=1e-6, msg=str(key))
+
+
+def test_what_does_not_stack(gpu_path, monkeypatch):
+    """float32 tensors with bf16 operands (rows cast per layer), float16 tensors, and
+    output gradients under a device-side loss scale (an AMP GradScaler's) take each
+    layer's path."""
     sizes = _spy_products(monkeypatch)
     model = _Repeated().double()
     found, _ = register_layers(model)
@@ -179,12 +212,10 @@ def test_amp_and_bf16_statistics_take_each_layers_path(gpu_path, monkeypatch):
         capture.remove()
         if precision == "bf16":
             assert sizes == []
-    assert all(s > 0 for s in sizes)  # the device scale: A stacks, G does not
-    groups = statistics_groups.StatisticsGroups(lambda reads, work: work(), "full")
-    held = groups.hold_a(found["convs.0"], lambda f, v: None,
-                         torch.randn(3, 4, 6, 6).half(), torch.randn(3, 4, 6, 6).half(),
-                         torch.float32)
-    assert not held
+    assert sizes == [2, 2, 3, 3]  # the device scale: A stacks, G does not
+    groups = statistics_groups.StatisticsGroups(lambda reads, work: work(), "tf32")
+    half = torch.randn(3, 4, 6, 6).half()
+    assert not groups.hold_a(found["convs.0"], lambda f, v: None, half, half, torch.float32)
 
 
 def _resnet50() -> nn.Module:

@@ -318,13 +318,12 @@ class LayerCurvature(ABC):
         """How ``factor``'s statistics of ``t`` stack with other layers' (``None``: not).
 
         ``t`` is the input (``"A"``) or the output gradient (``"G"``). Only expand
-        statistics of float32/float64 tensors stack, computed in the tensor's dtype at
-        the operand precision ``"full"`` or ``"tf32"`` (the caller's conditions:
-        :mod:`kfac_hpc.kfac.statistics_groups`); then :meth:`stacked_rows` of
+        statistics stack, of the tensors and at the precisions the caller allows
+        (:mod:`kfac_hpc.kfac.statistics_groups`); then :meth:`stacked_rows` of
         same-keyed tensors gives each layer's rows as :meth:`a_factor` and
         :meth:`g_factor` build them on the GPU path.
         """
-        if self.approx != "expand" or t.dtype not in _WIDE:
+        if self.approx != "expand" or not t.is_floating_point():
             return None
         return self._stacking(factor, t)
 

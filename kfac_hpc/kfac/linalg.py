@@ -227,7 +227,8 @@ def covariance(rows: Tensor, scale: float = 1.0, *,
 
 
 def stacked_covariance(rows: Tensor, scale: float = 1.0, *,
-                       precision: MatmulPrecision = "full") -> Tensor:
+                       precision: MatmulPrecision = "full",
+                       out_dtype: torch.dtype | None = None) -> Tensor:
     """``scale · rows[l]ᵀ rows[l] / n`` for each of ``L`` layers' ``(n, d)`` rows at once.
 
     The GPU path of :func:`covariance` for layers whose rows have the same shape
@@ -241,14 +242,22 @@ def stacked_covariance(rows: Tensor, scale: float = 1.0, *,
             contiguous), the layouts :func:`covariance` takes.
         scale: The scale of every product (e.g. ``b²`` for ``δ = b·∂L/∂y``).
         precision: The operand precision (:mod:`kfac_hpc.kfac.precision`).
+        out_dtype: float32 for bf16 ``rows``: accumulated and returned in float32 (on
+            CUDA one bf16 batched GEMM), as :func:`covariance`'s ``out_dtype``.
 
     Returns:
-        The ``(L, d, d)`` products, in ``rows``' dtype.
+        The ``(L, d, d)`` products, in ``rows``' dtype (``out_dtype`` if given).
     """
     if rows.dim() != 3 or rows.shape[1] == 0:
         raise ValueError(f"stacked_covariance expects (layers, rows, dim) with rows > 0, got "
                          f"{tuple(rows.shape)}")
     alpha = scale / rows.shape[1]
+    if out_dtype is not None and out_dtype != rows.dtype:
+        if rows.device.type == "cuda" and rows.dtype == torch.bfloat16 \
+                and out_dtype == torch.float32:
+            with _no_autocast(rows):
+                return torch.bmm(rows.mT, rows, out_dtype=out_dtype).mul_(alpha)
+        rows = rows.to(out_dtype)
     cuda_tf32 = precision == "tf32" and rows.device.type == "cuda"
     with _no_autocast(rows):
         if precision == "full" or rows.dtype != torch.float32 or cuda_tf32:

@@ -20,8 +20,10 @@ resumed run groups its first step as the uninterrupted run does:
   and a held gradient keeps alive), the held part is computed first; whatever is still
   held when the sums are read (:meth:`StatisticsGroups.flush`) is computed then.
 
-Only expand statistics of float32/float64 tensors in their own dtype, at operand
-precision ``"full"`` or ``"tf32"`` and a host-side loss scale, stack
+Only expand statistics with a host-side loss scale stack: of float32/float64 tensors in
+their own dtype at operand precision ``"full"`` or ``"tf32"``, and of bf16 (AMP) tensors
+as the bf16 rows of float32 factors at ``"tf32"`` (one bf16 product accumulating in
+float32, as each layer's path computes them); they stack
 (:meth:`~kfac_hpc.kfac.layers.LayerCurvature.stacking`), and not on the devices that
 sum long products over chunks of rows (:data:`~kfac_hpc.kfac.linalg.SPLIT_ROWS_DEVICES`,
 none: that is one layer's product); everything else takes the layer's own path at once.
@@ -49,6 +51,19 @@ GROUP_ROW_BYTES = 512 << 20
 #: The operand precisions whose statistics stack (bf16 ones build bf16 rows per layer).
 STACKED_PRECISIONS: frozenset[str] = frozenset({"full", "tf32"})
 
+_WIDE = (torch.float32, torch.float64)
+
+
+def _bf16_rows(t: Tensor, dtype: torch.dtype | None, precision: MatmulPrecision) -> bool:
+    """Whether bf16 ``t`` (AMP) stacks as the bf16 rows of float32 factors.
+
+    As each layer's path keeps them (``layers._bf16_rows_source``): reduced-precision
+    operands, float32 factors; the product accumulates in float32.
+    """
+    return (t.dtype == torch.bfloat16 and dtype == torch.float32
+            and precision in STACKED_PRECISIONS and precision != "full")
+
+
 #: ``add(factor, value)`` of one layer's statistics (a LayerStatistics).
 Adder = Callable[[str, Tensor], None]
 
@@ -60,6 +75,7 @@ class Group:
     curvature: LayerCurvature  # the first member's: the key fixes what the rows are
     factor: str  # "A" or "G"
     scale: float = 1.0  # G: the loss scale removed (every member's the same)
+    out_dtype: torch.dtype | None = None  # float32 for bf16 rows (AMP)
     adders: list[Adder] = field(default_factory=list)
     tensors: list[Tensor] = field(default_factory=list)
     row_bytes: int = 0
@@ -93,8 +109,11 @@ class StatisticsGroups:
     @staticmethod
     def _stacks(t: Tensor, dtype: torch.dtype | None, precision: MatmulPrecision) -> bool:
         # a device that sums long products over chunks of rows keeps one product per layer
-        return ((dtype is None or dtype == t.dtype) and precision in STACKED_PRECISIONS
-                and uses_gpu_path(t.device) and t.device.type not in linalg.SPLIT_ROWS_DEVICES)
+        if not uses_gpu_path(t.device) or t.device.type in linalg.SPLIT_ROWS_DEVICES:
+            return False
+        if t.dtype in _WIDE:
+            return (dtype is None or dtype == t.dtype) and precision in STACKED_PRECISIONS
+        return _bf16_rows(t, dtype, precision)
 
     def hold_a(self, curvature: LayerCurvature, add: Adder, inputs: Tensor, output: Tensor,
                dtype: torch.dtype | None) -> bool:
@@ -166,7 +185,8 @@ class StatisticsGroups:
             self._compute(groups, key)
             group = None
         if group is None:
-            group = groups[key] = Group(curvature, factor, scale)
+            group = groups[key] = Group(curvature, factor, scale,
+                                        torch.float32 if t.dtype == torch.bfloat16 else None)
         group.adders.append(add)
         group.tensors.append(t)
         group.row_bytes += row_bytes
@@ -182,7 +202,8 @@ class StatisticsGroups:
             rows, b = group.curvature.stacked_rows(group.factor, group.tensors)
             root = b / group.scale  # G: δ = b·∂L/∂y / grad_scale, as g_factor applies it
             scale = 1.0 if group.factor == "A" else root * root
-            products = stacked_covariance(rows, scale, precision=self._precision)
+            products = stacked_covariance(rows, scale, precision=self._precision,
+                                          out_dtype=group.out_dtype)
             for i, add in enumerate(group.adders):
                 add(group.factor, products[i])
 

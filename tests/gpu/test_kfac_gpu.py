@@ -413,3 +413,80 @@ def test_bf16_statistics_of_float32_tensors_equal_rounding_in_the_product(device
                        covariance(curv.a_rows(x), precision="bf16"))
     assert torch.equal(curv.g_factor(dy, torch.float32, 0.5, "bf16"),
                        covariance(rows_g, (b / 0.5) ** 2, precision="bf16"))
+
+
+def test_grouped_statistics_on_the_device_equal_layer_by_layer(device, monkeypatch):
+    """ResNet-50's 54 layers (an eighth of the widths) trained in float64 on the device
+    with the statistics of same-shaped layers in one product each (32 for 108 factors,
+    ``kfac_hpc.kfac.statistics_groups``; only on the GPU path) equal the same training
+    with every factor's own product, to summation order."""
+    from kfac_hpc.kfac import linalg, statistics_groups
+    from kfac_hpc.models import Bottleneck, ResNet
+
+    def run() -> nn.Module:
+        torch.manual_seed(0)
+        stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8),
+                             nn.ReLU())
+        model = ResNet(Bottleneck, (3, 4, 6, 3), (8, 16, 32, 64), stem=stem, stem_channels=8,
+                       num_classes=10).to(device=device, dtype=torch.float64)
+        pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), damping=0.01,
+                                 inv_update_steps=2, inv_dtype=torch.float64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        g = torch.Generator().manual_seed(5)
+        for _ in range(3):
+            x = torch.randn(4, 3, 16, 16, generator=g, dtype=torch.float64).to(device)
+            y = torch.randint(0, 10, (4,), generator=g).to(device)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            pre.step()
+            opt.step()
+        pre.close()
+        return model
+
+    sizes: list[int] = []
+    product = statistics_groups.stacked_covariance
+    monkeypatch.setattr(statistics_groups, "stacked_covariance",
+                        lambda rows, *a, **k: sizes.append(rows.shape[0]) or product(rows, *a, **k))
+    grouped = run()
+    assert len(sizes) == (3 * 32 if linalg.uses_gpu_path(device) else 0)
+    monkeypatch.setattr(statistics_groups, "STACKED_PRECISIONS", frozenset())
+    alone = run()
+    for (name, p), q in zip(grouped.named_parameters(), alone.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=f"{name} differs")
+
+
+@pytest.mark.parametrize("dtype, precision", [(torch.float32, "full"), (torch.bfloat16, "tf32")],
+                         ids=["fp32", "bf16-amp"])
+def test_grouped_float32_and_bf16_statistics_on_the_device_equal_layer_by_layer(
+        device, monkeypatch, dtype, precision):
+    """Factors of same-shaped layers from one product on the device equal each layer's
+    own product to float32 summation order: float32 tensors at full precision, and bf16
+    (AMP) tensors as bf16 rows accumulated in float32 (exact products of the same
+    operands either way; TF32 kernels may round or truncate, so float32 tensors are
+    compared at full precision, where the products are the same numbers)."""
+    from kfac_hpc.kfac import statistics_groups
+    from kfac_hpc.kfac.capture import StatisticsCapture
+    from kfac_hpc.kfac.layers import register_layers
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(3) for m in (nn.Conv2d(16, 16, 3, padding=1),
+                                                            nn.Tanh())],
+                          nn.Flatten(), nn.Linear(16 * 64, 10)).to(device=device, dtype=dtype)
+    x = torch.randn(8, 16, 8, 8).to(device=device, dtype=dtype)
+
+    def sums() -> dict:
+        found, _ = register_layers(model)
+        capture = StatisticsCapture(found, dtype_of=lambda _: torch.float32,
+                                    active=lambda: True, precision=precision,
+                                    grad_scale=lambda: 0.5)
+        model(x).float().square().sum().backward()
+        capture.join()
+        capture.remove()
+        return {(n, f): s.sums[f] for n, s in capture.stats.items() for f in "AG"}
+
+    grouped = sums()
+    monkeypatch.setattr(statistics_groups, "STACKED_PRECISIONS", frozenset())
+    alone = sums()
+    for key, value in alone.items():
+        assert grouped[key].dtype == torch.float32
+        torch.testing.assert_close(grouped[key], value, rtol=1e-4, atol=1e-5, msg=str(key))
