@@ -218,6 +218,81 @@ def test_what_does_not_stack(gpu_path, monkeypatch):
     assert not groups.hold_a(found["convs.0"], lambda f, v: None, half, half, torch.float32)
 
 
+class _WithAux(nn.Module):
+    """Three Linear layers of one shape; ``aux``'s output never reaches the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.aux = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        self.aux(h)
+        return self.b(torch.tanh(h))
+
+
+def _step_factors(model: nn.Module, forwards_before: int = 0) -> dict:
+    """The factors after one K-FAC step (``forwards_before`` forwards without backward
+    first, in train mode: a logging pass)."""
+    pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), damping=0.01,
+                             factor_dtype=torch.float64, inv_dtype=torch.float64)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    for _ in range(forwards_before):
+        model(x)
+    model(x).square().sum().backward()
+    pre.step()
+    out = {key: state.average.clone() for key, state in pre.factors.items()
+           if state.average is not None}
+    pre.close()
+    return out
+
+
+@pytest.mark.parametrize("forwards_before", [0, 1], ids=["step", "logging-forward-first"])
+def test_held_statistics_are_computed_before_the_step_reads_them(
+        gpu_path, monkeypatch, caplog, forwards_before):
+    """A group waiting for a gradient that never comes (an output outside the loss; a
+    forward without backward that announced gradients) is computed when the step reads
+    the statistics: the same factors as layer by layer, and the first step's warning
+    names only the layer whose hooks did not fire."""
+    torch.manual_seed(0)
+    model = _WithAux().double()
+    with monkeypatch.context() as m:
+        _per_layer(m)
+        alone = _step_factors(model, forwards_before)
+    with caplog.at_level("WARNING"):
+        grouped = _step_factors(model, forwards_before)
+    assert grouped.keys() == alone.keys()
+    for key, value in alone.items():
+        torch.testing.assert_close(grouped[key], value, rtol=1e-12, atol=1e-14, msg=key)
+    unfired = [r.getMessage() for r in caplog.records if "never fired" in r.getMessage()]
+    assert len(unfired) == 2  # layer by layer, then grouped: the same warning
+    assert all("first factor step: aux." in m for m in unfired)
+
+
+def test_held_rows_stay_under_the_cap_across_groups(gpu_path, monkeypatch):
+    """The rows held for a factor, over all its groups, stay within GROUP_ROW_BYTES (it
+    bounds what holding keeps alive): each product's layers fit under it together."""
+    monkeypatch.setattr(statistics_groups, "GROUP_ROW_BYTES", 70_000)
+    sizes = _spy_products(monkeypatch)
+    held: list[int] = []
+    compute_all = statistics_groups.StatisticsGroups._compute_all
+
+    def spy(self, groups):  # type: ignore[no-untyped-def]
+        held.append(sum(g.row_bytes for g in groups.values()))
+        compute_all(self, groups)
+
+    monkeypatch.setattr(statistics_groups.StatisticsGroups, "_compute_all", spy)
+    model = _Repeated().double()
+    grouped, _ = _captured(model, batches=1)
+    assert max(held) <= 70_000 and max(sizes) > 1
+    with monkeypatch.context() as m:
+        _per_layer(m)
+        alone, _ = _captured(model, batches=1)
+    for key, value in alone.items():
+        if value is not None:
+            torch.testing.assert_close(grouped[key], value, rtol=1e-12, atol=1e-14)
+
+
 def _resnet50() -> nn.Module:
     torch.manual_seed(0)
     stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8),

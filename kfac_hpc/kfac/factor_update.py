@@ -97,6 +97,7 @@ class FactorUpdate:
             k: The K-FAC step.
             decay: Its factor decay.
         """
+        self.capture.join()  # computes what the capture still holds: the counts are read
         stats = self.capture.stats
         if stats and not any(s.captured for s in stats.values()):
             raise RuntimeError(
@@ -106,7 +107,6 @@ class FactorUpdate:
         if self.warn_unfired:
             self.warn_unfired = False
             self._warn_unfired()
-        self.capture.join()
         sums = self._captured_sums()
         if self.deferred:  # folded into local averages; reduced at inverse steps
             if self._usable(k, sums):

@@ -11,14 +11,19 @@ slice. The numbers are each layer's own, up to the summation order of the produc
 When a group is computed is fixed by the pass itself, never by an earlier one, so a
 resumed run groups its first step as the uninterrupted run does:
 
-* ``A`` (inputs, alive until backward anyway): held until the pass's first output
-  gradient arrives (backward has begun), then every group at once;
+* ``A`` (inputs): held until the pass's first output gradient arrives (backward has
+  begun), then every group at once;
 * ``G`` (output gradients): the forward registers which layers' gradients to expect
-  under each key; a group is computed when the last of them arrives, or when the next
-  forward begins (an output backward never reached);
-* either: when a group's rows would pass :data:`GROUP_ROW_BYTES` (what a stack copies
-  and a held gradient keeps alive), the held part is computed first; whatever is still
-  held when the sums are read (:meth:`StatisticsGroups.flush`) is computed then.
+  under each key; a group is computed when the last of them arrives;
+* the next forward (after a gradient) first computes everything held and forgets what
+  was expected (an output backward never reached);
+* when the rows held for one factor would pass :data:`GROUP_ROW_BYTES` (what the stacks
+  copy; it also bounds the inputs and gradients kept alive: inputs that activation
+  checkpointing would have freed, the gradients of a group that waits for a layer whose
+  forward ran twice without a backward between), every group of that factor is
+  computed first;
+* whatever is still held when the sums are read (:meth:`StatisticsGroups.flush`) is
+  computed then.
 
 Only expand statistics with a host-side loss scale stack: of float32/float64 tensors in
 their own dtype at operand precision ``"full"`` or ``"tf32"``, and of bf16 (AMP) tensors
@@ -44,10 +49,10 @@ from kfac_hpc.kfac.precision import MatmulPrecision
 
 __all__ = ["GROUP_ROW_BYTES", "STACKED_PRECISIONS", "Group", "StatisticsGroups"]
 
-#: The most bytes of rows one group stacks (and, for ``G``, the gradients it holds):
-#: ResNet-50 at batch 32 groups its stage-1 3x3 inputs in pairs (231 MB of patch rows
-#: each) and its other layers by stage.
-GROUP_ROW_BYTES = 512 << 20
+#: The most bytes of rows held for one factor (``A`` or ``G``) across all groups:
+#: ResNet-50 at batch 32 computes its stage-1 3x3 layers' ``A`` (231 MB of patch rows
+#: each) alone and groups its later, smaller layers by stage.
+GROUP_ROW_BYTES = 256 << 20
 #: The operand precisions whose statistics stack (bf16 ones build bf16 rows per layer).
 STACKED_PRECISIONS: frozenset[str] = frozenset({"full", "tf32"})
 
@@ -105,6 +110,7 @@ class StatisticsGroups:
         self._g: dict[tuple[object, ...], Group] = {}
         self._expected_g: dict[tuple[object, ...], int] = {}  # G arrivals still to come
         self._backward_seen = False  # a gradient arrived since the last forward began
+        self._held = {"A": 0, "G": 0}  # bytes of rows held, by factor
 
     @staticmethod
     def _stacks(t: Tensor, dtype: torch.dtype | None, precision: MatmulPrecision) -> bool:
@@ -123,9 +129,7 @@ class StatisticsGroups:
             Whether ``A`` is held (else the caller computes it now).
         """
         if self._backward_seen:  # a new forward: the last pass's gradients are all in
-            self._backward_seen = False
-            self._compute_all(self._g)
-            self._expected_g.clear()
+            self.flush()
         out = curvature.stacking("G", output) if self._stacks(
             output, dtype, self._precision) else None
         if out is not None:
@@ -166,8 +170,7 @@ class StatisticsGroups:
         """Compute everything held (before the sums are read); expect nothing more."""
         self._compute_all(self._a)
         self._compute_all(self._g)
-        self._expected_g.clear()
-        self._backward_seen = False
+        self.drop()
 
     def drop(self) -> None:
         """Forget everything held and expected, uncomputed (a discarded step)."""
@@ -175,13 +178,15 @@ class StatisticsGroups:
         self._g.clear()
         self._expected_g.clear()
         self._backward_seen = False
+        self._held = {"A": 0, "G": 0}
 
     def _hold(self, groups: dict[tuple[object, ...], Group], factor: str, row_bytes: int,
               key: tuple[object, ...], curvature: LayerCurvature, add: Adder, t: Tensor,
               scale: float) -> None:
+        if self._held[factor] and self._held[factor] + row_bytes > GROUP_ROW_BYTES:
+            self._compute_all(groups)
         group = groups.get(key)
-        if group is not None and (group.scale != scale
-                                  or group.row_bytes + row_bytes > GROUP_ROW_BYTES):
+        if group is not None and group.scale != scale:
             self._compute(groups, key)
             group = None
         if group is None:
@@ -190,6 +195,7 @@ class StatisticsGroups:
         group.adders.append(add)
         group.tensors.append(t)
         group.row_bytes += row_bytes
+        self._held[factor] += row_bytes
 
     def _compute_all(self, groups: dict[tuple[object, ...], Group]) -> None:
         for key in list(groups):
@@ -197,6 +203,7 @@ class StatisticsGroups:
 
     def _compute(self, groups: dict[tuple[object, ...], Group], key: tuple[object, ...]) -> None:
         group = groups.pop(key)
+        self._held[group.factor] -= group.row_bytes
 
         def work() -> None:
             rows, b = group.curvature.stacked_rows(group.factor, group.tensors)
