@@ -13,11 +13,15 @@ preconditioning) and ``f`` (factor update), medians of ``--rounds`` rounds of
 ``--repeats`` iterations, with the statistics of same-shaped layers grouped
 (``kfac_hpc.kfac.statistics_groups``, the default) and layer by layer. On the H200 the
 host time per operator was about twice this machine's (SGD 24 ms there, about 10 here).
+It also counts the statistics' products of a factor update of ResNet-50 at its real
+widths (batch 32, 224x224) on the ``meta`` device (shapes only, no arithmetic) for
+``GROUP_ROW_BYTES`` and a few other bounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -28,7 +32,9 @@ from torch import nn
 from kfac_hpc import KFACPreconditioner
 from kfac_hpc.comm import Communicator
 from kfac_hpc.kfac import layers, linalg, stacked, statistics_groups
-from kfac_hpc.models import Bottleneck, ResNet
+from kfac_hpc.kfac.capture import StatisticsCapture
+from kfac_hpc.kfac.layers import register_layers
+from kfac_hpc.models import Bottleneck, ResNet, build_model
 
 
 def force_gpu_path() -> None:
@@ -76,6 +82,36 @@ def measure(width: int, rounds: int, repeats: int) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in times.items()}
 
 
+def count_products(row_bytes: int) -> int:
+    """Statistics products of one ResNet-50 factor update (batch 32) with that bound."""
+    device = torch.device("meta")
+    model = build_model("resnet50", num_classes=1000, image_size=224, stem="imagenet")
+    model = model.to(device)
+    found, _ = register_layers(model)
+    capture = StatisticsCapture(found, dtype_of=lambda _: torch.float32, active=lambda: True,
+                                grad_scale=lambda: 1.0, precision="tf32")
+    products: list[int] = []
+    product, bound = linalg.stacked_covariance, statistics_groups.GROUP_ROW_BYTES
+    no_autocast = linalg._no_autocast
+
+    def counted(rows: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        products.append(rows.shape[0])
+        return product(rows, *args, **kwargs)  # type: ignore[arg-type]
+
+    linalg.stacked_covariance = counted
+    statistics_groups.GROUP_ROW_BYTES = row_bytes
+    linalg._no_autocast = lambda t: contextlib.nullcontext()  # no autocast on "meta"
+    try:
+        model(torch.randn(32, 3, 224, 224, device=device)).sum().backward()
+        capture.join()
+    finally:
+        linalg.stacked_covariance = product
+        statistics_groups.GROUP_ROW_BYTES = bound
+        linalg._no_autocast = no_autocast
+        capture.remove()
+    return len(products) + 2 * len(found) - sum(products)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--width", type=int, default=8, help="channels of every stage")
@@ -96,6 +132,11 @@ def main() -> None:
         print(f"{label:<14} {ms['sgd']:7.2f} {ms['p']:7.2f} {ms['f']:7.2f} "
               f"{ms['p'] - ms['sgd']:8.2f} {ms['f'] - ms['p']:7.2f}")
     statistics_groups.STACKED_PRECISIONS = grouped_precisions
+    bounds = sorted({statistics_groups.GROUP_ROW_BYTES, 256 << 20, 1 << 30, 1 << 42})
+    counts = ", ".join(f"{b >> 20} MiB: {count_products(b)}" for b in bounds)
+    print(f"# ResNet-50 at batch 32, 108 factors: products per factor update by the bound on "
+          f"held rows (GROUP_ROW_BYTES = {statistics_groups.GROUP_ROW_BYTES >> 20} MiB): "
+          f"{counts}")
 
 
 if __name__ == "__main__":

@@ -113,13 +113,13 @@ def _captured(model: nn.Module, batches: int = 2) -> tuple[dict, dict]:
 def _spy_products(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The number of layers of each batched product, in order."""
     sizes: list[int] = []
-    product = statistics_groups.stacked_covariance
+    product = linalg.stacked_covariance
 
     def spy(rows: torch.Tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
         sizes.append(rows.shape[0])
         return product(rows, *args, **kwargs)
 
-    monkeypatch.setattr(statistics_groups, "stacked_covariance", spy)
+    monkeypatch.setattr(linalg, "stacked_covariance", spy)
     return sizes
 
 

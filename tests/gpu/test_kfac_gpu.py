@@ -444,8 +444,8 @@ def test_grouped_statistics_on_the_device_equal_layer_by_layer(device, monkeypat
         return model
 
     sizes: list[int] = []
-    product = statistics_groups.stacked_covariance
-    monkeypatch.setattr(statistics_groups, "stacked_covariance",
+    product = linalg.stacked_covariance
+    monkeypatch.setattr(linalg, "stacked_covariance",
                         lambda rows, *a, **k: sizes.append(rows.shape[0]) or product(rows, *a, **k))
     grouped = run()
     assert len(sizes) == (3 * 32 if linalg.uses_gpu_path(device) else 0)
