@@ -3,7 +3,8 @@
     launch/local -n 4 python benchmarks/shampoo_step.py [--model all|mlp|resnet20|resnet50]
         [--device cpu|cuda] [--configs adam adamw shampoo meta] [--steps N] [--warmup W]
         [--batch B] [--image-size S] [--max-dim D] [--frequency F] [--max-seconds S]
-        [--root-method eigen|newton] [--decomposition-streams S] [--meta-src DIR] [--quick]
+        [--root-method eigen|newton] [--decomposition-streams S] [--precision full|tf32]
+        [--meta-src DIR] [--quick]
         [--markdown] [--out benchmarks/out]
     launch/local -n 1 python benchmarks/shampoo_step.py --device cuda --model resnet50  # GPU
 
@@ -336,7 +337,8 @@ def optimizers(args: argparse.Namespace, meta: Any) -> dict[
             root_method=root_method_from(args.root_method),
             decomposition_streams=args.decomposition_streams,
             precondition_vectors=not args.vectors_to_grafting,
-            statistics_frequency=args.statistics_frequency),
+            statistics_frequency=args.statistics_frequency,
+            stats_precision=args.precision, precondition_precision=args.precision),
     }
     if meta is not None:
         made["meta"] = lambda m, c: meta.DistributedShampoo(
@@ -476,6 +478,7 @@ def run_model(name: str, args: argparse.Namespace, comm: Communicator, device: t
         "decomposition_streams": args.decomposition_streams,
         "precondition_vectors": not args.vectors_to_grafting,
         "statistics_frequency": args.statistics_frequency,
+        "precision": args.precision,
         "block_dims": sorted({d for b in blocks for d in b.shape}),
         "frequency": args.frequency, "weight_decay": args.weight_decay,
         "meta_source": peer_version(args.meta_src) if meta is not None else None,
@@ -505,7 +508,8 @@ def report(result: dict[str, Any], markdown: bool) -> str:
         f"of kfac_hpc's Shampoo, max dim {result['max_dim']}, merged from the "
         f"{result.get('merge_dims_from', 'first')} dimension, roots "
         f"{result.get('root_method', 'EigenRoots()')}, "
-        f"{result.get('decomposition_streams', 1)} decomposition stream(s)), "
+        f"{result.get('decomposition_streams', 1)} decomposition stream(s), "
+        f"{result.get('precision', 'full')} products), "
         f"{result['world_size']} ranks, "
         f"{result['device']}; medians of {result['timed_rounds']} rounds "
         f"(\"shampoo\": kfac_hpc's; \"meta\": Meta's; overhead vs {result['baseline']})",
@@ -598,6 +602,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--statistics-frequency", type=int, default=1,
                         help="kfac_hpc's Shampoo: steps between factor updates (its "
                              "statistics_frequency; Meta's runs as always)")
+    parser.add_argument("--precision", choices=("full", "tf32"), default="full",
+                        help="kfac_hpc's Shampoo: operand precision of its factor and "
+                             "preconditioning products (stats_precision and "
+                             "precondition_precision; Meta's runs as always)")
     parser.add_argument("--decomposition-streams", type=int, default=default_device_streams(),
                         help="kfac_hpc's Shampoo: CUDA streams its root step's eigh batches "
                              "are spread over (decomposition_streams, default "

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from kfac_hpc.kfac.precision import MatmulPrecision
 from kfac_hpc.shampoo import grafting as graft
 from kfac_hpc.shampoo.errors import nonfinite_marks
 from kfac_hpc.shampoo.kronecker import accumulate_factors, diagonal_marks, precondition
@@ -103,6 +104,8 @@ class BlockHyper:
     max_consecutive_root_failures: int
     precondition_vectors: bool = True
     statistics_frequency: int = 1
+    stats_precision: MatmulPrecision = "full"
+    precondition_precision: MatmulPrecision = "full"
 
     @staticmethod
     def from_group(group: dict[str, Any], max_consecutive_root_failures: int) -> BlockHyper:
@@ -122,7 +125,8 @@ class BlockHyper:
             group["precondition_frequency"], group["start_preconditioning_step"],
             group["grafting"], group["grafting_epsilon"], group["grafting_beta2"],
             group["use_bias_correction"], max_consecutive_root_failures,
-            group["precondition_vectors"], group["statistics_frequency"])
+            group["precondition_vectors"], group["statistics_frequency"],
+            group["stats_precision"], group["precondition_precision"])
 
     def preconditions(self, order: int) -> bool:
         """Whether the group's blocks of ``order`` are preconditioned (``is_preconditioned``)."""
@@ -278,7 +282,7 @@ def update_statistics(steps: Sequence[RunStep], hp: BlockHyper) -> None:
             st.stat_marks = nonfinite_marks(st.grad.flatten(1))  # no factor update
             continue
         factors = st.factors()
-        accumulate_factors(factors, st.grad.to(st.factor_dtype), hp.beta2)
+        accumulate_factors(factors, st.grad.to(st.factor_dtype), hp.beta2, hp.stats_precision)
         st.stat_marks = diagonal_marks(factors)
     grads = [st.grad for st in steps]
     if graft.uses_second_moment(hp.grafting):
@@ -404,7 +408,8 @@ def directions(steps: Sequence[RunStep], hp: BlockHyper) -> list[Tensor]:
     for k, (st, grafting_direction) in enumerate(zip(steps, grafted)):
         if st.run.step >= hp.start_preconditioning_step and hp.preconditions(st.order):
             roots = st.factors("root")
-            out.append(precondition(filtered[k].to(st.factor_dtype), roots).to(st.grad.dtype))
+            out.append(precondition(filtered[k].to(st.factor_dtype), roots,
+                                    hp.precondition_precision).to(st.grad.dtype))
             preconditioned.append(k)
         else:
             out.append(grafting_direction)

@@ -18,8 +18,8 @@ import torch
 from kfac_hpc.shampoo.blocking import MERGE_ORDERS
 from kfac_hpc.shampoo.grafting import GRAFTING_KINDS
 
-__all__ = ["COMMUNICATION_DTYPES", "FACTOR_DTYPES", "GROUP_OPTIONS", "validate_dtype",
-           "validate_group", "validate_int"]
+__all__ = ["COMMUNICATION_DTYPES", "FACTOR_DTYPES", "GROUP_OPTIONS", "PRODUCT_PRECISIONS",
+           "validate_dtype", "validate_group", "validate_int"]
 
 #: Options that may differ per parameter group (``max_preconditioner_dim`` and
 #: ``merge_dims_from`` are read once, when the group is added: they decide the blocks).
@@ -28,8 +28,12 @@ GROUP_OPTIONS = (
     "max_preconditioner_dim", "merge_dims_from", "precondition_frequency",
     "start_preconditioning_step",
     "grafting", "grafting_epsilon", "grafting_beta2", "use_bias_correction",
-    "precondition_vectors", "statistics_frequency",
+    "precondition_vectors", "statistics_frequency", "stats_precision", "precondition_precision",
 )
+#: Operand precisions of the factor products and of the preconditioning products
+#: (:mod:`kfac_hpc.kfac.precision`: ``"tf32"`` rounds float32 operands to TF32; float64
+#: factors are always multiplied in full).
+PRODUCT_PRECISIONS = ("full", "tf32")
 FACTOR_DTYPES = (torch.float32, torch.float64)
 COMMUNICATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -124,6 +128,9 @@ def validate_group(group: dict[str, Any]) -> None:
     _check_bool("use_bias_correction", group["use_bias_correction"])
     _check_bool("precondition_vectors", group["precondition_vectors"])
     validate_int("statistics_frequency", group["statistics_frequency"], 1)
+    for name in ("stats_precision", "precondition_precision"):
+        if group[name] not in PRODUCT_PRECISIONS:
+            raise _fail(name, group[name], " or ".join(repr(p) for p in PRODUCT_PRECISIONS))
     stats, roots = group["statistics_frequency"], group["precondition_frequency"]
     if stats > roots:
         warnings.warn(

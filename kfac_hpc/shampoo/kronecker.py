@@ -8,16 +8,21 @@ rest flattened), e.g. ``G Gᵀ`` and ``Gᵀ G`` for a matrix. Preconditioning mu
 every mode by its root: ``X ×_1 R_1 ×_2 R_2 … ×_k R_k``, which is ``R_1 G R_2ᵀ`` for
 a matrix and ``(R_1 ⊗ … ⊗ R_k) vec(X)`` for row-major ``vec``. The caller disables
 autocast (``DistributedShampoo.step`` does, once per step), so the arithmetic runs in
-the dtype of the tensors passed in.
+the dtype of the tensors passed in. ``precision`` (``"full"`` or ``"tf32"``) is the
+operand precision of the products, as K-FAC's (:mod:`kfac_hpc.kfac.precision`): on CUDA
+cuBLAS's TF32 mode for these products only, elsewhere float32 operands rounded to TF32
+explicitly (the same numbers up to summation order); float64 in full either way.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
+from kfac_hpc.kfac.precision import MatmulPrecision, round_operand, tf32_products
 from kfac_hpc.shampoo.errors import nonfinite_marks
 
 __all__ = ["ROW_MAJOR_GRAM_DEVICES", "SPLIT_GRAM_DEVICES", "accumulate_factors",
@@ -107,7 +112,25 @@ def _split_gram(x: Tensor) -> Tensor:
     return gram
 
 
-def accumulate_factors(factors: Sequence[Tensor], blocks: Tensor, beta2: float) -> None:
+def _tf32_on_cuda(t: Tensor, precision: MatmulPrecision) -> bool:
+    """Whether products of ``t`` run in cuBLAS's TF32 mode (else: as the operands are)."""
+    return precision == "tf32" and t.dtype == torch.float32 and t.device.type == "cuda"
+
+
+def _operand(t: Tensor, precision: MatmulPrecision) -> Tensor:
+    """``t`` as a product's operand in ``precision``: rounded to TF32 off CUDA (a copy)."""
+    if precision == "full" or t.dtype != torch.float32 or t.device.type == "cuda":
+        return t
+    return round_operand(t, precision)
+
+
+def _block(t: Tensor, precision: MatmulPrecision) -> contextlib.AbstractContextManager[None]:
+    """Where products of ``t`` run: :func:`~kfac_hpc.kfac.precision.tf32_products` or plain."""
+    return tf32_products() if _tf32_on_cuda(t, precision) else contextlib.nullcontext()
+
+
+def accumulate_factors(factors: Sequence[Tensor], blocks: Tensor, beta2: float,
+                       precision: MatmulPrecision = "full") -> None:
     """Update ``F_i ← β2·F_i + (1-β2)·X_(i) X_(i)ᵀ`` in place, one batched GEMM per factor.
 
     ``β2 = 1`` is the plain sum ``F_i ← F_i + X_(i) X_(i)ᵀ``. The scaling is fused into
@@ -121,21 +144,24 @@ def accumulate_factors(factors: Sequence[Tensor], blocks: Tensor, beta2: float) 
         factors: per dimension i, the stacked factors ``(n, d_i, d_i)``.
         blocks: the batch ``(n, d_1, …, d_k)`` in the factors' dtype.
         beta2: the running-average coefficient.
+        precision: the operand precision of the products (module docstring).
     """
     alpha = 1.0 - beta2 if beta2 < 1.0 else 1.0
-    for i, factor in enumerate(factors):
-        view = mode_matrices(blocks, i)
-        if splits_gram(view):
-            gram = _split_gram(view)
-            if beta2 == 0.0:  # as baddbmm_(beta=0): the old values (NaN too) not read
-                factor.copy_(gram)
+    with _block(blocks, precision):
+        blocks = _operand(blocks, precision)
+        for i, factor in enumerate(factors):
+            view = mode_matrices(blocks, i)
+            if splits_gram(view):
+                gram = _split_gram(view)
+                if beta2 == 0.0:  # as baddbmm_(beta=0): the old values (NaN too) not read
+                    factor.copy_(gram)
+                    continue
+                if beta2 != 1.0:
+                    factor.mul_(beta2)
+                factor.add_(gram, alpha=alpha)
                 continue
-            if beta2 != 1.0:
-                factor.mul_(beta2)
-            factor.add_(gram, alpha=alpha)
-            continue
-        x = gram_operand(blocks, i, blocks.device.type)
-        factor.baddbmm_(x, x.mT, beta=beta2, alpha=alpha)
+            x = gram_operand(blocks, i, blocks.device.type)
+            factor.baddbmm_(x, x.mT, beta=beta2, alpha=alpha)
 
 
 def diagonal_marks(factors: Sequence[Tensor]) -> Tensor:
@@ -149,25 +175,31 @@ def diagonal_marks(factors: Sequence[Tensor]) -> Tensor:
     return nonfinite_marks(diagonals[0] if len(diagonals) == 1 else torch.cat(diagonals, dim=1))
 
 
-def precondition(blocks: Tensor, roots: Sequence[Tensor]) -> Tensor:
+def precondition(blocks: Tensor, roots: Sequence[Tensor],
+                 precision: MatmulPrecision = "full") -> Tensor:
     """Compute ``X ×_1 R_1 ×_2 R_2 …`` for every block ``X`` of a batch ``(n, d_1, …, d_k)``.
 
     Args:
         blocks: the batch.
         roots: per dimension i, the stacked roots ``(n, d_i, d_i)``.
+        precision: the operand precision of the products (module docstring; off CUDA
+            every intermediate is rounded again, as the next product's operand).
 
     Returns:
         A new tensor shaped like ``blocks``.
     """
     if len(roots) != blocks.dim() - 1:
         raise ValueError(f"{len(roots)} roots for blocks of order {blocks.dim() - 1}")
-    if len(roots) == 2:
-        return roots[0] @ blocks @ roots[1].mT
-    out = blocks
-    n = blocks.shape[0]
-    for root in roots:
-        # Contract the leading block dimension with the root's columns; the new
-        # dimension goes last, so after k steps the order is restored.
-        moved = out.movedim(1, -1)
-        out = (moved.reshape(n, -1, moved.shape[-1]) @ root.mT).reshape(moved.shape)
-    return out
+    with _block(blocks, precision):
+        rounded = [_operand(root, precision) for root in roots]
+        if len(roots) == 2:
+            first = _operand(rounded[0] @ _operand(blocks, precision), precision)
+            return first @ rounded[1].mT
+        out = blocks
+        n = blocks.shape[0]
+        for root in rounded:
+            # Contract the leading block dimension with the root's columns; the new
+            # dimension goes last, so after k steps the order is restored.
+            moved = _operand(out, precision).movedim(1, -1)
+            out = (moved.reshape(n, -1, moved.shape[-1]) @ root.mT).reshape(moved.shape)
+        return out

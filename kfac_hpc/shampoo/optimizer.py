@@ -100,6 +100,8 @@ class DistributedShampoo(torch.optim.Optimizer):
         use_bias_correction: bool = True,
         precondition_vectors: bool = True,
         statistics_frequency: int = 1,
+        stats_precision: str = "full",
+        precondition_precision: str = "full",
         comm: Communicator | None = None,
         factor_dtype: torch.dtype = torch.float32,
         communication_dtype: torch.dtype = torch.float32,
@@ -159,6 +161,14 @@ class DistributedShampoo(torch.optim.Optimizer):
                 b^s`` keeps the horizon of ``b`` at every step. Keep ``s`` at most
                 ``precondition_frequency``: root steps between two factor updates
                 recompute the same roots (a larger value warns).
+            stats_precision: Operand precision of the factor products ``X_(i) X_(i)ᵀ``:
+                ``"full"`` (the default: the dtype's own, at the user's TF32 setting) or
+                ``"tf32"`` (float32 operands rounded to TF32, accumulated in float32:
+                tensor cores on CUDA, set for these products only; elsewhere rounded
+                explicitly). A group option; float64 factors are multiplied in full.
+                What it costs in accuracy and gains on a GPU: benchmarks/RESULTS.md.
+            precondition_precision: The same for the preconditioning products
+                ``R_1 X R_2ᵀ``.
             comm: The :class:`~kfac_hpc.comm.Communicator` (default: the world).
             factor_dtype: Dtype of factors and roots (float32 or float64).
             communication_dtype: Dtype of the gathered directions (float16, bfloat16,
@@ -202,7 +212,8 @@ class DistributedShampoo(torch.optim.Optimizer):
             start_preconditioning_step=start_preconditioning_step, grafting=grafting,
             grafting_epsilon=grafting_epsilon, grafting_beta2=grafting_beta2,
             use_bias_correction=use_bias_correction, precondition_vectors=precondition_vectors,
-            statistics_frequency=statistics_frequency,
+            statistics_frequency=statistics_frequency, stats_precision=stats_precision,
+            precondition_precision=precondition_precision,
         )
         hyper.validate_group(defaults)
         if comm is not None and not isinstance(comm, Communicator):

@@ -316,3 +316,38 @@ def test_split_gram_products_on_the_device_equal_the_cpu(device: torch.device) -
     kronecker.accumulate_factors(on_device, x.to(device), 0.9)
     for got, want in zip(on_device, on_cpu):
         torch.testing.assert_close(got.cpu(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_tf32_products_on_the_device_stay_within_tf32_rounding(device):
+    """``stats_precision``/``precondition_precision="tf32"`` on the device: the factors of
+    the first step (the same weights and gradient as a full-precision run) within TF32's
+    rounding of the full ones (operands within 2⁻¹⁰ each, kernels may truncate; the
+    diagonal's sums of squares dominate the norm), and a finite step."""
+    from mpi4py import MPI
+
+    from kfac_hpc.shampoo import DistributedShampoo
+
+    def first_step(precision: str) -> dict:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.Tanh(), nn.Flatten(),
+                              nn.Linear(16 * 36, 10)).to(device)
+        opt = DistributedShampoo(model.named_parameters(), lr=0.01, epsilon=1e-8,
+                                 comm=Communicator(MPI.COMM_SELF),
+                                 stats_precision=precision, precondition_precision=precision)
+        g = torch.Generator().manual_seed(3)
+        model(torch.randn(8, 3, 8, 8, generator=g).to(device)).square().mean().backward()
+        opt.step()
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        return opt.state_dict()["state"]
+
+    full, tf32 = first_step("full"), first_step("tf32")
+    checked = 0
+    for param, blocks in full.items():
+        for index, state in blocks.items():
+            for name, want in state.items():
+                if name.startswith("factor_"):
+                    got = tf32[param][index][name]
+                    err = ((got - want).norm() / want.norm()).item()
+                    assert err <= 8 * 2.0**-11, f"{param}[{index}] {name}: {err}"
+                    checked += 1
+    assert checked >= 4
