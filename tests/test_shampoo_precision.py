@@ -59,8 +59,15 @@ def test_tf32_preconditioning_rounds_every_operand(shape):
     if len(roots) == 2:
         out = _tf32(_tf32(roots[0]) @ _tf32(blocks)) @ _tf32(roots[1]).mT
     assert torch.equal(got, out)
-    full = precondition(blocks, roots)
-    assert torch.equal(full, precondition(blocks, roots, "full"))
+    full = precondition(blocks, roots, "full")
+    if len(roots) == 2:  # the expression of before the option, bit for bit
+        before = roots[0] @ blocks @ roots[1].mT
+    else:
+        before = blocks
+        for root in roots:
+            moved = before.movedim(1, -1)
+            before = (moved.reshape(n, -1, moved.shape[-1]) @ root.mT).reshape(moved.shape)
+    assert torch.equal(full, before)
     torch.testing.assert_close(got, full, rtol=0, atol=4 * 2.0**-11 * full.abs().max().item()
                                * shape[-1])
 
@@ -96,6 +103,8 @@ def _train(steps: int = 4, **options: object) -> tuple[nn.Module, DistributedSha
 
 
 def test_the_default_is_full_and_tf32_factors_stay_within_its_rounding():
+    """The default is "full" (the same run bit for bit); TF32's first-step factors are
+    within TF32's rounding of the full ones; the state dict carries the options."""
     default_model, _ = _train()
     full_model, _ = _train(stats_precision="full", precondition_precision="full")
     for p, q in zip(default_model.parameters(), full_model.parameters()):
@@ -122,6 +131,28 @@ def test_the_default_is_full_and_tf32_factors_stay_within_its_rounding():
     _, fresh = _train(steps=0)
     fresh.load_state_dict(tf32.state_dict())
     assert fresh.param_groups[0]["stats_precision"] == "tf32"
+
+
+def _first_step(**options: object) -> tuple[list[torch.Tensor], dict]:
+    model, opt = _train(steps=1, **options)
+    return [p.detach().clone() for p in model.parameters()], opt.state_dict()["state"]
+
+
+def _factors(state: dict) -> list[torch.Tensor]:
+    return [value for blocks in state.values() for block in blocks.values()
+            for name, value in block.items() if name.startswith("factor_")]
+
+
+def test_each_option_reaches_its_own_products():
+    """``stats_precision`` alone changes the factors (and so the step); alone,
+    ``precondition_precision`` leaves the factors bit for bit and changes the step."""
+    params, state = _first_step()
+    stats_params, stats_state = _first_step(stats_precision="tf32")
+    pre_params, pre_state = _first_step(precondition_precision="tf32")
+    assert any(not torch.equal(a, b) for a, b in zip(_factors(stats_state), _factors(state)))
+    assert all(torch.equal(a, b) for a, b in zip(_factors(pre_state), _factors(state)))
+    for changed in (stats_params, pre_params):
+        assert any(not torch.equal(a, b) for a, b in zip(changed, params))
 
 
 @pytest.mark.parametrize("option", ["stats_precision", "precondition_precision"])

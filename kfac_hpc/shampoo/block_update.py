@@ -53,10 +53,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kfac_hpc.kfac.precision import MatmulPrecision
 from kfac_hpc.shampoo import grafting as graft
 from kfac_hpc.shampoo.errors import nonfinite_marks
-from kfac_hpc.shampoo.kronecker import accumulate_factors, diagonal_marks, precondition
+from kfac_hpc.shampoo.kronecker import (
+    ProductPrecision,
+    accumulate_factors,
+    diagonal_marks,
+    precondition,
+)
 from kfac_hpc.shampoo.root_methods import RootMethod
 from kfac_hpc.shampoo.roots import RootRequest, RootResult
 from kfac_hpc.shampoo.stacks import Run
@@ -104,8 +108,8 @@ class BlockHyper:
     max_consecutive_root_failures: int
     precondition_vectors: bool = True
     statistics_frequency: int = 1
-    stats_precision: MatmulPrecision = "full"
-    precondition_precision: MatmulPrecision = "full"
+    stats_precision: ProductPrecision = "full"
+    precondition_precision: ProductPrecision = "full"
 
     @staticmethod
     def from_group(group: dict[str, Any], max_consecutive_root_failures: int) -> BlockHyper:

@@ -18,17 +18,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from torch import Tensor
 
-from kfac_hpc.kfac.precision import MatmulPrecision, round_operand, tf32_products
+from kfac_hpc.kfac.precision import round_operand, tf32_products
 from kfac_hpc.shampoo.errors import nonfinite_marks
 
-__all__ = ["ROW_MAJOR_GRAM_DEVICES", "SPLIT_GRAM_DEVICES", "accumulate_factors",
+__all__ = ["ROW_MAJOR_GRAM_DEVICES", "SPLIT_GRAM_DEVICES", "ProductPrecision", "accumulate_factors",
            "diagonal_marks", "gram_operand", "mode_matrices", "precondition", "splits_gram",
            "splits_gram_shape"]
 
+
+#: The operand precisions of Shampoo's products (module docstring).
+ProductPrecision = Literal["full", "tf32"]
 
 #: Device types whose Gram products get row-major ``X_(i)`` (a copy where it is a
 #: transposed view). On CUDA, ``X Xᵀ`` of a row-major ``X`` reaches cuBLAS as a "tn"
@@ -112,25 +116,25 @@ def _split_gram(x: Tensor) -> Tensor:
     return gram
 
 
-def _tf32_on_cuda(t: Tensor, precision: MatmulPrecision) -> bool:
+def _tf32_on_cuda(t: Tensor, precision: ProductPrecision) -> bool:
     """Whether products of ``t`` run in cuBLAS's TF32 mode (else: as the operands are)."""
     return precision == "tf32" and t.dtype == torch.float32 and t.device.type == "cuda"
 
 
-def _operand(t: Tensor, precision: MatmulPrecision) -> Tensor:
+def _operand(t: Tensor, precision: ProductPrecision) -> Tensor:
     """``t`` as a product's operand in ``precision``: rounded to TF32 off CUDA (a copy)."""
     if precision == "full" or t.dtype != torch.float32 or t.device.type == "cuda":
         return t
     return round_operand(t, precision)
 
 
-def _block(t: Tensor, precision: MatmulPrecision) -> contextlib.AbstractContextManager[None]:
+def _block(t: Tensor, precision: ProductPrecision) -> contextlib.AbstractContextManager[None]:
     """Where products of ``t`` run: :func:`~kfac_hpc.kfac.precision.tf32_products` or plain."""
     return tf32_products() if _tf32_on_cuda(t, precision) else contextlib.nullcontext()
 
 
 def accumulate_factors(factors: Sequence[Tensor], blocks: Tensor, beta2: float,
-                       precision: MatmulPrecision = "full") -> None:
+                       precision: ProductPrecision = "full") -> None:
     """Update ``F_i ← β2·F_i + (1-β2)·X_(i) X_(i)ᵀ`` in place, one batched GEMM per factor.
 
     ``β2 = 1`` is the plain sum ``F_i ← F_i + X_(i) X_(i)ᵀ``. The scaling is fused into
@@ -176,7 +180,7 @@ def diagonal_marks(factors: Sequence[Tensor]) -> Tensor:
 
 
 def precondition(blocks: Tensor, roots: Sequence[Tensor],
-                 precision: MatmulPrecision = "full") -> Tensor:
+                 precision: ProductPrecision = "full") -> Tensor:
     """Compute ``X ×_1 R_1 ×_2 R_2 …`` for every block ``X`` of a batch ``(n, d_1, …, d_k)``.
 
     Args:

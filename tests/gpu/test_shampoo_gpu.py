@@ -318,14 +318,24 @@ def test_split_gram_products_on_the_device_equal_the_cpu(device: torch.device) -
         torch.testing.assert_close(got.cpu(), want, rtol=1e-12, atol=1e-12)
 
 
-def test_tf32_products_on_the_device_stay_within_tf32_rounding(device):
+def test_tf32_products_on_the_device_stay_within_tf32_rounding(device, monkeypatch):
     """``stats_precision``/``precondition_precision="tf32"`` on the device: the factors of
     the first step (the same weights and gradient as a full-precision run) within TF32's
     rounding of the full ones (operands within 2⁻¹⁰ each, kernels may truncate; the
-    diagonal's sums of squares dominate the norm), and a finite step."""
+    diagonal's sums of squares dominate the norm), a finite step, and on CUDA the
+    products inside cuBLAS's TF32 mode (elsewhere rounded operands instead)."""
     from mpi4py import MPI
 
-    from kfac_hpc.shampoo import DistributedShampoo
+    from kfac_hpc.shampoo import DistributedShampoo, kronecker
+
+    entered: list[int] = []
+    tf32 = kronecker.tf32_products
+
+    def counted():  # type: ignore[no-untyped-def]
+        entered.append(1)
+        return tf32()
+
+    monkeypatch.setattr(kronecker, "tf32_products", counted)
 
     def first_step(precision: str) -> dict:
         torch.manual_seed(0)
@@ -340,13 +350,16 @@ def test_tf32_products_on_the_device_stay_within_tf32_rounding(device):
         assert all(torch.isfinite(p).all() for p in model.parameters())
         return opt.state_dict()["state"]
 
-    full, tf32 = first_step("full"), first_step("tf32")
+    full = first_step("full")
+    assert entered == []
+    tf32_state = first_step("tf32")
+    assert (len(entered) > 0) == (device.type == "cuda")
     checked = 0
     for param, blocks in full.items():
         for index, state in blocks.items():
             for name, want in state.items():
                 if name.startswith("factor_"):
-                    got = tf32[param][index][name]
+                    got = tf32_state[param][index][name]
                     err = ((got - want).norm() / want.norm()).item()
                     assert err <= 8 * 2.0**-11, f"{param}[{index}] {name}: {err}"
                     checked += 1
