@@ -115,6 +115,49 @@ def train_kfac(model: nn.Module, opt: torch.optim.Optimizer, pre: Any,
         opt.step()
 
 
+def narrow_resnet50(depths: tuple[int, ...] = (3, 4, 6, 3),
+                    widths: tuple[int, ...] = (8, 16, 32, 64)) -> nn.Module:
+    """ResNet-50's 54 K-FAC layers (bottlenecks 3, 4, 6, 3) at an eighth of its widths,
+    seeded: the same operators per layer, factors small enough to decompose quickly."""
+    from kfac_hpc.models import Bottleneck, ResNet
+
+    torch.manual_seed(0)
+    stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, padding=1, bias=False),
+                         nn.BatchNorm2d(widths[0]), nn.ReLU())
+    return ResNet(Bottleneck, depths, widths, stem=stem, stem_channels=widths[0],
+                  num_classes=10)
+
+
+def narrow_resnet50_batches(n: int, device: torch.device | str = "cpu"
+                            ) -> list[tuple[Tensor, Tensor]]:
+    """``n`` fixed float64 batches of 4 images of 16x16 for :func:`narrow_resnet50`."""
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(n):
+        x = torch.randn(4, 3, 16, 16, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 10, (4,), generator=g)
+        out.append((x.to(device), y.to(device)))
+    return out
+
+
+def train_narrow_resnet50(device: torch.device | str = "cpu", steps: int = 3) -> nn.Module:
+    """:func:`narrow_resnet50` in float64 trained ``steps`` steps with K-FAC (damping 0.01,
+    inverse updates every 2 steps) and SGD; returns the model."""
+    from mpi4py import MPI
+
+    from kfac_hpc import KFACPreconditioner
+    from kfac_hpc.comm import Communicator
+
+    model = narrow_resnet50().to(device=device, dtype=torch.float64)
+    pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), damping=0.01,
+                             inv_update_steps=2, factor_dtype=torch.float64,
+                             inv_dtype=torch.float64)
+    train_kfac(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), pre,
+               narrow_resnet50_batches(steps, device))
+    pre.close()
+    return model
+
+
 def held_tensors(opt: Any) -> dict[str, Tensor]:
     """Every tensor a DistributedShampoo keeps: gather buffers and status offsets (none on
     one rank), stacked and per-block state."""

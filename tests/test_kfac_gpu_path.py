@@ -24,6 +24,7 @@ from shared_cases import (
     case_ids,
     fraction_for,
     kfac_cases,
+    narrow_resnet50,
     small_cnn,
     small_cnn_batches,
     train_kfac,
@@ -34,7 +35,6 @@ from kfac_hpc import KFACPreconditioner
 from kfac_hpc.comm import Communicator
 from kfac_hpc.kfac import layers, linalg, statistics_groups
 from kfac_hpc.kfac.layers import Conv2dCurvature, LinearCurvature
-from kfac_hpc.models import Bottleneck, ResNet
 
 CASES = kfac_cases(input_shape=(4, 2, 5, 5))
 
@@ -118,16 +118,6 @@ def test_training_on_the_gpu_path_equals_the_cpu_path_ranks(monkeypatch, comm, s
     _compare_training(monkeypatch, comm, strategy, options)
 
 
-def _resnet50() -> nn.Module:
-    """ResNet-50's 54 K-FAC layers (bottlenecks 3, 4, 6, 3) at an eighth of its widths:
-    the same operators per layer, factors small enough to decompose quickly here."""
-    torch.manual_seed(0)
-    stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8),
-                         nn.ReLU())
-    return ResNet(Bottleneck, (3, 4, 6, 3), (8, 16, 32, 64), stem=stem, stem_channels=8,
-                  num_classes=10)
-
-
 def _kfac_ops(pre: KFACPreconditioner | None, model: nn.Module):  # type: ignore[no-untyped-def]
     """Operators of one forward, backward and ``pre.step()`` (factor and inverse update)."""
     x = torch.randn(2, 3, 16, 16)
@@ -167,8 +157,8 @@ def test_resnet50_kernels_per_layer_are_bounded(gpu_path):
     before layers of one shape shared their statistics' products), with one GEMM per
     group of layers of one shape for the statistics (32 for 108 factors) and four per
     preconditioned layer, and one ``eigh`` per distinct factor size."""
-    plain = _kfac_ops(None, _resnet50())
-    model = _resnet50()
+    plain = _kfac_ops(None, narrow_resnet50())
+    model = narrow_resnet50()
     pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), damping=0.01)
     ops = _kfac_ops(pre, model)
     n_layers = len(pre.layers)
@@ -285,7 +275,7 @@ def test_a_factor_step_reads_the_screen_after_queuing_the_preconditioning(gpu_pa
     GPU) comes after every precondition GEMM is queued and before ``.grad`` is written:
     the host then waits while those kernels run. At an inverse step the fold comes
     first, as the decompositions read the new factors."""
-    model = _resnet50()
+    model = narrow_resnet50()
     pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), damping=0.01,
                              inv_update_steps=3, **options)
     x, y = torch.randn(2, 3, 16, 16), torch.tensor([1, 2])

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from mpi4py import MPI
+from shared_cases import narrow_resnet50, narrow_resnet50_batches, train_kfac, train_narrow_resnet50
 from torch import nn
 
 from kfac_hpc import KFACPreconditioner
@@ -21,7 +22,6 @@ from kfac_hpc.kfac import layers, linalg, statistics_groups
 from kfac_hpc.kfac.capture import StatisticsCapture
 from kfac_hpc.kfac.layers import register_layers
 from kfac_hpc.kfac.patches import patch_rows, stacked_patch_rows
-from kfac_hpc.models import Bottleneck, ResNet
 
 
 @pytest.fixture
@@ -293,42 +293,16 @@ def test_held_rows_stay_under_the_cap_across_groups(gpu_path, monkeypatch):
             torch.testing.assert_close(grouped[key], value, rtol=1e-12, atol=1e-14)
 
 
-def _resnet50() -> nn.Module:
-    torch.manual_seed(0)
-    stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8),
-                         nn.ReLU())
-    return ResNet(Bottleneck, (3, 4, 6, 3), (8, 16, 32, 64), stem=stem, stem_channels=8,
-                  num_classes=10).double()
-
-
-def _train_resnet(steps: int = 3) -> nn.Module:
-    model = _resnet50()
-    pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), damping=0.01,
-                             inv_update_steps=2, factor_dtype=torch.float64,
-                             inv_dtype=torch.float64)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    g = torch.Generator().manual_seed(5)
-    for _ in range(steps):
-        x = torch.randn(4, 3, 16, 16, generator=g, dtype=torch.float64)
-        y = torch.randint(0, 10, (4,), generator=g)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        pre.step()
-        opt.step()
-    pre.close()
-    return model
-
-
 def test_resnet50_training_with_groups_equals_layer_by_layer(gpu_path, monkeypatch):
     """ResNet-50's 54 layers (an eighth of the widths), trained in float64 with their
     statistics grouped by shape (32 products for 108 factors), equal the same training
     with every factor's own product."""
     sizes = _spy_products(monkeypatch)
-    grouped = _train_resnet()
+    grouped = train_narrow_resnet50()
     assert len(sizes) == 3 * 32
     with monkeypatch.context() as m:
         _per_layer(m)
-        alone = _train_resnet()
+        alone = train_narrow_resnet50()
     for (name, p), q in zip(grouped.named_parameters(), alone.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=f"{name} differs")
 
@@ -337,45 +311,36 @@ def test_a_resumed_run_groups_its_first_step_as_the_uninterrupted_run(gpu_path, 
                                                                       tmp_path):
     """Saved between inverse updates and resumed in a fresh preconditioner, a run whose
     statistics are grouped (the GPU path forced) computes the same products as the run
-    that saved, from the first pass after the load, and continues bit for bit (here
-    grouped and single products agree to the bit, so the products are compared too)."""
+    that saved, from the first pass after the load, and continues bit for bit (the
+    products are compared too: on a CPU grouped and single products may agree to the
+    bit, so equal parameters alone would not show the grouping)."""
     from kfac_hpc import checkpoint
 
     sizes = _spy_products(monkeypatch)
 
     comm = Communicator(MPI.COMM_SELF)
-    g = torch.Generator().manual_seed(9)
-    data = [(torch.randn(4, 3, 16, 16, generator=g, dtype=torch.float64),
-             torch.randint(0, 10, (4,), generator=g)) for _ in range(6)]
+    data = narrow_resnet50_batches(6)
 
     def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, KFACPreconditioner]:
-        torch.manual_seed(seed)
-        stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8),
-                             nn.ReLU())
-        model = ResNet(Bottleneck, (2, 2, 2, 2), (8, 8, 8, 8), stem=stem, stem_channels=8,
-                       num_classes=10).double()
+        model = narrow_resnet50(depths=(2, 2, 2, 2), widths=(8, 8, 8, 8)).double()
+        torch.manual_seed(seed)  # the resumed run starts from other weights
+        for p in model.parameters():
+            p.data.add_(torch.randn_like(p), alpha=seed)
         pre = KFACPreconditioner(model, comm=comm, damping=0.01, inv_update_steps=2,
                                  factor_dtype=torch.float64, inv_dtype=torch.float64)
         return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), pre
 
-    def train(model, opt, pre, batches) -> None:  # type: ignore[no-untyped-def]
-        for x, y in batches:
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            pre.step()
-            opt.step()
-
     model, opt, pre = build(0)
-    train(model, opt, pre, data[:3])
+    train_kfac(model, opt, pre, data[:3])
     checkpoint.save(tmp_path, model=model, optimizer=opt, preconditioner=pre, step=3, comm=comm)
     sizes.clear()
-    train(model, opt, pre, data[3:])
+    train_kfac(model, opt, pre, data[3:])
     uninterrupted = list(sizes)
     resumed, resumed_opt, resumed_pre = build(1)
     checkpoint.load(tmp_path, model=resumed, optimizer=resumed_opt,
                     preconditioner=resumed_pre, comm=comm)
     sizes.clear()
-    train(resumed, resumed_opt, resumed_pre, data[3:])
+    train_kfac(resumed, resumed_opt, resumed_pre, data[3:])
     assert sizes == uninterrupted and max(uninterrupted) > 1
     for p, q in zip(model.parameters(), resumed.parameters()):
         assert torch.equal(p, q)

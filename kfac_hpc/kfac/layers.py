@@ -97,6 +97,7 @@ __all__ = [
     "Stacking",
     "approx_for",
     "curvature_for",
+    "keeps_bf16_rows",
     "register_layers",
     "unsupported_reason",
 ]
@@ -148,8 +149,12 @@ def _bf16_rows_source(t: Tensor, dtype: torch.dtype | None, precision: MatmulPre
     return None
 
 
-def _keeps_bf16(t: Tensor, dtype: torch.dtype | None, precision: MatmulPrecision) -> bool:
-    """Say whether bf16 ``t`` (AMP) keeps its rows in bf16 (:func:`_bf16_rows_source`)."""
+def keeps_bf16_rows(t: Tensor, dtype: torch.dtype | None, precision: MatmulPrecision) -> bool:
+    """Say whether bf16 ``t`` (AMP) keeps its rows in bf16 (:func:`_bf16_rows_source`).
+
+    The rule of each layer's path, which the stacked statistics follow too
+    (:mod:`kfac_hpc.kfac.statistics_groups`).
+    """
     return t.dtype == torch.bfloat16 and _bf16_rows_source(t, dtype, precision) is not None
 
 
@@ -162,7 +167,6 @@ def _cast(t: Tensor, dtype: torch.dtype | None) -> Tensor:
     """``t`` detached, in ``dtype`` if given (e.g. float32 statistics of fp16/bf16 AMP tensors)."""
     t = t.detach()
     return t if dtype is None else t.to(dtype)
-
 
 
 class Stacking(NamedTuple):
@@ -538,7 +542,6 @@ class LinearCurvature(_OutputsOverPositions):
         b = grads[0].shape[0] if grads[0].dim() > 1 else 1  # as _output_rows
         return torch.stack(list(grads)).reshape(len(grads), -1, self.g_dim), b
 
-
     def _reduced_inputs(self, inputs: Tensor) -> Tensor:
         if inputs.dim() <= 2:  # no positions: reduce = expand
             return inputs.reshape(-1, self.weight_cols)
@@ -692,7 +695,7 @@ class Conv2dCurvature(LayerCurvature):
         Expand ``A`` from the patch rows (the GPU path) or from ``F.unfold`` patches
         summed per sample (the CPU path with many positions; the reference).
         """
-        if _keeps_bf16(inputs, dtype, precision):  # bf16 rows, float32 product
+        if keeps_bf16_rows(inputs, dtype, precision):  # bf16 rows, float32 product
             return covariance(self._with_bias_column(self._input_rows(inputs.detach())),
                               precision=precision, out_dtype=dtype)
         x = _cast(inputs, dtype)
@@ -718,7 +721,7 @@ class Conv2dCurvature(LayerCurvature):
         grad_scale: float | Tensor = 1.0, precision: MatmulPrecision = "full",
     ) -> Tensor:
         """Return the factor ``G`` from the output gradients."""
-        if self.approx == "reduce" or _keeps_bf16(grad_output, dtype, precision):
+        if self.approx == "reduce" or keeps_bf16_rows(grad_output, dtype, precision):
             return super().g_factor(grad_output, dtype, grad_scale, precision)
         g = _cast(grad_output, dtype)
         g = g if g.dim() == 4 else g.unsqueeze(0)

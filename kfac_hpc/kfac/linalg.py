@@ -98,10 +98,11 @@ def uses_gpu_path(device: torch.device) -> bool:
 
 
 #: Device types whose statistics of few columns and many rows are summed over chunks of
-#: rows (:func:`splits_rows`): none until a GPU measures it (``benchmarks/gram_layouts.py``,
-#: the K-FAC tables' split-K column; ``gpu_profile.py --kinds split-rows``). A small
-#: ``d×d`` product of a long contraction is few output tiles, which may leave most of a
-#: GPU idle unless the GEMM library splits the contraction itself.
+#: rows (:func:`splits_rows`): none. A small ``d×d`` product of a long contraction is few
+#: output tiles, which may leave most of a GPU idle unless the GEMM library splits the
+#: contraction itself; on an H200 it did not pay (``gpu_profile.py --kinds split-rows``:
+#: ``f`` 56.2 against 56.6 ms; ``benchmarks/gram_layouts.py``' split-K column, ResNet-50's
+#: TF32 products 11.20 against 9.81 ms; benchmarks/RESULTS.md, GPU, fourth session).
 SPLIT_ROWS_DEVICES: frozenset[str] = frozenset()
 #: Rows per chunk of :func:`split_gram`.
 SPLIT_ROWS = 4096
@@ -223,7 +224,6 @@ def covariance(rows: Tensor, scale: float = 1.0, *,
         else:
             m = matmul(rows.t(), rows, precision).mul_(alpha)
         return m if gpu else torch.add(m, m.t())
-
 
 
 def stacked_covariance(rows: Tensor, scale: float = 1.0, *,

@@ -182,7 +182,6 @@ def patch_rows(x: Tensor, kernel_size: Pair, stride: Pair, dilation: Pair, pads:
     return view.reshape(b * ho * wo, c * kh * kw)
 
 
-
 def stacked_patch_rows(xs: Sequence[Tensor], kernel_size: Pair, stride: Pair, dilation: Pair,
                        pads: Pads, *, column_major: bool = False) -> Tensor:
     """Return :func:`patch_rows` of each of ``L`` same-shaped inputs, stacked: ``(L, n, d)``.

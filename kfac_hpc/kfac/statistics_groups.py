@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from kfac_hpc.kfac import linalg
-from kfac_hpc.kfac.layers import LayerCurvature
+from kfac_hpc.kfac.layers import LayerCurvature, keeps_bf16_rows
 from kfac_hpc.kfac.linalg import uses_gpu_path
 from kfac_hpc.kfac.precision import MatmulPrecision
 
@@ -58,16 +58,6 @@ GROUP_ROW_BYTES = 512 << 20
 STACKED_PRECISIONS: frozenset[str] = frozenset({"full", "tf32"})
 
 _WIDE = (torch.float32, torch.float64)
-
-
-def _bf16_rows(t: Tensor, dtype: torch.dtype | None, precision: MatmulPrecision) -> bool:
-    """Whether bf16 ``t`` (AMP) stacks as the bf16 rows of float32 factors.
-
-    As each layer's path keeps them (``layers._bf16_rows_source``): reduced-precision
-    operands, float32 factors; the product accumulates in float32.
-    """
-    return (t.dtype == torch.bfloat16 and dtype == torch.float32
-            and precision in STACKED_PRECISIONS and precision != "full")
 
 
 #: ``add(factor, value)`` of one layer's statistics (a LayerStatistics).
@@ -111,7 +101,6 @@ class StatisticsGroups:
         self._g: dict[tuple[object, ...], Group] = {}
         self._expected_g: dict[tuple[object, ...], int] = {}  # G arrivals still to come
         self._backward_seen = False  # a gradient arrived since the last forward began
-        self._held = {"A": 0, "G": 0}  # bytes of rows held, by factor
 
     @staticmethod
     def _stacks(t: Tensor, dtype: torch.dtype | None, precision: MatmulPrecision) -> bool:
@@ -120,7 +109,8 @@ class StatisticsGroups:
             return False
         if t.dtype in _WIDE:
             return (dtype is None or dtype == t.dtype) and precision in STACKED_PRECISIONS
-        return _bf16_rows(t, dtype, precision)
+        # bf16 (AMP) tensors as the bf16 rows of float32 factors, as each layer's path
+        return keeps_bf16_rows(t, dtype, precision) and precision in STACKED_PRECISIONS
 
     def hold_a(self, curvature: LayerCurvature, add: Adder, inputs: Tensor, output: Tensor,
                dtype: torch.dtype | None) -> bool:
@@ -139,7 +129,7 @@ class StatisticsGroups:
             inputs, dtype, self._precision) else None
         if how is None:
             return False
-        self._hold(self._a, "A", how.row_bytes, how.key, curvature, add, inputs.detach(), 1.0)
+        self._hold(self._a, "A", how.row_bytes, how.key, curvature, add, inputs, 1.0)
         return True
 
     def hold_g(self, curvature: LayerCurvature, add: Adder, grad: Tensor,
@@ -159,8 +149,7 @@ class StatisticsGroups:
         how = curvature.stacking("G", grad)
         if how is None or self._expected_g.get(how.key, 0) == 0:
             return False
-        self._hold(self._g, "G", how.row_bytes, how.key, curvature, add, grad.detach(),
-                   float(grad_scale))
+        self._hold(self._g, "G", how.row_bytes, how.key, curvature, add, grad, float(grad_scale))
         self._expected_g[how.key] -= 1
         if self._expected_g[how.key] == 0:
             del self._expected_g[how.key]
@@ -179,12 +168,12 @@ class StatisticsGroups:
         self._g.clear()
         self._expected_g.clear()
         self._backward_seen = False
-        self._held = {"A": 0, "G": 0}
 
     def _hold(self, groups: dict[tuple[object, ...], Group], factor: str, row_bytes: int,
               key: tuple[object, ...], curvature: LayerCurvature, add: Adder, t: Tensor,
               scale: float) -> None:
-        if self._held[factor] and self._held[factor] + row_bytes > GROUP_ROW_BYTES:
+        held = sum(group.row_bytes for group in groups.values())
+        if held and held + row_bytes > GROUP_ROW_BYTES:
             self._compute_all(groups)
         group = groups.get(key)
         if group is not None and group.scale != scale:
@@ -196,7 +185,6 @@ class StatisticsGroups:
         group.adders.append(add)
         group.tensors.append(t)
         group.row_bytes += row_bytes
-        self._held[factor] += row_bytes
 
     def _compute_all(self, groups: dict[tuple[object, ...], Group]) -> None:
         for key in list(groups):
@@ -204,14 +192,13 @@ class StatisticsGroups:
 
     def _compute(self, groups: dict[tuple[object, ...], Group], key: tuple[object, ...]) -> None:
         group = groups.pop(key)
-        self._held[group.factor] -= group.row_bytes
 
         def work() -> None:
             rows, b = group.curvature.stacked_rows(group.factor, group.tensors)
             root = b / group.scale  # G: δ = b·∂L/∂y / grad_scale, as g_factor applies it
             scale = 1.0 if group.factor == "A" else root * root
             products = linalg.stacked_covariance(rows, scale, precision=self._precision,
-                                          out_dtype=group.out_dtype)
+                                                 out_dtype=group.out_dtype)
             for i, add in enumerate(group.adders):
                 add(group.factor, products[i])
 

@@ -420,37 +420,18 @@ def test_grouped_statistics_on_the_device_equal_layer_by_layer(device, monkeypat
     with the statistics of same-shaped layers in one product each (32 for 108 factors,
     ``kfac_hpc.kfac.statistics_groups``; only on the GPU path) equal the same training
     with every factor's own product, to summation order."""
-    from kfac_hpc.kfac import linalg, statistics_groups
-    from kfac_hpc.models import Bottleneck, ResNet
+    from shared_cases import train_narrow_resnet50
 
-    def run() -> nn.Module:
-        torch.manual_seed(0)
-        stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8),
-                             nn.ReLU())
-        model = ResNet(Bottleneck, (3, 4, 6, 3), (8, 16, 32, 64), stem=stem, stem_channels=8,
-                       num_classes=10).to(device=device, dtype=torch.float64)
-        pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), damping=0.01,
-                                 inv_update_steps=2, inv_dtype=torch.float64)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        g = torch.Generator().manual_seed(5)
-        for _ in range(3):
-            x = torch.randn(4, 3, 16, 16, generator=g, dtype=torch.float64).to(device)
-            y = torch.randint(0, 10, (4,), generator=g).to(device)
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            pre.step()
-            opt.step()
-        pre.close()
-        return model
+    from kfac_hpc.kfac import linalg, statistics_groups
 
     sizes: list[int] = []
     product = linalg.stacked_covariance
     monkeypatch.setattr(linalg, "stacked_covariance",
                         lambda rows, *a, **k: sizes.append(rows.shape[0]) or product(rows, *a, **k))
-    grouped = run()
+    grouped = train_narrow_resnet50(device)
     assert len(sizes) == (3 * 32 if linalg.uses_gpu_path(device) else 0)
     monkeypatch.setattr(statistics_groups, "STACKED_PRECISIONS", frozenset())
-    alone = run()
+    alone = train_narrow_resnet50(device)
     for (name, p), q in zip(grouped.named_parameters(), alone.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=f"{name} differs")
 
