@@ -21,7 +21,9 @@ stem), 1000 classes, one fixed synthetic batch, fp32 model, one process
   statistics; ``shifts.SHIFTED_PRODUCTS_PATHS``), with long products of few columns
   summed over chunks of rows (``linalg.SPLIT_ROWS_DEVICES``), with every layer's
   statistics by its own product (``layer-by-layer``: no groups of same-shaped layers,
-  ``statistics_groups.STACKED_PRECISIONS`` empty) and for ``kfac_approx="reduce"``;
+  ``statistics_groups.STACKED_PRECISIONS`` empty), with the preconditioning captured as a
+  CUDA graph (``graphs``: ``cuda_graphs=True``; each ``fi`` captures it, its ``f`` and
+  ``p`` replay it) and for ``kfac_approx="reduce"``;
   the schedules (1,10) = (fi + 9f)/10 and (10,100) = (fi + 9f + 90p)/100 composed from
   them, and the ratios to SGD.
 * ``schedule``: mean ms per iteration over two whole inverse periods of a real schedule
@@ -181,6 +183,8 @@ KIND_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "shifts-full": (SHIFTS_LABELS[1], {"stats_precision": "full"}),
     "split-rows": (SPLIT_ROWS_LABEL, {"stats_precision": "tf32"}),
     "layer-by-layer": (LAYER_BY_LAYER_LABEL, {"stats_precision": "tf32"}),
+    # the stale part of the step as a CUDA graph: captured at each fi, replayed by f and p
+    "graphs": ("cuda_graphs", {"stats_precision": "tf32", "cuda_graphs": True}),
     "reduce": ("reduce, auto", {"kfac_approx": "reduce"}),
     # cheaper inverse updates: warm-started eigenbases, randomized low rank, inverses
     "subspace": ("eigen_refresh subspace", {"eigen_refresh": "subspace"}),
@@ -201,6 +205,9 @@ def kinds_section(device: torch.device, batch: tuple[Tensor, Tensor], args: argp
     default_split = linalg.SPLIT_ROWS_DEVICES
     default_stacked = statistics_groups.STACKED_PRECISIONS
     for label, kfac in configs:
+        if kfac is not None and kfac.get("cuda_graphs") and device.type != "cuda":
+            print(f"{label}: CUDA graphs need a CUDA device; skipped", flush=True)
+            continue
         statistics_groups.STACKED_PRECISIONS = (frozenset() if label == LAYER_BY_LAYER_LABEL
                                                 else default_stacked)
         linalg.SPLIT_ROWS_DEVICES = (default_split | {device.type} if label == SPLIT_ROWS_LABEL

@@ -9,7 +9,8 @@ last step - wall time at step warmup)``. The first steps (cuDNN autotuning, the 
 inverse update, allocator growth) are thereby left out, the steady state is measured
 with the driver's own loop, data pipeline and defaults.
 
-Configurations (``--configs``, comma-separated; default all but the AMP ones on a CPU):
+Configurations (``--configs``, comma-separated; default all but the AMP and graph ones on
+a CPU):
 
 * ``sgd``, ``adamw``: the baselines (``--preconditioner none``);
 * ``kfac``: K-FAC with the driver's defaults (for ResNet-50 factors every 10 steps and
@@ -18,6 +19,7 @@ Configurations (``--configs``, comma-separated; default all but the AMP ones on 
 * ``kfac-1-10``: factors every step, inverses every 10;
 * ``kfac-10-100``: factors every 10 steps, inverses every 100;
 * ``kfac-lag``: the defaults with ``--kfac-decomposition-lag 5``;
+* ``kfac-graphs`` (CUDA only): the defaults with ``--kfac-cuda-graphs``;
 * ``shampoo``: DistributedShampoo with the driver's defaults;
 * ``sgd-amp``, ``kfac-amp``: the same with ``--amp --amp-dtype bfloat16``.
 
@@ -54,6 +56,7 @@ CONFIGS: dict[str, list[str]] = {
     "kfac-10-100": ["--optimizer", "sgd", "--factor-update-steps", "10",
                     "--inv-update-steps", "100"],
     "kfac-lag": ["--optimizer", "sgd", "--kfac-decomposition-lag", "5"],
+    "kfac-graphs": ["--optimizer", "sgd", "--kfac-cuda-graphs"],
     "shampoo": ["--preconditioner", "none", "--optimizer", "shampoo"],
     "sgd-amp": ["--preconditioner", "none", "--optimizer", "sgd", "--amp",
                 "--amp-dtype", "bfloat16"],
@@ -112,7 +115,8 @@ def main() -> None:
                    help="steps left out of the timing (also the interval of the step records "
                         "and of the reads: a record's wall_time is its read's)")
     p.add_argument("--configs", default=None,
-                   help=f"comma-separated, of {', '.join(CONFIGS)} (default: all; no AMP on a CPU)")
+                   help=f"comma-separated, of {', '.join(CONFIGS)} (default: all; no AMP or graphs "
+                   "on a CPU)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per configuration")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                    help="further kfac-hpc train arguments for every configuration (last)")
@@ -123,10 +127,13 @@ def main() -> None:
         p.error("need 0 < --warmup < --steps with --steps a multiple of --warmup "
                 "(step records are written every --warmup steps)")
     names = (args.configs.split(",") if args.configs else
-             [n for n in CONFIGS if args.device != "cpu" or not n.endswith("-amp")])
+             [n for n in CONFIGS if args.device != "cpu" or not n.endswith(("-amp", "-graphs"))])
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         p.error(f"unknown configuration(s) {unknown}; known: {', '.join(CONFIGS)}")
+    if args.device == "cpu" and any(n.endswith("-graphs") for n in names):
+        print("kfac-graphs: CUDA graphs need --device cuda; skipped")
+        names = [n for n in names if not n.endswith("-graphs")]
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="train_throughput_") as tmp:
         for name in names:

@@ -1,7 +1,8 @@
 """Head-to-head against KAISA (gpauloski/kfac-pytorch): iteration time, bytes, memory.
 
     launch/local -n P python benchmarks/vs_kaisa.py [--models mlp cnn resnet20 resnet50]
-        [--device cpu|cuda] [--configs sgd kfac_hpc kfac_hpc-reduce kfac_hpc-subspace kaisa]
+        [--device cpu|cuda]
+        [--configs sgd kfac_hpc kfac_hpc-reduce kfac_hpc-subspace kfac_hpc-graphs kaisa]
         [--timing schedule|kinds] [--rounds 20] [--warmup 2] [--batch 32]
         [--image-size S] [--factor-steps 1] [--inv-steps 10] [--damping 0.003] [--lr 0.1]
         [--threads T] [--clock wall|cpu] [--max-seconds S] [--factor-warmup N [N ...]]
@@ -34,10 +35,13 @@ Configurations (``--configs``; each has its own copy of the model, same initial 
   with positions: convolutions).
 * ``kfac_hpc-subspace``: ``kfac_hpc`` with ``eigen_refresh="subspace"`` (eigenbases after
   the first renewed by one subspace-iteration step from the previous ones).
+* ``kfac_hpc-graphs`` (CUDA only): ``kfac_hpc`` with ``cuda_graphs=True`` (the
+  preconditioning captured as a CUDA graph at each inverse update and replayed until
+  the next).
 * ``kaisa``: KAISA's ``KFACPreconditioner``, eigen, COMM-OPT (``grad_worker_fraction=1.0``).
 
 Default: ``kfac_hpc kaisa`` with ``--timing schedule``, every one but
-``kfac_hpc-subspace`` with ``--timing kinds``.
+``kfac_hpc-subspace`` and ``kfac_hpc-graphs`` with ``--timing kinds``.
 The same model (same initial weights), the same fixed synthetic batch per rank, the same
 hyper-parameters (``damping``, ``factor_decay`` 0.95, ``kl_clip`` 0.001, ``lr``,
 eigendecomposition, fp32) and the same ranks go to every library. An iteration is
@@ -234,17 +238,20 @@ from kfac_hpc.units import format_bytes
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 
-CONFIGS = ("sgd", "kfac_hpc", "kfac_hpc-reduce", "kfac_hpc-subspace", "kaisa")
+CONFIGS = ("sgd", "kfac_hpc", "kfac_hpc-reduce", "kfac_hpc-subspace", "kfac_hpc-graphs",
+           "kaisa")
 LEGACY_CONFIGS = ("kfac_hpc", "kaisa")  # the default with --timing schedule
 KINDS_CONFIGS = ("sgd", "kfac_hpc", "kfac_hpc-reduce", "kaisa")  # the default with kinds
 #: kfac_hpc's configurations other than the plain one: their table label and options
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "kfac_hpc-reduce": ("reduce", {"kfac_approx": "reduce"}),
     "kfac_hpc-subspace": ("subspace", {"eigen_refresh": "subspace"}),
+    "kfac_hpc-graphs": ("graphs", {"cuda_graphs": True}),
 }
 #: labels in tables and JSON keys ("kfac_hpc" and "KAISA" as before the configurations)
 LABELS = {"sgd": "SGD", "kfac_hpc": "kfac_hpc", "kfac_hpc-reduce": "kfac_hpc-reduce",
-          "kfac_hpc-subspace": "kfac_hpc-subspace", "kaisa": "KAISA"}
+          "kfac_hpc-subspace": "kfac_hpc-subspace", "kfac_hpc-graphs": "kfac_hpc-graphs",
+          "kaisa": "KAISA"}
 KINDS = ("fi", "f", "p")
 ITERATION = "it"  # the one kind of SGD, and of every configuration with --timing schedule
 SCHEDULES = ((1, 10), (10, 100))
@@ -978,6 +985,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.configs is None:
         args.configs = list(KINDS_CONFIGS if args.timing == "kinds" else LEGACY_CONFIGS)
     args.configs = [c for c in CONFIGS if c in args.configs]  # fixed order, no repeats
+    if not cuda and "kfac_hpc-graphs" in args.configs:
+        print("kfac_hpc-graphs: CUDA graphs need --device cuda; skipped", flush=True)
+        args.configs.remove("kfac_hpc-graphs")
     if cuda and args.clock == "cpu":
         ap.error("--clock cpu measures host CPU time: not GPU work; use --clock wall")
     if args.rounds < 1 or args.warmup < 0:

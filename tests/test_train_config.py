@@ -69,6 +69,7 @@ def test_the_update_schedule_defaults_by_model(model: str, steps: tuple[int, int
         ({"target_accuracy": 95}, "fraction in (0, 1]"),
         ({"amp": True}, "--amp: mixed precision needs a CUDA device"),
         ({"device": "cuda"}, "no CUDA device"),
+        ({"kfac_cuda_graphs": True}, "--kfac-cuda-graphs: CUDA graphs need a CUDA device"),
         ({"checkpoint_every_steps": 10}, "needs --checkpoint-dir"),
         ({"kl_clip": 0.0}, "--kl-clip: must be > 0"),
         ({"kfac_approx": "exact"}, "--kfac-approx: unknown value 'exact'"),

@@ -100,6 +100,7 @@ class KFACConfig:
     precondition_precision: PrecisionOption = "auto"
     host_decomposition_max_dim: int = DEFAULT_HOST_MAX_DIM
     decomposition_streams: int | None = None
+    cuda_graphs: bool = False
 
     @property
     def solve_placement(self) -> SolvePlacement:
@@ -147,6 +148,8 @@ class KFACConfig:
             raise ValueError(f"{problems[0].option} {problems[0].text()}")
         self._check_rank_fits()
         self.solve_placement  # noqa: B018 (validates both options)
+        if not isinstance(self.cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
         if isinstance(self.skip_layers, str):
@@ -234,6 +237,7 @@ class KFACConfig:
                 "eigen_refresh": self.eigen_refresh,
                 "host_decomposition_max_dim": self.host_decomposition_max_dim,
                 "decomposition_streams": self.decomposition_streams,
+                "cuda_graphs": self.cuda_graphs,
                 "stats_precision": stats_precision,
                 "precondition_precision": precondition_precision,
                 "accumulation_steps": self.accumulation_steps, "world_size": world_size,

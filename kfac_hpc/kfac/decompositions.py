@@ -69,6 +69,9 @@ class Decompositions:
         # by stack of layers: the stacked solve, or None where they are not stacked
         self._stacks: dict[tuple[str, ...], StackedSolve | None] = {}
         self.decomposed_at: int | None = None  # the step of the last installation
+        # counts the replacements of the decompositions held (and of the solves built
+        # from them): a captured step (kfac_hpc.kfac.step_graph) is valid while it stays
+        self.generation = 0
         self.restored: dict[PieceKey, Tensor] | None = None  # loaded (owned), to restore
         self.phase_timer: PhaseTimer | None = None  # times the decomposition phases
 
@@ -84,9 +87,10 @@ class Decompositions:
         self._forget_solves()
 
     def _forget_solves(self) -> None:
-        """Drop what was built from the decompositions held before."""
+        """Drop what was built from the decompositions held before (a new generation)."""
         self._solves.clear()
         self._stacks.clear()
+        self.generation += 1
 
     def solve(self, layer: str, damping: float) -> LayerSolve | None:
         """Return what preconditions ``layer`` with the held decompositions and ``damping``.

@@ -730,7 +730,8 @@ def kl_clip_from_inner(total: Tensor | None, lr: float, kl_clip: float | None) -
     return min(1.0, math.sqrt(kl_clip / denom))
 
 
-def kl_clip_factor(total: Tensor, lr: float, kl_clip: float) -> float | Tensor:
+def kl_clip_factor(total: Tensor, lr: float | Tensor, kl_clip: float | Tensor
+                   ) -> float | Tensor:
     """Return ν of :func:`kl_clip_from_inner`, left on the device on the GPU path.
 
     On the CPU path (:func:`uses_gpu_path`) this is :func:`kl_clip_from_inner` (a
@@ -740,6 +741,10 @@ def kl_clip_factor(total: Tensor, lr: float, kl_clip: float) -> float | Tensor:
     reading ``total`` back: no host sync stalls the step. Every operation there is a
     float64 ``*``, ``/``, ``sqrt`` (correctly rounded on CUDA) or a comparison, so ν
     equals the host's value.
+
+    ``lr`` and ``kl_clip`` may be 0-dim float64 tensors on the device (a captured step
+    reads them there, :mod:`kfac_hpc.kfac.step_graph`): ``lr·lr`` and every later
+    operation are then the same float64 operations on the device, so ν is the same.
 
     Args:
         total: ``Σ ⟨V, ∇W̄⟩`` (0-dim, float64).
@@ -752,13 +757,14 @@ def kl_clip_factor(total: Tensor, lr: float, kl_clip: float) -> float | Tensor:
         on the GPU path.
     """
     if not uses_gpu_path(total.device):
-        return kl_clip_from_inner(total, lr, kl_clip)
-    if kl_clip < 0:
+        return kl_clip_from_inner(total, float(lr), float(kl_clip))
+    if not isinstance(kl_clip, Tensor) and kl_clip < 0:
         raise ValueError(f"kl_clip must be >= 0, got {kl_clip}")
     denom = (total.to(torch.float64) * (lr * lr)).abs()
     usable = (denom != 0.0) & denom.isfinite()
     one = torch.ones((), dtype=torch.float64, device=total.device)
-    kappa = torch.full((), kl_clip, dtype=torch.float64, device=total.device)
+    kappa = kl_clip if isinstance(kl_clip, Tensor) else torch.full(
+        (), kl_clip, dtype=torch.float64, device=total.device)
     # a tensor numerator: Python's ``kl_clip / denom`` is ``reciprocal(denom) * kl_clip``
     nu = torch.div(kappa, torch.where(usable, denom, one)).sqrt().clamp(max=1.0)
     return torch.where(usable, nu, one)

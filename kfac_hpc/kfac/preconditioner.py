@@ -87,6 +87,7 @@ from kfac_hpc.kfac.placement import (
 from kfac_hpc.kfac.shapes import rows_per_sample
 from kfac_hpc.kfac.stacked import Stack, stack_grads, stack_groups, write_grads
 from kfac_hpc.kfac.state import KFACStateDict
+from kfac_hpc.kfac.step_graph import GraphKey, StepGraph
 from kfac_hpc.phases import Phase, PhaseTimer, timed
 from kfac_hpc.solves import DEFAULT_HOST_MAX_DIM
 
@@ -159,6 +160,7 @@ class KFACPreconditioner:
         precondition_precision: PrecisionOption = "auto",
         host_decomposition_max_dim: int = DEFAULT_HOST_MAX_DIM,
         decomposition_streams: int | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         """Register ``model``'s layers, place their factors and build the parts.
 
@@ -214,6 +216,10 @@ class KFACPreconditioner:
                 default: 8, measured fastest on an H200, or the cores this process may
                 run on when fewer; 1: the calling thread's stream; the same results
                 either way; ``kfac_hpc.solves``).
+            cuda_graphs: On CUDA, capture the preconditioning, KL clip and writes to
+                ``.grad`` as a CUDA graph between inverse updates and replay it (the same
+                results; :mod:`kfac_hpc.kfac.step_graph`). Where preconditioned gradients
+                are exchanged between ranks the step runs without one.
 
         Raises:
             ValueError: An option, or a combination of options, is invalid (the message
@@ -253,7 +259,7 @@ class KFACPreconditioner:
             decomposition_lag=decomposition_lag, eigen_refresh=eigen_refresh,
             stats_precision=stats_precision, precondition_precision=precondition_precision,
             host_decomposition_max_dim=host_decomposition_max_dim,
-            decomposition_streams=decomposition_streams)
+            decomposition_streams=decomposition_streams, cuda_graphs=cuda_graphs)
         cfg = self.options
         self.comm = comm if comm is not None else world()
         self.schedules = cfg.schedules
@@ -296,6 +302,7 @@ class KFACPreconditioner:
         self.replica_exchange = ReplicaExchange(self.worker_comm, self.placement, self.dims,
                                                 self.comm.rank)
         self.stack_groups = self._stack_groups()
+        self.step_graph = self._step_graph()
 
     def _factor_parts(self) -> tuple[FactorStore, FactorPipeline | None, FactorUpdate]:
         """Build the factor side: the store, ``overlap``'s pipeline, the factor update."""
@@ -410,17 +417,80 @@ class KFACPreconditioner:
             self._update_factors(k)
         self._renew_decompositions(k)
         try:
-            mine, stacks = self._precondition_my_layers(k)
-            updates = self.gradient_exchange.share(mine)
+            write = self._precondition(k)
         except BaseException:
             if folds_last:  # the step is not applied
                 self.factor_update.discard()
             raise
         if folds_last:
             self._update_factors(k)
-        # the stacks are this step's updates themselves unless the exchange copied them
-        self._apply(updates, () if self.gradient_exchange.needed else stacks, k)
+        write()
         self.steps += 1
+
+    def _precondition(self, k: int) -> Callable[[], None]:
+        """Precondition, share and clip the gradients; return what writes them to ``.grad``.
+
+        From the step's graph where it replays (the results wait in its buffers), else
+        eagerly.
+        """
+        lr = self.schedules.lr(k)
+        kl_clip = None if self.schedules.kl_clip is None else self.schedules.kl_clip(k)
+        if self.step_graph is not None and self._replayed(k, lr, kl_clip):
+            return self.step_graph.write_out
+        mine, stacks = self._precondition_my_layers(k)
+        updates = self.gradient_exchange.share(mine)
+        # the stacks are this step's updates themselves unless the exchange copied them
+        return partial(self._apply, updates, () if self.gradient_exchange.needed else stacks,
+                       lr, kl_clip)
+
+    # ------------------------------------------------------------- step graph
+    def _step_graph(self) -> StepGraph | None:
+        """The step's graph with ``cuda_graphs`` (none where gradients are exchanged)."""
+        if not self.options.cuda_graphs:
+            return None
+        graph = StepGraph(self.device)  # raises off CUDA
+        if self.gradient_exchange.needed:
+            log.warning("cuda_graphs: preconditioned gradients are exchanged between ranks "
+                        "(%s with %d gradient workers per layer), so K-FAC's steps run without "
+                        "a graph", self.options.strategy, self.placement.grad_workers)
+            return None
+        return graph
+
+    @timed(Phase.KFAC_PRECONDITION)
+    def _replayed(self, k: int, lr: float, kl_clip: float | None) -> bool:
+        """Run the step's preconditioning from its graph if it may (results in its buffers).
+
+        The key (:class:`~kfac_hpc.kfac.step_graph.GraphKey`): the decompositions'
+        generation, the damping, which layer parameters have a gradient (in model
+        order) and whether the KL clip is on. A layer with a weight gradient but none
+        for its bias runs eagerly (the step creates the bias's ``.grad``).
+        """
+        graph = self.step_graph
+        assert graph is not None
+        candidates: list[Tensor] = []
+        for curv in self.layers.values():
+            own = list(curv.module.parameters(recurse=False))
+            if curv.module.weight.grad is not None and any(p.grad is None for p in own):
+                return False
+            candidates += own
+        key = GraphKey(self.decomps.generation, float(self.schedules.damping(k)),
+                       tuple(None if p.grad is None else p.grad.dtype for p in candidates),
+                       kl_clip is not None)
+        return graph.run(key, [p for p in candidates if p.grad is not None],
+                         partial(self._graph_body, k), lr, kl_clip)
+
+    def _graph_body(self, k: int, lr: Tensor, kl_clip: Tensor | None) -> None:
+        """The captured work: precondition, clip and write to ``.grad`` (untimed)."""
+        timer = self._phase_timer
+        enabled = timer is not None and timer.enabled
+        if timer is not None:
+            timer.enabled = False  # its device synchronisations cannot be captured
+        try:
+            mine, stacks = self._precondition_my_layers(k)
+            self._apply(mine, stacks, lr, kl_clip)
+        finally:
+            if timer is not None:
+                timer.enabled = enabled
 
     def _update_factors(self, k: int) -> None:
         self.factor_update.update(k, self.schedules.factor_decay(k))
@@ -495,7 +565,8 @@ class KFACPreconditioner:
         return ({name: out[name] for name in self.layers if name in out} if stacks else out,
                 stacks)
 
-    def _apply(self, updates: Mapping[str, Tensor], stacks: Iterable[Stack], k: int) -> None:
+    def _apply(self, updates: Mapping[str, Tensor], stacks: Iterable[Stack],
+               lr: float | Tensor, kl_clip: float | Tensor | None) -> None:
         """Clip by KL and write the preconditioned gradients to ``.grad``.
 
         Every rank scales all preconditioned gradients by the same ν
@@ -503,10 +574,15 @@ class KFACPreconditioner:
         the device, no host sync; one multi-tensor multiply) and writes them to ``.grad``
         (one multi-tensor copy). ``Σ ⟨V, ∇W̄⟩`` is one float64 product and sum per
         stack (``stacks``: of this step's ``updates``), one per layer elsewhere.
+
+        Args:
+            updates: The preconditioned gradients by layer.
+            stacks: The stacks ``updates`` are views of.
+            lr: The step's learning rate (a device tensor in a captured step).
+            kl_clip: The step's KL bound (likewise), or ``None``: no clipping.
         """
         stacks = list(stacks)
         of_stack = {name: i for i, stack in enumerate(stacks) for name in stack.layers}
-        kl_clip = None if self.schedules.kl_clip is None else self.schedules.kl_clip(k)
         inner: Tensor | None = None  # Σ ⟨V, ∇W̄⟩ in float64, read from .grad directly
         if kl_clip is not None:
             counted: set[int] = set()  # the stacks summed (at their first layer)
@@ -520,7 +596,7 @@ class KFACPreconditioner:
                 if term is not None:
                     inner = term if inner is None else inner + term
         if inner is not None and kl_clip is not None:
-            nu = linalg.kl_clip_factor(inner, self.schedules.lr(k), kl_clip)
+            nu = linalg.kl_clip_factor(inner, lr, kl_clip)
             if isinstance(nu, Tensor) or nu != 1.0:
                 linalg.scale_in_place([s.values for s in stacks] + [
                     v for name, v in updates.items() if name not in of_stack], nu)

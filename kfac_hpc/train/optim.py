@@ -216,6 +216,7 @@ def build_preconditioner(cfg: TrainConfig, model: nn.Module, comm: Communicator,
                                       cfg.kfac_precondition_precision, PRECISION_OPTIONS),
         host_decomposition_max_dim=cfg.host_decomposition_max_dim,
         decomposition_streams=cfg.decomposition_streams,
+        cuda_graphs=cfg.kfac_cuda_graphs,
     )
 
 

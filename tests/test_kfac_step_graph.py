@@ -1,0 +1,268 @@
+"""K-FAC's captured step (``cuda_graphs``), its plumbing checked on the CPU.
+
+A CUDA graph cannot be captured here, so these tests give the step's
+:class:`~kfac_hpc.kfac.step_graph.StepGraph` the stand-in
+:class:`~kfac_hpc.kfac.step_graph.EagerGraph`, which "replays" by running the captured
+work again, with the GPU path and the stacks forced on CPU tensors (as on CUDA: the KL
+clip's ν stays a device tensor, the layers of one shape are one stack). What is checked
+is everything around the graph: the gradients copied into the static buffers and back,
+``.grad`` pointing at the buffers only while capturing, the learning rate and the KL bound
+read from tensors, when a key captures, replays or runs eagerly, and that the results
+are those of the eager step, bit for bit. That a real graph replays the same kernels is
+checked on a GPU (tests/gpu/test_kfac_gpu.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from mpi4py import MPI
+from torch import Tensor, nn
+
+from kfac_hpc import KFACPreconditioner
+from kfac_hpc.comm import Communicator
+from kfac_hpc.kfac import layers, linalg, stacked, statistics_groups, step_graph
+from kfac_hpc.kfac.step_graph import EagerGraph, StepGraph
+
+STEPS = 8
+
+
+@pytest.fixture
+def gpu_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every device takes the GPU path, with stacks, while the test runs."""
+    for module in (linalg, layers, statistics_groups):
+        monkeypatch.setattr(module, "uses_gpu_path", lambda device: True)
+    monkeypatch.setattr(stacked, "STACKED_DEVICES", frozenset({"cpu"}))
+    yield
+
+
+class Net(nn.Module):
+    """Three same-shaped convolutions (one stack), a convolution and a biased Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Conv2d(3, 6, 3, padding=1)
+        self.body = nn.Sequential(*(nn.Conv2d(6, 6, 3, padding=1, bias=False)
+                                    for _ in range(3)))
+        self.head = nn.Linear(6, 5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.relu(self.stem(x))
+        for conv in self.body:
+            h = torch.relu(conv(h)) + h
+        return self.head(h.mean(dim=(2, 3)))
+
+
+def batches(n: int) -> list[tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(4, 3, 6, 6, generator=g, dtype=torch.float64),
+             torch.randint(0, 5, (4,), generator=g)) for _ in range(n)]
+
+
+Hook = Callable[[int, nn.Module, KFACPreconditioner], None]
+
+
+def train(graphed: bool, *, steps: int = STEPS, before_step: Hook | None = None,
+          graph_type: Any = EagerGraph, **options: Any
+          ) -> tuple[list[dict[str, Tensor]], KFACPreconditioner]:
+    """Train :class:`Net` in float64; every step's gradients after ``pre.step()``.
+
+    Each step must leave every ``.grad`` that backward made the same tensor.
+    """
+    model = Net().double()
+    settings: dict[str, Any] = dict(damping=0.01, lr=lambda k: 0.1 / (1 + k), kl_clip=1e-3,
+                                    inv_update_steps=3, factor_dtype=torch.float64,
+                                    inv_dtype=torch.float64)
+    settings.update(options)
+    settings.setdefault("comm", Communicator(MPI.COMM_SELF))
+    pre = KFACPreconditioner(model, **settings)
+    if graphed:
+        pre.step_graph = StepGraph(pre.device, graph_type)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    grads = []
+    for k, (x, y) in enumerate(batches(steps)):
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        if before_step is not None:
+            before_step(k, model, pre)
+        made = [p.grad for p in model.parameters()]
+        pre.step()
+        assert all(g is None or p.grad is g for p, g in zip(model.parameters(), made)), k
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()
+                      if p.grad is not None})
+        opt.step()
+    pre.close()
+    return grads, pre
+
+
+def assert_same(a: list[dict[str, Tensor]], b: list[dict[str, Tensor]]) -> None:
+    assert len(a) == len(b)
+    for k, (ga, gb) in enumerate(zip(a, b)):
+        assert ga.keys() == gb.keys(), k
+        for name in ga:
+            assert torch.equal(ga[name], gb[name]), (k, name)
+
+
+def test_graphed_steps_equal_eager_steps(gpu_path: None) -> None:
+    """Decompositions renewed at steps 0, 3 and 6: each of those steps captures, and it
+    and the steps up to the next replay (all 8), with a learning rate that changes at every
+    step (read by the KL clip from its tensor)."""
+    eager, _ = train(False)
+    graphed, pre = train(True)
+    assert_same(graphed, eager)
+    graph = pre.step_graph
+    assert graph is not None
+    assert (graph.captures, graph.replays) == (3, 8)
+    assert pre.stack_groups, "the network has a stack"
+
+
+def test_with_decompositions_in_the_background(gpu_path: None) -> None:
+    """With ``decomposition_lag`` the renewals started at steps 3 and 6 are installed a
+    step later (computed in a worker thread meanwhile): steps 0, 4 and 7 capture."""
+    eager, _ = train(False, decomposition_lag=1)
+    graphed, pre = train(True, decomposition_lag=1)
+    assert_same(graphed, eager)
+    assert pre.step_graph is not None
+    assert (pre.step_graph.captures, pre.step_graph.replays) == (3, 8)
+
+
+def test_without_kl_clip(gpu_path: None) -> None:
+    eager, _ = train(False, kl_clip=None)
+    graphed, pre = train(True, kl_clip=None)
+    assert_same(graphed, eager)
+    assert pre.step_graph is not None and pre.step_graph.replays == 8
+
+
+def test_a_key_that_changes_at_every_step_never_captures(gpu_path: None) -> None:
+    """A damping of every step changes the key at every step: step 0 captures; its graph
+    serves no later step, so the next keys wait to repeat, and never do: eager from step 1."""
+    eager, _ = train(False, damping=lambda k: 0.01 * (1 + k))
+    graphed, pre = train(True, damping=lambda k: 0.01 * (1 + k))
+    assert_same(graphed, eager)
+    assert pre.step_graph is not None
+    assert (pre.step_graph.captures, pre.step_graph.replays) == (1, 1)
+
+
+def test_a_layer_without_gradient_changes_the_key(gpu_path: None) -> None:
+    """At step 2 the head has no gradient: a new key, captured; step 3 renews the
+    decompositions, a new key again while step 2's graph served no later step, so step 3
+    runs eagerly and step 4 captures; step 6 captures (step 4's graph served step 5)."""
+    def drop_head(k: int, model: nn.Module, pre: KFACPreconditioner) -> None:
+        if k == 2:
+            model.head.weight.grad = None  # type: ignore[union-attr]
+            model.head.bias.grad = None  # type: ignore[union-attr]
+
+    eager, _ = train(False, before_step=drop_head)
+    graphed, pre = train(True, before_step=drop_head)
+    assert_same(graphed, eager)
+    assert pre.step_graph is not None
+    assert (pre.step_graph.captures, pre.step_graph.replays) == (4, 7)  # all but step 3
+
+
+def test_a_bias_without_gradient_runs_eagerly(gpu_path: None) -> None:
+    """At step 1 the head's bias has no gradient but its weight has: the step creates the
+    bias's ``.grad`` (as eagerly), so it runs eagerly, and step 2 captures anew."""
+    def drop_bias(k: int, model: nn.Module, pre: KFACPreconditioner) -> None:
+        if k == 1:
+            model.head.bias.grad = None  # type: ignore[union-attr]
+
+    eager, _ = train(False, before_step=drop_bias)
+    graphed, pre = train(True, before_step=drop_bias)
+    assert_same(graphed, eager)
+    assert "head.bias" in graphed[1]
+    assert pre.step_graph is not None
+    assert (pre.step_graph.captures, pre.step_graph.replays) == (3, 7)  # all but step 1
+
+
+def test_capture_failure_warns_and_runs_eagerly(gpu_path: None) -> None:
+    class Failing(EagerGraph):
+        def capture(self, work: Callable[[], None]) -> None:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    eager, _ = train(False)
+    with pytest.warns(RuntimeWarning, match="not permitted when stream is capturing"):
+        graphed, pre = train(True, graph_type=Failing)
+    assert_same(graphed, eager)
+    graph = pre.step_graph
+    assert graph is not None and graph.disabled is not None
+    assert (graph.captures, graph.replays) == (0, 0)
+
+
+def test_a_fold_that_fails_after_a_replay_leaves_grad_untouched(
+        gpu_path: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between inverse updates the factors fold after preconditioning; when that fold
+    raises, ``.grad`` keeps backward's gradients: the replay's results stay in its buffers."""
+    before: dict[str, Tensor] = {}
+    models: list[nn.Module] = []
+
+    def fail_at_2(k: int, model: nn.Module, pre: KFACPreconditioner) -> None:
+        models[:] = [model]
+        if k == 2:
+            before.update((n, p.grad.clone()) for n, p in model.named_parameters())
+
+            def raises(*args: Any) -> None:
+                raise RuntimeError("injected fold failure")
+
+            monkeypatch.setattr(pre, "_update_factors", raises)
+
+    with pytest.raises(RuntimeError, match="injected fold failure"):
+        train(True, before_step=fail_at_2)
+    for name, p in models[0].named_parameters():
+        assert torch.equal(p.grad, before[name]), name
+
+
+def test_cuda_graphs_need_a_cuda_model() -> None:
+    with pytest.raises(ValueError, match="cuda_graphs=True needs the model on a CUDA device"):
+        KFACPreconditioner(Net(), comm=Communicator(MPI.COMM_SELF), cuda_graphs=True)
+    with pytest.raises(TypeError, match="cuda_graphs must be True or False"):
+        KFACPreconditioner(Net(), comm=Communicator(MPI.COMM_SELF),
+                           cuda_graphs="yes")  # type: ignore[arg-type]
+
+
+def test_kl_clip_factor_reads_tensors_as_floats(gpu_path: None) -> None:
+    """ν from 0-dim float64 tensors of lr and κ equals ν from Python floats, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    for total in torch.randn(20, generator=g, dtype=torch.float64).abs() * 10.0 ** torch.arange(
+            -6, 14, dtype=torch.float64):
+        for lr, kappa in ((0.1, 1e-3), (0.037, 2.5e-4), (1.3, 1e-2)):
+            from_floats = linalg.kl_clip_factor(total, lr, kappa)
+            from_tensors = linalg.kl_clip_factor(
+                total, torch.tensor(lr, dtype=torch.float64),
+                torch.tensor(kappa, dtype=torch.float64))
+            assert isinstance(from_floats, Tensor) and isinstance(from_tensors, Tensor)
+            assert torch.equal(from_floats, from_tensors), (float(total), lr, kappa)
+
+
+def test_step_graph_refuses_a_cpu_device_by_default() -> None:
+    assert not step_graph.supported(torch.device("cpu"))
+    with pytest.raises(ValueError, match="CUDA device"):
+        StepGraph(torch.device("cpu"))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_two_ranks_graphed_equal_eager(comm: Communicator, gpu_path: None) -> None:
+    """comm-opt on two ranks: every rank preconditions every layer (nothing exchanged
+    between preconditioning and the clip), so the step replays; the same gradients."""
+    eager, _ = train(False, comm=comm)
+    graphed, pre = train(True, comm=comm)
+    assert_same(graphed, eager)
+    assert pre.step_graph is not None and pre.step_graph.replays == STEPS
+
+
+@pytest.mark.mpi(min_size=2)
+def test_exchanged_gradients_run_without_graph(comm: Communicator, gpu_path: None,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    """mem-opt: each layer's gradient worker sends its preconditioned gradient to the
+    others before the clip, so ``cuda_graphs`` leaves the steps eager, and says so."""
+    monkeypatch.setattr(step_graph, "supported", lambda device: True)
+    with caplog.at_level("WARNING", logger="kfac_hpc"):
+        pre = KFACPreconditioner(Net().double(), comm=comm, strategy="mem-opt",
+                                 cuda_graphs=True)
+    assert pre.step_graph is None
+    assert "run without a graph" in caplog.text
+    pre.close()
