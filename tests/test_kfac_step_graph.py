@@ -1,15 +1,16 @@
 """K-FAC's captured step (``cuda_graphs``), its plumbing checked on the CPU.
 
 A CUDA graph cannot be captured here, so these tests give the step's
-:class:`~kfac_hpc.kfac.step_graph.StepGraph` the stand-in
-:class:`~kfac_hpc.kfac.step_graph.EagerGraph`, which "replays" by running the captured
-work again, with the GPU path and the stacks forced on CPU tensors (as on CUDA: the KL
-clip's ν stays a device tensor, the layers of one shape are one stack). What is checked
-is everything around the graph: the gradients copied into the static buffers and back,
-``.grad`` pointing at the buffers only while capturing, the learning rate and the KL bound
-read from tensors, when a key captures, replays or runs eagerly, and that the results
-are those of the eager step, bit for bit. That a real graph replays the same kernels is
-checked on a GPU (tests/gpu/test_kfac_gpu.py).
+:class:`~kfac_hpc.kfac.step_graph.StepGraph` the recorder of
+:mod:`recorded_graph`, which replays the captured ATen operators on the same tensors
+with the same scalars and runs no Python, as a CUDA graph does, with the GPU path and
+the stacks forced on CPU tensors (as on CUDA: the KL clip's ν stays a device tensor, the
+layers of one shape are one stack). What is checked: the gradients copied into the
+static buffers and back, ``.grad`` pointing at the buffers only while capturing, the
+learning rate and the KL bound read from tensors (a value taken from Python at each step
+would replay as captured), no host read in the captured work, when a key captures,
+replays or runs eagerly, and that the results are the eager step's, bit for bit. That
+CUDA replays the same kernels is checked on a GPU (tests/gpu/test_step_graph_gpu.py).
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from typing import Any
 import pytest
 import torch
 from mpi4py import MPI
+from recorded_graph import RecordedGraph
 from torch import Tensor, nn
 
 from kfac_hpc import KFACPreconditioner
 from kfac_hpc.comm import Communicator
 from kfac_hpc.kfac import layers, linalg, stacked, statistics_groups, step_graph
-from kfac_hpc.kfac.step_graph import EagerGraph, StepGraph
+from kfac_hpc.kfac.step_graph import StepGraph
 
 STEPS = 8
 
@@ -67,7 +69,7 @@ Hook = Callable[[int, nn.Module, KFACPreconditioner], None]
 
 
 def train(graphed: bool, *, steps: int = STEPS, before_step: Hook | None = None,
-          graph_type: Any = EagerGraph, **options: Any
+          graph_type: Any = RecordedGraph, **options: Any
           ) -> tuple[list[dict[str, Tensor]], KFACPreconditioner]:
     """Train :class:`Net` in float64; every step's gradients after ``pre.step()``.
 
@@ -179,7 +181,7 @@ def test_a_bias_without_gradient_runs_eagerly(gpu_path: None) -> None:
 
 
 def test_capture_failure_warns_and_runs_eagerly(gpu_path: None) -> None:
-    class Failing(EagerGraph):
+    class Failing(RecordedGraph):
         def capture(self, work: Callable[[], None]) -> None:
             raise RuntimeError("operation not permitted when stream is capturing")
 
@@ -266,3 +268,23 @@ def test_exchanged_gradients_run_without_graph(comm: Communicator, gpu_path: Non
     assert pre.step_graph is None
     assert "run without a graph" in caplog.text
     pre.close()
+
+
+def test_the_recorder_replays_as_a_graph_would() -> None:
+    """The stand-in's own contract: replays write into the captured tensors with the
+    captured scalars (Python does not run again), and a host read cannot be captured."""
+    x, out = torch.ones(3), torch.zeros(3)
+    scale = [2.0]
+
+    def work() -> None:
+        y = x * scale[0]  # a new tensor: its address is fixed at capture
+        out.copy_(y + 1)
+
+    graph = RecordedGraph(torch.device("cpu"))
+    graph.capture(work)
+    x.fill_(5.0)
+    scale[0] = 100.0
+    graph.replay()
+    assert torch.equal(out, torch.full((3,), 11.0))  # 5 * 2 + 1: the scalar of the capture
+    with pytest.raises(RuntimeError, match="host read"):
+        RecordedGraph(torch.device("cpu")).capture(lambda: float(x.sum()) and None)

@@ -48,7 +48,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["CudaGraph", "EagerGraph", "Graph", "GraphKey", "StepGraph", "supported"]
+__all__ = ["CudaGraph", "Graph", "GraphKey", "StepGraph", "supported"]
 
 log = logging.getLogger("kfac_hpc")
 
@@ -114,29 +114,6 @@ class CudaGraph:
         self._graph.replay()
 
 
-class EagerGraph:
-    """A stand-in that replays by running the work again (the CPU's tests of the plumbing)."""
-
-    def __init__(self, device: torch.device, pool: object = None) -> None:
-        """Nothing recorded yet.
-
-        Args:
-            device: Unused (the signature of :class:`CudaGraph`).
-            pool: Unused.
-        """
-        self._work: Callable[[], None] | None = None
-
-    def capture(self, work: Callable[[], None]) -> None:
-        """Run ``work`` once (as the warm-up does) and keep it."""
-        work()
-        self._work = work
-
-    def replay(self) -> None:
-        """Run the kept work."""
-        assert self._work is not None
-        self._work()
-
-
 @dataclass(frozen=True)
 class GraphKey:
     """What a captured step depends on besides the gradients, the lr and the KL bound.
@@ -158,8 +135,8 @@ class GraphKey:
 class StepGraph:
     """The captured preconditioning of a K-FAC step (module docstring).
 
-    ``graph_type`` makes the recorder (:class:`CudaGraph` on CUDA; the tests of the
-    plumbing pass :class:`EagerGraph`).
+    ``graph_type`` makes the recorder (:class:`CudaGraph` on CUDA; the CPU tests pass
+    one that records and replays ATen operators, tests/recorded_graph.py).
     """
 
     def __init__(self, device: torch.device,

@@ -1,0 +1,71 @@
+"""A CUDA graph's semantics on the CPU: record the operators once, replay them on the same tensors.
+
+A CUDA graph replays the kernels of its capture with the same pointers and the same
+scalar arguments; no Python runs. :class:`RecordedGraph` does the same with ATen
+operators, so a test on the CPU sees what a replay on a GPU would compute:
+
+* capturing runs the work once (the warm-up, as ``CudaGraph`` does), then once more
+  under a dispatch mode that records every operator with its arguments (the very tensor
+  objects, and Python scalars as they were) and its outputs;
+* replaying runs the recorded operators again on those tensors: in-place and ``out=``
+  operators write where they wrote, an operator that made a new tensor has its result
+  copied into the tensor it made at capture (a graph's fixed address), views are
+  skipped (they alias what they aliased);
+* a host read of a tensor's value while recording raises, as it would break a capture.
+
+So a value a step takes from Python at each step (not from a tensor the graph reads) is
+replayed as it was at capture: the test sees it differ from the eager step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+#: Operators that read a tensor's value on the host (a device sync: not capturable).
+HOST_READS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.equal",
+              "aten.allclose")
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, ops: list[tuple[Any, Any, Any, Any]]) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if str(func.overloadpacket) in HOST_READS:
+            raise RuntimeError(f"{func}: a host read of a tensor's value while capturing")
+        out = func(*args, **kwargs)
+        self.ops.append((func, args, kwargs, out))
+        return out
+
+
+class RecordedGraph:
+    """The recorder of :class:`~kfac_hpc.kfac.step_graph.StepGraph` for CPU tests."""
+
+    def __init__(self, device: torch.device, pool: object = None) -> None:
+        self.ops: list[tuple[Any, Any, Any, Any]] = []
+
+    def capture(self, work: Callable[[], None]) -> None:
+        work()  # the warm-up
+        with _Recorder(self.ops):
+            work()
+
+    def replay(self) -> None:
+        for func, args, kwargs, out in self.ops:
+            if func.is_view:
+                continue
+            result = func(*args, **kwargs)
+            if func._schema.is_mutable:  # in place, or into out=: written where it was
+                continue
+            made, _ = tree_flatten(out)
+            fresh, _ = tree_flatten(result)
+            for old, new in zip(made, fresh):
+                if isinstance(old, torch.Tensor):
+                    old.copy_(new)
