@@ -114,12 +114,17 @@ def test_graphed_steps_equal_eager_steps(gpu_path: None) -> None:
     and the steps up to the next replay (all 8), with a learning rate that changes at every
     step (read by the KL clip from its tensor)."""
     eager, _ = train(False)
-    graphed, pre = train(True)
+    held: list[int] = []
+    graphed, pre = train(True, before_step=lambda k, model, pre: held.append(
+        pre.memory_bytes().get("graph buffers", -1)))
     assert_same(graphed, eager)
+    grads = sum(p.numel() * 8 for p in Net().parameters())  # float64: every layer's
+    assert held == [0] + [grads] * (STEPS - 1)  # from the first capture on
     graph = pre.step_graph
     assert graph is not None
     assert (graph.captures, graph.replays) == (3, 8)
     assert pre.stack_groups, "the network has a stack"
+    assert graph.buffer_bytes() == 0, "close() releases the buffers"
 
 
 def test_with_decompositions_in_the_background(gpu_path: None) -> None:

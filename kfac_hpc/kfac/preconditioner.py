@@ -750,11 +750,15 @@ class KFACPreconditioner:
 
         Factors, decompositions, and what the layers' kept solves hold beyond them
         (``"solves"``: low-rank layers' scaled bases and cores, built at their first step
-        after an inverse update).
+        after an inverse update), and with ``cuda_graphs`` the step graph's gradient
+        buffers (``"graph buffers"``; its pool's intermediates are not counted).
         """
-        return {"factors": self.store.memory_bytes(),
-                "decompositions": self.decomps.memory_bytes(),
-                "solves": self.decomps.solve_bytes()}
+        mem = {"factors": self.store.memory_bytes(),
+               "decompositions": self.decomps.memory_bytes(),
+               "solves": self.decomps.solve_bytes()}
+        if self.step_graph is not None:
+            mem["graph buffers"] = self.step_graph.buffer_bytes()
+        return mem
 
     def describe(self) -> str:
         """Registered layers, factor sizes, owners and this rank's memory."""
@@ -793,6 +797,8 @@ class KFACPreconditioner:
         """
         self.remove_hooks()
         self.renewal.cancel()
+        if self.step_graph is not None:
+            self.step_graph.release()
         for sub in {id(c): c for c in (self.worker_comm, self.receiver_comm)}.values():
             if sub is not self.comm:
                 sub.free()

@@ -253,6 +253,15 @@ class StepGraph:
         self.captures += 1
         return True
 
+    def buffer_bytes(self) -> int:
+        """Bytes of the static gradient buffers held now."""
+        return sum(t.numel() * t.element_size() for t in self._static)
+
+    def release(self) -> None:
+        """Forget the graph, its buffers and the last key (a later step starts afresh)."""
+        self._drop()
+        self._seen, self._waiting, self._grads = None, False, []
+
     def _new_graph(self) -> Graph:
         """A recorder (``graph_type``'s, or a CUDA graph in the captures' pool)."""
         if self._graph_type is not None:
