@@ -58,6 +58,8 @@ SPLIT_MIN_CHUNKS = 16  # at least this many chunks (65,536 columns)
 
 def mode_matrices(blocks: Tensor, i: int) -> Tensor:
     """Return ``X_(i)`` of every block of a batch ``(n, d_1, …, d_k)``: shape ``(n, d_i, -1)``."""
+    if blocks.dim() == 3:  # matrices: the batch itself, or its transposes (one view)
+        return blocks if i == 0 else blocks.mT
     n, d = blocks.shape[0], blocks.shape[i + 1]
     return blocks.movedim(i + 1, 1).reshape(n, d, -1)
 

@@ -304,6 +304,8 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._name_of: dict[Tensor, str] = {}
         self._param_by_name: dict[str, Tensor] = {}
         self._blocks_of: dict[Tensor, list[int]] = {}
+        # per parameter: its blocks as views of it, kept while its storage stays the same
+        self._views_of: dict[Tensor, tuple[tuple[int, tuple[int, ...]], list[Tensor]]] = {}
         self._group_of_block: list[int] = []
         device: torch.device | None = None
         for gi, (group, names) in enumerate(zip(self.param_groups, self._param_names())):
@@ -444,7 +446,7 @@ class DistributedShampoo(torch.optim.Optimizer):
                 continue
             hp = hypers[gi]
             grads = [[self._view(self._grad(i), i) for i in run.members] for run in group_runs]
-            params = [[self._view(self._block_param[i].detach(), i) for i in run.members]
+            params = [[self._param_view(i) for i in run.members]
                       if hp.weight_decay != 0.0 else [] for run in group_runs]
             steps[gi] = start_runs(group_runs, grads, params, hp, self.factor_dtype)
         return steps
@@ -472,6 +474,26 @@ class DistributedShampoo(torch.optim.Optimizer):
             keys.append((t, hp.preconditions(len(stack.shape))
                          and hp.recomputes_roots(t, "root_0" in state)))
         return runs_of(stack, states, keys)
+
+    def _param_view(self, i: int) -> Tensor:
+        """Block ``i``'s view of its parameter (:meth:`_param_views`)."""
+        p = self._block_param[i]
+        views = self._param_views(p)
+        return self._view(p, i) if views is None else views[self._blocks_of[p].index(i)]
+
+    def _param_views(self, p: Tensor) -> list[Tensor] | None:
+        """``p``'s blocks as views of it, made once and kept while its storage stays the same.
+
+        Made in ``step()``, under ``no_grad``: they carry no autograd history. None where
+        ``p`` is not contiguous (its reshape would be a copy).
+        """
+        if not p.is_contiguous():
+            return None
+        key = (p.data_ptr(), tuple(p.shape))
+        kept = self._views_of.get(p)
+        if kept is None or kept[0] != key:
+            kept = self._views_of[p] = (key, [self._view(p, i) for i in self._blocks_of[p]])
+        return kept[1]
 
     def _view(self, tensor: Tensor, i: int) -> Tensor:
         """Block ``i``'s view of ``tensor`` (its parameter's shape)."""
@@ -561,12 +583,12 @@ class DistributedShampoo(torch.optim.Optimizer):
             updates.append(parts[0] if self._merged[indices[0]] is None else
                            parts[0].reshape(p.shape))
             return
-        specs = [self.layout.blocks[i] for i in indices]
-        if p.is_contiguous():
-            merged = p.view(specs[0].merged_shape)
-            targets.extend(merged[spec.slices] for spec in specs)
+        views = self._param_views(p)
+        if views is not None:
+            targets.extend(views)
             updates.extend(parts)
             return
+        specs = [self.layout.blocks[i] for i in indices]
         whole = torch.empty(specs[0].merged_shape, dtype=p.dtype, device=p.device)
         for spec, part in zip(specs, parts):
             whole[spec.slices].copy_(part)

@@ -77,7 +77,9 @@ class BlockStack:
             if state.get(key) is not views[j]:
                 self._bind(key, state, j)
             used[j] = True
-        return self._tensors[key][start:start + len(states)]
+        stacked = self._tensors[key]
+        return stacked if start == 0 and len(states) == self.size else \
+            stacked[start:start + len(states)]
 
     def _bind(self, key: str, state: BlockState, j: int) -> None:
         """Make ``state[key]`` row ``j`` of the stack, keeping its value (zeros if new)."""
