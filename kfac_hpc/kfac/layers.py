@@ -145,7 +145,7 @@ def _bf16_rows_source(t: Tensor, dtype: torch.dtype | None, precision: MatmulPre
     if t.dtype == torch.bfloat16:
         return t
     if t.dtype == torch.float32 and precision == "bf16":
-        return t.detach().to(torch.bfloat16)
+        return _detached(t).to(torch.bfloat16)
     return None
 
 
@@ -165,7 +165,7 @@ def _is_column_major(rows: Tensor) -> bool:
 
 def _cast(t: Tensor, dtype: torch.dtype | None) -> Tensor:
     """``t`` detached, in ``dtype`` if given (e.g. float32 statistics of fp16/bf16 AMP tensors)."""
-    t = t.detach()
+    t = _detached(t)
     return t if dtype is None else t.to(dtype)
 
 
@@ -242,7 +242,7 @@ class LayerCurvature(ABC):
         Always the expand rows (one per position), whatever ``approx``: with
         :meth:`g_rows` they give ``∇W̄ = (1/b) Σ_rows δ āᵀ``.
         """
-        return self._with_bias_column(self._input_rows(inputs.detach()))
+        return self._with_bias_column(self._input_rows(_detached(inputs)))
 
     def _with_bias_column(self, rows: Tensor) -> Tensor:
         if not self.has_bias:
@@ -258,7 +258,7 @@ class LayerCurvature(ABC):
         AMP loss scale, or ``1/accumulation_steps``); dividing by it restores ``δ``. A
         0-dim tensor (the GradScaler's scale, on the device) is used without a host sync.
         """
-        rows, b = self._output_rows(grad_output.detach())
+        rows, b = self._output_rows(_detached(grad_output))
         return rows * (b / grad_scale)
 
     def a_factor(self, inputs: Tensor, dtype: torch.dtype | None = None,
@@ -292,7 +292,7 @@ class LayerCurvature(ABC):
             source = _bf16_rows_source(grad_output, dtype, precision)
             if source is not None:
                 # bf16 rows, float32 product; the scale applied to the small float32 result
-                rows, b = self._output_rows(source.detach())
+                rows, b = self._output_rows(_detached(source))
                 scale = b / grad_scale
                 return covariance(rows, scale * scale, precision=precision, out_dtype=dtype)
         g = _cast(grad_output, dtype)
@@ -343,7 +343,7 @@ class LayerCurvature(ABC):
         GPU path, in the same layout; ``b`` is the batch size that scales ``G``'s rows
         (1 for ``A``).
         """
-        detached = [t.detach() for t in tensors]
+        detached = [_detached(t) for t in tensors]
         if factor == "A":
             return self._with_stacked_bias_column(self._stacked_input_rows(detached)), 1
         return self._stacked_output_rows(detached)
@@ -375,7 +375,7 @@ class LayerCurvature(ABC):
         parts.append(
             weight.new_zeros(self.g_dim, self.weight_cols, dtype=out_dtype)
             if wg is None
-            else _as(wg.detach().reshape(self.g_dim, self.weight_cols), out_dtype)
+            else _as(_detached(wg).reshape(self.g_dim, self.weight_cols), out_dtype)
         )
         if self.has_bias:
             bias: Tensor = self.module.bias  # type: ignore[assignment]
@@ -383,7 +383,7 @@ class LayerCurvature(ABC):
             parts.append(
                 weight.new_zeros(self.g_dim, 1, dtype=out_dtype)
                 if bg is None
-                else _as(bg.detach().reshape(self.g_dim, 1), out_dtype)
+                else _as(_detached(bg).reshape(self.g_dim, 1), out_dtype)
             )
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
@@ -399,13 +399,13 @@ class LayerCurvature(ABC):
         wg = weight.grad
         if wg is not None:
             total = inner64(matrix[:, : self.weight_cols],
-                            _as(wg.detach().reshape(self.g_dim, self.weight_cols), matrix.dtype))
+                            _as(_detached(wg).reshape(self.g_dim, self.weight_cols), matrix.dtype))
         if self.has_bias:
             bias: Tensor = self.module.bias  # type: ignore[assignment]
             bg = bias.grad
             if bg is not None:
                 term = inner64(matrix[:, self.weight_cols],
-                               _as(bg.detach().reshape(self.g_dim), matrix.dtype))
+                               _as(_detached(bg).reshape(self.g_dim), matrix.dtype))
                 total = term if total is None else total + term
         return total
 
@@ -435,7 +435,7 @@ class LayerCurvature(ABC):
             raise ValueError(
                 f"set_grad expects shape {(self.g_dim, self.a_dim)}, got {tuple(matrix.shape)}"
             )
-        matrix = matrix.detach()
+        matrix = _detached(matrix)
         weight: Tensor = self.module.weight  # type: ignore[assignment]
         out = [(weight, matrix[:, : self.weight_cols].reshape(weight.shape))]
         if self.has_bias:
@@ -455,11 +455,11 @@ class LayerCurvature(ABC):
         """
         weight: Tensor = self.module.weight  # type: ignore[assignment]
         wg = weight.grad
-        out = [None if wg is None else wg.detach().reshape(self.g_dim, self.weight_cols)]
+        out = [None if wg is None else _detached(wg).reshape(self.g_dim, self.weight_cols)]
         if self.has_bias:
             bias: Tensor = self.module.bias  # type: ignore[assignment]
             bg = bias.grad
-            out.append(None if bg is None else bg.detach().reshape(self.g_dim, 1))
+            out.append(None if bg is None else _detached(bg).reshape(self.g_dim, 1))
         return out
 
     @property
@@ -480,6 +480,16 @@ class LayerCurvature(ABC):
         return (f"{type(self).__name__}(a_dim={self.a_dim}, g_dim={self.g_dim}, "
                 f"approx={self.approx!r})")
 
+
+
+def _detached(t: Tensor) -> Tensor:
+    """``t`` without autograd history: itself where nothing would record one.
+
+    A detach is one more dispatched operator (host time on a GPU); under ``no_grad``
+    (the step, backward's hooks) or for a tensor that requires no gradient, reading
+    ``t`` records nothing anyway.
+    """
+    return t.detach() if t.requires_grad and torch.is_grad_enabled() else t
 
 def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
     """``t`` in ``dtype`` (itself when it already is: no dispatch)."""
@@ -696,7 +706,7 @@ class Conv2dCurvature(LayerCurvature):
         summed per sample (the CPU path with many positions; the reference).
         """
         if keeps_bf16_rows(inputs, dtype, precision):  # bf16 rows, float32 product
-            return covariance(self._with_bias_column(self._input_rows(inputs.detach())),
+            return covariance(self._with_bias_column(self._input_rows(_detached(inputs))),
                               precision=precision, out_dtype=dtype)
         x = _cast(inputs, dtype)
         x = x if x.dim() == 4 else x.unsqueeze(0)
@@ -776,7 +786,7 @@ class EmbeddingCurvature(_OutputsOverPositions):
         return int(self.module.embedding_dim)
 
     def _indices(self, inputs: Tensor) -> Tensor:
-        return inputs.detach().reshape(-1).long()
+        return _detached(inputs).reshape(-1).long()
 
     def _input_rows(self, inputs: Tensor) -> Tensor:
         dtype = inputs.dtype if inputs.is_floating_point() else self.module.weight.dtype
@@ -784,7 +794,7 @@ class EmbeddingCurvature(_OutputsOverPositions):
 
 
     def _reduced_inputs(self, inputs: Tensor) -> Tensor:
-        x = inputs.detach().long()
+        x = _detached(inputs).long()
         x = x.reshape(x.shape[0], -1) if x.dim() > 1 else x.reshape(-1, 1)
         dtype = inputs.dtype if inputs.is_floating_point() else self.module.weight.dtype
         return F.one_hot(x, self.weight_cols).to(dtype).mean(dim=1)
@@ -814,7 +824,7 @@ class EmbeddingCurvature(_OutputsOverPositions):
             return weight.new_zeros(self.g_dim, self.a_dim, dtype=out_dtype)
         if wg.is_sparse:
             raise ValueError("K-FAC needs dense Embedding gradients (sparse=False)")
-        return _as(wg.detach().t(), out_dtype)
+        return _as(_detached(wg).t(), out_dtype)
 
     def grad_dot(self, matrix: Tensor) -> Tensor | None:
         """``⟨matrix, (∇W)ᵀ⟩`` in float64 (``None`` without ``.grad``)."""
@@ -823,7 +833,7 @@ class EmbeddingCurvature(_OutputsOverPositions):
             return None
         if wg.is_sparse:
             raise ValueError("K-FAC needs dense Embedding gradients (sparse=False)")
-        return inner64(matrix, _as(wg.detach().t(), matrix.dtype))
+        return inner64(matrix, _as(_detached(wg).t(), matrix.dtype))
 
     def grad_targets(self, matrix: Tensor) -> list[tuple[Tensor, Tensor]]:
         """``[(weight, matrixᵀ)]``: ``set_grad`` writes ``matrixᵀ`` to ``weight.grad``."""
@@ -831,14 +841,14 @@ class EmbeddingCurvature(_OutputsOverPositions):
             raise ValueError(
                 f"set_grad expects shape {(self.g_dim, self.a_dim)}, got {tuple(matrix.shape)}"
             )
-        return [(self.module.weight, matrix.detach().t())]
+        return [(self.module.weight, _detached(matrix).t())]
 
     def grad_blocks(self) -> list[Tensor | None]:
         """``[(∇W)ᵀ]`` (a view; ``None`` without ``.grad``)."""
         wg = self.module.weight.grad
         if wg is not None and wg.is_sparse:
             raise ValueError("K-FAC needs dense Embedding gradients (sparse=False)")
-        return [None if wg is None else wg.detach().t()]
+        return [None if wg is None else _detached(wg).t()]
 
     def grad_layout(self) -> tuple[object, ...]:
         """``g_dim``, ``a_dim``, one block, the weight's dtype (and: transposed)."""

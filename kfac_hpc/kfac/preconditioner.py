@@ -553,7 +553,8 @@ class KFACPreconditioner:
             grads = stack_grads([self.layers[n] for n in group], dtype)
             stack = Stack(group, joint(grads), grads)
             stacks.append(stack)
-            out.update((n, stack.values[i]) for i, n in enumerate(group) if present[i])
+            rows = stack.values.unbind(0)  # one operator for the stack's views
+            out.update((n, rows[i]) for i, n in enumerate(group) if present[i])
             done.update(group)
         for name, curv in self.layers.items():
             if name in done or not self.placement.is_grad_worker(name, self.comm.rank) \
