@@ -4,6 +4,7 @@
         [--device cpu|cuda] [--configs adam adamw shampoo meta] [--steps N] [--warmup W]
         [--batch B] [--image-size S] [--max-dim D] [--frequency F] [--max-seconds S]
         [--root-method eigen|newton] [--decomposition-streams S] [--precision full|tf32]
+        [--cuda-graphs]
         [--meta-src DIR] [--quick]
         [--markdown] [--out benchmarks/out]
     launch/local -n 1 python benchmarks/shampoo_step.py --device cuda --model resnet50  # GPU
@@ -338,7 +339,8 @@ def optimizers(args: argparse.Namespace, meta: Any) -> dict[
             decomposition_streams=args.decomposition_streams,
             precondition_vectors=not args.vectors_to_grafting,
             statistics_frequency=args.statistics_frequency,
-            stats_precision=args.precision, precondition_precision=args.precision),
+            stats_precision=args.precision, precondition_precision=args.precision,
+            cuda_graphs=args.cuda_graphs),
     }
     if meta is not None:
         made["meta"] = lambda m, c: meta.DistributedShampoo(
@@ -606,6 +608,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="kfac_hpc's Shampoo: operand precision of its factor and "
                              "preconditioning products (stats_precision and "
                              "precondition_precision; Meta's runs as always)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="kfac_hpc's Shampoo: its plain steps' block work captured as a "
+                             "CUDA graph and replayed (cuda_graphs=True; CUDA only; Meta's "
+                             "runs as always)")
     parser.add_argument("--decomposition-streams", type=int, default=default_device_streams(),
                         help="kfac_hpc's Shampoo: CUDA streams its root step's eigh batches "
                              "are spread over (decomposition_streams, default "
@@ -638,6 +644,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.configs = [c for c in CONFIGS if c in args.configs]
     if args.weight_decay is None:
         args.weight_decay = 0.01 if "adamw" in args.configs else 0.0
+    if args.cuda_graphs and args.device != "cuda":
+        parser.error("--cuda-graphs needs --device cuda")
     if args.steps < 1 or args.warmup < 0 or args.frequency < 1:
         parser.error("--steps and --frequency must be >= 1, --warmup >= 0")
     return args
@@ -683,7 +691,8 @@ def main(argv: list[str] | None = None) -> int:
         "_newton" if args.root_method == "newton" else "") + (
         f"_streams{args.decomposition_streams}"
         if args.decomposition_streams != default_device_streams() else "") + (
-        "_merge_first" if args.merge_dims_from == "first" else "")
+        "_merge_first" if args.merge_dims_from == "first" else "") + (
+        "_graphs" if args.cuda_graphs else "")
     for name in models:
         result = run_model(name, args, comm, device, meta, say)
         result["machine"] = info

@@ -4,9 +4,12 @@ A CUDA graph replays the kernels of its capture with the same pointers and the s
 scalar arguments; no Python runs. :class:`RecordedGraph` does the same with ATen
 operators, so a test on the CPU sees what a replay on a GPU would compute:
 
-* capturing runs the work once (the warm-up, as ``CudaGraph`` does), then once more
+* capturing runs the work once (with ``warm_up``, as ``CudaGraph`` does), then once more
   under a dispatch mode that records every operator with its arguments (the very tensor
-  objects, and Python scalars as they were) and its outputs;
+  objects, and Python scalars as they were) and its outputs, and afterwards puts back
+  every tensor an operator wrote in place as it was before the recording: a capture
+  runs no kernel, so it changes no value (an optimizer's state is updated once, by the
+  replay);
 * replaying runs the recorded operators again on those tensors: in-place and ``out=``
   operators write where they wrote, an operator that made a new tensor has its result
   copied into the tensor it made at capture (a graph's fixed address), views are
@@ -35,27 +38,41 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, ops: list[tuple[Any, Any, Any, Any]]) -> None:
         super().__init__()
         self.ops = ops
+        self.before: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # written in place
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if str(func.overloadpacket) in HOST_READS:
             raise RuntimeError(f"{func}: a host read of a tensor's value while capturing")
+        schema = func._schema
+        if schema.is_mutable:
+            values = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args):]]
+            written, _ = tree_flatten([v for v, a in zip(values, schema.arguments)
+                                       if a.alias_info is not None and a.alias_info.is_write])
+            for t in written:
+                if isinstance(t, torch.Tensor) and id(t) not in self.before:
+                    self.before[id(t)] = (t, t.clone())
         out = func(*args, **kwargs)
         self.ops.append((func, args, kwargs, out))
         return out
 
 
 class RecordedGraph:
-    """The recorder of :class:`~kfac_hpc.kfac.step_graph.StepGraph` for CPU tests."""
+    """The recorder of :class:`~kfac_hpc.step_graph.StepGraph` for CPU tests."""
 
     def __init__(self, device: torch.device, pool: object = None) -> None:
         self.ops: list[tuple[Any, Any, Any, Any]] = []
 
-    def capture(self, work: Callable[[], None]) -> None:
-        work()  # the warm-up
-        with _Recorder(self.ops):
+    def capture(self, work: Callable[[], None], warm_up: bool) -> None:
+        if warm_up:
             work()
+        recorder = _Recorder(self.ops)
+        with recorder:
+            work()
+        # a capture changes no value; the latest saved first, where views overlap
+        for t, value in reversed(list(recorder.before.values())):
+            t.copy_(value)
 
     def replay(self) -> None:
         for func, args, kwargs, out in self.ops:

@@ -1,7 +1,7 @@
 """K-FAC's captured step (``cuda_graphs``), its plumbing checked on the CPU.
 
 A CUDA graph cannot be captured here, so these tests give the step's
-:class:`~kfac_hpc.kfac.step_graph.StepGraph` the recorder of
+:class:`~kfac_hpc.step_graph.StepGraph` the recorder of
 :mod:`recorded_graph`, which replays the captured ATen operators on the same tensors
 with the same scalars and runs no Python, as a CUDA graph does, with the GPU path and
 the stacks forced on CPU tensors (as on CUDA: the KL clip's ν stays a device tensor, the
@@ -24,20 +24,23 @@ from mpi4py import MPI
 from recorded_graph import RecordedGraph
 from torch import Tensor, nn
 
-from kfac_hpc import KFACPreconditioner
+from kfac_hpc import KFACPreconditioner, step_graph
 from kfac_hpc.comm import Communicator
-from kfac_hpc.kfac import layers, linalg, stacked, statistics_groups, step_graph
-from kfac_hpc.kfac.step_graph import StepGraph
+from kfac_hpc.kfac import layers, linalg, stacked, statistics_groups
+from kfac_hpc.step_graph import StepGraph
 
 STEPS = 8
 
 
 @pytest.fixture
 def gpu_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Every device takes the GPU path, with stacks, while the test runs."""
+    """Every device takes the GPU path, with stacks, and captures with the recorder."""
     for module in (linalg, layers, statistics_groups):
         monkeypatch.setattr(module, "uses_gpu_path", lambda device: True)
     monkeypatch.setattr(stacked, "STACKED_DEVICES", frozenset({"cpu"}))
+    monkeypatch.setattr(step_graph, "supported", lambda device: True)
+    monkeypatch.setattr(step_graph, "new_graph", RecordedGraph)
+    monkeypatch.setattr(step_graph, "new_pool", lambda: None)
     yield
 
 
@@ -69,8 +72,7 @@ Hook = Callable[[int, nn.Module, KFACPreconditioner], None]
 
 
 def train(graphed: bool, *, steps: int = STEPS, before_step: Hook | None = None,
-          graph_type: Any = RecordedGraph, **options: Any
-          ) -> tuple[list[dict[str, Tensor]], KFACPreconditioner]:
+          **options: Any) -> tuple[list[dict[str, Tensor]], KFACPreconditioner]:
     """Train :class:`Net` in float64; every step's gradients after ``pre.step()``.
 
     Each step must leave every ``.grad`` that backward made the same tensor.
@@ -81,9 +83,7 @@ def train(graphed: bool, *, steps: int = STEPS, before_step: Hook | None = None,
                                     inv_dtype=torch.float64)
     settings.update(options)
     settings.setdefault("comm", Communicator(MPI.COMM_SELF))
-    pre = KFACPreconditioner(model, **settings)
-    if graphed:
-        pre.step_graph = StepGraph(pre.device, graph_type)
+    pre = KFACPreconditioner(model, cuda_graphs=graphed, **settings)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     grads = []
     for k, (x, y) in enumerate(batches(steps)):
@@ -185,14 +185,16 @@ def test_a_bias_without_gradient_runs_eagerly(gpu_path: None) -> None:
     assert (pre.step_graph.captures, pre.step_graph.replays) == (3, 7)  # all but step 1
 
 
-def test_capture_failure_warns_and_runs_eagerly(gpu_path: None) -> None:
+def test_capture_failure_warns_and_runs_eagerly(gpu_path: None,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     class Failing(RecordedGraph):
-        def capture(self, work: Callable[[], None]) -> None:
+        def capture(self, work: Callable[[], None], warm_up: bool) -> None:
             raise RuntimeError("operation not permitted when stream is capturing")
 
     eager, _ = train(False)
+    monkeypatch.setattr(step_graph, "new_graph", Failing)
     with pytest.warns(RuntimeWarning, match="not permitted when stream is capturing"):
-        graphed, pre = train(True, graph_type=Failing)
+        graphed, pre = train(True)
     assert_same(graphed, eager)
     graph = pre.step_graph
     assert graph is not None and graph.disabled is not None
@@ -220,6 +222,13 @@ def test_a_fold_that_fails_after_a_replay_leaves_grad_untouched(
         train(True, before_step=fail_at_2)
     for name, p in models[0].named_parameters():
         assert torch.equal(p.grad, before[name]), name
+
+
+def test_the_capture_runs_the_idempotent_work_first(gpu_path: None) -> None:
+    """K-FAC's captured work writes nothing but the graph's buffers: its capture runs it
+    once first (lazy initialisations, the solves built outside the capture)."""
+    _, pre = train(True, steps=2)
+    assert pre.step_graph is not None and pre.step_graph.warm_up
 
 
 def test_cuda_graphs_need_a_cuda_model() -> None:
@@ -266,7 +275,6 @@ def test_exchanged_gradients_run_without_graph(comm: Communicator, gpu_path: Non
                                                caplog: pytest.LogCaptureFixture) -> None:
     """mem-opt: each layer's gradient worker sends its preconditioned gradient to the
     others before the clip, so ``cuda_graphs`` leaves the steps eager, and says so."""
-    monkeypatch.setattr(step_graph, "supported", lambda device: True)
     with caplog.at_level("WARNING", logger="kfac_hpc"):
         pre = KFACPreconditioner(Net().double(), comm=comm, strategy="mem-opt",
                                  cuda_graphs=True)
@@ -286,10 +294,11 @@ def test_the_recorder_replays_as_a_graph_would() -> None:
         out.copy_(y + 1)
 
     graph = RecordedGraph(torch.device("cpu"))
-    graph.capture(work)
+    graph.capture(work, warm_up=False)
+    assert torch.equal(out, torch.zeros(3)), "a capture changes no value"
     x.fill_(5.0)
     scale[0] = 100.0
     graph.replay()
     assert torch.equal(out, torch.full((3,), 11.0))  # 5 * 2 + 1: the scalar of the capture
     with pytest.raises(RuntimeError, match="host read"):
-        RecordedGraph(torch.device("cpu")).capture(lambda: float(x.sum()) and None)
+        RecordedGraph(torch.device("cpu")).capture(lambda: float(x.sum()) and None, False)

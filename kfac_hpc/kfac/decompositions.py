@@ -70,7 +70,7 @@ class Decompositions:
         self._stacks: dict[tuple[str, ...], StackedSolve | None] = {}
         self.decomposed_at: int | None = None  # the step of the last installation
         # counts the replacements of the decompositions held (and of the solves built
-        # from them): a captured step (kfac_hpc.kfac.step_graph) is valid while it stays
+        # from them): a captured step (kfac_hpc.step_graph) is valid while it stays
         self.generation = 0
         self.restored: dict[PieceKey, Tensor] | None = None  # loaded (owned), to restore
         self.phase_timer: PhaseTimer | None = None  # times the decomposition phases

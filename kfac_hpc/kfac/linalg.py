@@ -743,7 +743,7 @@ def kl_clip_factor(total: Tensor, lr: float | Tensor, kl_clip: float | Tensor
     equals the host's value.
 
     ``lr`` and ``kl_clip`` may be 0-dim float64 tensors on the device (a captured step
-    reads them there, :mod:`kfac_hpc.kfac.step_graph`): ``lr·lr`` and every later
+    reads them there, :mod:`kfac_hpc.step_graph`): ``lr·lr`` and every later
     operation are then the same float64 operations on the device, so ν is the same.
 
     Args:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -87,9 +88,9 @@ from kfac_hpc.kfac.placement import (
 from kfac_hpc.kfac.shapes import rows_per_sample
 from kfac_hpc.kfac.stacked import Stack, stack_grads, stack_groups, write_grads
 from kfac_hpc.kfac.state import KFACStateDict
-from kfac_hpc.kfac.step_graph import GraphKey, StepGraph
 from kfac_hpc.phases import Phase, PhaseTimer, timed
 from kfac_hpc.solves import DEFAULT_HOST_MAX_DIM
+from kfac_hpc.step_graph import StepGraph
 
 if TYPE_CHECKING:
     from kfac_hpc.plan.profile import Profile
@@ -97,6 +98,25 @@ if TYPE_CHECKING:
 __all__ = ["FactorState", "KFACPreconditioner"]
 
 log = logging.getLogger("kfac_hpc")
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """What K-FAC's captured step depends on besides the gradients, the lr and the KL bound.
+
+    Attributes:
+        generation: The decompositions' generation.
+        damping: The damping.
+        grads: Per candidate parameter, in a fixed order, its gradient's dtype (``None``:
+            no gradient this step).
+        clips: Whether the KL clip is on.
+    """
+
+    generation: int
+    damping: float
+    grads: tuple[torch.dtype | None, ...]
+    clips: bool
+
 
 
 class KFACPreconditioner:
@@ -218,7 +238,7 @@ class KFACPreconditioner:
                 either way; ``kfac_hpc.solves``).
             cuda_graphs: On CUDA, capture the preconditioning, KL clip and writes to
                 ``.grad`` as a CUDA graph between inverse updates and replay it (the same
-                results; :mod:`kfac_hpc.kfac.step_graph`). Where preconditioned gradients
+                results; :mod:`kfac_hpc.step_graph`). Where preconditioned gradients
                 are exchanged between ranks the step runs without one.
 
         Raises:
@@ -303,6 +323,8 @@ class KFACPreconditioner:
                                                 self.comm.rank)
         self.stack_groups = self._stack_groups()
         self.step_graph = self._step_graph()
+        # the learning rate and KL bound a captured step reads (made at its first use)
+        self._graph_scalars: Tensor | None = None
 
     def _factor_parts(self) -> tuple[FactorStore, FactorPipeline | None, FactorUpdate]:
         """Build the factor side: the store, ``overlap``'s pipeline, the factor update."""
@@ -460,7 +482,7 @@ class KFACPreconditioner:
     def _replayed(self, k: int, lr: float, kl_clip: float | None) -> bool:
         """Run the step's preconditioning from its graph if it may (results in its buffers).
 
-        The key (:class:`~kfac_hpc.kfac.step_graph.GraphKey`): the decompositions'
+        The key (:class:`GraphKey`): the decompositions'
         generation, the damping, which layer parameters have a gradient (in model
         order) and whether the KL clip is on. A layer with a weight gradient but none
         for its bias runs eagerly (the step creates the bias's ``.grad``).
@@ -476,8 +498,15 @@ class KFACPreconditioner:
         key = GraphKey(self.decomps.generation, float(self.schedules.damping(k)),
                        tuple(None if p.grad is None else p.grad.dtype for p in candidates),
                        kl_clip is not None)
+        scalars = self._graph_scalars
+        if scalars is None:
+            scalars = self._graph_scalars = torch.zeros(2, dtype=torch.float64,
+                                                        device=self.device)
+        values = torch.tensor([lr, 0.0 if kl_clip is None else kl_clip], dtype=torch.float64)
         return graph.run(key, [p for p in candidates if p.grad is not None],
-                         partial(self._graph_body, k), lr, kl_clip)
+                         partial(self._graph_body, k, scalars[0],
+                                 None if kl_clip is None else scalars[1]),
+                         partial(scalars.copy_, values, non_blocking=True))
 
     def _graph_body(self, k: int, lr: Tensor, kl_clip: Tensor | None) -> None:
         """The captured work: precondition, clip and write to ``.grad`` (untimed)."""

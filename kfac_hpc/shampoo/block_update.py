@@ -65,8 +65,9 @@ from kfac_hpc.shampoo.root_methods import RootMethod
 from kfac_hpc.shampoo.roots import RootRequest, RootResult
 from kfac_hpc.shampoo.stacks import Run
 
-__all__ = ["BlockHyper", "BlockState", "RunStep", "directions", "install_roots",
-           "is_preconditioned", "root_requests", "start_runs", "update_statistics"]
+__all__ = ["BiasCorrections", "BlockHyper", "BlockState", "RunStep", "advance", "bias_corrections",
+           "directions", "install_roots", "is_preconditioned", "root_requests", "start_runs",
+           "update_statistics"]
 
 BlockState = dict[str, Any]
 """Keys: ``step`` (int), ``factor_<i>``, ``root_<i>`` (after the first root
@@ -244,10 +245,59 @@ def _stacked(views: Sequence[Tensor]) -> Tensor:
     return torch.stack(list(views))
 
 
+def advance(runs: Sequence[Run]) -> None:
+    """Set the step counters of the runs' blocks to this step's.
+
+    Args:
+        runs: The runs stepping now.
+    """
+    for run in runs:
+        for state in run.states:
+            state["step"] = run.step
+
+
+@dataclass(frozen=True)
+class BiasCorrections:
+    """Per run of a parameter group, the divisors its step's bias corrections use.
+
+    As numbers, or as 0-dim tensors holding them (a captured step reads them there;
+    dividing by either is the same division).
+
+    Attributes:
+        filtered: ``1 − β1^t`` of the filtered gradient (None: no correction).
+        grafting: Adam grafting's ``√(1 − β2^t)`` (None: no correction).
+    """
+
+    filtered: Sequence[float] | Sequence[Tensor] | None
+    grafting: Sequence[float] | Sequence[Tensor] | None
+
+    def values(self) -> list[float]:
+        """Every number, ``filtered`` first (those of a numeric instance)."""
+        return [float(v) for part in (self.filtered, self.grafting) if part is not None
+                for v in part]
+
+
+def bias_corrections(runs: Sequence[Run], hp: BlockHyper) -> BiasCorrections:
+    """The bias corrections of the runs' steps (steps 3-4), as numbers.
+
+    Args:
+        runs: The runs of one parameter group.
+        hp: The group's hyper-parameters.
+
+    Returns:
+        Their divisors.
+    """
+    steps = [run.step for run in runs]
+    filtered = ([1.0 - hp.beta1**t for t in steps]
+                if hp.beta1 > 0.0 and hp.use_bias_correction else None)
+    return BiasCorrections(filtered, graft.second_moment_corrections(
+        hp.grafting, hp.grafting_beta2, steps, hp.use_bias_correction))
+
+
 def start_runs(runs: Sequence[Run], grads: Sequence[Sequence[Tensor]],
                params: Sequence[Sequence[Tensor]], hp: BlockHyper,
                factor_dtype: torch.dtype) -> list[RunStep]:
-    """Advance the runs' step counters and stack their gradients (step 1).
+    """Stack the runs' gradients (step 1); their counters are advanced already (:func:`advance`).
 
     Args:
         runs: The runs of one parameter group.
@@ -259,9 +309,6 @@ def start_runs(runs: Sequence[Run], grads: Sequence[Sequence[Tensor]],
     Returns:
         One step record per run, in order.
     """
-    for run in runs:
-        for state in run.states:
-            state["step"] = run.step
     stacked = [_stacked(g) for g in grads]
     if hp.weight_decay == 0.0:
         return [RunStep(run, factor_dtype, g, None) for run, g in zip(runs, stacked)]
@@ -271,12 +318,14 @@ def start_runs(runs: Sequence[Run], grads: Sequence[Sequence[Tensor]],
     return [RunStep(run, factor_dtype, g, p) for run, g, p in zip(runs, stacked, stacked_params)]
 
 
-def update_statistics(steps: Sequence[RunStep], hp: BlockHyper) -> None:
+def update_statistics(steps: Sequence[RunStep], hp: BlockHyper,
+                      corrections: BiasCorrections) -> None:
     """Update factors, their finiteness flags, grafting moments and filtered gradients (2-4).
 
     Args:
         steps: The runs' step records; updated in place.
         hp: The group's hyper-parameters.
+        corrections: The runs' bias corrections (:func:`bias_corrections`).
     """
     for st in steps:
         preconditioned = hp.preconditions(st.order)
@@ -298,9 +347,9 @@ def update_statistics(steps: Sequence[RunStep], hp: BlockHyper) -> None:
     if hp.beta1 > 0.0:
         filtered = [st.rows("filtered_grad") for st in steps]
         torch._foreach_lerp_(filtered, grads, 1.0 - hp.beta1)
-        if hp.use_bias_correction:
-            filtered = list(torch._foreach_div(
-                filtered, [1.0 - hp.beta1**st.run.step for st in steps]))
+        if corrections.filtered is not None:
+            divisors: Any = list(corrections.filtered)  # numbers or 0-dim tensors alike
+            filtered = list(torch._foreach_div(filtered, divisors))
     for st, f in zip(steps, filtered):
         st.filtered = f
 
@@ -392,21 +441,22 @@ def _drop(st: RunStep, kinds: Sequence[str]) -> None:
         st.run.stack.forget(keys)
 
 
-def directions(steps: Sequence[RunStep], hp: BlockHyper) -> list[Tensor]:
+def directions(steps: Sequence[RunStep], hp: BlockHyper,
+               corrections: BiasCorrections) -> list[Tensor]:
     """Compute the runs' final directions (steps 6-8), in the parameters' dtype.
 
     Args:
         steps: The runs' step records.
         hp: The group's hyper-parameters.
+        corrections: The runs' bias corrections (:func:`bias_corrections`).
 
     Returns:
         One batch ``(n, *shape)`` per run.
     """
     filtered = _present([st.filtered for st in steps])
     moments = [st.second_moment for st in steps if st.second_moment is not None]
-    grafted = graft.directions(
-        hp.grafting, filtered, moments, hp.grafting_epsilon, hp.grafting_beta2,
-        [st.run.step for st in steps], hp.use_bias_correction)
+    grafted = graft.directions(hp.grafting, filtered, moments, hp.grafting_epsilon,
+                               corrections.grafting)
     out: list[Tensor] = []
     preconditioned: list[int] = []
     for k, (st, grafting_direction) in enumerate(zip(steps, grafted)):

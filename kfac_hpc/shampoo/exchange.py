@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -108,6 +109,18 @@ class DirectionExchange(ABC):
         """Return the buffers it holds, by name."""
         return {}
 
+    def kept(self) -> object:
+        """What the step's :meth:`put` and flag calls left on the host (None: nothing).
+
+        A captured step (``cuda_graphs``) runs no Python when replayed: it gives this back
+        to :meth:`restore` after each replay (its tensors hold the replay's values).
+        """
+        return None
+
+    def restore(self, kept: object) -> None:
+        """Take back what :meth:`kept` returned (after :meth:`begin`); nothing by default."""
+        del kept  # the buffers hold everything: nothing is kept on the host
+
 
 class LocalExchange(DirectionExchange):
     """World size 1: the directions stay where they were computed."""
@@ -156,6 +169,16 @@ class LocalExchange(DirectionExchange):
         """Return the kept direction of block ``index`` in ``dtype``."""
         row = self._rows[index]  # block-shaped, in its parameter's dtype already
         return row if row.dtype == dtype else row.to(dtype)
+
+    def kept(self) -> object:
+        """The directions and flags kept this step (copies of the containers)."""
+        return dict(self._rows), list(self._flags), set(self._failed)
+
+    def restore(self, kept: object) -> None:
+        """Keep again what :meth:`kept` returned."""
+        rows, flags, failed = cast(tuple[dict[int, Tensor], list[tuple[list[int], Tensor,
+                                                                        Tensor]], set[int]], kept)
+        self._rows, self._flags, self._failed = dict(rows), list(flags), set(failed)
 
 
 class GatherExchange(DirectionExchange):

@@ -19,6 +19,8 @@ multi-tensor apply) per operation, whatever the number of blocks.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -27,6 +29,7 @@ __all__ = [
     "GRAFTING_KINDS",
     "directions",
     "rescale_to",
+    "second_moment_corrections",
     "update_second_moments",
     "uses_second_moment",
 ]
@@ -56,9 +59,27 @@ def update_second_moments(kind: str | None, moments: list[Tensor], grads: list[T
         torch._foreach_addcmul_(moments, grads, grads, value=1.0 - beta2)
 
 
+def second_moment_corrections(kind: str | None, beta2: float, steps: list[int],
+                              bias_correction: bool) -> list[float] | None:
+    """Adam's ``√(1 − β2^t)`` per tensor, or None where no correction applies.
+
+    Args:
+        kind: The grafting method.
+        beta2: Its second-moment β.
+        steps: Per tensor, its step count.
+        bias_correction: Whether Adam's bias correction applies.
+
+    Returns:
+        The divisors of the second moments' square roots, or None.
+    """
+    if kind == "adam" and bias_correction:
+        return [math.sqrt(1.0 - beta2**t) for t in steps]
+    return None
+
+
 def directions(kind: str | None, filtered: list[Tensor], moments: list[Tensor],
-               epsilon: float, beta2: float, steps: list[int],
-               bias_correction: bool) -> list[Tensor]:
+               epsilon: float, corrections: Sequence[float] | Sequence[Tensor] | None
+               ) -> list[Tensor]:
     """Compute the grafting method's directions (new tensors for adaptive kinds).
 
     Args:
@@ -66,9 +87,8 @@ def directions(kind: str | None, filtered: list[Tensor], moments: list[Tensor],
         filtered: The β1-filtered gradients.
         moments: Their second moments (ignored unless the kind uses them).
         epsilon: The method's ε.
-        beta2: Its second-moment β.
-        steps: Per tensor, its step count (for Adam's bias correction).
-        bias_correction: Whether Adam's bias correction applies.
+        corrections: :func:`second_moment_corrections`, as numbers or as 0-dim tensors
+            holding them (a captured step reads them there: the same divisions).
 
     Returns:
         One direction per filtered gradient.
@@ -76,8 +96,9 @@ def directions(kind: str | None, filtered: list[Tensor], moments: list[Tensor],
     if not uses_second_moment(kind):
         return list(filtered)
     denom = torch._foreach_sqrt(moments)
-    if kind == "adam" and bias_correction:
-        torch._foreach_div_(denom, [math.sqrt(1.0 - beta2**t) for t in steps])
+    if corrections is not None:
+        divisors: Any = list(corrections)  # numbers or 0-dim tensors: both overloads divide
+        torch._foreach_div_(denom, divisors)
     torch._foreach_add_(denom, epsilon)
     return list(torch._foreach_div(filtered, denom))
 

@@ -16,7 +16,7 @@ local: each rank keeps the blocks it owns under the current world size.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any, cast
 
 import torch
@@ -28,9 +28,12 @@ from kfac_hpc.phases import Phase, PhaseTimer, timed
 from kfac_hpc.shampoo import blocking
 from kfac_hpc.shampoo import hyperparameters as hyper
 from kfac_hpc.shampoo.block_update import (
+    BiasCorrections,
     BlockHyper,
     BlockState,
     RunStep,
+    advance,
+    bias_corrections,
     directions,
     install_roots,
     is_preconditioned,
@@ -62,6 +65,7 @@ from kfac_hpc.shampoo.stacks import BlockStack, Run, runs_of
 from kfac_hpc.shampoo.state import BlockShapes, ShampooStateDict
 from kfac_hpc.shampoo.state_io import describe_block_states, gather_block_states
 from kfac_hpc.solves import DEFAULT_HOST_MAX_DIM, SolvePlacement
+from kfac_hpc.step_graph import StepGraph
 
 __all__ = ["STATE_DICT_FORMAT", "STATE_DICT_VERSION", "DistributedShampoo"]
 
@@ -110,6 +114,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         host_decomposition_max_dim: int = DEFAULT_HOST_MAX_DIM,
         decomposition_streams: int | None = None,
         root_method: RootMethod = DEFAULT_ROOT_METHOD,
+        cuda_graphs: bool = False,
     ) -> None:
         """Split the parameters into blocks and assign every block an owner rank.
 
@@ -199,6 +204,11 @@ class DistributedShampoo(torch.optim.Optimizer):
                 saved in the state dict, so a run may resume with any (the others drop
                 bases at a block's next root computation; ``SubspaceRoots`` computes a
                 block without them fresh).
+            cuda_graphs: On CUDA, the block work of the steps that compute no root
+                (factors, grafting, preconditioning, directions and their flags) is
+                captured as a CUDA graph and replayed while the runs of blocks, the
+                hyper-parameters and the gradients present stay the same (the same
+                results; :mod:`kfac_hpc.step_graph`). Root steps run eagerly.
 
         Raises:
             ValueError: A hyper-parameter is out of range, a parameter name repeats, a
@@ -235,7 +245,15 @@ class DistributedShampoo(torch.optim.Optimizer):
                 "(kfac_hpc.shampoo.root_method_from turns a name such as 'newton' into one)")
         self.root_method: RootMethod = root_method
         self.comm: Communicator = comm if comm is not None else world()
+        if not isinstance(cuda_graphs, bool):
+            raise ValueError(f"DistributedShampoo: invalid cuda_graphs={cuda_graphs!r}; "
+                             "allowed: True or False")
+        self._cuda_graphs = cuda_graphs
+        #: the captured block work (``cuda_graphs``), made once the device is known
+        self.step_graph: StepGraph | None = None
+        self._graph_inputs: tuple[Hashable, Tensor, dict[int, BiasCorrections]] | None = None
         self._layout: Layout | None = None
+        self._generation = 0  # counts rebuilds of the blocks and installs of their state
         self._steps = 0
         #: times the phases its methods declare (kfac_hpc.phases), when given one
         self.phase_timer: PhaseTimer | None = None
@@ -243,6 +261,9 @@ class DistributedShampoo(torch.optim.Optimizer):
         if check_replicas:  # different models would gather mismatched directions
             self._check_replicas()
         self._build()
+        if cuda_graphs:
+            # its work updates the optimizer state: a capture must not run it first
+            self.step_graph = StepGraph(self._device, warm_up=False)  # raises off CUDA
 
     # ------------------------------------------------------------ structure
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -299,6 +320,7 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     def _build(self) -> None:
         """Blocks, owners and the gather buffers (pure function of names, shapes, world size)."""
+        self._generation += 1
         blocks: list[BlockSpec] = []
         block_param: list[Tensor] = []
         self._name_of: dict[Tensor, str] = {}
@@ -417,14 +439,37 @@ class DistributedShampoo(torch.optim.Optimizer):
         to update): every block's failure flags are combined on the device and read once,
         after the exchange, by every rank alike — no host synchronisation per block.
         """
-        steps = self._start_runs(hypers)
+        runs = self._plan(hypers)
+        if self.step_graph is not None:
+            status = self._replayed(runs, hypers)
+            if status is not None:
+                return status
+        return self._block_work(runs, hypers, {
+            gi: bias_corrections(group_runs, hypers[gi]) for gi, group_runs in runs.items()})
+
+    def _plan(self, hypers: list[BlockHyper]) -> dict[int, list[Run]]:
+        """This step's runs (blocks with gradients, by stack) by parameter group, advanced."""
+        runs: dict[int, list[Run]] = {}
+        for stack in self._stacks:
+            found = self._runs(stack, hypers[stack.group])
+            if found:
+                runs.setdefault(stack.group, []).extend(found)
+        for group_runs in runs.values():
+            advance(group_runs)
+        return runs
+
+    def _block_work(self, runs: dict[int, list[Run]], hypers: list[BlockHyper],
+                    corrections: dict[int, BiasCorrections]) -> Tensor | int:
+        """The tensor work of :meth:`_update_owned_blocks` for the planned runs; the status."""
+        steps = self._start_runs(runs, hypers)
         for gi, group_steps in steps.items():
-            update_statistics(group_steps, hypers[gi])
+            update_statistics(group_steps, hypers[gi], corrections[gi])
         host_status = self._update_roots(steps, hypers)
         stat_marks: list[Tensor] = []
         update_marks: list[Tensor] = []
         for gi, group_steps in steps.items():
-            for st, direction in zip(group_steps, directions(group_steps, hypers[gi])):
+            for st, direction in zip(group_steps, directions(group_steps, hypers[gi],
+                                                             corrections[gi])):
                 stats, update = self._hand_over(st, direction)
                 stat_marks.append(stats)
                 update_marks.append(update)
@@ -435,15 +480,50 @@ class DistributedShampoo(torch.optim.Optimizer):
                 + (bad_updates & bad_stats.logical_not()).any().to(torch.int64)
                 * STATUS_NONFINITE_UPDATE + host_status)
 
-    def _start_runs(self, hypers: list[BlockHyper]) -> dict[int, list[RunStep]]:
-        """This step's runs (blocks with gradients, by stack), started, by parameter group."""
-        runs: dict[int, list[Run]] = {}
-        for stack in self._stacks:
-            runs.setdefault(stack.group, []).extend(self._runs(stack, hypers[stack.group]))
+    def _replayed(self, runs: dict[int, list[Run]], hypers: list[BlockHyper]
+                  ) -> Tensor | None:
+        """The block work from the step graph (its status), or None: run it eagerly.
+
+        Steps that compute roots run eagerly. The key: the state's generation, the
+        hyper-parameters, the runs (stack, position, size, whether they update factors
+        and precondition yet) and the dtypes of their gradients; the bias corrections of
+        the runs' steps are the numbers the graph reads.
+        """
+        graph = self.step_graph
+        assert graph is not None
+        if not runs or any(run.roots for group_runs in runs.values() for run in group_runs):
+            return None
+        params = list(dict.fromkeys(self._block_param[i] for group_runs in runs.values()
+                                    for run in group_runs for i in run.members))
+        key = (self._generation, tuple(hypers),
+               tuple((gi, tuple((id(run.stack), run.start, run.size,
+                                 hypers[gi].updates_factors(run.step),
+                                 run.step >= hypers[gi].start_preconditioning_step)
+                                for run in group_runs)) for gi, group_runs in runs.items()),
+               tuple(p.grad.dtype for p in params if p.grad is not None))
+        numbers = {gi: bias_corrections(group_runs, hypers[gi])
+                   for gi, group_runs in runs.items()}
+        values = [v for gi in numbers for v in numbers[gi].values()]
+        if self._graph_inputs is None or self._graph_inputs[0] != key:
+            self._graph_inputs = (key, *_correction_tensors(numbers, self._device))
+        _, vector, tensors = self._graph_inputs
+
+        def work() -> tuple[Tensor | int, object]:
+            self._exchange.begin()  # each run of the work starts from an empty exchange
+            return self._block_work(runs, hypers, tensors), self._exchange.kept()
+
+        if not graph.run(key, params, work, lambda: vector.copy_(
+                torch.tensor(values, dtype=torch.float64), non_blocking=True)):
+            return None
+        status, kept = cast(tuple[Tensor, object], graph.output)
+        self._exchange.restore(kept)
+        return status
+
+    def _start_runs(self, runs: dict[int, list[Run]], hypers: list[BlockHyper]
+                    ) -> dict[int, list[RunStep]]:
+        """The runs' step records: their gradients stacked, by parameter group."""
         steps: dict[int, list[RunStep]] = {}
         for gi, group_runs in runs.items():
-            if not group_runs:
-                continue
             hp = hypers[gi]
             grads = [[self._view(self._grad(i), i) for i in run.members] for run in group_runs]
             params = [[self._param_view(i) for i in run.members]
@@ -641,6 +721,7 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     def _install_states(self, states: dict[tuple[str, int], BlockState]) -> None:
         """Keep (copies of) the states of the blocks this rank owns now."""
+        self._generation += 1
         self.state = defaultdict(dict)
         for i in self._owned:
             spec, p = self.layout.blocks[i], self._block_param[i]
@@ -909,3 +990,26 @@ def _normalise_states(state: dict[str, Any]) -> dict[tuple[str, int], BlockState
                 block[key] = value
             out[(str(name), _block_index(index))] = block
     return out
+
+
+def _correction_tensors(numbers: dict[int, BiasCorrections], device: torch.device
+                        ) -> tuple[Tensor, dict[int, BiasCorrections]]:
+    """A float64 device vector for every bias correction, and the corrections as its entries.
+
+    Args:
+        numbers: Per parameter group, its runs' corrections as numbers.
+        device: Where the vector lives.
+
+    Returns:
+        The vector (filled before each run of a captured step) and, per group, the
+        corrections as 0-dim views of it, in the order of :meth:`BiasCorrections.values`.
+    """
+    count = sum(len(c.values()) for c in numbers.values())
+    vector = torch.zeros(count, dtype=torch.float64, device=device)
+    entries = iter(vector.unbind(0)) if count else iter(())
+    out: dict[int, BiasCorrections] = {}
+    for gi, c in numbers.items():
+        parts = [None if part is None else [next(entries) for _ in part]
+                 for part in (c.filtered, c.grafting)]
+        out[gi] = BiasCorrections(parts[0], parts[1])
+    return vector, out

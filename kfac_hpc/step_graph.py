@@ -1,10 +1,12 @@
-"""The preconditioning part of a K-FAC step as one CUDA graph (``cuda_graphs=True``).
+"""The stale part of an optimizer step as one CUDA graph (``cuda_graphs=True``).
 
-On a GPU, K-FAC's stale step is host-bound: preconditioning every layer, the KL clip and
-the writes to ``.grad`` are several hundred operator dispatches for a few milliseconds of
-device work (benchmarks/RESULTS.md, GPU). Between two inverse updates that part runs the
-same kernels on the same shapes at every step, so it can be captured once as a CUDA
-graph and replayed: one launch instead of the dispatches.
+On a GPU, K-FAC's stale step and Shampoo's plain step are host-bound: several hundred
+operator dispatches for a few milliseconds of device work (benchmarks/RESULTS.md, GPU).
+Between two inverse updates (K-FAC: preconditioning every layer, the KL clip, the writes
+to ``.grad``) or two root computations (Shampoo: the block work,
+:mod:`kfac_hpc.shampoo.optimizer`) that part runs the same kernels on the same shapes at
+every step, so it can be captured once as a CUDA graph and replayed: one launch instead
+of the dispatches.
 
 How (:class:`StepGraph`):
 
@@ -12,17 +14,19 @@ How (:class:`StepGraph`):
   them there and writes its results there; the results are copied back into ``.grad``
   (one multi-tensor copy). While the graph is captured, each parameter's ``.grad`` *is*
   its static buffer, so what is captured is the eager step's own code;
-* the learning rate and the KL bound, which schedules may change at every step, are 0-dim
-  float64 device tensors the graph reads (their products equal the host's:
-  :func:`~kfac_hpc.kfac.linalg.kl_clip_factor`);
-* everything else the captured kernels depend on makes up the graph's key
-  (:class:`GraphKey`): the decompositions' generation
-  (:attr:`~kfac_hpc.kfac.decompositions.Decompositions.generation`), the damping, which
-  parameters have a gradient (and its dtype) and whether the KL clip is on.
+* numbers that may change at every step are device tensors the graph reads, which the
+  caller fills before each run (K-FAC's learning rate and KL bound, 0-dim float64:
+  their products equal the host's, :func:`~kfac_hpc.kfac.linalg.kl_clip_factor`;
+  Shampoo's bias corrections);
+* everything else the captured kernels depend on makes up the graph's key, which the
+  caller gives (K-FAC's: the decompositions' generation, the damping, which parameters
+  have a gradient and whether the KL clip is on; Shampoo's: its state's generation, the
+  hyper-parameters, the runs of blocks stepping and their gradients' dtypes).
 
 A new key drops the graph (its memory returns to the graph's pool) and is captured at
-once (after a warm-up run on the capture's side stream, so that lazy initialisations
-happen outside the capture), then replayed, at that step and the next ones with the same
+once on a side stream (whose cuBLAS workspaces small products make first, so that no
+lazy initialisation happens inside the capture; a body that writes only its buffers, as
+K-FAC's, also runs once there first), then replayed, at that step and the next ones with the same
 key. With decompositions renewed every ``inv_update_steps``, each inverse step captures
 and the steps up to the next one replay. When a graph served no step after the one that
 captured it, keys are changing too often: a new key then waits for the next step to
@@ -41,20 +45,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-__all__ = ["CudaGraph", "Graph", "GraphKey", "StepGraph", "supported"]
+__all__ = ["CudaGraph", "Graph", "StepGraph", "new_graph", "new_pool", "supported"]
 
 log = logging.getLogger("kfac_hpc")
 
-#: ``body(lr, kl_clip)``: the captured work, given the learning rate and the KL bound as
-#: 0-dim float64 tensors (``kl_clip`` ``None`` without clipping).
-Body = Callable[[Tensor, "Tensor | None"], None]
+#: The captured work; what it returns is kept (:attr:`StepGraph.output`).
+Body = Callable[[], object]
 
 
 def supported(device: torch.device) -> bool:
@@ -65,8 +67,8 @@ def supported(device: torch.device) -> bool:
 class Graph(Protocol):
     """Work recorded once and replayed."""
 
-    def capture(self, work: Callable[[], None]) -> None:
-        """Record ``work`` (which may run it, once, to warm up)."""
+    def capture(self, work: Callable[[], None], warm_up: bool) -> None:
+        """Record ``work``; with ``warm_up``, run it once first."""
 
     def replay(self) -> None:
         """Run what was recorded."""
@@ -86,14 +88,21 @@ class CudaGraph:
         self.pool = pool
         self._graph: torch.cuda.CUDAGraph | None = None
 
-    def capture(self, work: Callable[[], None]) -> None:
-        """Run ``work`` once on a side stream (warm-up), then capture it there."""
+    def capture(self, work: Callable[[], None], warm_up: bool) -> None:
+        """Capture ``work`` on a side stream (after running it there once, with ``warm_up``).
+
+        The side stream's cuBLAS workspaces are made first by small products, so that
+        no lazy initialisation happens inside the capture even without a warm-up (which
+        a step that updates optimizer state cannot have: it would update it twice).
+        """
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
-            work()  # lazy initialisations (cuBLAS workspaces of this stream) happen here
+            _prime_blas(self.device)
+            if warm_up:
+                work()
             # thread-local: decompositions of a background renewal may run in other
             # threads meanwhile (decomposition_lag); only this thread must not sync
             graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
@@ -114,79 +123,73 @@ class CudaGraph:
         self._graph.replay()
 
 
-@dataclass(frozen=True)
-class GraphKey:
-    """What a captured step depends on besides the gradients, the lr and the KL bound.
+def _prime_blas(device: torch.device) -> None:
+    """Small GEMMs on the current stream: its cuBLAS and cuBLASLt workspaces exist after."""
+    a = torch.ones(8, 8, device=device)
+    torch.addmm(a, a, a)
+    torch.bmm(a[None], a[None])
 
-    Attributes:
-        generation: The decompositions' generation.
-        damping: The damping.
-        grads: Per candidate parameter, in a fixed order, its gradient's dtype (``None``:
-            no gradient this step).
-        clips: Whether the KL clip is on.
-    """
 
-    generation: int
-    damping: float
-    grads: tuple[torch.dtype | None, ...]
-    clips: bool
+#: Makes a recorder from the device and the pool (the CPU tests put one that records ATen
+#: operators here, tests/recorded_graph.py).
+new_graph: Callable[[torch.device, Any], Graph] = CudaGraph
+#: Makes the memory pool the captures of one :class:`StepGraph` share.
+new_pool: Callable[[], Any] = torch.cuda.graph_pool_handle
 
 
 class StepGraph:
-    """The captured preconditioning of a K-FAC step (module docstring).
+    """The captured stale part of an optimizer step (module docstring).
 
-    ``graph_type`` makes the recorder (:class:`CudaGraph` on CUDA; the CPU tests pass
-    one that records and replays ATen operators, tests/recorded_graph.py).
+    ``warm_up``: whether the body may run once more before its capture (it may when it
+    writes nothing but its buffers, as K-FAC's; Shampoo's updates optimizer state).
     """
 
-    def __init__(self, device: torch.device,
-                 graph_type: Callable[[torch.device, object], Graph] | None = None) -> None:
+    def __init__(self, device: torch.device, *, warm_up: bool = True) -> None:
         """Hold no graph yet.
 
         Args:
-            device: The device of the model and of K-FAC's state.
-            graph_type: Makes a recorder from the device and the pool (default:
-                :class:`CudaGraph`).
+            device: The device of the model and of the optimizer's state.
+            warm_up: Whether a capture runs the body once first.
 
         Raises:
-            ValueError: ``device`` cannot capture graphs and no ``graph_type`` is given.
+            ValueError: ``device`` cannot capture graphs.
         """
-        if graph_type is None and not supported(device):
+        if not supported(device):
             raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, not {device}; "
-                             "build the preconditioner after model.to('cuda'), or leave "
+                             "build the optimizer after model.to('cuda'), or leave "
                              "cuda_graphs off")
         self.device = device
-        self._graph_type = graph_type
+        self.warm_up = warm_up
         self._pool: object = None  # the captures' memory pool, made at the first
-        self._lr = torch.zeros((), dtype=torch.float64, device=device)
-        self._kl_clip = torch.zeros((), dtype=torch.float64, device=device)
         self._graph: Graph | None = None
-        self._key: GraphKey | None = None  # the captured graph's
+        self._key: Hashable = None  # the captured graph's
         self._served = False  # whether it ran a step after the one that captured it
-        self._seen: GraphKey | None = None  # the last step's
+        self._seen: Hashable = None  # the last step's
         self._waiting = False  # for a key to repeat before capturing it
         self._grads: list[Tensor] = []  # this step's gradients, in the key's order
         self._static: list[Tensor] = []
+        self.output: object = None  # what the body returned when captured
         self.captures = 0  # graphs captured so far
         self.replays = 0  # steps that ran one (the capturing steps included)
         self.disabled: str | None = None  # why the graphs are off, after a failed capture
 
-    def run(self, key: GraphKey, params: Sequence[Tensor], body: Body, lr: float,
-            kl_clip: float | None) -> bool:
+    def run(self, key: Hashable, params: Sequence[Tensor], body: Body,
+            fill: Callable[[], object]) -> bool:
         """Run ``body`` as a graph on static copies of ``params``' gradients, if it may.
 
         Replays the graph of ``key``; a new key is captured first (unless the last graph
         never served a step after its capture and ``key`` is new since the last step: then
         this step runs eagerly). The results stay in the static buffers until
-        :meth:`write_out`.
+        :meth:`write_out`; what the body returned is :attr:`output` (its tensors hold
+        this replay's values).
 
         Args:
-            key: This step's key.
+            key: What the captured work depends on besides the gradients and the values
+                ``fill`` writes (equal keys: the same work).
             params: The parameters whose gradients ``body`` reads and writes (those with
                 a gradient, in the key's order).
-            body: The step's work on ``.grad``, given the lr and the KL bound as tensors.
-            lr: This step's learning rate.
-            kl_clip: This step's KL bound (``None``: no clipping).
+            body: The step's work on ``.grad``; it reads per-step numbers from tensors.
+            fill: Writes this step's numbers into those tensors (before each run).
 
         Returns:
             Whether the graph ran (else the caller runs the step eagerly).
@@ -201,16 +204,14 @@ class StepGraph:
                 self._waiting = True
                 return False
             self._waiting = False
-            self._lr.fill_(lr)
-            self._kl_clip.fill_(0.0 if kl_clip is None else kl_clip)
+            fill()
             if not self._capture(key, params, body):
                 return False
         else:
             self._served = True
         self._grads = [p.grad for p in params]  # type: ignore[misc]
         torch._foreach_copy_(self._static, self._grads)
-        self._lr.fill_(lr)
-        self._kl_clip.fill_(0.0 if kl_clip is None else kl_clip)
+        fill()
         assert self._graph is not None
         self._graph.replay()
         self.replays += 1
@@ -221,26 +222,27 @@ class StepGraph:
         torch._foreach_copy_(self._grads, self._static)
         self._grads = []
 
-    def _capture(self, key: GraphKey, params: Sequence[Tensor], body: Body) -> bool:
+    def _capture(self, key: Hashable, params: Sequence[Tensor], body: Body) -> bool:
         """Capture ``body`` on static buffers (allocated anew); False if it failed."""
         grads = [p.grad for p in params]
         self._static = [torch.empty_like(g) for g in grads]  # type: ignore[arg-type]
         torch._foreach_copy_(self._static, grads)  # type: ignore[arg-type]
-        clip = self._kl_clip if key.clips else None
 
         def work() -> None:
             own = [p.grad for p in params]
             for p, static in zip(params, self._static):
                 p.grad = static
             try:
-                body(self._lr, clip)
+                self.output = body()
             finally:
                 for p, grad in zip(params, own):
                     p.grad = grad
 
-        graph = self._new_graph()
+        if self._pool is None:
+            self._pool = new_pool()
+        graph = new_graph(self.device, self._pool)
         try:
-            graph.capture(work)
+            graph.capture(work, self.warm_up)
         except Exception as exc:  # any failure: eager from now on
             self.disabled = f"{type(exc).__name__}: {exc}"
             self._static = []
@@ -262,15 +264,7 @@ class StepGraph:
         self._drop()
         self._seen, self._waiting, self._grads = None, False, []
 
-    def _new_graph(self) -> Graph:
-        """A recorder (``graph_type``'s, or a CUDA graph in the captures' pool)."""
-        if self._graph_type is not None:
-            return self._graph_type(self.device, None)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        return CudaGraph(self.device, self._pool)
-
     def _drop(self) -> None:
-        """Forget the graph and its buffers (its memory returns to the pool)."""
-        self._graph, self._key = None, None
+        """Forget the graph, its buffers and its output (its memory returns to the pool)."""
+        self._graph, self._key, self.output = None, None, None
         self._static = []

@@ -1,0 +1,193 @@
+"""Shampoo's captured block work (``cuda_graphs``), its plumbing checked on the CPU.
+
+As for K-FAC (tests/test_kfac_step_graph.py), the step's
+:class:`~kfac_hpc.step_graph.StepGraph` gets the recorder of :mod:`recorded_graph`,
+which replays the captured ATen operators on the same tensors with the same scalars and
+runs no Python. Checked: every step's parameters equal the eager run's, bit for bit, for
+several settings (the bias corrections of each step read from the device vector, the
+directions and flags the exchange keeps restored after each replay, root steps eager in
+between, a learning rate of every step), a non-finite gradient at a replayed step raises
+as eagerly with nothing applied, a load starts afresh, and two ranks (the gathered
+directions) agree. On CUDA: tests/gpu/test_step_graph_gpu.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from mpi4py import MPI
+from recorded_graph import RecordedGraph
+from torch import Tensor, nn
+
+from kfac_hpc import step_graph
+from kfac_hpc.comm import Communicator
+from kfac_hpc.shampoo import DistributedShampoo, ShampooNumericalError
+
+STEPS = 9
+
+
+@pytest.fixture(autouse=True)
+def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """``cuda_graphs=True`` on the CPU, capturing with the recorder."""
+    monkeypatch.setattr(step_graph, "supported", lambda device: True)
+    monkeypatch.setattr(step_graph, "new_graph", RecordedGraph)
+    monkeypatch.setattr(step_graph, "new_pool", lambda: None)
+    yield
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Tanh(), nn.Flatten(),
+                         nn.Linear(4 * 5 * 5, 12), nn.Tanh(), nn.Linear(12, 3)).double()
+
+
+def batches(n: int) -> list[tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(6, 3, 5, 5, generator=g, dtype=torch.float64),
+             torch.randint(0, 3, (6,), generator=g)) for _ in range(n)]
+
+
+def train(graphed: bool, comm: Communicator | None = None, steps: int = STEPS,
+          poison_at: int | None = None, errors: list[str] | None = None, **options: Any
+          ) -> tuple[list[list[Tensor]], DistributedShampoo]:
+    """Parameters after every step (eager or with the recorder); ``poison_at``: a NaN
+    gradient at that step, which must raise (its message appended to ``errors``) and
+    leave the parameters as they were; the run stops there."""
+    errors = [] if errors is None else errors
+    net = model()
+    settings: dict[str, Any] = dict(lr=0.01, betas=(0.9, 0.999), epsilon=1e-10,
+                                    weight_decay=0.01, max_preconditioner_dim=16,
+                                    precondition_frequency=3)
+    settings.update(options)
+    opt = DistributedShampoo(net.named_parameters(), comm=comm or Communicator(MPI.COMM_SELF),
+                             cuda_graphs=graphed, **settings)
+    out = []
+    for k, (x, y) in enumerate(batches(steps)):
+        for group in opt.param_groups:
+            group["lr"] = 0.01 / (1 + k)  # read outside the graph, at every step
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(net(x), y).backward()
+        if k == poison_at:  # the state holds the NaN now: the run ends here
+            before = [p.detach().clone() for p in net.parameters()]
+            net[0].weight.grad[0, 0, 0, 0] = float("nan")  # type: ignore[index]
+            with pytest.raises(ShampooNumericalError) as raised:
+                opt.step()
+            assert all(torch.equal(p, q) for p, q in zip(net.parameters(), before))
+            errors.append(str(raised.value))
+            break
+        opt.step()
+        out.append([p.detach().clone() for p in net.parameters()])
+    return out, opt
+
+
+def assert_same(a: list[list[Tensor]], b: list[list[Tensor]]) -> None:
+    assert len(a) == len(b)
+    for k, (pa, pb) in enumerate(zip(a, b)):
+        for j, (x, y) in enumerate(zip(pa, pb)):
+            assert torch.equal(x, y), (k, j)
+
+
+SETTINGS = [
+    {},
+    dict(momentum=0.9, nesterov=True, decoupled_weight_decay=False, grafting="sgd",
+         use_bias_correction=False),
+    dict(grafting="adagrad", betas=(0.0, 1.0), weight_decay=0.0),
+    dict(grafting="rmsprop", momentum=0.5, precondition_vectors=False),
+]
+
+
+@pytest.mark.parametrize("options", SETTINGS, ids=["adam-wd", "sgd-nesterov-coupled",
+                                                    "adagrad-sum", "rmsprop-vectors-grafted"])
+def test_graphed_steps_equal_eager_steps(options: dict[str, Any]) -> None:
+    """Roots at steps 1, 4 and 7 run eagerly; step 2 captures and every other step
+    replays the same graph (roots are rewritten in place, so it stays valid)."""
+    eager, _ = train(False, **options)
+    graphed, opt = train(True, **options)
+    assert_same(graphed, eager)
+    graph = opt.step_graph
+    assert graph is not None
+    assert (graph.captures, graph.replays) == (1, 6)
+
+
+def test_statistics_every_second_step() -> None:
+    """With factor updates every other step the key alternates: the results are the
+    eager ones whichever steps capture."""
+    eager, _ = train(False, statistics_frequency=2)
+    graphed, opt = train(True, statistics_frequency=2)
+    assert_same(graphed, eager)
+    assert opt.step_graph is not None and opt.step_graph.captures >= 1
+
+
+def test_a_nonfinite_gradient_at_a_replayed_step_raises_as_eagerly() -> None:
+    """A NaN at step 6 (index 5, a replay): the error of the eager run, naming the same
+    block (read from the flags the exchange keeps), and nothing applied."""
+    eager_errors: list[str] = []
+    graphed_errors: list[str] = []
+    eager, _ = train(False, poison_at=5, errors=eager_errors)
+    graphed, opt = train(True, poison_at=5, errors=graphed_errors)
+    assert_same(graphed, eager)
+    assert graphed_errors == eager_errors and "parameter '0.weight' block" in eager_errors[0]
+    assert opt.step_graph is not None and opt.step_graph.replays == 4  # steps 2, 3, 5, 6
+
+
+def test_a_load_starts_afresh() -> None:
+    """Loading a state dict installs new state: the next step captures anew and the
+    run continues as an eager run loaded from the same dict does."""
+    _, saved = train(False, steps=5)
+    state = saved.state_dict()
+    runs = []
+    for graphed in (False, True):
+        net = model()
+        for p, q in zip(net.parameters(), saved.param_groups[0]["params"]):
+            p.data.copy_(q)
+        opt = DistributedShampoo(net.named_parameters(), comm=Communicator(MPI.COMM_SELF),
+                                 lr=0.01, epsilon=1e-10, weight_decay=0.01,
+                                 max_preconditioner_dim=16, precondition_frequency=3,
+                                 cuda_graphs=graphed)
+        if graphed:
+            for x, y in batches(2):  # a captured graph before the load
+                opt.zero_grad(set_to_none=True)
+                nn.functional.cross_entropy(net(x), y).backward()
+                opt.step()
+            for p, q in zip(net.parameters(), saved.param_groups[0]["params"]):
+                p.data.copy_(q)
+        opt.load_state_dict(state)
+        params = []
+        for x, y in batches(4):
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+            params.append([p.detach().clone() for p in net.parameters()])
+        runs.append(params)
+    assert_same(runs[1], runs[0])
+
+
+def test_the_capture_does_not_run_the_stateful_work_first() -> None:
+    """Shampoo's captured work updates the optimizer state: a run before the capture
+    would update it twice (the recorder undoes what its recording wrote, as a capture
+    runs nothing)."""
+    _, opt = train(True, steps=2)
+    assert opt.step_graph is not None and not opt.step_graph.warm_up
+
+
+def test_cuda_graphs_need_a_cuda_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="cuda_graphs=True needs the model on a CUDA device"):
+        DistributedShampoo(model().parameters(), comm=Communicator(MPI.COMM_SELF),
+                           cuda_graphs=True)
+    with pytest.raises(ValueError, match="invalid cuda_graphs"):
+        DistributedShampoo(model().parameters(), comm=Communicator(MPI.COMM_SELF),
+                           cuda_graphs="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_graphed_equal_eager(comm: Communicator) -> None:
+    """Several ranks: each captures its own blocks' work, which writes into the gather's
+    send buffer; the gather and the update stay outside the graph."""
+    eager, _ = train(False, comm=comm)
+    graphed, opt = train(True, comm=comm)
+    assert_same(graphed, eager)
+    assert opt.step_graph is not None and opt.step_graph.replays == 6
