@@ -166,7 +166,6 @@ class StepGraph:
         self._served = False  # whether it ran a step after the one that captured it
         self._seen: Hashable = None  # the last step's
         self._waiting = False  # for a key to repeat before capturing it
-        self._grads: list[Tensor] = []  # this step's gradients, in the key's order
         self._static: list[Tensor] = []
         self.output: object = None  # what the body returned when captured
         self.captures = 0  # graphs captured so far
@@ -180,8 +179,9 @@ class StepGraph:
         Replays the graph of ``key``; a new key is captured first (unless the last graph
         never served a step after its capture and ``key`` is new since the last step: then
         this step runs eagerly). The results stay in the static buffers until
-        :meth:`write_out`; what the body returned is :attr:`output` (its tensors hold
-        this replay's values).
+        :meth:`write_out` (for a body that writes gradients); what the body returned is
+        :attr:`output` (its tensors hold this replay's values). No reference to the
+        gradients is kept.
 
         Args:
             key: What the captured work depends on besides the gradients and the values
@@ -209,18 +209,20 @@ class StepGraph:
                 return False
         else:
             self._served = True
-        self._grads = [p.grad for p in params]  # type: ignore[misc]
-        torch._foreach_copy_(self._static, self._grads)
+        torch._foreach_copy_(self._static, [p.grad for p in params])  # type: ignore[misc]
         fill()
         assert self._graph is not None
         self._graph.replay()
         self.replays += 1
         return True
 
-    def write_out(self) -> None:
-        """Copy the last replay's results into the gradients it read (one multi-tensor copy)."""
-        torch._foreach_copy_(self._grads, self._static)
-        self._grads = []
+    def write_out(self, params: Sequence[Tensor]) -> None:
+        """Copy the last replay's results into ``params``' gradients (one multi-tensor copy).
+
+        Args:
+            params: The parameters the last :meth:`run` was given.
+        """
+        torch._foreach_copy_([p.grad for p in params], self._static)  # type: ignore[misc]
 
     def _capture(self, key: Hashable, params: Sequence[Tensor], body: Body) -> bool:
         """Capture ``body`` on static buffers (allocated anew); False if it failed."""
@@ -262,7 +264,7 @@ class StepGraph:
     def release(self) -> None:
         """Forget the graph, its buffers and the last key (a later step starts afresh)."""
         self._drop()
-        self._seen, self._waiting, self._grads = None, False, []
+        self._seen, self._waiting = None, False
 
     def _drop(self) -> None:
         """Forget the graph, its buffers and its output (its memory returns to the pool)."""

@@ -457,8 +457,9 @@ class KFACPreconditioner:
         """
         lr = self.schedules.lr(k)
         kl_clip = None if self.schedules.kl_clip is None else self.schedules.kl_clip(k)
-        if self.step_graph is not None and self._replayed(k, lr, kl_clip):
-            return self.step_graph.write_out
+        write = None if self.step_graph is None else self._replayed(k, lr, kl_clip)
+        if write is not None:
+            return write
         mine, stacks = self._precondition_my_layers(k)
         updates = self.gradient_exchange.share(mine)
         # the stacks are this step's updates themselves unless the exchange copied them
@@ -479,8 +480,11 @@ class KFACPreconditioner:
         return graph
 
     @timed(Phase.KFAC_PRECONDITION)
-    def _replayed(self, k: int, lr: float, kl_clip: float | None) -> bool:
-        """Run the step's preconditioning from its graph if it may (results in its buffers).
+    def _replayed(self, k: int, lr: float, kl_clip: float | None
+                  ) -> Callable[[], None] | None:
+        """Run the step's preconditioning from its graph if it may; what writes the results.
+
+        The results wait in the graph's buffers; None: the step runs eagerly.
 
         The key (:class:`GraphKey`): the decompositions'
         generation, the damping, which layer parameters have a gradient (in model
@@ -493,7 +497,7 @@ class KFACPreconditioner:
         for curv in self.layers.values():
             own = list(curv.module.parameters(recurse=False))
             if curv.module.weight.grad is not None and any(p.grad is None for p in own):
-                return False
+                return None
             candidates += own
         key = GraphKey(self.decomps.generation, float(self.schedules.damping(k)),
                        tuple(None if p.grad is None else p.grad.dtype for p in candidates),
@@ -503,10 +507,12 @@ class KFACPreconditioner:
             scalars = self._graph_scalars = torch.zeros(2, dtype=torch.float64,
                                                         device=self.device)
         values = torch.tensor([lr, 0.0 if kl_clip is None else kl_clip], dtype=torch.float64)
-        return graph.run(key, [p for p in candidates if p.grad is not None],
-                         partial(self._graph_body, k, scalars[0],
-                                 None if kl_clip is None else scalars[1]),
-                         partial(scalars.copy_, values, non_blocking=True))
+        params = [p for p in candidates if p.grad is not None]
+        if not graph.run(key, params, partial(self._graph_body, k, scalars[0],
+                                              None if kl_clip is None else scalars[1]),
+                         partial(scalars.copy_, values, non_blocking=True)):
+            return None
+        return partial(graph.write_out, params)
 
     def _graph_body(self, k: int, lr: Tensor, kl_clip: Tensor | None) -> None:
         """The captured work: precondition, clip and write to ``.grad`` (untimed)."""
