@@ -23,21 +23,25 @@ How (:class:`StepGraph`):
   have a gradient and whether the KL clip is on; Shampoo's: its state's generation, the
   hyper-parameters, the runs of blocks stepping and their gradients' dtypes).
 
-A new key drops the graph (its memory returns to the graph's pool) and is captured at
-once on a side stream (whose cuBLAS workspaces small products make first, so that no
-lazy initialisation happens inside the capture; a body that writes only its buffers, as
-K-FAC's, also runs once there first), then replayed, at that step and the next ones with the same
-key. With decompositions renewed every ``inv_update_steps``, each inverse step captures
-and the steps up to the next one replay. When a graph served no step after the one that
-captured it, keys are changing too often: a new key then waits for the next step to
-repeat it before it is captured (running eagerly meanwhile), so a key that changes at
-every step (a damping schedule of every step) costs one capture and then only its
-comparison. A capture that fails turns the graphs off for the run, with a warning
-naming the cause; the step then runs eagerly, as it would have.
+A new key drops the graph (its memory pool goes with it: every capture has its own) and
+is captured on a high-priority side stream of the :class:`StepGraph`'s own, not one of the
+pooled streams the library's background work uses (small products make its cuBLAS
+workspaces first, so that no lazy initialisation happens inside the capture), then
+replayed, at that step and the next ones with the same key. Work that writes nothing
+but its buffers (K-FAC's) runs once on the current stream before its capture and is
+captured at the first step of a key: with decompositions renewed every
+``inv_update_steps``, each inverse step captures and the steps up to the next one
+replay; when such a graph served no step after the one that captured it, keys are
+changing too often, and a new key then waits for the next step to repeat it (a damping
+schedule of every step costs one capture, then only its comparison). Work that updates
+optimizer state (Shampoo's) always waits for a key's second step: a capture runs nothing,
+and the first, eager step makes and binds the state the captured work will only update.
+A capture that fails turns the graphs off for the run, with a warning naming the cause;
+the step then runs eagerly, as it would have.
 
-Memory: the static buffers (one copy of the preconditioned layers' gradients) and the
-graph's pool, which keeps the step's intermediates (the stacked gradients and their
-products) alive between replays.
+Memory: the static buffers (one copy of the gradients the work reads) and the graph's
+pool, which keeps the step's intermediates (the stacked gradients and their products)
+alive between replays.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["CudaGraph", "Graph", "StepGraph", "new_graph", "new_pool", "supported"]
+__all__ = ["CudaGraph", "Graph", "StepGraph", "new_graph", "new_pool", "new_stream", "supported"]
 
 log = logging.getLogger("kfac_hpc")
 
@@ -77,44 +81,52 @@ class Graph(Protocol):
 class CudaGraph:
     """A ``torch.cuda.CUDAGraph`` captured on a side stream, replayed on the current one."""
 
-    def __init__(self, device: torch.device, pool: Any) -> None:
+    def __init__(self, device: torch.device, pool: Any, stream: Any) -> None:
         """Nothing recorded yet.
 
         Args:
             device: The CUDA device.
-            pool: The memory pool of the captures (``torch.cuda.graph_pool_handle()``).
+            pool: The memory pool of this capture (``torch.cuda.graph_pool_handle()``).
+            stream: The side stream captures run on (:func:`new_stream`).
         """
         self.device = device
         self.pool = pool
+        self.stream = stream
         self._graph: torch.cuda.CUDAGraph | None = None
 
     def capture(self, work: Callable[[], None], warm_up: bool) -> None:
-        """Capture ``work`` on a side stream (after running it there once, with ``warm_up``).
+        """Capture ``work`` on the side stream (after running it once, with ``warm_up``).
 
-        The side stream's cuBLAS workspaces are made first by small products, so that
-        no lazy initialisation happens inside the capture even without a warm-up (which
-        a step that updates optimizer state cannot have: it would update it twice).
+        The warm-up runs on the current stream, so what it builds and keeps (K-FAC's
+        stacked solves) belongs to the stream that uses it. The side stream's cuBLAS
+        workspaces are made first by small products, so that no lazy initialisation
+        happens inside the capture even without a warm-up (which a step that updates
+        optimizer state cannot have: it would update it twice). The current stream waits
+        for the side stream afterwards, whether the capture succeeded or not.
         """
+        if warm_up:
+            work()
         current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
+        side = self.stream
         side.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(side):
-            _prime_blas(self.device)
-            if warm_up:
-                work()
-            # thread-local: decompositions of a background renewal may run in other
-            # threads meanwhile (decomposition_lag); only this thread must not sync
-            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-            try:
-                work()
-            except BaseException:
-                # the capture is invalid already: ending it may raise, the first error counts
-                with contextlib.suppress(RuntimeError):
-                    graph.capture_end()
-                raise
-            graph.capture_end()
-        current.wait_stream(side)
+        try:
+            with torch.cuda.stream(side):
+                _prime_blas(self.device)
+                # thread-local: decompositions of a background renewal may run in other
+                # threads meanwhile (decomposition_lag); only this thread must not sync
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    work()
+                except BaseException:
+                    # the capture is invalid already: ending it may raise, the first
+                    # error counts
+                    with contextlib.suppress(RuntimeError):
+                        graph.capture_end()
+                    raise
+                graph.capture_end()
+        finally:
+            current.wait_stream(side)
         self._graph = graph
 
     def replay(self) -> None:
@@ -126,15 +138,28 @@ class CudaGraph:
 def _prime_blas(device: torch.device) -> None:
     """Small GEMMs on the current stream: its cuBLAS and cuBLASLt workspaces exist after."""
     a = torch.ones(8, 8, device=device)
+    torch.addmm(a[0], a, a)  # a 1-D bias: the cuBLASLt path
     torch.addmm(a, a, a)
     torch.bmm(a[None], a[None])
 
 
-#: Makes a recorder from the device and the pool (the CPU tests put one that records ATen
-#: operators here, tests/recorded_graph.py).
-new_graph: Callable[[torch.device, Any], Graph] = CudaGraph
-#: Makes the memory pool the captures of one :class:`StepGraph` share.
+def _new_stream(device: torch.device) -> Any:
+    """A high-priority side stream for captures.
+
+    Not one of the default-priority pool the library's other side streams (statistics,
+    decompositions, a background renewal) are taken from.
+    """
+    return torch.cuda.Stream(device, priority=-1)
+
+
+#: Makes a recorder from the device, a memory pool and the side stream (the CPU tests put
+#: one that records ATen operators here, tests/recorded_graph.py).
+new_graph: Callable[[torch.device, Any, Any], Graph] = CudaGraph
+#: Makes the memory pool of one capture (each capture its own: a pool whose graph was
+#: dropped cannot be captured into again).
 new_pool: Callable[[], Any] = torch.cuda.graph_pool_handle
+#: Makes the side stream of one :class:`StepGraph`'s captures.
+new_stream: Callable[[torch.device], Any] = _new_stream
 
 
 class StepGraph:
@@ -160,7 +185,7 @@ class StepGraph:
                              "cuda_graphs off")
         self.device = device
         self.warm_up = warm_up
-        self._pool: object = None  # the captures' memory pool, made at the first
+        self._stream: Any = None  # the captures' side stream, made at the first
         self._graph: Graph | None = None
         self._key: Hashable = None  # the captured graph's
         self._served = False  # whether it ran a step after the one that captured it
@@ -194,13 +219,16 @@ class StepGraph:
         Returns:
             Whether the graph ran (else the caller runs the step eagerly).
         """
-        if self.disabled is not None:
+        if self.disabled is not None or not params:
             return False
         if key != self._key:
             unused = self._graph is not None and not self._served
             self._drop()
             seen, self._seen = self._seen, key
-            if (unused or self._waiting) and key != seen:  # keys change too often: wait
+            # a new key waits for the next step to repeat it: where keys change too
+            # often, and always for work that updates state (its first eager step makes
+            # and binds what the captured one will only read)
+            if key != seen and (unused or self._waiting or not self.warm_up):
                 self._waiting = True
                 return False
             self._waiting = False
@@ -215,6 +243,15 @@ class StepGraph:
         self._graph.replay()
         self.replays += 1
         return True
+
+    def skip(self) -> None:
+        """Note a step that ran without the graph (Shampoo's root steps).
+
+        The graph stays for the next step of its key; a new key must repeat at the next
+        step before it is captured (keys alternating around such steps, as factor updates
+        every other step, are not captured for one step each).
+        """
+        self._seen, self._waiting = None, True
 
     def write_out(self, params: Sequence[Tensor]) -> None:
         """Copy the last replay's results into ``params``' gradients (one multi-tensor copy).
@@ -240,18 +277,19 @@ class StepGraph:
                 for p, grad in zip(params, own):
                     p.grad = grad
 
-        if self._pool is None:
-            self._pool = new_pool()
-        graph = new_graph(self.device, self._pool)
+        if self._stream is None:
+            self._stream = new_stream(self.device)
+        graph = new_graph(self.device, new_pool(), self._stream)
         try:
             graph.capture(work, self.warm_up)
         except Exception as exc:  # any failure: eager from now on
             self.disabled = f"{type(exc).__name__}: {exc}"
             self._static = []
-            message = (f"cuda_graphs: capturing K-FAC's preconditioning failed "
-                       f"({self.disabled}); the steps run without graphs from now on")
+            self.output = None
+            message = (f"cuda_graphs: capturing the step failed ({self.disabled}); the "
+                       "steps run without graphs from now on")
             log.warning(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
             return False
         self._graph, self._key, self._served = graph, key, False
         self.captures += 1

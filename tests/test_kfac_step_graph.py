@@ -41,6 +41,7 @@ def gpu_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(step_graph, "supported", lambda device: True)
     monkeypatch.setattr(step_graph, "new_graph", RecordedGraph)
     monkeypatch.setattr(step_graph, "new_pool", lambda: None)
+    monkeypatch.setattr(step_graph, "new_stream", lambda device: None)
     yield
 
 
@@ -222,6 +223,20 @@ def test_a_fold_that_fails_after_a_replay_leaves_grad_untouched(
         train(True, before_step=fail_at_2)
     for name, p in models[0].named_parameters():
         assert torch.equal(p.grad, before[name]), name
+
+
+def test_every_capture_has_its_own_memory_pool(gpu_path: None,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA pool whose graph was dropped cannot be captured into again (PyTorch
+    asserts its use count), so each capture takes a new one; all share one side stream."""
+    pools: list[object] = []
+    streams: list[object] = []
+    monkeypatch.setattr(step_graph, "new_pool", lambda: pools.append(object()) or pools[-1])
+    monkeypatch.setattr(step_graph, "new_stream",
+                        lambda device: streams.append(object()) or streams[-1])
+    _, pre = train(True)
+    assert pre.step_graph is not None and pre.step_graph.captures == 3 == len(pools)
+    assert len(streams) == 1
 
 
 def test_the_capture_runs_the_idempotent_work_first(gpu_path: None) -> None:

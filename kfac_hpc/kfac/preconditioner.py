@@ -493,6 +493,8 @@ class KFACPreconditioner:
         """
         graph = self.step_graph
         assert graph is not None
+        if graph.disabled is not None:
+            return None
         candidates: list[Tensor] = []
         for curv in self.layers.values():
             own = list(curv.module.parameters(recurse=False))

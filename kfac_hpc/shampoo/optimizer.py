@@ -460,7 +460,12 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     def _block_work(self, runs: dict[int, list[Run]], hypers: list[BlockHyper],
                     corrections: dict[int, BiasCorrections]) -> Tensor | int:
-        """The tensor work of :meth:`_update_owned_blocks` for the planned runs; the status."""
+        """The tensor work of :meth:`_update_owned_blocks` for the planned runs; the status.
+
+        Starts from an empty exchange (each run of a captured work, and an eager run
+        after a failed capture, as the step's first).
+        """
+        self._exchange.begin()
         steps = self._start_runs(runs, hypers)
         for gi, group_steps in steps.items():
             update_statistics(group_steps, hypers[gi], corrections[gi])
@@ -485,17 +490,22 @@ class DistributedShampoo(torch.optim.Optimizer):
         """The block work from the step graph (its status), or None: run it eagerly.
 
         Steps that compute roots run eagerly. The key: the state's generation, the
-        hyper-parameters, the runs (stack, position, size, whether they update factors
-        and precondition yet) and the dtypes of their gradients; the bias corrections of
-        the runs' steps are the numbers the graph reads.
+        parameters' storage, the hyper-parameters, the runs (stack, position, size,
+        whether they update factors and precondition yet) and the dtypes of their
+        gradients; the bias corrections of the runs' steps are the numbers the graph
+        reads.
         """
         graph = self.step_graph
         assert graph is not None
-        if not runs or any(run.roots for group_runs in runs.values() for run in group_runs):
+        if graph.disabled is not None or not runs:
+            return None
+        if any(run.roots for group_runs in runs.values() for run in group_runs):
+            graph.skip()
             return None
         params = list(dict.fromkeys(self._block_param[i] for group_runs in runs.values()
                                     for run in group_runs for i in run.members))
-        key = (self._generation, tuple(hypers),
+        # the parameters' storage too: the work reads their blocks (weight decay)
+        key = (self._generation, tuple(p.data_ptr() for p in params), tuple(hypers),
                tuple((gi, tuple((id(run.stack), run.start, run.size,
                                  hypers[gi].updates_factors(run.step),
                                  run.step >= hypers[gi].start_preconditioning_step)
@@ -509,7 +519,6 @@ class DistributedShampoo(torch.optim.Optimizer):
         _, vector, tensors = self._graph_inputs
 
         def work() -> tuple[Tensor | int, object]:
-            self._exchange.begin()  # each run of the work starts from an empty exchange
             return self._block_work(runs, hypers, tensors), self._exchange.kept()
 
         if not graph.run(key, params, work, lambda: vector.copy_(
