@@ -489,7 +489,10 @@ class DistributedShampoo(torch.optim.Optimizer):
                   ) -> Tensor | None:
         """The block work from the step graph (its status), or None: run it eagerly.
 
-        Steps that compute roots run eagerly. The key: the state's generation, the
+        Steps that compute roots run eagerly, and so do blocks of half-precision
+        parameters: a bias correction as a number divides them in float32, as a float64
+        tensor it may be cast to their dtype first (equal on the CPU, not shown on CUDA).
+        The key: the state's generation, the
         parameters' storage, the hyper-parameters, the runs (stack, position, size,
         whether they update factors and precondition yet) and the dtypes of their
         gradients; the bias corrections of the runs' steps are the numbers the graph
@@ -504,6 +507,8 @@ class DistributedShampoo(torch.optim.Optimizer):
             return None
         params = list(dict.fromkeys(self._block_param[i] for group_runs in runs.values()
                                     for run in group_runs for i in run.members))
+        if any(p.dtype not in _GRAPHED_DTYPES for p in params):
+            return None
         # the parameters' storage too: the work reads their blocks (weight decay)
         key = (self._generation, tuple(p.data_ptr() for p in params), tuple(hypers),
                tuple((gi, tuple((id(run.stack), run.start, run.size,
@@ -999,6 +1004,11 @@ def _normalise_states(state: dict[str, Any]) -> dict[tuple[str, int], BlockState
                 block[key] = value
             out[(str(name), _block_index(index))] = block
     return out
+
+
+#: Parameter dtypes whose captured bias corrections divide as the numbers do (a float64
+#: divisor is cast to the operand's dtype either way).
+_GRAPHED_DTYPES = (torch.float32, torch.float64)
 
 
 def _correction_tensors(numbers: dict[int, BiasCorrections], device: torch.device
