@@ -23,13 +23,16 @@ How (:class:`StepGraph`):
   have a gradient and whether the KL clip is on; Shampoo's: its state's generation, the
   hyper-parameters, the runs of blocks stepping and their gradients' dtypes).
 
-A new key drops the graph (its memory pool goes with it: every capture has its own) and
-is captured on a high-priority side stream of the :class:`StepGraph`'s own, not one of the
-pooled streams the library's background work uses (small products make its cuBLAS
-workspaces first, so that no lazy initialisation happens inside the capture), then
-replayed, at that step and the next ones with the same key. Work that writes nothing
-but its buffers (K-FAC's) runs once on the current stream before its capture and is
-captured at the first step of a key: with decompositions renewed every
+A new key is captured in place of the graph held (into its memory pool, which the old
+graph, never replayed again, no longer needs: a pool whose graph was freed cannot be
+captured into again, and a fresh one per capture would only be freed by an
+``empty_cache``), on a high-priority side stream the :class:`StepGraph` keeps (PyTorch
+hands these out from a pool of its own, which the library's other side streams, of
+default priority, do not draw from; small products make its cuBLAS workspaces first, so
+that no lazy initialisation happens inside the capture), then replayed, at that step and
+the next ones with the same key. A key that waits (below) drops the graph held. Work
+that writes nothing but its buffers (K-FAC's) runs once on the current stream before
+its capture and is captured at the first step of a key: with decompositions renewed every
 ``inv_update_steps``, each inverse step captures and the steps up to the next one
 replay; when such a graph served no step after the one that captured it, keys are
 changing too often, and a new key then waits for the next step to repeat it (a damping
@@ -37,7 +40,9 @@ schedule of every step costs one capture, then only its comparison). Work that u
 optimizer state (Shampoo's) always waits for a key's second step: a capture runs nothing,
 and the first, eager step makes and binds the state the captured work will only update.
 A capture that fails turns the graphs off for the run, with a warning naming the cause;
-the step then runs eagerly, as it would have.
+the step then runs eagerly, as it would have (a capture CUDA refused also leaves
+PyTorch's caching allocator in capture mode, which is undone through torch's private
+bindings, best effort).
 
 Memory: the static buffers (one copy of the gradients the work reads) and the graph's
 pool, which keeps the step's intermediates (the stacked gradients and their products)
@@ -116,15 +121,18 @@ class CudaGraph:
                 # thread-local: decompositions of a background renewal may run in other
                 # threads meanwhile (decomposition_lag); only this thread must not sync
                 graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                failure: BaseException | None = None
                 try:
                     work()
-                except BaseException:
-                    # the capture is invalid already: ending it may raise, the first
-                    # error counts
-                    with contextlib.suppress(RuntimeError):
-                        graph.capture_end()
-                    raise
-                graph.capture_end()
+                except BaseException as exc:  # the capture is invalid: end it first
+                    failure = exc
+                try:
+                    graph.capture_end()
+                except RuntimeError as exc:  # CUDA refused it: the first error counts
+                    _end_failed_capture(self.device, self.pool)
+                    failure = failure or exc
+                if failure is not None:
+                    raise failure
         finally:
             current.wait_stream(side)
         self._graph = graph
@@ -133,6 +141,23 @@ class CudaGraph:
         """Launch the captured graph on the current stream."""
         assert self._graph is not None
         self._graph.replay()
+
+
+def _end_failed_capture(device: torch.device, pool: Any) -> None:
+    """Give the caching allocator back its normal mode after a capture CUDA refused.
+
+    ``capture_end`` raising from ``cudaStreamEndCapture`` skips PyTorch's own
+    ``endAllocateToPool``: the allocator would go on routing this stream's blocks to the
+    capture's pool and keep that pool referenced (a slow leak of streams' freed blocks,
+    and ``torch.cuda.empty_cache()`` failing an internal check). Best effort, through
+    torch's private bindings where this torch has them.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    for name in ("_cuda_endAllocateToPool", "_cuda_releasePool"):
+        release = getattr(torch._C, name, None)
+        if release is not None:
+            with contextlib.suppress(RuntimeError):
+                release(index, pool)
 
 
 def _prime_blas(device: torch.device) -> None:
@@ -186,6 +211,7 @@ class StepGraph:
         self.device = device
         self.warm_up = warm_up
         self._stream: Any = None  # the captures' side stream, made at the first
+        self._pool: Any = None  # the held graph's memory pool
         self._graph: Graph | None = None
         self._key: Hashable = None  # the captured graph's
         self._served = False  # whether it ran a step after the one that captured it
@@ -223,12 +249,12 @@ class StepGraph:
             return False
         if key != self._key:
             unused = self._graph is not None and not self._served
-            self._drop()
             seen, self._seen = self._seen, key
             # a new key waits for the next step to repeat it: where keys change too
             # often, and always for work that updates state (its first eager step makes
             # and binds what the captured one will only read)
             if key != seen and (unused or self._waiting or not self.warm_up):
+                self._drop()
                 self._waiting = True
                 return False
             self._waiting = False
@@ -262,9 +288,16 @@ class StepGraph:
         torch._foreach_copy_([p.grad for p in params], self._static)  # type: ignore[misc]
 
     def _capture(self, key: Hashable, params: Sequence[Tensor], body: Body) -> bool:
-        """Capture ``body`` on static buffers (allocated anew); False if it failed."""
+        """Capture ``body`` in place of the graph held; False if it failed.
+
+        Into the held graph's pool (it is never replayed again, so its memory can be
+        reused; a new pool would only be freed by an ``empty_cache``) and on its static
+        buffers where the gradients still fit them, then the held graph goes.
+        """
         grads = [p.grad for p in params]
-        self._static = [torch.empty_like(g) for g in grads]  # type: ignore[arg-type]
+        if [(g.shape, g.dtype) for g in grads] != [  # type: ignore[union-attr]
+                (t.shape, t.dtype) for t in self._static]:
+            self._static = [torch.empty_like(g) for g in grads]  # type: ignore[arg-type]
         torch._foreach_copy_(self._static, grads)  # type: ignore[arg-type]
 
         def work() -> None:
@@ -279,19 +312,19 @@ class StepGraph:
 
         if self._stream is None:
             self._stream = new_stream(self.device)
-        graph = new_graph(self.device, new_pool(), self._stream)
+        pool = self._pool if self._graph is not None else new_pool()
+        graph = new_graph(self.device, pool, self._stream)
         try:
             graph.capture(work, self.warm_up)
         except Exception as exc:  # any failure: eager from now on
+            self._drop()
             self.disabled = f"{type(exc).__name__}: {exc}"
-            self._static = []
-            self.output = None
             message = (f"cuda_graphs: capturing the step failed ({self.disabled}); the "
                        "steps run without graphs from now on")
             log.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=2)
             return False
-        self._graph, self._key, self._served = graph, key, False
+        self._graph, self._pool, self._key, self._served = graph, pool, key, False
         self.captures += 1
         return True
 
@@ -305,6 +338,6 @@ class StepGraph:
         self._seen, self._waiting = None, False
 
     def _drop(self) -> None:
-        """Forget the graph, its buffers and its output (its memory returns to the pool)."""
-        self._graph, self._key, self.output = None, None, None
+        """Forget the graph, its pool, its buffers and its output."""
+        self._graph, self._pool, self._key, self.output = None, None, None, None
         self._static = []

@@ -225,17 +225,35 @@ def test_a_fold_that_fails_after_a_replay_leaves_grad_untouched(
         assert torch.equal(p.grad, before[name]), name
 
 
-def test_every_capture_has_its_own_memory_pool(gpu_path: None,
+def test_a_new_graph_takes_the_held_graphs_pool(gpu_path: None,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """A CUDA pool whose graph was dropped cannot be captured into again (PyTorch
-    asserts its use count), so each capture takes a new one; all share one side stream."""
+    """A new key is captured into the pool of the graph it replaces (never replayed
+    again); a pool whose graph was dropped is not captured into again (PyTorch asserts on
+    it), so after a key that waited a new pool is made. The head without gradient at
+    step 2 as in :func:`test_a_layer_without_gradient_changes_the_key`: captures at steps
+    0, 2 (into step 0's pool), 4 (a new pool: step 3 waited and dropped the graph) and 6
+    (into step 4's)."""
     pools: list[object] = []
+    used: list[object] = []
     streams: list[object] = []
+
+    class Recording(RecordedGraph):
+        def __init__(self, device: torch.device, pool: object, stream: object) -> None:
+            super().__init__(device, pool, stream)
+            used.append(pool)
+
+    def drop_head(k: int, model: nn.Module, pre: KFACPreconditioner) -> None:
+        if k == 2:
+            model.head.weight.grad = None  # type: ignore[union-attr]
+            model.head.bias.grad = None  # type: ignore[union-attr]
+
+    monkeypatch.setattr(step_graph, "new_graph", Recording)
     monkeypatch.setattr(step_graph, "new_pool", lambda: pools.append(object()) or pools[-1])
     monkeypatch.setattr(step_graph, "new_stream",
                         lambda device: streams.append(object()) or streams[-1])
-    _, pre = train(True)
-    assert pre.step_graph is not None and pre.step_graph.captures == 3 == len(pools)
+    _, pre = train(True, before_step=drop_head)
+    assert pre.step_graph is not None and pre.step_graph.captures == 4
+    assert len(pools) == 2 and used == [pools[0], pools[0], pools[1], pools[1]]
     assert len(streams) == 1
 
 

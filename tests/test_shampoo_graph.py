@@ -134,6 +134,31 @@ def test_statistics_every_second_step() -> None:
     assert (opt.step_graph.captures, opt.step_graph.replays) == (0, 0)
 
 
+def test_a_parameter_given_new_storage_is_a_new_key() -> None:
+    """``p.data = ...`` with the same shape and dtype: the captured work read the old
+    storage (weight decay), so the key changes and the results stay the eager ones."""
+    runs = []
+    for graphed in (False, True):
+        net = model()
+        opt = DistributedShampoo(net.named_parameters(), comm=Communicator(MPI.COMM_SELF),
+                                 lr=0.01, epsilon=1e-10, weight_decay=0.01,
+                                 max_preconditioner_dim=16, precondition_frequency=3,
+                                 cuda_graphs=graphed)
+        params = []
+        for k, (x, y) in enumerate(batches(STEPS)):
+            if k == 5:
+                net[3].weight.data = net[3].weight.data.clone()  # type: ignore[index]
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+            params.append([p.detach().clone() for p in net.parameters()])
+        runs.append(params)
+        if graphed:
+            assert opt.step_graph is not None and opt.step_graph.captures == 2
+            assert opt.memory_bytes()["graph buffers"] > 0
+    assert_same(runs[1], runs[0])
+
+
 def test_half_precision_parameters_run_eagerly() -> None:
     """bf16 parameters: a bias correction as a number divides them in float32, as a
     tensor it may be cast to bf16 first (not shown the same on CUDA), so their steps are

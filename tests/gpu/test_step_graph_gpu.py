@@ -1,7 +1,9 @@
-"""K-FAC's captured step (``cuda_graphs=True``) on CUDA: the eager step's numbers, few launches.
+"""Captured steps (``cuda_graphs=True``) on CUDA: the eager steps' numbers, few launches.
 
-The plumbing around the graph is checked on the CPU with a stand-in
-(tests/test_kfac_step_graph.py); here a real CUDA graph is captured and replayed.
+K-FAC's stale step and Shampoo's plain steps. The plumbing around the graph is checked
+on the CPU with a recorder of CUDA-graph semantics (tests/test_kfac_step_graph.py,
+tests/test_shampoo_graph.py); here real CUDA graphs are captured and replayed, and a
+capture CUDA refuses falls back to eager steps with the allocator still usable.
 """
 
 from __future__ import annotations
@@ -135,3 +137,28 @@ def test_a_replayed_shampoo_step_dispatches_few_operators(device):
     assert counts[3].kernels <= 12, dict(counts[3].counts)
     assert counts[4].kernels <= 12, dict(counts[4].counts)
     assert counts[1].kernels > 100, "the eager step dispatches per block"
+
+
+@needs_cuda
+def test_a_refused_capture_falls_back_and_leaves_the_allocator_usable(device, monkeypatch):
+    """A host read inside the captured work (not capturable): the capture fails, a
+    warning names it, the steps run eagerly with the eager results, and the caching
+    allocator is back in its normal mode (``empty_cache`` works; its internal check
+    fails while a capture's pool is still routed to)."""
+    eager, _ = train(device, torch.float64, False, steps=4)
+    real = KFACPreconditioner._graph_body
+
+    def reads_the_host(self, k, lr, kl_clip):  # type: ignore[no-untyped-def]
+        real(self, k, lr, kl_clip)
+        float(lr)  # a device sync: cudaErrorStreamCaptureUnsupported while capturing
+
+    monkeypatch.setattr(KFACPreconditioner, "_graph_body", reads_the_host)
+    with pytest.warns(RuntimeWarning, match="capturing the step failed"):
+        graphed, pre = train(device, torch.float64, True, steps=4)
+    assert pre.step_graph is not None and pre.step_graph.disabled is not None
+    for k, (a, b) in enumerate(zip(graphed, eager)):
+        for name in b:
+            assert torch.equal(a[name], b[name]), (k, name)
+    torch.cuda.empty_cache()
+    x = torch.ones(1 << 20, device=device)
+    assert float(x.sum()) == float(1 << 20)
