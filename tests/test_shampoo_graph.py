@@ -85,6 +85,22 @@ def train(graphed: bool, comm: Communicator | None = None, steps: int = STEPS,
     return out, opt
 
 
+def shampoo(net: nn.Module, graphed: bool) -> DistributedShampoo:
+    """The settings of the tests that step by hand (one learning rate throughout)."""
+    return DistributedShampoo(net.named_parameters(), comm=Communicator(MPI.COMM_SELF),
+                              lr=0.01, epsilon=1e-10, weight_decay=0.01,
+                              max_preconditioner_dim=16, precondition_frequency=3,
+                              cuda_graphs=graphed)
+
+
+def step(net: nn.Module, opt: DistributedShampoo, x: Tensor, y: Tensor) -> list[Tensor]:
+    """One training step; the parameters after it."""
+    opt.zero_grad(set_to_none=True)
+    nn.functional.cross_entropy(net(x), y).backward()
+    opt.step()
+    return [p.detach().clone() for p in net.parameters()]
+
+
 def assert_same(a: list[list[Tensor]], b: list[list[Tensor]]) -> None:
     assert len(a) == len(b)
     for k, (pa, pb) in enumerate(zip(a, b)):
@@ -140,18 +156,12 @@ def test_a_parameter_given_new_storage_is_a_new_key() -> None:
     runs = []
     for graphed in (False, True):
         net = model()
-        opt = DistributedShampoo(net.named_parameters(), comm=Communicator(MPI.COMM_SELF),
-                                 lr=0.01, epsilon=1e-10, weight_decay=0.01,
-                                 max_preconditioner_dim=16, precondition_frequency=3,
-                                 cuda_graphs=graphed)
+        opt = shampoo(net, graphed)
         params = []
         for k, (x, y) in enumerate(batches(STEPS)):
             if k == 5:
                 net[3].weight.data = net[3].weight.data.clone()  # type: ignore[index]
-            opt.zero_grad(set_to_none=True)
-            nn.functional.cross_entropy(net(x), y).backward()
-            opt.step()
-            params.append([p.detach().clone() for p in net.parameters()])
+            params.append(step(net, opt, x, y))
         runs.append(params)
         if graphed:
             assert opt.step_graph is not None and opt.step_graph.captures == 2
@@ -194,25 +204,14 @@ def test_a_load_starts_afresh() -> None:
         net = model()
         for p, q in zip(net.parameters(), saved.param_groups[0]["params"]):
             p.data.copy_(q)
-        opt = DistributedShampoo(net.named_parameters(), comm=Communicator(MPI.COMM_SELF),
-                                 lr=0.01, epsilon=1e-10, weight_decay=0.01,
-                                 max_preconditioner_dim=16, precondition_frequency=3,
-                                 cuda_graphs=graphed)
+        opt = shampoo(net, graphed)
         if graphed:
             for x, y in batches(6):  # a graph captured at step 3, replayed at 5 and 6
-                opt.zero_grad(set_to_none=True)
-                nn.functional.cross_entropy(net(x), y).backward()
-                opt.step()
+                step(net, opt, x, y)
             for p, q in zip(net.parameters(), saved.param_groups[0]["params"]):
                 p.data.copy_(q)
         opt.load_state_dict(state)
-        params = []
-        for x, y in batches(4):
-            opt.zero_grad(set_to_none=True)
-            nn.functional.cross_entropy(net(x), y).backward()
-            opt.step()
-            params.append([p.detach().clone() for p in net.parameters()])
-        runs.append(params)
+        runs.append([step(net, opt, x, y) for x, y in batches(4)])
         if graphed:
             assert opt.step_graph is not None
             assert (opt.step_graph.captures, opt.step_graph.replays) == (2, 4)

@@ -480,8 +480,6 @@ class LayerCurvature(ABC):
         return (f"{type(self).__name__}(a_dim={self.a_dim}, g_dim={self.g_dim}, "
                 f"approx={self.approx!r})")
 
-
-
 def _detached(t: Tensor) -> Tensor:
     """``t`` without autograd history: itself where nothing would record one.
 
@@ -490,6 +488,7 @@ def _detached(t: Tensor) -> Tensor:
     ``t`` records nothing anyway.
     """
     return t.detach() if t.requires_grad and torch.is_grad_enabled() else t
+
 
 def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
     """``t`` in ``dtype`` (itself when it already is: no dispatch)."""

@@ -118,7 +118,6 @@ class GraphKey:
     clips: bool
 
 
-
 class KFACPreconditioner:
     """Distributed K-FAC over MPI for ``nn.Linear``, ``nn.Conv2d``, ``nn.Embedding`` layers.
 

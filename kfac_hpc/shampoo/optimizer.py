@@ -248,7 +248,6 @@ class DistributedShampoo(torch.optim.Optimizer):
         if not isinstance(cuda_graphs, bool):
             raise ValueError(f"DistributedShampoo: invalid cuda_graphs={cuda_graphs!r}; "
                              "allowed: True or False")
-        self._cuda_graphs = cuda_graphs
         #: the captured block work (``cuda_graphs``), made once the device is known
         self.step_graph: StepGraph | None = None
         self._graph_inputs: tuple[Hashable, Tensor, dict[int, BiasCorrections]] | None = None
@@ -440,12 +439,13 @@ class DistributedShampoo(torch.optim.Optimizer):
         after the exchange, by every rank alike — no host synchronisation per block.
         """
         runs = self._plan(hypers)
+        corrections = {gi: bias_corrections(group_runs, hypers[gi])
+                       for gi, group_runs in runs.items()}
         if self.step_graph is not None:
-            status = self._replayed(runs, hypers)
+            status = self._replayed(runs, hypers, corrections)
             if status is not None:
                 return status
-        return self._block_work(runs, hypers, {
-            gi: bias_corrections(group_runs, hypers[gi]) for gi, group_runs in runs.items()})
+        return self._block_work(runs, hypers, corrections)
 
     def _plan(self, hypers: list[BlockHyper]) -> dict[int, list[Run]]:
         """This step's runs (blocks with gradients, by stack) by parameter group, advanced."""
@@ -485,8 +485,8 @@ class DistributedShampoo(torch.optim.Optimizer):
                 + (bad_updates & bad_stats.logical_not()).any().to(torch.int64)
                 * STATUS_NONFINITE_UPDATE + host_status)
 
-    def _replayed(self, runs: dict[int, list[Run]], hypers: list[BlockHyper]
-                  ) -> Tensor | None:
+    def _replayed(self, runs: dict[int, list[Run]], hypers: list[BlockHyper],
+                  numbers: dict[int, BiasCorrections]) -> Tensor | None:
         """The block work from the step graph (its status), or None: run it eagerly.
 
         Steps that compute roots run eagerly, and so do blocks of half-precision
@@ -495,8 +495,8 @@ class DistributedShampoo(torch.optim.Optimizer):
         The key: the state's generation, the
         parameters' storage, the hyper-parameters, the runs (stack, position, size,
         whether they update factors and precondition yet) and the dtypes of their
-        gradients; the bias corrections of the runs' steps are the numbers the graph
-        reads.
+        gradients; the bias corrections of the runs' steps (``numbers``) are the
+        numbers the graph reads.
         """
         graph = self.step_graph
         assert graph is not None
@@ -516,8 +516,6 @@ class DistributedShampoo(torch.optim.Optimizer):
                                  run.step >= hypers[gi].start_preconditioning_step)
                                 for run in group_runs)) for gi, group_runs in runs.items()),
                tuple(p.grad.dtype for p in params if p.grad is not None))
-        numbers = {gi: bias_corrections(group_runs, hypers[gi])
-                   for gi, group_runs in runs.items()}
         values = [v for gi in numbers for v in numbers[gi].values()]
         if self._graph_inputs is None or self._graph_inputs[0] != key:
             self._graph_inputs = (key, *_correction_tensors(numbers, self._device))
