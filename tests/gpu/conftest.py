@@ -3,6 +3,12 @@
 ``KFAC_HPC_TEST_DEVICE`` (default ``cuda``) names the device; ``cpu`` runs the tests'
 logic on a machine without a GPU (CUDA-only checks skip themselves), to check the tests.
 With several ranks and one GPU, the ranks share it.
+
+Several tests compare two runs bit for bit (a resumed run with the uninterrupted one, a
+captured step with the eager one). The model's own backward must then be reproducible:
+cuDNN's default convolution algorithms may accumulate with atomics (the weight gradients
+of two identical passes differ in the last bits), so every GPU test asks cuDNN for
+deterministic algorithms, as a user who needs reproducible runs does.
 """
 
 from __future__ import annotations
@@ -11,6 +17,12 @@ import os
 
 import pytest
 import torch
+
+
+@pytest.fixture(autouse=True)
+def deterministic_cudnn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.backends.cudnn.deterministic`` for the test, restored after it."""
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
 
 
 @pytest.fixture
