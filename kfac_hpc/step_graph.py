@@ -1,4 +1,4 @@
-"""The stale part of an optimizer step as one CUDA graph (``cuda_graphs=True``).
+"""The stale part of an optimizer step as one CUDA graph (``cuda_graphs``).
 
 On a GPU, K-FAC's stale step and Shampoo's plain step are host-bound: several hundred
 operator dispatches for a few milliseconds of device work (benchmarks/RESULTS.md, GPU).
@@ -44,6 +44,12 @@ the step then runs eagerly, as it would have (a capture CUDA refused also leaves
 PyTorch's caching allocator in capture mode, which is undone through torch's private
 bindings, best effort).
 
+Default: ``cuda_graphs=None`` (both optimizers' default) captures on the device types in
+:data:`DEFAULT_DEVICES`, none yet: on an H200 the graphs gave the eager steps' bits and
+paid (``kfac-hpc train`` 25 % more samples/s, Shampoo's plain step 21.6 → 15.1 ms;
+benchmarks/RESULTS.md, GPU, fifth session), and ``"cuda"`` joins once the whole GPU
+suite has run with them on (``KFAC_HPC_TEST_CUDA_GRAPHS=1``, tests/gpu/conftest.py).
+
 Memory: the static buffers (one copy of the gradients the work reads) and the graph's
 pool, which keeps the step's intermediates (the stacked gradients and their products)
 alive between replays.
@@ -60,7 +66,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["CudaGraph", "Graph", "StepGraph", "new_graph", "new_pool", "new_stream", "supported"]
+__all__ = ["DEFAULT_DEVICES", "CudaGraph", "Graph", "StepGraph", "new_graph", "new_pool",
+           "new_stream", "supported", "wanted"]
 
 log = logging.getLogger("kfac_hpc")
 
@@ -68,9 +75,24 @@ log = logging.getLogger("kfac_hpc")
 Body = Callable[[], object]
 
 
+#: Device types on which ``cuda_graphs=None`` captures the steps (none yet: see above).
+DEFAULT_DEVICES: frozenset[str] = frozenset()
+
+
 def supported(device: torch.device) -> bool:
     """Whether ``device`` can capture graphs (a CUDA device)."""
     return device.type == "cuda"
+
+
+def wanted(option: bool | None, device: torch.device) -> bool:
+    """Whether an optimizer given ``cuda_graphs=option`` captures its steps on ``device``.
+
+    Args:
+        option: True or False as asked; None: whether :data:`DEFAULT_DEVICES` names
+            ``device``'s type.
+        device: The device of the model and of the optimizer's state.
+    """
+    return option if option is not None else device.type in DEFAULT_DEVICES
 
 
 class Graph(Protocol):

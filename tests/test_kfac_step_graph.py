@@ -72,7 +72,7 @@ def batches(n: int) -> list[tuple[Tensor, Tensor]]:
 Hook = Callable[[int, nn.Module, KFACPreconditioner], None]
 
 
-def train(graphed: bool, *, steps: int = STEPS, before_step: Hook | None = None,
+def train(graphed: bool | None, *, steps: int = STEPS, before_step: Hook | None = None,
           **options: Any) -> tuple[list[dict[str, Tensor]], KFACPreconditioner]:
     """Train :class:`Net` in float64; every step's gradients after ``pre.step()``.
 
@@ -267,9 +267,22 @@ def test_the_capture_runs_the_idempotent_work_first(gpu_path: None) -> None:
 def test_cuda_graphs_need_a_cuda_model() -> None:
     with pytest.raises(ValueError, match="cuda_graphs=True needs the model on a CUDA device"):
         KFACPreconditioner(Net(), comm=Communicator(MPI.COMM_SELF), cuda_graphs=True)
-    with pytest.raises(TypeError, match="cuda_graphs must be True or False"):
+    with pytest.raises(TypeError, match="cuda_graphs must be True, False or None"):
         KFACPreconditioner(Net(), comm=Communicator(MPI.COMM_SELF),
                            cuda_graphs="yes")  # type: ignore[arg-type]
+
+
+def test_the_default_follows_the_device_list(gpu_path: None,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cuda_graphs=None`` (the default) captures on the device types that
+    ``step_graph.DEFAULT_DEVICES`` names, with the steps ``True`` gives; elsewhere none."""
+    _, pre = train(None, steps=2)
+    assert pre.step_graph is None
+    monkeypatch.setattr(step_graph, "DEFAULT_DEVICES", frozenset({"cpu"}))
+    eager, _ = train(False)
+    defaulted, pre = train(None)
+    assert pre.step_graph is not None and pre.step_graph.replays == STEPS
+    assert_same(defaulted, eager)
 
 
 def test_kl_clip_factor_reads_tensors_as_floats(gpu_path: None) -> None:
@@ -313,6 +326,20 @@ def test_exchanged_gradients_run_without_graph(comm: Communicator, gpu_path: Non
                                  cuda_graphs=True)
     assert pre.step_graph is None
     assert "run without a graph" in caplog.text
+    pre.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_exchanged_gradients_by_default_run_without_graph_quietly(
+        comm: Communicator, gpu_path: None, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Where the device list turns graphs on by default, mem-opt runs its steps eagerly
+    without a warning: nobody asked for graphs."""
+    monkeypatch.setattr(step_graph, "DEFAULT_DEVICES", frozenset({"cpu"}))
+    with caplog.at_level("WARNING", logger="kfac_hpc"):
+        pre = KFACPreconditioner(Net().double(), comm=comm, strategy="mem-opt")
+    assert pre.step_graph is None
+    assert "without a graph" not in caplog.text
     pre.close()
 
 

@@ -51,7 +51,7 @@ def batches(n: int, dtype: torch.dtype = torch.float64) -> list[tuple[Tensor, Te
              torch.randint(0, 3, (6,), generator=g)) for _ in range(n)]
 
 
-def train(graphed: bool, comm: Communicator | None = None, steps: int = STEPS,
+def train(graphed: bool | None, comm: Communicator | None = None, steps: int = STEPS,
           poison_at: int | None = None, errors: list[str] | None = None,
           dtype: torch.dtype = torch.float64, **options: Any
           ) -> tuple[list[list[Tensor]], DistributedShampoo]:
@@ -224,6 +224,18 @@ def test_the_capture_does_not_run_the_stateful_work_first() -> None:
     runs nothing)."""
     _, opt = train(True, steps=2)
     assert opt.step_graph is not None and not opt.step_graph.warm_up
+
+
+def test_the_default_follows_the_device_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cuda_graphs=None`` (the default) captures on the device types that
+    ``step_graph.DEFAULT_DEVICES`` names, with the steps ``True`` gives; elsewhere none."""
+    _, opt = train(None, steps=2)
+    assert opt.step_graph is None
+    monkeypatch.setattr(step_graph, "DEFAULT_DEVICES", frozenset({"cpu"}))
+    eager, _ = train(False)
+    defaulted, opt = train(None)
+    assert_same(defaulted, eager)
+    assert opt.step_graph is not None and opt.step_graph.replays == 5
 
 
 def test_cuda_graphs_need_a_cuda_model(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -189,6 +189,18 @@ def test_lr_schedule_from_config_uses_epochs() -> None:
     assert fn(19) == pytest.approx(0.2) and fn(20) == pytest.approx(0.1)
 
 
+def test_cuda_graphs_flag_has_three_states() -> None:
+    """``--kfac-cuda-graphs`` / ``--no-kfac-cuda-graphs`` ask for on or off; neither leaves
+    the library's device rule (None), which a CPU run passes without error."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for flags, expected in (([], None), (["--kfac-cuda-graphs"], True),
+                            (["--no-kfac-cuda-graphs"], False)):
+        assert config_from_args(parser.parse_args(flags)).kfac_cuda_graphs is expected, flags
+    assert TrainConfig.from_dict({"kfac_cuda_graphs": "false"}).kfac_cuda_graphs is False
+    assert problems(kfac_cuda_graphs=None) == "" and problems(kfac_cuda_graphs=False) == ""
+
+
 def test_checkpoint_background_flag() -> None:
     assert TrainConfig().checkpoint_background is True
     assert TrainConfig.from_dict({"checkpoint_background": False}).checkpoint_background is False

@@ -100,7 +100,7 @@ class KFACConfig:
     precondition_precision: PrecisionOption = "auto"
     host_decomposition_max_dim: int = DEFAULT_HOST_MAX_DIM
     decomposition_streams: int | None = None
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
 
     @property
     def solve_placement(self) -> SolvePlacement:
@@ -148,8 +148,9 @@ class KFACConfig:
             raise ValueError(f"{problems[0].option} {problems[0].text()}")
         self._check_rank_fits()
         self.solve_placement  # noqa: B018 (validates both options)
-        if not isinstance(self.cuda_graphs, bool):
-            raise TypeError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
+        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be True, False or None (the device's default), "
+                            f"got {self.cuda_graphs!r}")
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
         if isinstance(self.skip_layers, str):

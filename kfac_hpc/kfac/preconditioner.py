@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import torch
 from torch import Tensor, nn
 
+from kfac_hpc import step_graph
 from kfac_hpc.comm import Communicator, replicas, world
 from kfac_hpc.kfac import linalg, stacked
 from kfac_hpc.kfac.config import KFACConfig, batch_shape, dtype_name
@@ -179,7 +180,7 @@ class KFACPreconditioner:
         precondition_precision: PrecisionOption = "auto",
         host_decomposition_max_dim: int = DEFAULT_HOST_MAX_DIM,
         decomposition_streams: int | None = None,
-        cuda_graphs: bool = False,
+        cuda_graphs: bool | None = None,
     ) -> None:
         """Register ``model``'s layers, place their factors and build the parts.
 
@@ -238,7 +239,9 @@ class KFACPreconditioner:
             cuda_graphs: On CUDA, capture the preconditioning, KL clip and writes to
                 ``.grad`` as a CUDA graph between inverse updates and replay it (the same
                 results; :mod:`kfac_hpc.step_graph`). Where preconditioned gradients
-                are exchanged between ranks the step runs without one.
+                are exchanged between ranks the step runs without one (with a warning
+                when asked for by True). None (default): on the device types of
+                ``kfac_hpc.step_graph.DEFAULT_DEVICES`` (none yet).
 
         Raises:
             ValueError: An option, or a combination of options, is invalid (the message
@@ -468,10 +471,12 @@ class KFACPreconditioner:
     # ------------------------------------------------------------- step graph
     def _step_graph(self) -> StepGraph | None:
         """The step's graph with ``cuda_graphs`` (none where gradients are exchanged)."""
-        if not self.options.cuda_graphs:
+        if not step_graph.wanted(self.options.cuda_graphs, self.device):
             return None
         graph = StepGraph(self.device)  # raises off CUDA
         if self.gradient_exchange.needed:
+            if self.options.cuda_graphs is None:  # the default: no graph, silently
+                return None
             log.warning("cuda_graphs: preconditioned gradients are exchanged between ranks "
                         "(%s with %d gradient workers per layer), so K-FAC's steps run without "
                         "a graph", self.options.strategy, self.placement.grad_workers)

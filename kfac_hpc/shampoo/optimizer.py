@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import StateDict
 
+from kfac_hpc import step_graph
 from kfac_hpc.comm import Communicator, replicas, world
 from kfac_hpc.phases import Phase, PhaseTimer, timed
 from kfac_hpc.shampoo import blocking
@@ -114,7 +115,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         host_decomposition_max_dim: int = DEFAULT_HOST_MAX_DIM,
         decomposition_streams: int | None = None,
         root_method: RootMethod = DEFAULT_ROOT_METHOD,
-        cuda_graphs: bool = False,
+        cuda_graphs: bool | None = None,
     ) -> None:
         """Split the parameters into blocks and assign every block an owner rank.
 
@@ -208,7 +209,9 @@ class DistributedShampoo(torch.optim.Optimizer):
                 (factors, grafting, preconditioning, directions and their flags) is
                 captured as a CUDA graph and replayed while the runs of blocks, the
                 hyper-parameters and the gradients present stay the same (the same
-                results; :mod:`kfac_hpc.step_graph`). Root steps run eagerly.
+                results; :mod:`kfac_hpc.step_graph`). Root steps run eagerly. None
+                (default): on the device types of ``kfac_hpc.step_graph.DEFAULT_DEVICES``
+                (none yet).
 
         Raises:
             ValueError: A hyper-parameter is out of range, a parameter name repeats, a
@@ -245,9 +248,9 @@ class DistributedShampoo(torch.optim.Optimizer):
                 "(kfac_hpc.shampoo.root_method_from turns a name such as 'newton' into one)")
         self.root_method: RootMethod = root_method
         self.comm: Communicator = comm if comm is not None else world()
-        if not isinstance(cuda_graphs, bool):
+        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
             raise ValueError(f"DistributedShampoo: invalid cuda_graphs={cuda_graphs!r}; "
-                             "allowed: True or False")
+                             "allowed: True, False or None (the device's default)")
         #: the captured block work (``cuda_graphs``), made once the device is known
         self.step_graph: StepGraph | None = None
         self._graph_inputs: tuple[Hashable, Tensor, dict[int, BiasCorrections]] | None = None
@@ -260,7 +263,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         if check_replicas:  # different models would gather mismatched directions
             self._check_replicas()
         self._build()
-        if cuda_graphs:
+        if step_graph.wanted(cuda_graphs, self._device):
             # its work updates the optimizer state: a capture must not run it first
             self.step_graph = StepGraph(self._device, warm_up=False)  # raises off CUDA
 

@@ -272,7 +272,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     Values stay strings here and are converted and validated by the config, so a bad
     value is reported like any other bad input (once, exit 2).
     """
-    from kfac_hpc.train.config import field_help, field_types
+    from kfac_hpc.train.config import field_help, field_types, is_flag
 
     _rank0_only(parser)
     parser.description = (
@@ -293,7 +293,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             text = help_text  # the help states a default that depends on other options
         else:
             text = f"{help_text} (default: {_show_default(default)})"
-        if tp is bool:
+        if is_flag(tp):  # --x / --no-x; unset: the default (None: the option's own rule)
             g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
                            default=None, help=text)
         elif typing.get_origin(tp) is dict:

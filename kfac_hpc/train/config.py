@@ -213,10 +213,11 @@ class TrainConfig:
     kfac_eigen_refresh: str = _opt(
         "eigh", "eigh | subspace: renew eigenbases by a full eigendecomposition, or by one "
         "subspace-iteration step (two GEMMs and a QR) from the previous basis", "kfac")
-    kfac_cuda_graphs: bool = _opt(
-        False, "on CUDA, capture K-FAC's preconditioning, KL clip and gradient writes as a "
-        "CUDA graph between inverse updates and replay it (the same results, fewer launches)",
-        "kfac")
+    kfac_cuda_graphs: bool | None = _opt(
+        None, "on CUDA, capture K-FAC's preconditioning, KL clip and gradient writes as a "
+        "CUDA graph between inverse updates and replay it (the same results, fewer "
+        "launches; default: the library's, on the device types of "
+        "kfac_hpc.step_graph.DEFAULT_DEVICES, none yet)", "kfac")
     kfac_stats_precision: str = _opt(
         "auto", "auto | full | tf32 | bf16: operands of the factor statistics' GEMMs (auto: "
         "tf32 for float32 factors on CUDA, full elsewhere)", "kfac")
@@ -630,6 +631,14 @@ def _optional_inner(tp: Any) -> tuple[Any, bool]:
         if len(args) == 1 and len(typing.get_args(tp)) == 2:
             return args[0], True
     return tp, False
+
+
+def is_flag(tp: Any) -> bool:
+    """Whether an option of type ``tp`` is an on/off flag.
+
+    ``bool``, or ``bool | None`` where None leaves the choice to the option's own rule.
+    """
+    return tp is bool or _optional_inner(tp) == (bool, True)
 
 
 _NONE_WORDS = ("none", "null", "off")

@@ -9,6 +9,10 @@ captured step with the eager one). The model's own backward must then be reprodu
 cuDNN's default convolution algorithms may accumulate with atomics (the weight gradients
 of two identical passes differ in the last bits), so every GPU test asks cuDNN for
 deterministic algorithms, as a user who needs reproducible runs does.
+
+``KFAC_HPC_TEST_CUDA_GRAPHS=1`` runs every test with the optimizers' step graphs on by
+default (``kfac_hpc.step_graph.DEFAULT_DEVICES`` naming ``cuda``; tests that pass
+``cuda_graphs`` keep their choice): the suite that must pass before that default ships.
 """
 
 from __future__ import annotations
@@ -23,6 +27,15 @@ import torch
 def deterministic_cudnn(monkeypatch: pytest.MonkeyPatch) -> None:
     """``torch.backends.cudnn.deterministic`` for the test, restored after it."""
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+
+
+@pytest.fixture(autouse=True)
+def step_graphs_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``KFAC_HPC_TEST_CUDA_GRAPHS=1``, ``cuda_graphs=None`` captures on CUDA."""
+    if os.environ.get("KFAC_HPC_TEST_CUDA_GRAPHS", "0") == "1":
+        from kfac_hpc import step_graph
+
+        monkeypatch.setattr(step_graph, "DEFAULT_DEVICES", frozenset({"cuda"}))
 
 
 @pytest.fixture
