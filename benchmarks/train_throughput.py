@@ -20,11 +20,14 @@ a CPU):
 * ``kfac-10-100``: factors every 10 steps, inverses every 100;
 * ``kfac-lag``: the defaults with ``--kfac-decomposition-lag 5``;
 * ``kfac-graphs`` (CUDA only): the defaults with ``--kfac-cuda-graphs``;
+* ``kfac-eager``: the defaults with ``--no-kfac-cuda-graphs`` (the same as ``kfac`` while
+  ``kfac_hpc.step_graph.DEFAULT_DEVICES`` is empty);
 * ``shampoo``: DistributedShampoo with the driver's defaults;
 * ``sgd-amp``, ``kfac-amp``: the same with ``--amp --amp-dtype bfloat16``.
 
 Prints a table (samples/s, ms per step, ratio to SGD's samples/s, and to the
-same-precision SGD for AMP runs) and writes ``train_throughput_<model>_<device>.json``
+same-precision SGD for AMP runs, the step graph's captures and replays from the run's
+``summary.json``) and writes ``train_throughput_<model>_<device>.json``
 under ``--out``.
 
 Example (one GPU, the issue's setting)::
@@ -57,6 +60,7 @@ CONFIGS: dict[str, list[str]] = {
                     "--inv-update-steps", "100"],
     "kfac-lag": ["--optimizer", "sgd", "--kfac-decomposition-lag", "5"],
     "kfac-graphs": ["--optimizer", "sgd", "--kfac-cuda-graphs"],
+    "kfac-eager": ["--optimizer", "sgd", "--no-kfac-cuda-graphs"],
     "shampoo": ["--preconditioner", "none", "--optimizer", "shampoo"],
     "sgd-amp": ["--preconditioner", "none", "--optimizer", "sgd", "--amp",
                 "--amp-dtype", "bfloat16"],
@@ -96,9 +100,20 @@ def run_one(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 "command": cmd}
     seconds = last["wall_time"] - first["wall_time"]
     samples = (args.steps - args.warmup) * args.batch
+    summary = run_dir / "summary.json"
+    graph = json.loads(summary.read_text()).get("step_graph") if summary.exists() else None
     return {"config": name, "samples_per_s": samples / seconds,
             "ms_per_step": 1000 * seconds / (args.steps - args.warmup),
-            "process_s": wall, "command": cmd}
+            "process_s": wall, "step_graph": graph, "command": cmd}
+
+
+def graph_cell(graph: dict[str, Any] | None) -> str:
+    """``captures/replays`` of the run's step graph (``off: why`` after a failed capture)."""
+    if graph is None:
+        return "–"
+    if graph.get("disabled"):
+        return f"off: {graph['disabled']}"[:40]
+    return f"{graph['captures']}/{graph['replays']}"
 
 
 def main() -> None:
@@ -145,18 +160,19 @@ def main() -> None:
     rows = []
     for name, r in results.items():
         if "error" in r:
-            rows.append([name, "failed", "", "", ""])
+            rows.append([name, "failed", "", "", "", ""])
             continue
         sgd = results.get("sgd", {}).get("samples_per_s")
         base = results.get(BASELINE.get(name, "sgd"), {}).get("samples_per_s")
         rows.append([name, f"{r['samples_per_s']:.1f}", f"{r['ms_per_step']:.1f}",
                      f"{r['samples_per_s'] / sgd:.2f}x" if sgd else "",
-                     f"{r['samples_per_s'] / base:.2f}x" if base else ""])
+                     f"{r['samples_per_s'] / base:.2f}x" if base else "",
+                     graph_cell(r.get("step_graph"))])
     title = (f"kfac-hpc train throughput: {args.model}, {args.shape}, batch {args.batch}, "
              f"{args.device}, steps {args.warmup + 1}-{args.steps} timed")
     print(title)
-    print(format_table(["config", "samples/s", "ms/step", "vs SGD", "vs same-precision SGD"],
-                       rows, args.markdown))
+    print(format_table(["config", "samples/s", "ms/step", "vs SGD", "vs same-precision SGD",
+                        "graph captures/replays"], rows, args.markdown))
     path = write_json(args.out / f"train_throughput_{args.model}_{args.device}.json",
                       {"settings": {k: v for k, v in vars(args).items() if k != "out"}
                        | {"out": str(args.out)}, "results": results})

@@ -350,6 +350,10 @@ class StepGraph:
         self.captures += 1
         return True
 
+    def report(self) -> dict[str, object]:
+        """Captures, replays and why the graphs are off (None: on), for run summaries."""
+        return {"captures": self.captures, "replays": self.replays, "disabled": self.disabled}
+
     def buffer_bytes(self) -> int:
         """Bytes of the static gradient buffers held now."""
         return sum(t.numel() * t.element_size() for t in self._static)

@@ -16,6 +16,7 @@ CUDA replays the same kernels is checked on a GPU (tests/gpu/test_step_graph_gpu
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -283,6 +284,26 @@ def test_the_default_follows_the_device_list(gpu_path: None,
     defaulted, pre = train(None)
     assert pre.step_graph is not None and pre.step_graph.replays == STEPS
     assert_same(defaulted, eager)
+
+
+def test_the_driver_reports_the_graph(gpu_path: None, monkeypatch: pytest.MonkeyPatch,
+                                      tmp_path: Path) -> None:
+    """``kfac-hpc train`` with graphs by default: its summary (table and summary.json)
+    gives the captures and replays; inverses every 3 of 7 steps capture at 0, 3 and 6."""
+    import json
+
+    from kfac_hpc.train.config import TrainConfig
+    from kfac_hpc.train.loop import train as train_driver
+
+    monkeypatch.setattr(step_graph, "DEFAULT_DEVICES", frozenset({"cpu"}))
+    cfg = TrainConfig(epochs=1, max_steps=7, factor_update_steps=1, inv_update_steps=3,
+                      progress=False, threads=1, out=str(tmp_path / "run"))
+    result = train_driver(cfg, Communicator(MPI.COMM_SELF, name="self"), verbose=False)
+    expected = {"captures": 3, "replays": 7, "disabled": None}
+    assert result.step_graph == expected
+    assert dict(result.summary_rows(cfg))["step graph (CUDA)"] == "3 captures, 7 replays"
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["step_graph"] == expected
 
 
 def test_kl_clip_factor_reads_tensors_as_floats(gpu_path: None) -> None:

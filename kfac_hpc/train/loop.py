@@ -942,6 +942,7 @@ class Trainer:
             epochs_to_target=None if target is None else target[1],
             traffic=self.comm.traffic().snapshot(),
             history=list(self.tally.history),
+            step_graph=self._step_graph_report(),
             model=self.model,
         )
         summary = {k: v for k, v in result.__dict__.items() if k not in ("model", "history")}
@@ -953,6 +954,12 @@ class Trainer:
         if not agree:
             self.progress.print("WARNING: final parameters differ between ranks")
         return result
+
+    def _step_graph_report(self) -> dict[str, Any] | None:
+        """The optimizer's CUDA graph's captures and replays (None: it has none)."""
+        holder = self.pre if self.pre is not None else self.opt
+        graph = getattr(holder, "step_graph", None)
+        return None if graph is None else graph.report()
 
     def _write_config(self) -> None:
         """Write ``config.json``: the configuration and what this run made of it."""

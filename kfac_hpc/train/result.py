@@ -95,6 +95,8 @@ class TrainResult:
     epochs_to_target: int | None = None
     traffic: dict[str, dict[str, int]] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
+    #: this rank's optimizer CUDA graph (``kfac_hpc.step_graph.StepGraph.report``), if any
+    step_graph: dict[str, Any] | None = None
     model: nn.Module | None = field(default=None, repr=False)
 
     def summary_rows(self, cfg: TrainConfig) -> list[tuple[str, str]]:
@@ -131,6 +133,11 @@ class TrainResult:
             reached = (f"epoch {self.epochs_to_target}, {self.time_to_target:.1f} s"
                        if self.time_to_target is not None else "not reached")
             rows.insert(-3, (f"time to {100 * cfg.target_accuracy:g} %", reached))
+        if self.step_graph is not None:
+            graph = self.step_graph
+            rows.append(("step graph (CUDA)", f"{graph['captures']} captures, "
+                         f"{graph['replays']} replays" + (f"; off: {graph['disabled']}"
+                                                          if graph["disabled"] else "")))
         if self.out_dir:
             rows.append(("metrics", self.out_dir))
         return rows
