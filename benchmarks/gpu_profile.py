@@ -236,6 +236,12 @@ def kinds_section(device: torch.device, batch: tuple[Tensor, Tensor], args: argp
             med["peak MiB"] = torch.cuda.max_memory_allocated(device) / 2**20
             torch.cuda.reset_peak_memory_stats(device)
         out[label] = med
+        graph = getattr(trainer.pre, "step_graph", None)
+        if graph is not None:  # whether the timed steps replayed
+            report = graph.report()
+            print(f"{label}: step graph {report['captures']} captures, {report['replays']} "
+                  "replays" + (f", off: {report['disabled']}" if report["disabled"] else ""),
+                  flush=True)
         trainer.close()
     layers.COLUMN_MAJOR_ROWS_DEVICES = default_layout
     statistics_stream.SIDE_STREAM_DEVICES = default_streams

@@ -469,6 +469,7 @@ def run_model(name: str, args: argparse.Namespace, comm: Communicator, device: t
         for c, r in runners.items()}
     layout = getattr(ours, "layout", None)
     blocks = list(getattr(layout, "blocks", []))
+    graph = getattr(ours, "step_graph", None)  # whether the plain steps replayed
     profiles = {c: profile_steps(r, x, y) for c, r in runners.items() if args.profile}
     return {
         "profiles": profiles,
@@ -486,6 +487,7 @@ def run_model(name: str, args: argparse.Namespace, comm: Communicator, device: t
         "meta_source": peer_version(args.meta_src) if meta is not None else None,
         "median_seconds": {"fwd_bwd": fwd_bwd, "step": step}, "table": rows,
         "kinds_table": kinds_rows,
+        "step_graph": None if graph is None else graph.report(),
         "first_step_seconds": {c: r.first_s for c, r in runners.items()},
         "bytes_per_step": bytes_per_step, "traffic": traffic, "memory": memory,
         "steps": args.steps, "timed_rounds": timed, "warmup": args.warmup,
@@ -524,6 +526,10 @@ def report(result: dict[str, Any], markdown: bool) -> str:
                      markdown=markdown),
         "",
     ]
+    graph = result.get("step_graph")
+    if graph is not None:
+        lines += [f"shampoo's step graph: {graph['captures']} captures, {graph['replays']} "
+                  "replays" + (f", off: {graph['disabled']}" if graph["disabled"] else ""), ""]
     rows = []
     for config in result["configs"]:
         b = bps[config]

@@ -686,6 +686,9 @@ class Lib:
         if self.pre is not None:
             out["factor_updates_before_rounds"] = self.updates_before_rounds
             out["factor_offdiag_before_rounds"] = self.offdiag
+        graph = getattr(self.pre, "step_graph", None)
+        if graph is not None:  # whether the timed steps replayed (kfac_hpc.step_graph)
+            out["step_graph"] = graph.report()
         if self.device.type == "cuda" and self.first_s:
             out["cuda_peak_bytes"] = self.cuda_peak
             out["cuda_resident_bytes"] = self.cuda_resident
@@ -896,6 +899,11 @@ def kinds_tables(res: dict[str, Any], markdown: bool, cuda: bool) -> str:
                 fmt_share(r.get("factor_offdiag_before_rounds", {}))]
         rows.append([label, *row])
     out = format_table(headers, rows, markdown=markdown)
+    for label, r in res.items():
+        if "step_graph" in r:
+            g = r["step_graph"]
+            out += (f"\n{label}: step graph {g['captures']} captures, {g['replays']} replays"
+                    + (f", off: {g['disabled']}" if g["disabled"] else ""))
     if SIZE > 1:
         bh = ["config", *[f"K-FAC bytes/step {k}" for k in KINDS],
               *[f"K-FAC bytes/step ({f},{i})" for f, i in SCHEDULES], "grad bytes/step"]
