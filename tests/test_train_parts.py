@@ -176,3 +176,26 @@ def test_every_trainer_attribute_is_first_set_in_init() -> None:
                             elsewhere.setdefault(t.attr, method.name)
     assert {a: m for a, m in elsewhere.items() if a not in in_init} == {}
     assert "getattr(self" not in inspect.getsource(Trainer)
+
+
+def test_deterministic_holds_cudnn_deterministic_for_the_run(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """``--deterministic``: cuDNN's deterministic algorithms while the run builds and
+    trains, the caller's setting back after it."""
+    import torch
+
+    from kfac_hpc.train import loop
+
+    seen: list[bool] = []
+    build = loop.build_core
+    monkeypatch.setattr(loop, "build_core", lambda *a, **k: seen.append(
+        torch.backends.cudnn.deterministic) or build(*a, **k))
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    for deterministic in (True, False):
+        loop.train(TrainConfig(epochs=1, max_steps=2, preconditioner="none", progress=False,
+                               threads=1, deterministic=deterministic,
+                               out=str(tmp_path / str(deterministic))),
+                   self_comm(), verbose=False)
+        assert torch.backends.cudnn.deterministic is False
+    assert seen == [True, False]

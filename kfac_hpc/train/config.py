@@ -235,6 +235,11 @@ class TrainConfig:
     amp_dtype: str = _opt("float16", "float16 (with a GradScaler) | bfloat16", "distributed")
     threads: int | None = _opt(None, "torch CPU threads per rank (default: cores / local ranks)",
                                "distributed")
+    deterministic: bool = _opt(
+        False, "reproducible GPU runs: cuDNN's deterministic convolution algorithms "
+        "(torch.backends.cudnn.deterministic; a slower backward), so two runs of one "
+        "configuration, and a run resumed from a checkpoint, give the same bits (cuDNN's "
+        "defaults may accumulate weight gradients with atomics)", "distributed")
     host_decomposition_max_dim: int = _opt(
         DEFAULT_HOST_MAX_DIM, "eigendecompositions (K-FAC's inverse updates, Shampoo's roots) "
         "of matrices up to this size on a CUDA device run on the host CPU while the device "

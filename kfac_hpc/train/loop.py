@@ -208,6 +208,10 @@ class Trainer:
         self._resources = contextlib.ExitStack()
         self._resources.callback(self.progress.close)
         self._resources.callback(torch.set_num_threads, torch.get_num_threads())
+        if cfg.deterministic:  # restored by close(), as the thread count is
+            self._resources.callback(setattr, torch.backends.cudnn, "deterministic",
+                                     torch.backends.cudnn.deterministic)
+            torch.backends.cudnn.deterministic = True
         # Metrics, flags and setup agreement travel on a duplicate: never counted as
         # training traffic, never interleaved with the preconditioner's requests.
         self.aux = Communicator(self.comm.mpi.Dup(), name=f"{self.comm.name}/train-aux")
