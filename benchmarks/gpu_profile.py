@@ -191,7 +191,12 @@ KIND_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "low-rank": ("low_rank 256 (d >= 1024)", {"low_rank": 256}),
     "inverse": ("compute_method inverse", {"compute_method": "inverse"}),
 }
-"""The kinds section's K-FAC configurations by ``--kinds`` key: (row label, options)."""
+"""The kinds section's K-FAC configurations by ``--kinds`` key: (row label, options).
+
+Every row but ``graphs`` runs without the step graph (``cuda_graphs=False``, whatever the
+library's default), so that row is the one comparison of it."""
+for _label, _options in KIND_CONFIGS.values():
+    _options.setdefault("cuda_graphs", False)
 
 
 def kinds_section(device: torch.device, batch: tuple[Tensor, Tensor], args: argparse.Namespace

@@ -614,9 +614,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="kfac_hpc's Shampoo: operand precision of its factor and "
                              "preconditioning products (stats_precision and "
                              "precondition_precision; Meta's runs as always)")
-    parser.add_argument("--cuda-graphs", action="store_true",
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="kfac_hpc's Shampoo: its plain steps' block work captured as a "
-                             "CUDA graph and replayed (cuda_graphs=True; CUDA only; Meta's "
+                             "CUDA graph and replayed (cuda_graphs=True; CUDA only), or not "
+                             "(--no-cuda-graphs); neither: the library's default (Meta's "
                              "runs as always)")
     parser.add_argument("--decomposition-streams", type=int, default=default_device_streams(),
                         help="kfac_hpc's Shampoo: CUDA streams its root step's eigh batches "
@@ -652,7 +653,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.weight_decay = 0.01 if "adamw" in args.configs else 0.0
     if args.cuda_graphs and args.device != "cuda":  # a dry run on the CPU times the rest
         print("--cuda-graphs: CUDA graphs need --device cuda; ignored", file=sys.stderr)
-        args.cuda_graphs = False
+        args.cuda_graphs = None
     if args.steps < 1 or args.warmup < 0 or args.frequency < 1:
         parser.error("--steps and --frequency must be >= 1, --warmup >= 0")
     return args

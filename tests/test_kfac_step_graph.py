@@ -15,6 +15,7 @@ CUDA replays the same kernels is checked on a GPU (tests/gpu/test_step_graph_gpu
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -286,24 +287,51 @@ def test_the_default_follows_the_device_list(gpu_path: None,
     assert_same(defaulted, eager)
 
 
+def run_driver(comm: Communicator, out: Path) -> Any:
+    """``kfac-hpc train`` (digits, MLP, K-FAC) for 7 steps, inverses every 3."""
+    from kfac_hpc.train.config import TrainConfig
+    from kfac_hpc.train.loop import train as train_driver
+
+    cfg = TrainConfig(epochs=1, max_steps=7, factor_update_steps=1, inv_update_steps=3,
+                      progress=False, threads=1, out=str(out))
+    return cfg, train_driver(cfg, comm, verbose=False)
+
+
 def test_the_driver_reports_the_graph(gpu_path: None, monkeypatch: pytest.MonkeyPatch,
                                       tmp_path: Path) -> None:
     """``kfac-hpc train`` with graphs by default: its summary (table and summary.json)
     gives the captures and replays; inverses every 3 of 7 steps capture at 0, 3 and 6."""
     import json
 
-    from kfac_hpc.train.config import TrainConfig
-    from kfac_hpc.train.loop import train as train_driver
-
     monkeypatch.setattr(step_graph, "DEFAULT_DEVICES", frozenset({"cpu"}))
-    cfg = TrainConfig(epochs=1, max_steps=7, factor_update_steps=1, inv_update_steps=3,
-                      progress=False, threads=1, out=str(tmp_path / "run"))
-    result = train_driver(cfg, Communicator(MPI.COMM_SELF, name="self"), verbose=False)
-    expected = {"captures": 3, "replays": 7, "disabled": None}
+    cfg, result = run_driver(Communicator(MPI.COMM_SELF, name="self"), tmp_path / "run")
+    expected = {"captures": 3, "replays": 7, "disabled": None, "ranks": 1}
     assert result.step_graph == expected
-    assert dict(result.summary_rows(cfg))["step graph (CUDA)"] == "3 captures, 7 replays"
+    rows = dict(result.summary_rows(cfg))
+    assert rows["step graph (CUDA, fewest of the ranks)"] == "3 captures, 7 replays"
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["step_graph"] == expected
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_driver_reports_every_ranks_graph(comm: Communicator, gpu_path: None,
+                                              monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    """On several ranks the summary gives the fewest replays and names the rank whose
+    capture failed (its steps ran eagerly; the others' replayed)."""
+    monkeypatch.setattr(step_graph, "DEFAULT_DEVICES", frozenset({"cpu"}))
+    if comm.rank == 1:
+        class Failing(RecordedGraph):
+            def capture(self, work: Callable[[], None], warm_up: bool) -> None:
+                raise RuntimeError("refused here")
+
+        monkeypatch.setattr(step_graph, "new_graph", Failing)
+    with pytest.warns(RuntimeWarning) if comm.rank == 1 else contextlib.nullcontext():
+        _, result = run_driver(comm, tmp_path / "run")
+    assert result.step_graph is not None
+    assert result.step_graph["ranks"] == comm.size
+    assert result.step_graph["replays"] == 0
+    assert result.step_graph["disabled"].startswith("rank 1: RuntimeError")
 
 
 def test_kl_clip_factor_reads_tensors_as_floats(gpu_path: None) -> None:

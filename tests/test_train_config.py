@@ -197,7 +197,8 @@ def test_cuda_graphs_flag_has_three_states() -> None:
     for flags, expected in (([], None), (["--kfac-cuda-graphs"], True),
                             (["--no-kfac-cuda-graphs"], False)):
         assert config_from_args(parser.parse_args(flags)).kfac_cuda_graphs is expected, flags
-    assert TrainConfig.from_dict({"kfac_cuda_graphs": "false"}).kfac_cuda_graphs is False
+    for word, expected in (("false", False), ("off", False), ("on", True), ("none", None)):
+        assert TrainConfig.from_dict({"kfac_cuda_graphs": word}).kfac_cuda_graphs is expected
     assert problems(kfac_cuda_graphs=None) == "" and problems(kfac_cuda_graphs=False) == ""
 
 

@@ -236,10 +236,11 @@ class TrainConfig:
     threads: int | None = _opt(None, "torch CPU threads per rank (default: cores / local ranks)",
                                "distributed")
     deterministic: bool = _opt(
-        False, "reproducible GPU runs: cuDNN's deterministic convolution algorithms "
-        "(torch.backends.cudnn.deterministic; a slower backward), so two runs of one "
-        "configuration, and a run resumed from a checkpoint, give the same bits (cuDNN's "
-        "defaults may accumulate weight gradients with atomics)", "distributed")
+        False, "cuDNN's deterministic convolution algorithms for the run "
+        "(torch.backends.cudnn.deterministic; a slower backward): on a GPU, two runs of a "
+        "convolutional model's configuration, and a run resumed from a checkpoint, give the "
+        "same bits (cuDNN's defaults may accumulate weight gradients with atomics); other "
+        "kernels, e.g. attention's backward, are not affected", "distributed")
     host_decomposition_max_dim: int = _opt(
         DEFAULT_HOST_MAX_DIM, "eigendecompositions (K-FAC's inverse updates, Shampoo's roots) "
         "of matrices up to this size on a CUDA device run on the host CPU while the device "
@@ -652,7 +653,9 @@ _NONE_WORDS = ("none", "null", "off")
 def coerce(tp: Any, value: Any) -> Any:
     """Convert ``value`` (from TOML/YAML/JSON or a command-line string) to type ``tp``."""
     inner, optional = _optional_inner(tp)
-    if value is None or (optional and isinstance(value, str) and value.lower() in _NONE_WORDS):
+    # an optional flag reads "off" as False, never as None (the option's own rule)
+    none_words = ("none", "null") if inner is bool else _NONE_WORDS
+    if value is None or (optional and isinstance(value, str) and value.lower() in none_words):
         if optional:
             return None
         raise ValueError("a value is required (none is not allowed)")
@@ -662,7 +665,7 @@ def coerce(tp: Any, value: Any) -> Any:
             return value
         if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1"):
             return True
-        if isinstance(value, str) and value.lower() in ("false", "no", "0"):
+        if isinstance(value, str) and value.lower() in ("false", "no", "off", "0"):
             return False
         raise ValueError(f"expected true/false, got {value!r}")
     if inner is int:

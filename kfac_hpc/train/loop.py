@@ -208,15 +208,15 @@ class Trainer:
         self._resources = contextlib.ExitStack()
         self._resources.callback(self.progress.close)
         self._resources.callback(torch.set_num_threads, torch.get_num_threads())
-        if cfg.deterministic:  # restored by close(), as the thread count is
-            self._resources.callback(setattr, torch.backends.cudnn, "deterministic",
-                                     torch.backends.cudnn.deterministic)
-            torch.backends.cudnn.deterministic = True
         # Metrics, flags and setup agreement travel on a duplicate: never counted as
         # training traffic, never interleaved with the preconditioner's requests.
         self.aux = Communicator(self.comm.mpi.Dup(), name=f"{self.comm.name}/train-aux")
         self._resources.callback(self.aux.free)
         try:
+            if cfg.deterministic:  # restored by close(), as the thread count is
+                self._resources.callback(setattr, torch.backends.cudnn, "deterministic",
+                                         torch.backends.cudnn.deterministic)
+                torch.backends.cudnn.deterministic = True
             self.local_rank, self.local_size = node_rank(self.aux)
             share = max(1, local_cores() // self.local_size)  # this rank's cores
             torch.set_num_threads(cfg.threads or share)
@@ -960,10 +960,22 @@ class Trainer:
         return result
 
     def _step_graph_report(self) -> dict[str, Any] | None:
-        """The optimizer's CUDA graph's captures and replays (None: it has none)."""
+        """The optimizer's CUDA graph over the ranks (None: none has one); collective.
+
+        The fewest captures and replays of any rank, and the first rank's reason where
+        a failed capture turned the graphs off (each rank captures its own work).
+        """
         holder = self.pre if self.pre is not None else self.opt
         graph = getattr(holder, "step_graph", None)
-        return None if graph is None else graph.report()
+        reports = self.aux.allgather_object(None if graph is None else graph.report())
+        mine = [(rank, r) for rank, r in enumerate(reports) if r is not None]
+        if not mine:
+            return None
+        off = next((f"rank {rank}: {r['disabled']}" for rank, r in mine if r["disabled"]),
+                   None)
+        return {"captures": min(r["captures"] for _, r in mine),
+                "replays": min(r["replays"] for _, r in mine), "disabled": off,
+                "ranks": len(mine)}
 
     def _write_config(self) -> None:
         """Write ``config.json``: the configuration and what this run made of it."""

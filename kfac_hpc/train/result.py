@@ -95,7 +95,8 @@ class TrainResult:
     epochs_to_target: int | None = None
     traffic: dict[str, dict[str, int]] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
-    #: this rank's optimizer CUDA graph (``kfac_hpc.step_graph.StepGraph.report``), if any
+    #: the optimizer's CUDA graph (``kfac_hpc.step_graph.StepGraph.report``): the fewest
+    #: captures and replays over the ranks that have one, and why it is off, if it is
     step_graph: dict[str, Any] | None = None
     model: nn.Module | None = field(default=None, repr=False)
 
@@ -135,9 +136,9 @@ class TrainResult:
             rows.insert(-3, (f"time to {100 * cfg.target_accuracy:g} %", reached))
         if self.step_graph is not None:
             graph = self.step_graph
-            rows.append(("step graph (CUDA)", f"{graph['captures']} captures, "
-                         f"{graph['replays']} replays" + (f"; off: {graph['disabled']}"
-                                                          if graph["disabled"] else "")))
+            rows.append(("step graph (CUDA, fewest of the ranks)",
+                         f"{graph['captures']} captures, {graph['replays']} replays"
+                         + (f"; off on {graph['disabled']}" if graph["disabled"] else "")))
         if self.out_dir:
             rows.append(("metrics", self.out_dir))
         return rows

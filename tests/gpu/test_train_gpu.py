@@ -86,6 +86,11 @@ def test_select_device_sets_the_current_device_from_the_local_rank() -> None:
                          ids=["kfac", "shampoo"])
 def test_train_on_two_ranks_agrees(tmp_path: Path, optimizer: list[str]) -> None:
     device = ["--device", "cuda", "--amp"] if KIND == "cuda" else ["--device", "cpu"]
+    # the suite with graphs by default (tests/gpu/conftest.py): the driver's ranks too
+    graphs = KIND == "cuda" and os.environ.get("KFAC_HPC_TEST_CUDA_GRAPHS", "0") == "1"
+    if graphs:
+        optimizer = [*optimizer, *(["--shampoo-options", "cuda_graphs=true"] if optimizer
+                                   else ["--kfac-cuda-graphs"])]
     out = tmp_path / "run"
     cmd = [str(ROOT / "launch" / "local"), "-n", "2", "--timeout", "400", sys.executable, "-m",
            "kfac_hpc", "train", *device, *optimizer, "--dataset", "synthetic", "--epochs", "1",
@@ -98,6 +103,8 @@ def test_train_on_two_ranks_agrees(tmp_path: Path, optimizer: list[str]) -> None
     assert summary["ranks_agree"] is True  # every rank's parameter checksum is equal
     assert summary["world_size"] == 2 and summary["steps"] == 12
     assert summary["device"].startswith(KIND)
+    if graphs:
+        assert summary["step_graph"]["replays"] > 0 and not summary["step_graph"]["disabled"]
     assert len(summary["checksum"]) == 64 and math.isfinite(summary["train_loss"])
     config = json.loads((out / "config.json").read_text())["config"]
     assert config["amp"] is (KIND == "cuda") and config["device"] == KIND
