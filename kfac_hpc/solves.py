@@ -30,9 +30,9 @@ Every matrix is solved by the same call as on one stream, so the results are the
 bits whatever the spread, as far as cuSOLVER is reproducible on concurrent streams: on an
 H200 two runs with 8 streams were bitwise equal by default, but not under
 ``torch.use_deterministic_algorithms(True)`` with ``CUBLAS_WORKSPACE_CONFIG=:4096:8``
-(``benchmarks/reproducibility.py`` tells which part differs). The default is 8 streams (:data:`DEFAULT_DEVICE_STREAMS`; fewer
-on fewer cores, :func:`default_device_streams`): on
-an NVIDIA H200 (torch 2.11, CUDA 13), ResNet-50's K-FAC inverse update (108 factors)
+(``benchmarks/reproducibility.py`` tells which part differs). The default is 8 streams
+(:data:`DEFAULT_DEVICE_STREAMS`; fewer on fewer cores, :func:`default_device_streams`):
+on an NVIDIA H200 (torch 2.11, CUDA 13), ResNet-50's K-FAC inverse update (108 factors)
 took 1279 ms on one stream, 1052 on 2, 932 on 4 and 881 on 8 (``gpu_profile.py``), and
 Shampoo's root step (250 factors) 1107 ms on one, 902, 818 and 762 (``shampoo_roots.py``;
 benchmarks/RESULTS.md, GPU). The streams are made, with their threads, only when a CUDA

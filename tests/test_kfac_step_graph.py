@@ -311,6 +311,7 @@ def test_the_driver_reports_the_graph(gpu_path: None, monkeypatch: pytest.Monkey
     assert rows["step graph (CUDA, fewest of the ranks)"] == "3 captures, 7 replays"
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["step_graph"] == expected
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["run"]["step_graph"]
 
 
 @pytest.mark.mpi(min_size=2)

@@ -198,4 +198,6 @@ def test_deterministic_holds_cudnn_deterministic_for_the_run(tmp_path: Path,
                                out=str(tmp_path / str(deterministic))),
                    self_comm(), verbose=False)
         assert torch.backends.cudnn.deterministic is False
+        run = json.loads((tmp_path / str(deterministic) / "config.json").read_text())["run"]
+        assert run["step_graph"] is False  # SGD on the CPU: no step graph
     assert seen == [True, False]

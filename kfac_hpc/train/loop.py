@@ -992,6 +992,10 @@ class Trainer:
                 "steps_per_epoch": self.steps_per_epoch,
                 "total_steps": self.total_steps,
                 "torch_threads": torch.get_num_threads(),
+                # the optimizer's steps captured as a CUDA graph (cuda_graphs None: the
+                # device's default, kfac_hpc.step_graph.DEFAULT_DEVICES)
+                "step_graph": getattr(self.pre if self.pre is not None else self.opt,
+                                      "step_graph", None) is not None,
                 "kfac_hpc": kfac_hpc.__version__,
                 "torch": torch.__version__,
                 "started_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
