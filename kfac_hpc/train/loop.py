@@ -99,6 +99,8 @@ from kfac_hpc.train.tracking import Progress, RunTally, TrafficMeter, gradient_b
 
 if TYPE_CHECKING:
     from kfac_hpc.comm import Communicator
+    from kfac_hpc.kfac.preconditioner import KFACPreconditioner
+    from kfac_hpc.step_graph import StepGraph
 
 __all__ = ["DIVERGED_EXIT_CODE", "KFAC_DROPPED", "LANGUAGE_DATASETS", "RANGE_FACTOR",
            "RANGE_MIN", "RANGE_WINDOW", "USAGE_ERRORS", "StopReason", "TrainResult", "Trainer",
@@ -164,6 +166,14 @@ class _Span:
     bytes_start: int  # TrafficMeter.total() then
     steps_start: int
     wall0: float  # perf_counter() less the training time of earlier runs (resume)
+
+
+def step_graph_of(pre: KFACPreconditioner | None, opt: torch.optim.Optimizer
+                  ) -> StepGraph | None:
+    """The CUDA graph of the run's steps: K-FAC's, else the optimizer's (Shampoo's)."""
+    if pre is not None:
+        return pre.step_graph
+    return opt.step_graph if isinstance(opt, DistributedShampoo) else None
 
 
 class Trainer:
@@ -965,8 +975,7 @@ class Trainer:
         The fewest captures and replays of any rank, and the first rank's reason where
         a failed capture turned the graphs off (each rank captures its own work).
         """
-        holder = self.pre if self.pre is not None else self.opt
-        graph = getattr(holder, "step_graph", None)
+        graph = step_graph_of(self.pre, self.opt)
         reports = self.aux.allgather_object(None if graph is None else graph.report())
         mine = [(rank, r) for rank, r in enumerate(reports) if r is not None]
         if not mine:
@@ -994,8 +1003,7 @@ class Trainer:
                 "torch_threads": torch.get_num_threads(),
                 # the optimizer's steps captured as a CUDA graph (cuda_graphs None: the
                 # device's default, kfac_hpc.step_graph.DEFAULT_DEVICES)
-                "step_graph": getattr(self.pre if self.pre is not None else self.opt,
-                                      "step_graph", None) is not None,
+                "step_graph": step_graph_of(self.pre, self.opt) is not None,
                 "kfac_hpc": kfac_hpc.__version__,
                 "torch": torch.__version__,
                 "started_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
