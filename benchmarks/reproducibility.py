@@ -24,11 +24,9 @@ deterministic algorithms are always on (the model's own backward must be reprodu
 
 Example (the device session; about 30 s each)::
 
-    for env in "" CUBLAS_WORKSPACE_CONFIG=:4096:8; do
-      for flags in "" --deterministic-algorithms "--deterministic-algorithms --no-fill"; do
-        env $env python benchmarks/reproducibility.py --device cuda $flags
-      done
-    done
+    # mpi4py from the wheels on a GPU machine without it (docs/gpu.md)
+    launch/with-wheels -- env CUBLAS_WORKSPACE_CONFIG=:4096:8 \
+        python3 benchmarks/reproducibility.py --device cuda --deterministic-algorithms
 """
 
 from __future__ import annotations
@@ -43,12 +41,13 @@ import torch
 from mpi4py import MPI
 from torch import Tensor, nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from shared_cases import narrow_resnet50, narrow_resnet50_batches
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # the checkout's package; its test models
+from shared_cases import narrow_resnet50, narrow_resnet50_batches  # noqa: E402
 
-from kfac_hpc import KFACPreconditioner
-from kfac_hpc.comm import Communicator
-from kfac_hpc.solves import SolvePlacement, eigh_batches
+from kfac_hpc import KFACPreconditioner  # noqa: E402
+from kfac_hpc.comm import Communicator  # noqa: E402
+from kfac_hpc.solves import SolvePlacement, eigh_batches  # noqa: E402
 
 
 def tensors(obj: Any, prefix: str = "") -> dict[str, Tensor]:
