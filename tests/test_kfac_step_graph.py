@@ -314,6 +314,36 @@ def test_the_driver_reports_the_graph(gpu_path: None, monkeypatch: pytest.Monkey
     assert json.loads((tmp_path / "run" / "config.json").read_text())["run"]["step_graph"]
 
 
+def test_a_driver_run_with_graphs_resumes_bitwise(gpu_path: None,
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  tmp_path: Path) -> None:
+    """``kfac-hpc train`` with graphs by default, stopped at step 4 (its checkpoint taken
+    between two inverse updates) and resumed: the resumed run captures anew and ends on
+    the uninterrupted run's parameters, bit for bit."""
+    pytest.importorskip("h5py")
+    from kfac_hpc.train.config import TrainConfig
+    from kfac_hpc.train.loop import train as train_driver
+
+    monkeypatch.setattr(step_graph, "DEFAULT_DEVICES", frozenset({"cpu"}))
+    comm = Communicator(MPI.COMM_SELF, name="self")
+
+    def config(**changes: Any) -> TrainConfig:
+        return TrainConfig(**{"epochs": 1, "max_steps": 9, "factor_update_steps": 1,
+                              "inv_update_steps": 3, "progress": False, "threads": 1,
+                              "out": str(tmp_path / "run"), "checkpoint_background": False,
+                              **changes})
+
+    whole = train_driver(config(), comm, verbose=False)
+    polls = iter(range(1, 1000))
+    first = train_driver(config(checkpoint_dir=str(tmp_path / "ckpt")), comm, verbose=False,
+                         should_stop=lambda: next(polls) == 4)
+    assert first.steps == 4 and first.step_graph is not None
+    resumed = train_driver(config(checkpoint_dir=str(tmp_path / "ckpt"), resume="auto"),
+                           comm, verbose=False)
+    assert resumed.step_graph is not None and resumed.step_graph["captures"] >= 1
+    assert resumed.steps == whole.steps and resumed.checksum == whole.checksum
+
+
 @pytest.mark.mpi(min_size=2)
 def test_the_driver_reports_every_ranks_graph(comm: Communicator, gpu_path: None,
                                               monkeypatch: pytest.MonkeyPatch,
