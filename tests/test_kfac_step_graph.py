@@ -314,12 +314,17 @@ def test_the_driver_reports_the_graph(gpu_path: None, monkeypatch: pytest.Monkey
     assert json.loads((tmp_path / "run" / "config.json").read_text())["run"]["step_graph"]
 
 
+@pytest.mark.parametrize("optimizer", [
+    {},  # K-FAC on SGD
+    {"optimizer": "shampoo", "preconditioner": "none",
+     "shampoo_options": {"precondition_frequency": 3}}], ids=["kfac", "shampoo"])
 def test_a_driver_run_with_graphs_resumes_bitwise(gpu_path: None,
                                                   monkeypatch: pytest.MonkeyPatch,
-                                                  tmp_path: Path) -> None:
+                                                  tmp_path: Path,
+                                                  optimizer: dict[str, Any]) -> None:
     """``kfac-hpc train`` with graphs by default, stopped at step 4 (its checkpoint taken
-    between two inverse updates) and resumed: the resumed run captures anew and ends on
-    the uninterrupted run's parameters, bit for bit."""
+    between two inverse updates or root steps) and resumed: the resumed run captures
+    anew and ends on the uninterrupted run's parameters, bit for bit."""
     pytest.importorskip("h5py")
     from kfac_hpc.train.config import TrainConfig
     from kfac_hpc.train.loop import train as train_driver
@@ -331,7 +336,7 @@ def test_a_driver_run_with_graphs_resumes_bitwise(gpu_path: None,
         return TrainConfig(**{"epochs": 1, "max_steps": 9, "factor_update_steps": 1,
                               "inv_update_steps": 3, "progress": False, "threads": 1,
                               "out": str(tmp_path / "run"), "checkpoint_background": False,
-                              **changes})
+                              **optimizer, **changes})
 
     whole = train_driver(config(), comm, verbose=False)
     polls = iter(range(1, 1000))
