@@ -49,6 +49,9 @@ Default: ``cuda_graphs=None`` (both optimizers' default) captures on the device 
 paid (``kfac-hpc train`` 25 % more samples/s, Shampoo's plain step 21.6 → 15.1 ms;
 benchmarks/RESULTS.md, GPU, fifth session), and ``"cuda"`` joins once the whole GPU
 suite has run with them on (``KFAC_HPC_TEST_CUDA_GRAPHS=1``, tests/gpu/conftest.py).
+Under the default, a model whose static buffers would take more than
+:data:`DEFAULT_BUFFER_SHARE` of the device's memory runs eagerly (an info message; the
+report says why); ``cuda_graphs=True`` captures whatever the size.
 
 Memory: the static buffers (one copy of the gradients the work reads) and the graph's
 pool, which keeps the step's intermediates (the stacked gradients and their products)
@@ -59,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
@@ -66,8 +70,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["DEFAULT_DEVICES", "CudaGraph", "Graph", "StepGraph", "new_graph", "new_pool",
-           "new_stream", "supported", "wanted"]
+__all__ = ["DEFAULT_BUFFER_SHARE", "DEFAULT_DEVICES", "CudaGraph", "Graph", "StepGraph",
+           "buffer_budget", "device_memory", "new_graph", "new_pool", "new_stream",
+           "supported", "wanted"]
 
 log = logging.getLogger("kfac_hpc")
 
@@ -77,11 +82,32 @@ Body = Callable[[], object]
 
 #: Device types on which ``cuda_graphs=None`` captures the steps (none yet: see above).
 DEFAULT_DEVICES: frozenset[str] = frozenset()
+#: Under the default, the most of the device's memory the static gradient buffers may
+#: take: a larger model runs eagerly (``cuda_graphs=True`` captures whatever the size).
+DEFAULT_BUFFER_SHARE = 0.1
 
 
 def supported(device: torch.device) -> bool:
     """Whether ``device`` can capture graphs (a CUDA device)."""
     return device.type == "cuda"
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory of ``device``: a CUDA device's total, else the host's."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def buffer_budget(option: bool | None, device: torch.device) -> int | None:
+    """The most bytes of static buffers a :class:`StepGraph` may hold (None: any).
+
+    Args:
+        option: ``cuda_graphs`` as given: None (the default) caps the buffers at
+            :data:`DEFAULT_BUFFER_SHARE` of the device's memory.
+        device: The device of the model and of the optimizer's state.
+    """
+    return None if option is not None else int(DEFAULT_BUFFER_SHARE * device_memory(device))
 
 
 def wanted(option: bool | None, device: torch.device) -> bool:
@@ -216,12 +242,16 @@ class StepGraph:
     writes nothing but its buffers, as K-FAC's; Shampoo's updates optimizer state).
     """
 
-    def __init__(self, device: torch.device, *, warm_up: bool = True) -> None:
+    def __init__(self, device: torch.device, *, warm_up: bool = True,
+                 max_buffer_bytes: int | None = None) -> None:
         """Hold no graph yet.
 
         Args:
             device: The device of the model and of the optimizer's state.
             warm_up: Whether a capture runs the body once first.
+            max_buffer_bytes: A capture whose static buffers would take more bytes is not
+                made: the graphs are off, and the steps run eagerly (None: no bound;
+                :func:`buffer_budget`).
 
         Raises:
             ValueError: ``device`` cannot capture graphs.
@@ -232,6 +262,7 @@ class StepGraph:
                              "cuda_graphs off")
         self.device = device
         self.warm_up = warm_up
+        self.max_buffer_bytes = max_buffer_bytes
         self._stream: Any = None  # the captures' side stream, made at the first
         self._pool: Any = None  # the held graph's memory pool
         self._graph: Graph | None = None
@@ -317,6 +348,15 @@ class StepGraph:
         buffers where the gradients still fit them, then the held graph goes.
         """
         grads = [p.grad for p in params]
+        need = sum(g.numel() * g.element_size() for g in grads if g is not None)
+        if self.max_buffer_bytes is not None and need > self.max_buffer_bytes:
+            self._drop()  # quietly: the default's bound, not a failure
+            self.disabled = (f"the static gradient buffers would take {need} bytes, above "
+                             f"the default's bound of {self.max_buffer_bytes} "
+                             "(step_graph.DEFAULT_BUFFER_SHARE; cuda_graphs=True captures "
+                             "anyway)")
+            log.info("cuda_graphs: %s; the steps run without graphs", self.disabled)
+            return False
         if [(g.shape, g.dtype) for g in grads] != [  # type: ignore[union-attr]
                 (t.shape, t.dtype) for t in self._static]:
             self._static = [torch.empty_like(g) for g in grads]  # type: ignore[arg-type]

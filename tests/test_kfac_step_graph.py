@@ -370,6 +370,26 @@ def test_the_driver_reports_every_ranks_graph(comm: Communicator, gpu_path: None
     assert result.step_graph["disabled"].startswith("rank 1: RuntimeError")
 
 
+def test_the_default_leaves_large_buffers_eager(gpu_path: None,
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    """Under the default, static buffers above ``DEFAULT_BUFFER_SHARE`` of the device's
+    memory are not made: no capture, no warning, the eager steps; the report says why.
+    ``cuda_graphs=True`` captures whatever the size."""
+    monkeypatch.setattr(step_graph, "DEFAULT_DEVICES", frozenset({"cpu"}))
+    monkeypatch.setattr(step_graph, "DEFAULT_BUFFER_SHARE", 1e-12)
+    eager, _ = train(False)
+    with caplog.at_level("INFO", logger="kfac_hpc"):
+        defaulted, pre = train(None)
+    assert_same(defaulted, eager)
+    assert pre.step_graph is not None and pre.step_graph.captures == 0
+    assert "above the default's bound" in str(pre.step_graph.disabled)
+    assert "above the default's bound" in caplog.text
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    _, asked = train(True)
+    assert asked.step_graph is not None and asked.step_graph.replays == STEPS
+
+
 def test_kl_clip_factor_reads_tensors_as_floats(gpu_path: None) -> None:
     """ν from 0-dim float64 tensors of lr and κ equals ν from Python floats, bit for bit."""
     g = torch.Generator().manual_seed(0)

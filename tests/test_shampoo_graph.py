@@ -238,6 +238,18 @@ def test_the_default_follows_the_device_list(monkeypatch: pytest.MonkeyPatch) ->
     assert opt.step_graph is not None and opt.step_graph.replays == 5
 
 
+def test_the_default_leaves_large_buffers_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the default, static buffers above ``DEFAULT_BUFFER_SHARE`` of the device's
+    memory are not made: the eager steps, no capture."""
+    monkeypatch.setattr(step_graph, "DEFAULT_DEVICES", frozenset({"cpu"}))
+    monkeypatch.setattr(step_graph, "DEFAULT_BUFFER_SHARE", 1e-12)
+    eager, _ = train(False)
+    defaulted, opt = train(None)
+    assert_same(defaulted, eager)
+    assert opt.step_graph is not None and opt.step_graph.captures == 0
+    assert "above the default's bound" in str(opt.step_graph.disabled)
+
+
 def test_cuda_graphs_need_a_cuda_model(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.undo()
     with pytest.raises(ValueError, match="cuda_graphs=True needs the model on a CUDA device"):

@@ -473,7 +473,9 @@ class KFACPreconditioner:
         """The step's graph with ``cuda_graphs`` (none where gradients are exchanged)."""
         if not step_graph.wanted(self.options.cuda_graphs, self.device):
             return None
-        graph = StepGraph(self.device)  # raises off CUDA
+        graph = StepGraph(self.device,  # raises off CUDA
+                          max_buffer_bytes=step_graph.buffer_budget(self.options.cuda_graphs,
+                                                                    self.device))
         if self.gradient_exchange.needed:
             if self.options.cuda_graphs is None:  # the default: no graph, silently
                 return None

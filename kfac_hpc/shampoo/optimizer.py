@@ -265,7 +265,9 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._build()
         if step_graph.wanted(cuda_graphs, self._device):
             # its work updates the optimizer state: a capture must not run it first
-            self.step_graph = StepGraph(self._device, warm_up=False)  # raises off CUDA
+            self.step_graph = StepGraph(  # raises off CUDA
+                self._device, warm_up=False,
+                max_buffer_bytes=step_graph.buffer_budget(cuda_graphs, self._device))
 
     # ------------------------------------------------------------ structure
     def add_param_group(self, param_group: dict[str, Any]) -> None:
