@@ -274,7 +274,7 @@ class StepGraph:
         self.output: object = None  # what the body returned when captured
         self.captures = 0  # graphs captured so far
         self.replays = 0  # steps that ran one (the capturing steps included)
-        self.disabled: str | None = None  # why the graphs are off, after a failed capture
+        self.disabled: str | None = None  # why the graphs are off (a failed capture, the bound)
 
     def run(self, key: Hashable, params: Sequence[Tensor], body: Body,
             fill: Callable[[], object]) -> bool:
