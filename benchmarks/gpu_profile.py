@@ -90,7 +90,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import format_table, machine, synchronize, write_json
 from common import timed as common_timed
 
-from kfac_hpc import KFACPreconditioner, solves
+from kfac_hpc import KFACPreconditioner, solves, step_graph
 from kfac_hpc.comm import Communicator
 from kfac_hpc.kfac import layers, linalg, shifts, statistics_groups, statistics_stream
 from kfac_hpc.kfac.layers import LayerCurvature, register_layers
@@ -243,10 +243,7 @@ def kinds_section(device: torch.device, batch: tuple[Tensor, Tensor], args: argp
         out[label] = med
         graph = getattr(trainer.pre, "step_graph", None)
         if graph is not None:  # whether the timed steps replayed
-            report = graph.report()
-            print(f"{label}: step graph {report['captures']} captures, {report['replays']} "
-                  "replays" + (f", off: {report['disabled']}" if report["disabled"] else ""),
-                  flush=True)
+            print(f"{label}: step graph {step_graph.describe(graph.report())}", flush=True)
         trainer.close()
     layers.COLUMN_MAJOR_ROWS_DEVICES = default_layout
     statistics_stream.SIDE_STREAM_DEVICES = default_streams

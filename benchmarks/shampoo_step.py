@@ -143,7 +143,7 @@ from common import (
     write_json,
 )
 
-from kfac_hpc import GradientAverager
+from kfac_hpc import GradientAverager, step_graph
 from kfac_hpc.comm import Communicator
 from kfac_hpc.models import build_model
 from kfac_hpc.shampoo import DistributedShampoo, root_method_from
@@ -528,8 +528,7 @@ def report(result: dict[str, Any], markdown: bool) -> str:
     ]
     graph = result.get("step_graph")
     if graph is not None:
-        lines += [f"shampoo's step graph: {graph['captures']} captures, {graph['replays']} "
-                  "replays" + (f", off: {graph['disabled']}" if graph["disabled"] else ""), ""]
+        lines += [f"shampoo's step graph: {step_graph.describe(graph)}", ""]
     rows = []
     for config in result["configs"]:
         b = bps[config]

@@ -50,6 +50,8 @@ from typing import Any
 
 from common import OUT_DIR, REPO_DIR, format_table, write_json
 
+from kfac_hpc import step_graph
+
 CONFIGS: dict[str, list[str]] = {
     "sgd": ["--preconditioner", "none", "--optimizer", "sgd"],
     "adamw": ["--preconditioner", "none", "--optimizer", "adamw"],
@@ -107,15 +109,6 @@ def run_one(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
             "process_s": wall, "step_graph": graph, "command": cmd}
 
 
-def graph_cell(graph: dict[str, Any] | None) -> str:
-    """``captures/replays`` of the run's step graph (``off: why`` after a failed capture)."""
-    if graph is None:
-        return "–"
-    if graph.get("disabled"):
-        return f"off: {graph['disabled']}"[:40]
-    return f"{graph['captures']}/{graph['replays']}"
-
-
 def main() -> None:
     """Parse the arguments, run the configurations one after another, print the table."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -167,12 +160,13 @@ def main() -> None:
         rows.append([name, f"{r['samples_per_s']:.1f}", f"{r['ms_per_step']:.1f}",
                      f"{r['samples_per_s'] / sgd:.2f}x" if sgd else "",
                      f"{r['samples_per_s'] / base:.2f}x" if base else "",
-                     graph_cell(r.get("step_graph"))])
+                     "–" if r.get("step_graph") is None
+                     else step_graph.describe(r["step_graph"])[:60]])
     title = (f"kfac-hpc train throughput: {args.model}, {args.shape}, batch {args.batch}, "
              f"{args.device}, steps {args.warmup + 1}-{args.steps} timed")
     print(title)
     print(format_table(["config", "samples/s", "ms/step", "vs SGD", "vs same-precision SGD",
-                        "graph captures/replays"], rows, args.markdown))
+                        "step graph"], rows, args.markdown))
     path = write_json(args.out / f"train_throughput_{args.model}_{args.device}.json",
                       {"settings": {k: v for k, v in vars(args).items() if k != "out"}
                        | {"out": str(args.out)}, "results": results})

@@ -229,7 +229,7 @@ from common import (
 )
 from mpi4py import MPI
 
-from kfac_hpc import GradientAverager, KFACPreconditioner
+from kfac_hpc import GradientAverager, KFACPreconditioner, step_graph
 from kfac_hpc.comm import Communicator
 from kfac_hpc.models import build_model
 from kfac_hpc.solves import default_device_streams
@@ -901,9 +901,7 @@ def kinds_tables(res: dict[str, Any], markdown: bool, cuda: bool) -> str:
     out = format_table(headers, rows, markdown=markdown)
     for label, r in res.items():
         if "step_graph" in r:
-            g = r["step_graph"]
-            out += (f"\n{label}: step graph {g['captures']} captures, {g['replays']} replays"
-                    + (f", off: {g['disabled']}" if g["disabled"] else ""))
+            out += f"\n{label}: step graph {step_graph.describe(r['step_graph'])}"
     if SIZE > 1:
         bh = ["config", *[f"K-FAC bytes/step {k}" for k in KINDS],
               *[f"K-FAC bytes/step ({f},{i})" for f, i in SCHEDULES], "grad bytes/step"]

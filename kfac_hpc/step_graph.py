@@ -64,14 +64,14 @@ import contextlib
 import logging
 import os
 import warnings
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 __all__ = ["DEFAULT_BUFFER_SHARE", "DEFAULT_DEVICES", "CudaGraph", "Graph", "StepGraph",
-           "buffer_budget", "device_memory", "new_graph", "new_pool", "new_stream",
+           "buffer_budget", "describe", "device_memory", "new_graph", "new_pool", "new_stream",
            "supported", "wanted"]
 
 log = logging.getLogger("kfac_hpc")
@@ -407,3 +407,13 @@ class StepGraph:
         """Forget the graph, its pool, its buffers and its output."""
         self._graph, self._pool, self._key, self.output = None, None, None, None
         self._static = []
+
+
+def describe(report: Mapping[str, Any]) -> str:
+    """One line of a :meth:`StepGraph.report` (or of several ranks' combined).
+
+    Args:
+        report: ``captures``, ``replays`` and ``disabled`` (why the graphs are off).
+    """
+    line = f"{report['captures']} captures, {report['replays']} replays"
+    return line + (f"; off: {report['disabled']}" if report["disabled"] else "")

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kfac_hpc.step_graph import describe
 from kfac_hpc.train.config import TrainConfig
 from kfac_hpc.train.metrics import format_bytes
 
@@ -135,10 +136,7 @@ class TrainResult:
                        if self.time_to_target is not None else "not reached")
             rows.insert(-3, (f"time to {100 * cfg.target_accuracy:g} %", reached))
         if self.step_graph is not None:
-            graph = self.step_graph
-            rows.append(("step graph (CUDA, fewest of the ranks)",
-                         f"{graph['captures']} captures, {graph['replays']} replays"
-                         + (f"; off on {graph['disabled']}" if graph["disabled"] else "")))
+            rows.append(("step graph (CUDA, fewest of the ranks)", describe(self.step_graph)))
         if self.out_dir:
             rows.append(("metrics", self.out_dir))
         return rows
