@@ -40,6 +40,7 @@ import contextlib
 import copy
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,7 +49,6 @@ import torch
 from common import REPO_DIR, import_peer
 from mpi4py import MPI
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from kfac_hpc import KFACPreconditioner
 from kfac_hpc.comm import Communicator
@@ -58,12 +58,8 @@ from kfac_hpc.kfac.layers import register_layers
 from kfac_hpc.models import Bottleneck, ResNet, build_model
 from kfac_hpc.shampoo import DistributedShampoo
 
-#: Operators that launch no work (views and metadata), as tests/op_count.py counts them.
-_FREE = ("aten.view", "aten._unsafe_view", "aten.detach", "aten.t.", "aten.transpose",
-         "aten.permute", "aten.expand", "aten.as_strided", "aten.slice", "aten.select",
-         "aten.unsqueeze", "aten.squeeze", "aten.alias", "aten.lift_fresh", "aten.split",
-         "aten.unbind", "aten.diagonal", "aten.empty.", "aten.empty_like.",
-         "aten.empty_strided.", "aten.new_empty.")
+sys.path.insert(0, str(REPO_DIR / "tests"))  # the operator counter the tests use
+from op_count import count_ops
 
 
 def force_gpu_path() -> None:
@@ -141,20 +137,6 @@ def count_products(row_bytes: int) -> int:
     return len(products) + 2 * len(found) - sum(products)
 
 
-class _Counter(TorchDispatchMode):
-    """Counts the operators dispatched: all, and those that launch work."""
-
-    def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.all = self.kernels = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        self.all += 1
-        self.kernels += not str(func).startswith(_FREE)
-        return func(*args, **(kwargs or {}))
-
-
 def shampoo_section(scale: int, rounds: int, meta_src: str) -> None:
     """Print the host ms and the operators of one plain step per optimizer (docstring)."""
     width = 64 // scale
@@ -199,11 +181,9 @@ def shampoo_section(scale: int, rounds: int, meta_src: str) -> None:
             for _ in range(20):
                 opt.step()
             medians.append((time.perf_counter() - start) / 20 * 1e3)
-        counter = _Counter()
-        with counter:
-            opt.step()
-        print(f"{name:<10} {statistics.median(medians):9.2f} {counter.all:10d} "
-              f"{counter.kernels:10d}")
+        counter = count_ops(opt.step)
+        print(f"{name:<10} {statistics.median(medians):9.2f} "
+              f"{sum(counter.counts.values()):10d} {counter.kernels:10d}")
 
 
 def main() -> None:
