@@ -188,14 +188,17 @@ def test_a_bias_without_gradient_runs_eagerly(gpu_path: None) -> None:
     assert (pre.step_graph.captures, pre.step_graph.replays) == (3, 7)  # all but step 1
 
 
+class RefusedGraph(RecordedGraph):
+    """A recorder whose every capture fails as CUDA refuses one."""
+
+    def capture(self, work: Callable[[], None], warm_up: bool) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
 def test_capture_failure_warns_and_runs_eagerly(gpu_path: None,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    class Failing(RecordedGraph):
-        def capture(self, work: Callable[[], None], warm_up: bool) -> None:
-            raise RuntimeError("operation not permitted when stream is capturing")
-
     eager, _ = train(False)
-    monkeypatch.setattr(step_graph, "new_graph", Failing)
+    monkeypatch.setattr(step_graph, "new_graph", RefusedGraph)
     with pytest.warns(RuntimeWarning, match="not permitted when stream is capturing"):
         graphed, pre = train(True)
     assert_same(graphed, eager)
@@ -357,11 +360,7 @@ def test_the_driver_reports_every_ranks_graph(comm: Communicator, gpu_path: None
     capture failed (its steps ran eagerly; the others' replayed)."""
     monkeypatch.setattr(step_graph, "DEFAULT_DEVICES", frozenset({"cpu"}))
     if comm.rank == 1:
-        class Failing(RecordedGraph):
-            def capture(self, work: Callable[[], None], warm_up: bool) -> None:
-                raise RuntimeError("refused here")
-
-        monkeypatch.setattr(step_graph, "new_graph", Failing)
+        monkeypatch.setattr(step_graph, "new_graph", RefusedGraph)
     with pytest.warns(RuntimeWarning) if comm.rank == 1 else contextlib.nullcontext():
         _, result = run_driver(comm, tmp_path / "run")
     assert result.step_graph is not None
