@@ -2,7 +2,8 @@
 
     python benchmarks/gpu_profile.py [--device cuda] [--batch 32] [--image-size 224]
         [--rounds 5] [--sections kinds schedule decompositions profile accuracy]
-        [--kinds KEY...] [--schedule F I] [--lags L|L:H ...] [--markdown]
+        [--kinds KEY...] [--schedule F I] [--lags L|L:H ...]
+        [--training-stream default|high|both] [--markdown]
         [--out benchmarks/out/gpu]
 
 ResNet-50 (torchvision's when it imports, else ``kfac_hpc.models``' with the ImageNet
@@ -30,7 +31,10 @@ stem), 1000 classes, one fixed synthetic batch, fp32 model, one process
   (``--schedule F I``, default (1,10)) with each entry of ``--lags``: ``L``, a
   ``decomposition_lag`` (decompositions in a worker thread on a side stream), or
   ``L:H``, that lag with the factors of at most ``H`` rows decomposed on the host
-  meanwhile (``host_decomposition_max_dim``), against SGD.
+  meanwhile (``host_decomposition_max_dim``), against SGD; with ``--training-stream
+  high`` (or ``both``) the training loop runs on a high-priority CUDA stream, so a
+  background inverse update's kernels (default priority, the lowest) fill only the
+  training's idle time.
 * ``decompositions``: one inverse update (``pre.decomps.update``) against the bare
   solver calls on the same factors: ``torch.linalg.eigh`` one factor at a time and
   batched by size (``linalg.eigh_clamped_many``, all on the device, one stream), and
@@ -74,6 +78,8 @@ number). About 60-90 s on an H200 at the defaults.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import statistics
 import sys
 import time
@@ -288,6 +294,34 @@ def lag_row(f_steps: int, i_steps: int, spec: str) -> tuple[str, dict[str, Any]]
     return label, options
 
 
+#: ``--training-stream``: the rows' training loop on the current stream, on a
+#: high-priority one, or each row both ways.
+TRAINING_STREAMS = ("default", "high", "both")
+
+
+def training_streams(choice: str, device: torch.device
+                     ) -> list[tuple[str, Callable[[], contextlib.AbstractContextManager[Any]]]]:
+    """The schedule rows' training streams for ``--training-stream``: (label suffix, context).
+
+    ``high``: forward, backward and step on a CUDA stream of high priority (-1), so that
+    the kernels of a background inverse update (``decomposition_lag``: its worker's side
+    stream and the solver lanes, of default priority, the lowest) run only where the
+    training's leave the GPU idle. CUDA only: on another device the high rows are left out.
+    """
+    default = ("", contextlib.nullcontext)
+    if choice == "default":
+        return [default]
+    if device.type != "cuda":
+        print(f"gpu_profile: --training-stream {choice}: a high-priority stream needs CUDA; "
+              "its rows are left out on " + device.type, file=sys.stderr)
+        return [default]
+    high = torch.cuda.Stream(device, priority=-1)
+    on_high: Callable[[], contextlib.AbstractContextManager[Any]] = partial(
+        torch.cuda.stream, high)
+    rows = [(", training on a high-priority stream", on_high)]
+    return rows if choice == "high" else [default, *rows]
+
+
 def schedule_section(device: torch.device, batch: tuple[Tensor, Tensor],
                      args: argparse.Namespace) -> dict[str, Any]:
     """Mean ms per iteration of real schedules (every step as the preconditioner's own
@@ -297,7 +331,9 @@ def schedule_section(device: torch.device, batch: tuple[Tensor, Tensor],
     f_steps, i_steps = args.schedule
     configs: list[tuple[str, dict[str, Any] | None]] = [("SGD", None)]
     configs += [lag_row(f_steps, i_steps, spec) for spec in args.lags]
-    for label, kfac in configs:
+    streams = training_streams(args.training_stream, device)
+    for (label, kfac), (stream_label, stream) in itertools.product(configs, streams):
+        label += stream_label
         model = make_model(args.model, device, args.image_size)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         pre = None if kfac is None else KFACPreconditioner(
@@ -312,10 +348,11 @@ def schedule_section(device: torch.device, batch: tuple[Tensor, Tensor],
                 pre.step()
             opt.step()
 
-        for _ in range(i_steps):  # one period: first decompositions, caches
-            iteration()
-        n = 2 * i_steps
-        total = timed(partial(repeat, iteration, n), device)
+        with stream():
+            for _ in range(i_steps):  # one period: first decompositions, caches
+                iteration()
+            n = 2 * i_steps
+            total = timed(partial(repeat, iteration, n), device)
         out[label] = {"ms per iteration": total / n * 1e3}
         if pre is not None:
             pre.close()
@@ -605,6 +642,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--lags", type=_lag_spec, nargs="+", default=["0", "5", "9"],
                    help="schedule section: decomposition_lag values, each LAG or "
                         "LAG:HOST_MAX_DIM (that lag with host_decomposition_max_dim)")
+    p.add_argument("--training-stream", choices=TRAINING_STREAMS, default="default",
+                   help="schedule section: the training loop on the current stream, on a "
+                        "high-priority CUDA stream (background decompositions fill only its "
+                        "idle time), or every row both ways")
     p.add_argument("--device-streams", type=int, nargs="+", default=[1, 2, 4, 8],
                    help="decompositions: the device's batches spread over this many "
                         "streams (kfac_hpc.solves.eigh_batches)")

@@ -7,6 +7,8 @@ process is the reference. float64 throughout: results equal to 1e-10.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import pytest
 import torch
@@ -63,8 +65,13 @@ def assert_on(pre: KFACPreconditioner, device: torch.device) -> None:
     assert pre.device == device
 
 
-def compare(device: torch.device, comm: Communicator, strategy: str, options: dict) -> None:
-    on_device, pre = train(device, comm, strategy, options)
+def compare(device: torch.device, comm: Communicator, strategy: str, options: dict,
+            around: Callable[[], AbstractContextManager[object]] = nullcontext) -> None:
+    """``train`` on ``device`` (inside ``around()``, e.g. on another stream) equals the CPU."""
+    with around():
+        on_device, pre = train(device, comm, strategy, options)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
     assert_on(pre, device)
     on_cpu, _ = train(torch.device("cpu"), comm, strategy, options)
     for (name, p), q in zip(on_device.named_parameters(), on_cpu.parameters()):
@@ -104,6 +111,20 @@ def test_background_host_decompositions_on_cuda_equal_cpu(device, strategy, opti
 def test_background_host_decompositions_on_cuda_equal_cpu_ranks(device, comm, strategy,
                                                                 options):
     compare(device, comm, strategy, options)
+
+
+@needs_cuda
+@pytest.mark.parametrize("options", [{"decomposition_lag": 1},
+                                     {"decomposition_lag": 1, "decomposition_streams": 2}],
+                         ids=["lag", "lag-2-streams"])
+def test_training_on_a_high_priority_stream_equals_cpu(device, options):
+    """The training loop on a high-priority stream (so that a background inverse update,
+    of default priority, runs in its idle time; benchmarks/gpu_profile.py
+    ``--training-stream``): every wait is on the current stream, not the default one, so
+    the results are the CPU's."""
+    high = torch.cuda.Stream(device, priority=-1)
+    compare(device, Communicator(MPI.COMM_SELF), "comm-opt", options,
+            around=lambda: torch.cuda.stream(high))
 
 
 @pytest.mark.mpi(min_size=2)
