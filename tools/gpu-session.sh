@@ -7,7 +7,8 @@
 #
 # PARTs, in the order given: probe (the machine, the MPI, `kfac-hpc info` on 2 ranks;
 # without a working GPU_MPI it falls back to .gpu-wheels' MPI for the parts after it),
-# test (make gpu-test), collectives (benchmarks/gpu_collectives.py on 2 ranks), and the
+# test (make gpu-test), cpu-bitwise (CPU tests whose bits depend on the BLAS's path, on
+# 1, 2 and 4 ranks, with .gpu-wheels' MPI: GPU_CPU_TESTS), collectives (benchmarks/gpu_collectives.py on 2 ranks), and the
 # parts of make gpu-compare (kaisa, kaisa-warm, shampoo, shampoo-newton, shampoo-subspace,
 # roots, profile, train, gram). Each part's output goes to OUT/<part>.txt, its files under OUT/gpu/, and
 # a line "=== part <name>: exit R in S s" to the terminal and OUT/session.txt.
@@ -60,6 +61,10 @@ pack_out() {  # OUT into GPU_SESSION_PACK, replaced whole (a tarball of a few MB
     if [[ $rc -le 1 ]]; then mv "$pack.tmp" "$pack"; else rm -f "$pack.tmp"; fi
 }
 
+# cpu-bitwise's tests (GPU_CPU_TESTS replaces them)
+cpu_tests="tests/test_kfac_faults.py tests/test_checkpoint_restart.py tests/test_solves.py"
+cpu_tests+=" tests/test_kfac_background.py tests/test_checkpoint_devices.py"
+
 make_args() {
     echo GPU_PYTHON="$python" GPU_DEVICE="$device" GPU_OUT="$out/gpu" GPU_MPI="$mpi"
 }
@@ -80,6 +85,17 @@ for spec in "$@"; do
             ;;
         test)
             run_part test "$seconds" make gpu-test $(make_args) GPU_MPI_TIMEOUT="$((seconds / 3))" ;;
+        cpu-bitwise)
+            # The CPU tests whose bits depend on the BLAS's code path (bitwise resume,
+            # aligned decompositions) on this machine's CPU, on 1, 2 and 4 ranks, with
+            # .gpu-wheels' MPI and the GPU hidden: issue 21's run on an Intel CPU where
+            # the GPU machine has one.
+            read -ra cpu_files <<< "${GPU_CPU_TESTS:-$cpu_tests}"
+            note "=== cpu: $(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1)"
+            run_part cpu-bitwise "$seconds" env CUDA_VISIBLE_DEVICES= STAGES="serial mpi-2 mpi-4" \
+                MPI_TIMEOUT="$((seconds / 3))" launch/with-wheels --wheels "${GPU_WHEELS-.gpu-wheels}" \
+                --python "$python" -- \
+                env PYTHON="$python" tests/run_all.sh "${cpu_files[@]}" ;;
         collectives)
             run_part collectives "$seconds" make gpu-bench-collectives $(make_args) \
                 GPU_MPI_TIMEOUT="$((seconds - 10))" ;;
