@@ -220,7 +220,9 @@ def _new_stream(device: torch.device) -> Any:
     """A high-priority side stream for captures.
 
     Not one of the default-priority pool the library's other side streams (statistics,
-    decompositions, a background renewal) are taken from.
+    decompositions, a background renewal) are taken from. PyTorch hands out its
+    high-priority streams round-robin from a small pool, so it may be a stream the
+    caller trains on as well (which only makes the capture's waits on it trivial).
     """
     return torch.cuda.Stream(device, priority=-1)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ from torch import nn
 
 from kfac_hpc import GradientAverager, KFACPreconditioner
 from kfac_hpc.comm import Communicator
+from kfac_hpc.kfac.background import Decomposed
+from kfac_hpc.kfac.decompositions import Decompositions
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-only check")
@@ -40,7 +43,8 @@ def batches(device: torch.device, dtype: torch.dtype = torch.float64, n: int = S
              torch.randint(0, 3, (4,), generator=g).to(device)) for _ in range(n)]
 
 
-def train(device: torch.device, comm: Communicator, strategy: str, options: dict
+def train(device: torch.device, comm: Communicator, strategy: str, options: dict,
+          steps: int = STEPS, before_step: Callable[[], object] | None = None
           ) -> tuple[nn.Module, KFACPreconditioner]:
     strategy, fraction = fraction_for(strategy, comm.size)
     model = cnn(device)
@@ -48,7 +52,9 @@ def train(device: torch.device, comm: Communicator, strategy: str, options: dict
                              damping=0.01, inv_update_steps=2, inv_dtype=torch.float64,
                              **options)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for x, y in batches(device):
+    for x, y in batches(device, n=steps):
+        if before_step is not None:
+            before_step()
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         pre.step()
@@ -66,14 +72,17 @@ def assert_on(pre: KFACPreconditioner, device: torch.device) -> None:
 
 
 def compare(device: torch.device, comm: Communicator, strategy: str, options: dict,
-            around: Callable[[], AbstractContextManager[object]] = nullcontext) -> None:
-    """``train`` on ``device`` (inside ``around()``, e.g. on another stream) equals the CPU."""
+            around: Callable[[], AbstractContextManager[object]] = nullcontext,
+            steps: int = STEPS, before_step: Callable[[], object] | None = None) -> None:
+    """``train`` on ``device`` (inside ``around()``, e.g. on another stream; with
+    ``before_step`` before each of its steps) equals the CPU."""
     with around():
-        on_device, pre = train(device, comm, strategy, options)
+        on_device, pre = train(device, comm, strategy, options, steps, before_step)
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
     assert_on(pre, device)
-    on_cpu, _ = train(torch.device("cpu"), comm, strategy, options)
+    pre.close()  # no renewal left running in the background
+    on_cpu, _ = train(torch.device("cpu"), comm, strategy, options, steps)
     for (name, p), q in zip(on_device.named_parameters(), on_cpu.parameters()):
         assert p.device == device
         torch.testing.assert_close(p.cpu(), q, rtol=1e-10, atol=1e-12, msg=f"{name} differs")
@@ -113,18 +122,42 @@ def test_background_host_decompositions_on_cuda_equal_cpu_ranks(device, comm, st
     compare(device, comm, strategy, options)
 
 
+#: Cycles of ``torch.cuda._sleep``: tens of milliseconds of one kernel.
+SLEEP_CYCLES = 10**8
+
+
 @needs_cuda
 @pytest.mark.parametrize("options", [{"decomposition_lag": 1},
                                      {"decomposition_lag": 1, "decomposition_streams": 2}],
                          ids=["lag", "lag-2-streams"])
-def test_training_on_a_high_priority_stream_equals_cpu(device, options):
+def test_training_on_a_high_priority_stream_equals_cpu(device, options, monkeypatch):
     """The training loop on a high-priority stream (so that a background inverse update,
     of default priority, runs in its idle time; benchmarks/gpu_profile.py
     ``--training-stream``): every wait is on the current stream, not the default one, so
-    the results are the CPU's."""
+    the results are the CPU's. Over 8 steps three renewals are installed (steps 3, 5, 7).
+
+    A wait on the wrong stream would show: each step starts behind a long kernel on the
+    training stream (a renewal that did not wait for it would decompose factors not yet
+    folded), and each renewal's results are zeroed and written again behind a long kernel
+    on its own stream (an install that did not wait for that stream would read zeros).
+    """
+    compute = Decompositions.compute
+
+    def slow(self: Decompositions, *args: Any, **kwargs: Any) -> Decomposed:
+        done = compute(self, *args, **kwargs)
+        pieces = list(done.tensors())
+        if pieces and pieces[0].is_cuda:
+            saved = [t.clone() for t in pieces]
+            torch._foreach_zero_(pieces)
+            torch.cuda._sleep(SLEEP_CYCLES)
+            torch._foreach_copy_(pieces, saved)
+        return done
+
+    monkeypatch.setattr(Decompositions, "compute", slow)
     high = torch.cuda.Stream(device, priority=-1)
     compare(device, Communicator(MPI.COMM_SELF), "comm-opt", options,
-            around=lambda: torch.cuda.stream(high))
+            around=lambda: torch.cuda.stream(high), steps=8,
+            before_step=lambda: torch.cuda._sleep(SLEEP_CYCLES))
 
 
 @pytest.mark.mpi(min_size=2)
