@@ -388,6 +388,9 @@ class StepGraph:
             log.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=2)
             return False
+        except BaseException:  # interrupted: the held graph's buffers may be gone
+            self.release()
+            raise
         self._graph, self._pool, self._key, self._served = graph, pool, key, False
         self.captures += 1
         return True

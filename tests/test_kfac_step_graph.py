@@ -175,7 +175,9 @@ def test_a_layer_without_gradient_changes_the_key(gpu_path: None) -> None:
 
 def test_a_bias_without_gradient_runs_eagerly(gpu_path: None) -> None:
     """At step 1 the head's bias has no gradient but its weight has: the step creates the
-    bias's ``.grad`` (as eagerly), so it runs eagerly, and step 2 captures anew."""
+    bias's ``.grad`` (as eagerly), so it runs eagerly and releases the graph; step 2
+    captures anew; step 3 renews the decompositions, a new key while step 2's graph
+    served no later step, so it runs eagerly and step 4 captures; step 6 captures."""
     def drop_bias(k: int, model: nn.Module, pre: KFACPreconditioner) -> None:
         if k == 1:
             model.head.bias.grad = None  # type: ignore[union-attr]
@@ -185,7 +187,69 @@ def test_a_bias_without_gradient_runs_eagerly(gpu_path: None) -> None:
     assert_same(graphed, eager)
     assert "head.bias" in graphed[1]
     assert pre.step_graph is not None
-    assert (pre.step_graph.captures, pre.step_graph.replays) == (3, 7)  # all but step 1
+    assert (pre.step_graph.captures, pre.step_graph.replays) == (4, 6)  # not steps 1, 3
+
+
+def test_an_eager_step_with_another_damping_releases_the_graph(gpu_path: None) -> None:
+    """At step 4 the head's bias has no gradient (an eager step) and the damping differs:
+    the eager step rebuilds the solves (the decompositions' generation stays), which the
+    graph captured at step 3 read. Step 5, with step 3's damping and key again, must not
+    replay that graph (the recorder raises when a replay reads freed memory): it captures
+    anew; step 6 renews the decompositions while step 5's graph served no later step, so
+    it runs eagerly and step 7 captures."""
+    def damping(k: int) -> float:
+        return 0.02 if k == 4 else 0.01
+
+    def drop_bias(k: int, model: nn.Module, pre: KFACPreconditioner) -> None:
+        if k == 4:
+            model.head.bias.grad = None  # type: ignore[union-attr]
+
+    eager, _ = train(False, damping=damping, before_step=drop_bias)
+    graphed, pre = train(True, damping=damping, before_step=drop_bias)
+    assert_same(graphed, eager)
+    assert pre.step_graph is not None
+    assert (pre.step_graph.captures, pre.step_graph.replays) == (4, 6)  # not steps 4, 6
+
+
+class InterruptedGraph(RecordedGraph):
+    """A recorder whose second capture is interrupted (a ``KeyboardInterrupt``)."""
+
+    captures = 0
+
+    def capture(self, work: Callable[[], None], warm_up: bool) -> None:
+        InterruptedGraph.captures += 1
+        if InterruptedGraph.captures == 2:
+            raise KeyboardInterrupt
+        super().capture(work, warm_up)
+
+
+def test_an_interrupted_capture_releases_the_graph(gpu_path: None,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The capture of step 2's new key (the head without gradients) is interrupted after
+    the static buffers were remade for it. The graph of step 0's key, whose buffers are
+    gone, must not replay at step 3 (step 0's key again: a replay on the wrong buffers
+    fails, or reads freed memory, which the recorder raises on): step 3 captures anew and
+    step 4 replays it."""
+    monkeypatch.setattr(step_graph, "new_graph", InterruptedGraph)
+    monkeypatch.setattr(InterruptedGraph, "captures", 0)
+    model = Net().double()
+    pre = KFACPreconditioner(model, cuda_graphs=True, damping=0.01, inv_update_steps=100,
+                             kl_clip=1e-3, lr=0.1, factor_dtype=torch.float64,
+                             inv_dtype=torch.float64, comm=Communicator(MPI.COMM_SELF))
+    for k, (x, y) in enumerate(batches(5)):
+        model.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        if k == 2:
+            model.head.weight.grad = model.head.bias.grad = None
+            with pytest.raises(KeyboardInterrupt):
+                pre.step()
+            pre.steps += 1
+        else:
+            pre.step()
+    graph = pre.step_graph
+    assert graph is not None and graph.disabled is None
+    assert (graph.captures, graph.replays) == (2, 4)  # steps 0 and 3 capture; 0, 1, 3, 4 run
+    pre.close()
 
 
 class RefusedGraph(RecordedGraph):

@@ -495,7 +495,9 @@ class KFACPreconditioner:
         The key (:class:`GraphKey`): the decompositions'
         generation, the damping, which layer parameters have a gradient (in model
         order) and whether the KL clip is on. A layer with a weight gradient but none
-        for its bias runs eagerly (the step creates the bias's ``.grad``).
+        for its bias runs eagerly (the step creates the bias's ``.grad``), and the graph
+        held is released: the eager step may rebuild the solves it captured (another
+        damping), which the generation would not show.
         """
         graph = self.step_graph
         assert graph is not None
@@ -505,6 +507,7 @@ class KFACPreconditioner:
         for curv in self.layers.values():
             own = list(curv.module.parameters(recurse=False))
             if curv.module.weight.grad is not None and any(p.grad is None for p in own):
+                graph.release()
                 return None
             candidates += own
         key = GraphKey(self.decomps.generation, float(self.schedules.damping(k)),
