@@ -164,6 +164,34 @@ def test_grouping_is_decided_within_each_pass(gpu_path, monkeypatch):
     assert sizes == first and len(first) > 0
 
 
+def test_how_a_layer_stacks_is_decided_once_per_shape(gpu_path, monkeypatch):
+    """``LayerCurvature.stacking`` runs once per layer, factor and tensor shape, not in
+    every hook of every pass; a batch of another size decides its shapes anew."""
+    calls: list[tuple[int, str, tuple[int, ...]]] = []
+    stacking = layers.LayerCurvature.stacking
+
+    def spy(self, factor, t):  # type: ignore[no-untyped-def]
+        calls.append((id(self), factor, tuple(t.shape)))
+        return stacking(self, factor, t)
+
+    monkeypatch.setattr(layers.LayerCurvature, "stacking", spy)
+    model = _Repeated().double()
+    found, _ = register_layers(model)
+    capture = StatisticsCapture(found, dtype_of=lambda _: torch.float64, active=lambda: True,
+                                grad_scale=lambda: 0.5)
+    g = torch.Generator().manual_seed(3)
+    made = []
+    for batch in (3, 3, 3, 2):
+        model(torch.randn(batch, 4, 6, 6, generator=g, dtype=torch.float64)).sum().backward()
+        made.append(len(calls))
+    capture.join()
+    capture.remove()
+    # every registered layer's A and G at the first pass (the unused layer's G too: the
+    # forward asks), none at the next two, all again at batch 2
+    assert made == [2 * len(found)] * 3 + [4 * len(found)]
+    assert len(set(calls)) == len(calls)
+
+
 def test_bf16_activations_stack_as_bf16_rows_of_float32_factors(gpu_path, monkeypatch):
     """bf16 (AMP) inputs and gradients with float32 factors at TF32 operands stack as
     each layer's path keeps them (bf16 rows, a float32 product): the same factors to

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from kfac_hpc.kfac import linalg
-from kfac_hpc.kfac.layers import LayerCurvature, keeps_bf16_rows
+from kfac_hpc.kfac.layers import LayerCurvature, Stacking, keeps_bf16_rows
 from kfac_hpc.kfac.linalg import uses_gpu_path
 from kfac_hpc.kfac.precision import MatmulPrecision
 
@@ -101,6 +101,10 @@ class StatisticsGroups:
         self._g: dict[tuple[object, ...], Group] = {}
         self._expected_g: dict[tuple[object, ...], int] = {}  # G arrivals still to come
         self._backward_seen = False  # a gradient arrived since the last forward began
+        # how a layer's factor of a tensor stacks, by (layer, factor, shape, dtype,
+        # device, factor dtype): decided at the first such tensor (a dozen checks and a
+        # key built three times per layer and factor update otherwise)
+        self._decisions: dict[tuple[object, ...], Stacking | None] = {}
 
     @staticmethod
     def _stacks(t: Tensor, dtype: torch.dtype | None, precision: MatmulPrecision) -> bool:
@@ -112,6 +116,22 @@ class StatisticsGroups:
         # bf16 (AMP) tensors as the bf16 rows of float32 factors, as each layer's path
         return keeps_bf16_rows(t, dtype, precision) and precision in STACKED_PRECISIONS
 
+    def _stacking(self, curvature: LayerCurvature, factor: str, t: Tensor,
+                  dtype: torch.dtype | None) -> Stacking | None:
+        """How ``factor``'s statistics of ``t`` stack (``None``: computed by the layer).
+
+        :meth:`_stacks` and :meth:`~kfac_hpc.kfac.layers.LayerCurvature.stacking` depend
+        on the layer and on ``t``'s shape, dtype and device only: decided once for each.
+        """
+        key = (id(curvature), factor, t.shape, t.dtype, t.device, dtype)
+        try:
+            return self._decisions[key]
+        except KeyError:
+            how = curvature.stacking(factor, t) if self._stacks(
+                t, dtype, self._precision) else None
+            self._decisions[key] = how
+            return how
+
     def hold_a(self, curvature: LayerCurvature, add: Adder, inputs: Tensor, output: Tensor,
                dtype: torch.dtype | None) -> bool:
         """Hold a layer's ``A`` input for its group; expect its output's gradient.
@@ -121,12 +141,10 @@ class StatisticsGroups:
         """
         if self._backward_seen:  # a new forward: the last pass's gradients are all in
             self.flush()
-        out = curvature.stacking("G", output) if self._stacks(
-            output, dtype, self._precision) else None
+        out = self._stacking(curvature, "G", output, dtype)
         if out is not None:
             self._expected_g[out.key] = self._expected_g.get(out.key, 0) + 1
-        how = curvature.stacking("A", inputs) if self._stacks(
-            inputs, dtype, self._precision) else None
+        how = self._stacking(curvature, "A", inputs, dtype)
         if how is None:
             return False
         self._hold(self._a, "A", how.row_bytes, how.key, curvature, add, inputs, 1.0)
@@ -144,9 +162,9 @@ class StatisticsGroups:
         """
         self._backward_seen = True
         self._compute_all(self._a)
-        if isinstance(grad_scale, Tensor) or not self._stacks(grad, dtype, self._precision):
+        if isinstance(grad_scale, Tensor):
             return False
-        how = curvature.stacking("G", grad)
+        how = self._stacking(curvature, "G", grad, dtype)
         if how is None or self._expected_g.get(how.key, 0) == 0:
             return False
         self._hold(self._g, "G", how.row_bytes, how.key, curvature, add, grad, float(grad_scale))
