@@ -327,6 +327,10 @@ class KFACPreconditioner:
         self.step_graph = self._step_graph()
         # the learning rate and KL bound a captured step reads (made at its first use)
         self._graph_scalars: Tensor | None = None
+        # each layer's weight and own parameters (in model order), for the graph's key: fixed
+        # at construction, as an optimizer's parameters are
+        self._graph_layers = [(curv.module.weight, tuple(curv.module.parameters(recurse=False)))
+                              for curv in self.layers.values()]
 
     def _factor_parts(self) -> tuple[FactorStore, FactorPipeline | None, FactorUpdate]:
         """Build the factor side: the store, ``overlap``'s pipeline, the factor update."""
@@ -504,9 +508,8 @@ class KFACPreconditioner:
         if graph.disabled is not None:
             return None
         candidates: list[Tensor] = []
-        for curv in self.layers.values():
-            own = list(curv.module.parameters(recurse=False))
-            if curv.module.weight.grad is not None and any(p.grad is None for p in own):
+        for weight, own in self._graph_layers:
+            if weight.grad is not None and any(p.grad is None for p in own):
                 graph.release()
                 return None
             candidates += own
