@@ -192,6 +192,24 @@ def test_how_a_layer_stacks_is_decided_once_per_shape(gpu_path, monkeypatch):
     assert len(set(calls)) == len(calls)
 
 
+def test_stacking_decisions_stay_bounded(gpu_path, monkeypatch):
+    """Shapes that change with every pass do not grow the decisions without bound: past
+    ``MAX_DECISIONS`` they are dropped and made again."""
+    model = _Repeated().double()
+    found, _ = register_layers(model)
+    monkeypatch.setattr(statistics_groups, "MAX_DECISIONS", 3 * len(found))
+    capture = StatisticsCapture(found, dtype_of=lambda _: torch.float64, active=lambda: True,
+                                grad_scale=lambda: 0.5)
+    groups = capture._groups
+    assert groups is not None
+    g = torch.Generator().manual_seed(3)
+    for batch in range(1, 6):
+        model(torch.randn(batch, 4, 6, 6, generator=g, dtype=torch.float64)).sum().backward()
+        assert 0 < len(groups._decisions) <= 3 * len(found)
+    capture.join()
+    capture.remove()
+
+
 def test_bf16_activations_stack_as_bf16_rows_of_float32_factors(gpu_path, monkeypatch):
     """bf16 (AMP) inputs and gradients with float32 factors at TF32 operands stack as
     each layer's path keeps them (bf16 rows, a float32 product): the same factors to

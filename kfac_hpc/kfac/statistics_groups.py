@@ -47,13 +47,17 @@ from kfac_hpc.kfac.layers import LayerCurvature, Stacking, keeps_bf16_rows
 from kfac_hpc.kfac.linalg import uses_gpu_path
 from kfac_hpc.kfac.precision import MatmulPrecision
 
-__all__ = ["GROUP_ROW_BYTES", "STACKED_PRECISIONS", "Group", "StatisticsGroups"]
+__all__ = ["GROUP_ROW_BYTES", "MAX_DECISIONS", "STACKED_PRECISIONS", "Group", "StatisticsGroups"]
 
 #: The most bytes of rows held for one factor (``A`` or ``G``) across all groups.
 #: ResNet-50 at batch 32 (224x224) computes its 108 factors in 44 products with it (58
 #: at 256 MiB, 37 at 1 GiB, 33 unbounded; 108 layer by layer): its first stages' rows
 #: (231 MB of patch rows for a stage-1 3x3 layer's ``A``) fill it with few layers.
 GROUP_ROW_BYTES = 512 << 20
+#: The most stacking decisions kept (by layer, factor and tensor shape); all are dropped
+#: when one more would pass it (inputs whose shapes change with every batch, e.g.
+#: sequences padded to each batch's longest).
+MAX_DECISIONS = 4096
 #: The operand precisions whose statistics stack (bf16 ones build bf16 rows per layer).
 STACKED_PRECISIONS: frozenset[str] = frozenset({"full", "tf32"})
 
@@ -129,6 +133,8 @@ class StatisticsGroups:
         except KeyError:
             how = curvature.stacking(factor, t) if self._stacks(
                 t, dtype, self._precision) else None
+            if len(self._decisions) >= MAX_DECISIONS:  # shapes that change every pass
+                self._decisions.clear()
             self._decisions[key] = how
             return how
 
