@@ -210,6 +210,56 @@ def test_background_write_across_ranks(comm: Any, tmp_path: Path) -> None:
     comm.barrier()
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_snapshot_that_fails_on_one_rank_fails_the_save_on_every_rank(
+        comm: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copying the state for the background write runs out of memory on rank 0 only:
+    every rank raises the same error from ``save`` (no rank goes on to send its state to
+    a rank that will not receive it), and the saver stays usable."""
+    d = Path(comm.broadcast_object(str(tmp_path)))
+    torch.manual_seed(0)
+    model = Net()
+    opt = make_optimizer("sgd", model)
+    saver = BackgroundSaver(comm)
+    snapshot = writer._snapshot
+    if comm.rank == 0:
+        def exhausted(*args: Any) -> Any:
+            raise MemoryError("no host memory for the copy")
+
+        monkeypatch.setattr(writer, "_snapshot", exhausted)
+    with pytest.raises(CheckpointError, match="no host memory for the copy"):
+        saver.save(d, model=model, optimizer=opt, step=1)
+    monkeypatch.setattr(writer, "_snapshot", snapshot)
+    saver.save(d, model=model, optimizer=opt, step=2)
+    assert saver.wait() == d / "ckpt_00000002.h5"
+    saver.close()
+    comm.barrier()
+
+
+def test_a_receive_that_fails_ends_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Receiving a rank's dataset for the write fails (no memory for its buffer): its
+    sender, and every later one, would wait forever, so the job is aborted, with the
+    dataset named; the prefetching thread hands the error to the writer, not a hang."""
+    comm = _self_comm()
+    aborted: list[str] = []
+
+    def abort(message: str, code: int = 1) -> None:
+        aborted.append(message)
+
+    def no_memory(*args: Any, **kwargs: Any) -> torch.Tensor:
+        raise MemoryError("no memory for the receive buffer")
+
+    monkeypatch.setattr(comm, "abort", abort)
+    monkeypatch.setattr(writer.torch, "empty", no_memory)
+    entry = writer.Entry("/kfac/x", owner=1, shape=(4,), dtype="<f4")
+    for prefetch in (False, True):
+        aborted.clear()
+        receiver = writer._Receiver(comm, [entry], prefetch)
+        with pytest.raises(MemoryError):
+            receiver.next()
+        assert len(aborted) == 1 and "receiving /kfac/x from rank 1" in aborted[0]
+
+
 # ------------------------------------------------------------------ the driver
 def _self_comm() -> Any:
     from mpi4py import MPI

@@ -25,6 +25,7 @@ and ``LoadInfo.rng`` says so.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -299,19 +300,22 @@ def _stage_root(comm: Communicator, plan: Plan, f: h5py.File | None,
                 arr = read
                 if r.dest in (EVERY_RANK, 0):
                     checks.add(r, arr, "")
-        if r.nbytes and r.dest == EVERY_RANK and comm.size > 1:
-            buf = _as_bytes(arr) if comm.rank == 0 else torch.empty(r.nbytes, dtype=torch.uint8,
-                                                                     device="cpu")
-            comm.broadcast(buf, root=0)
-            arr = _from_bytes(buf, r)
-        elif r.nbytes and r.dest not in (EVERY_RANK, 0):
-            if comm.rank == 0:
-                comm.send(_as_bytes(arr), r.dest, TAG)
-            elif comm.rank == r.dest:
-                buf = torch.empty(r.nbytes, dtype=torch.uint8, device="cpu")
-                comm.recv(buf, 0, TAG)
+        # the other ranks are inside the same transfer: a failure here ends the job
+        with comm.aborting(f"checkpoint load: transferring {r.path}") if comm.size > 1 \
+                else contextlib.nullcontext():
+            if r.nbytes and r.dest == EVERY_RANK and comm.size > 1:
+                buf = _as_bytes(arr) if comm.rank == 0 else torch.empty(
+                    r.nbytes, dtype=torch.uint8, device="cpu")
+                comm.broadcast(buf, root=0)
                 arr = _from_bytes(buf, r)
-                checks.add(r, arr, " after transfer")
+            elif r.nbytes and r.dest not in (EVERY_RANK, 0):
+                if comm.rank == 0:
+                    comm.send(_as_bytes(arr), r.dest, TAG)
+                elif comm.rank == r.dest:
+                    buf = torch.empty(r.nbytes, dtype=torch.uint8, device="cpu")
+                    comm.recv(buf, 0, TAG)
+                    arr = _from_bytes(buf, r)
+                    checks.add(r, arr, " after transfer")
         if r.dest in (EVERY_RANK, comm.rank):
             staged[r.path] = arr
     return staged, problems + checks.problems()

@@ -425,10 +425,11 @@ def _write_serial(comm: Communicator, plan: list[Entry], prep: _Prepared, tmp: P
                   fletcher32: bool, prefetch: bool = False) -> str | None:
     """Rank 0 writes every dataset; owners send theirs. Returns rank 0's error, if any."""
     if comm.rank != 0:
-        for e in prep.entries:
-            if e.owner == comm.rank and e.nbytes and e.path.startswith(
-                    (f"/{KFAC}/", f"/{RNG}/", f"/{OPTIMIZER}/")):
-                comm.send(_as_bytes(prep.local[e.path]), 0, TAG)
+        with comm.aborting("checkpoint write: sending this rank's state to rank 0"):
+            for e in prep.entries:
+                if e.owner == comm.rank and e.nbytes and e.path.startswith(
+                        (f"/{KFAC}/", f"/{RNG}/", f"/{OPTIMIZER}/")):
+                    comm.send(_as_bytes(prep.local[e.path]), 0, TAG)
         return None
     assert tmp is not None
     error: str | None = None
@@ -491,7 +492,7 @@ class _Receiver:
         self._comm = comm
         self._entries = entries
         self._i = 0
-        self._ready: queue.Queue[np.ndarray] = queue.Queue()
+        self._ready: queue.Queue[np.ndarray | BaseException] = queue.Queue()
         self._slots = threading.Semaphore(1)
         self._thread: threading.Thread | None = None
         if prefetch and entries:
@@ -499,15 +500,21 @@ class _Receiver:
             self._thread.start()
 
     def _recv(self, e: Entry) -> np.ndarray:
-        buf = torch.empty(e.nbytes, dtype=torch.uint8, device="cpu")
-        if e.nbytes:
-            self._comm.recv(buf, e.owner, TAG)
-        return buf.numpy().view(np.dtype(e.dtype)).reshape(e.shape)
+        # its owner is sending (and every later owner will): a rank that stops here
+        # leaves them blocked, so a failure ends the job
+        with self._comm.aborting(f"checkpoint write: receiving {e.path} from rank {e.owner}"):
+            buf = torch.empty(e.nbytes, dtype=torch.uint8, device="cpu")
+            if e.nbytes:
+                self._comm.recv(buf, e.owner, TAG)
+            return buf.numpy().view(np.dtype(e.dtype)).reshape(e.shape)
 
     def _run(self) -> None:
-        for e in self._entries:
-            self._slots.acquire()  # the one after the dataset being written waits
-            self._ready.put(self._recv(e))
+        try:
+            for e in self._entries:
+                self._slots.acquire()  # the one after the dataset being written waits
+                self._ready.put(self._recv(e))
+        except BaseException as exc:  # to next(), which would wait forever otherwise
+            self._ready.put(exc)
 
     def next(self) -> np.ndarray:
         e = self._entries[self._i]
@@ -515,6 +522,8 @@ class _Receiver:
         if self._thread is None:
             return self._recv(e)
         data = self._ready.get()
+        if isinstance(data, BaseException):
+            raise data
         self._slots.release()
         if self._i == len(self._entries):
             self._thread.join()
@@ -766,7 +775,11 @@ def _stage(comm: Communicator, directory_or_path: str | os.PathLike[str], *, mod
     final, tmp, is_dir = comm.broadcast_object((final, tmp, is_dir))
     assert final is not None and tmp is not None
 
-    plan, prep, error = _plan(comm, prep, preconditioner, pre_sd, everything=use_parallel)
+    plan: list[Entry] = []
+    try:  # rank 0 builds the plan after the gather: its errors must be agreed on too
+        plan, prep, error = _plan(comm, prep, preconditioner, pre_sd, everything=use_parallel)
+    except Exception as exc:
+        error = f"planning the checkpoint: {type(exc).__name__}: {exc}"
     agree(comm, error, "checkpoint save")
     no_room = None
     if comm.rank == 0:  # refuse what cannot fit before writing anything
@@ -777,17 +790,28 @@ def _stage(comm: Communicator, directory_or_path: str | os.PathLike[str], *, mod
     if no_room is not None:
         raise CheckpointError(f"checkpoint save to {final} failed", [no_room], str(final))
     if snapshot is not None:
-        local: dict[str, np.ndarray] = {}
-        for key, value in prep.local.items():
-            buf = snapshot.get(key)
-            if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
-                buf = np.empty_like(value, order="C")
-            np.copyto(buf, value)
-            local[key] = buf
-        snapshot.clear()
-        snapshot.update(local)
-        prep.local = local
+        try:  # a second host copy of this rank's state: may not fit (agreed below)
+            prep.local = _snapshot(prep.local, snapshot)
+        except Exception as exc:
+            snapshot.clear()
+            error = f"copying the state for the background write: {type(exc).__name__}: {exc}"
+        agree(comm, error, "checkpoint save")
     return _Staged(final, tmp, is_dir, plan, prep, keep_last, fletcher32, prefetch, use_parallel)
+
+
+def _snapshot(arrays: Mapping[str, np.ndarray], held: dict[str, np.ndarray]
+              ) -> dict[str, np.ndarray]:
+    """Copies of ``arrays`` in ``held``'s buffers where they fit (kept there for the next)."""
+    local: dict[str, np.ndarray] = {}
+    for key, value in arrays.items():
+        buf = held.get(key)
+        if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
+            buf = np.empty_like(value, order="C")
+        np.copyto(buf, value)
+        local[key] = buf
+    held.clear()
+    held.update(local)
+    return local
 
 
 def _write_commit(comm: Communicator, st: _Staged) -> tuple[str | None, str | None]:

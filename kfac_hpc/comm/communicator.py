@@ -30,11 +30,12 @@ provide at least ``MPI_THREAD_SERIALIZED`` (see :mod:`kfac_hpc.comm.threads`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import pickle
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Generic, Literal, TypeVar, cast
 
 import torch
@@ -748,6 +749,25 @@ class Communicator:
 
         print(f"[rank {self.rank}] {message}", file=sys.stderr, flush=True)
         MPI.COMM_WORLD.Abort(code)
+
+    @contextlib.contextmanager
+    def aborting(self, what: str) -> Iterator[None]:
+        """A part no rank may leave alone: an exception inside aborts the job.
+
+        For exchanges whose peers cannot be released once they have begun (a rank that
+        stops receiving leaves its senders blocked, and no collective reaches them):
+        the error is printed with ``what`` and every rank ends (:meth:`abort`).
+
+        Args:
+            what: The exchange, for the message (e.g. ``"checkpoint write"``).
+        """
+        try:
+            yield
+        except Exception as exc:
+            self.abort(f"{what} failed on this rank ({type(exc).__name__}: {exc}); the other "
+                       "ranks wait inside the same exchange and cannot be released, so the "
+                       "job ends")
+            raise  # where abort returns (a stand-in)
 
     # --------------------------------------------------------------- checks
     def _op(self, op: str, tensor: torch.Tensor) -> Any:
