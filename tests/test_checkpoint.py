@@ -273,26 +273,74 @@ def test_keep_last_latest_pointer_and_stale_tmp(tmp_path: Path, comm1: Any) -> N
     assert checkpoint.latest(tmp_path) == tmp_path / "ckpt_00000005.h5"
     assert checkpoint.list_checkpoints(tmp_path)[0].name == "ckpt_00000003.h5"
 
-    # A save at a lower step (resumed from an older checkpoint) becomes latest and is kept.
-    checkpoint.save(tmp_path, model=model, optimizer=opt, step=2, comm=comm1, keep_last=2)
-    assert checkpoint.latest(tmp_path) == tmp_path / "ckpt_00000002.h5"
-    assert sorted(os.listdir(tmp_path)) == ["ckpt_00000002.h5", "ckpt_00000005.h5", "latest"]
-
     # Without a usable pointer: the newest complete file.
     (tmp_path / "latest").write_text("ckpt_00000777.h5\n")
     assert checkpoint.latest(tmp_path) == tmp_path / "ckpt_00000005.h5"
     (tmp_path / "latest").unlink()
     assert checkpoint.latest(tmp_path) == tmp_path / "ckpt_00000005.h5"
 
+    # A save at a lower step (resumed from an older checkpoint) becomes latest; the
+    # later steps, of the run it abandoned, are moved to abandoned/<UTC time>/.
+    checkpoint.save(tmp_path, model=model, optimizer=opt, step=2, comm=comm1, keep_last=2)
+    assert checkpoint.latest(tmp_path) == tmp_path / "ckpt_00000002.h5"
+    assert sorted(os.listdir(tmp_path)) == ["abandoned", "ckpt_00000002.h5", "latest"]
+    (moved,) = (tmp_path / "abandoned").iterdir()
+    assert sorted(os.listdir(moved)) == [f"ckpt_{s:08d}.h5" for s in (3, 4, 5)]
+
     # keep_last=None keeps everything; an explicit .h5 path touches no pointer.
     for step in (10, 11, 12, 13):
         checkpoint.save(tmp_path, model=model, optimizer=opt, step=step, comm=comm1,
                         keep_last=None)
-    assert len(checkpoint.list_checkpoints(tmp_path)) == 6
+    assert len(checkpoint.list_checkpoints(tmp_path)) == 5
     single = checkpoint.save(tmp_path / "sub" / "final.h5", model=model, optimizer=opt,
                              step=14, comm=comm1)
     assert single.is_file() and sorted(os.listdir(single.parent)) == ["final.h5"]
     assert checkpoint.latest(tmp_path) == tmp_path / "ckpt_00000013.h5"
+
+
+def test_a_run_resumed_from_an_older_checkpoint_owns_the_rotation(
+        tmp_path: Path, comm1: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Run A saves steps 100, 200, 300; run B resumes from 100 and saves 110, 120, 130
+    (``keep_last=3``). B's files fill the rotation (A's later ones would otherwise keep
+    their places, newest by step, and B would hold one file); with B's newest damaged a
+    resume falls back to B's previous one, not to A's step 300. A's files are kept,
+    moved aside, and loadable."""
+    model, opt = _trained("sgd", comm1, steps=1)
+    for step in (100, 200, 300, 110, 120, 130):
+        with caplog.at_level("WARNING", logger="kfac_hpc"):
+            checkpoint.save(tmp_path, model=model, optimizer=opt, step=step, comm=comm1,
+                            keep_last=3)
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == [
+        f"ckpt_{s:08d}.h5" for s in (110, 120, 130)]
+    assert "moved to" in caplog.text
+    (moved,) = (tmp_path / "abandoned").iterdir()
+    assert sorted(os.listdir(moved)) == ["ckpt_00000200.h5", "ckpt_00000300.h5"]
+    assert checkpoint.load(moved / "ckpt_00000300.h5", model=model, optimizer=opt,
+                           comm=comm1).step == 300
+    newest = tmp_path / "ckpt_00000130.h5"
+    os.truncate(newest, newest.stat().st_size // 2)
+    assert checkpoint.latest(tmp_path, valid=True) == tmp_path / "ckpt_00000120.h5"
+
+
+def test_a_failure_to_tidy_the_directory_does_not_fail_the_save(
+        tmp_path: Path, comm1: Any, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Pruning old checkpoints fails (a file that cannot be deleted) after ``latest``
+    names the new one: the save has succeeded and returns its path; a warning says what
+    remains."""
+    model, opt = _trained("sgd", comm1, steps=1)
+    checkpoint.save(tmp_path, model=model, optimizer=opt, step=1, comm=comm1, keep_last=1)
+
+    def refuse(*args: Any, **kwargs: Any) -> list[Path]:
+        raise PermissionError(13, "Permission denied", str(tmp_path / "ckpt_00000001.h5"))
+
+    monkeypatch.setattr(atomic, "prune", refuse)
+    with caplog.at_level("WARNING", logger="kfac_hpc"):
+        path = checkpoint.save(tmp_path, model=model, optimizer=opt, step=2, comm=comm1,
+                               keep_last=1)
+    assert path == tmp_path / "ckpt_00000002.h5"
+    assert checkpoint.latest(tmp_path) == path
+    assert "tidying" in caplog.text and "Permission denied" in caplog.text
 
 
 def test_latest_valid_skips_a_damaged_newest(tmp_path: Path, comm1: Any) -> None:

@@ -259,6 +259,43 @@ def prune(directory: Path, keep_last: int | None, protect: str | None = None,
     return removed
 
 
+#: The folder of ``directory`` where :func:`set_aside_later` moves an abandoned run's files.
+ABANDONED = "abandoned"
+
+
+def set_aside_later(directory: Path, step: int, *, now: str) -> list[Path]:
+    """Move the checkpoints of steps after ``step`` into ``directory/abandoned/<now>/``.
+
+    A save at ``step`` below the newest step on disk is a run resumed from an older
+    checkpoint (after a divergence, or a fresh run in an old directory): the later
+    files belong to the run it abandoned. Left in place they would take the rotation's
+    places (``prune`` keeps the newest steps) and be what a resume falls back to when
+    ``latest``'s file is damaged. Moved, not deleted: they stay loadable by path.
+
+    Args:
+        directory: The checkpoint directory.
+        step: The step just written.
+        now: The folder's name under ``abandoned/`` (a UTC timestamp: one per event).
+
+    Returns:
+        The new paths of the moved files.
+    """
+    later = [p for p in list_checkpoints(directory)
+             if (s := step_of_name(p.name)) is not None and s > step]
+    if not later:
+        return []
+    target = directory / ABANDONED / now
+    target.mkdir(parents=True, exist_ok=True)
+    fsync_dir(directory / ABANDONED)
+    moved = []
+    for path in later:
+        os.replace(path, target / path.name)
+        moved.append(target / path.name)
+    fsync_dir(target)
+    fsync_dir(directory)
+    return moved
+
+
 def remove_stale_tmp(directory: Path, keep: Path | None = None) -> None:
     """Delete leftovers of interrupted saves (``ckpt_*.h5.tmp``, ``latest.tmp``).
 

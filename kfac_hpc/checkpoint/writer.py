@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 import platform
 import queue
@@ -73,6 +74,7 @@ from kfac_hpc.checkpoint.layout import (
     chunk_shape,
     digest,
     escape,
+    step_of_name,
     tensor_to_storage,
     text_digest,
     to_json,
@@ -95,6 +97,8 @@ TAG = 7306  # point-to-point tag of checkpoint traffic
 #: Entries of a K-FAC ``state_dict()`` with their own layout; any other is stored per rank.
 KFAC_ENTRIES = ("step", "config", "factors", "factor_updates", "eigenbases")
 
+
+log = logging.getLogger("kfac_hpc")
 
 @dataclass
 class Entry:
@@ -586,7 +590,10 @@ def _commit(tmp: Path, final: Path, is_dir: bool, keep_last: int | None,
 
     Returns the error, if any. A pointer that cannot be written takes the new file back
     out (unless it replaced one of the same name), so ``latest`` and the directory are
-    as before the save.
+    as before the save. Once ``latest`` names the new file the save has succeeded:
+    files of later steps (a run this one abandoned) are moved aside
+    (:func:`~kfac_hpc.checkpoint.atomic.set_aside_later`) and old ones pruned, and a
+    failure there is logged, not raised.
     """
     existed = final.exists()
     try:
@@ -606,11 +613,21 @@ def _commit(tmp: Path, final: Path, is_dir: bool, keep_last: int | None,
                 final.unlink()
                 atomic.fsync_dir(final.parent)
         return problem
-    try:
+    try:  # the checkpoint is committed: what follows only tidies the directory
+        step = step_of_name(final.name)
+        if step is not None:
+            moved = atomic.set_aside_later(
+                final.parent, step, now=datetime.datetime.now(datetime.timezone.utc)
+                .strftime("%Y%m%dT%H%M%S.%fZ"))
+            if moved:
+                log.warning("checkpoint step %d is below %d file(s) of later steps in %s: "
+                            "a run resumed from an older checkpoint; they were moved to %s",
+                            step, len(moved), final.parent, moved[0].parent)
         atomic.prune(final.parent, keep_last, protect=final.name,
                      keep_every_steps=keep_every_steps, keep=keep)
     except OSError as exc:
-        return f"{final} was written, but pruning old checkpoints failed: {exc}"
+        log.warning("%s was written and is the latest checkpoint, but tidying %s failed "
+                    "(older checkpoints may remain): %s", final, final.parent, exc)
     return None
 
 
