@@ -268,6 +268,38 @@ def test_stop_checkpoint_resume_is_bitwise_exact(tmp_path: Path, monkeypatch: py
     assert saved[-1] == ref.steps  # the final checkpoint
 
 
+def test_a_stop_after_a_failed_background_write_still_checkpoints(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The periodic checkpoint of step 5 (written in the background) fails; a stop at
+    step 7 reports it and writes its own checkpoint all the same, so the run exits as
+    preempted with step 7 on disk, not with status 1 and the steps since the last good
+    checkpoint lost."""
+    from kfac_hpc.checkpoint import atomic, writer
+
+    commit = writer._commit
+    failed: list[str] = []
+
+    def fail_once(tmp: Path, final: Path, *args: Any, **kwargs: Any) -> str | None:
+        if not failed:
+            failed.append(final.name)
+            return "the file system went away"
+        return commit(tmp, final, *args, **kwargs)
+
+    monkeypatch.setattr(writer, "_commit", fail_once)
+    cfg = config(tmp_path, epochs=3, checkpoint_dir=str(tmp_path / "ck"),
+                 checkpoint_every_steps=5, checkpoint_background=True)
+    calls = {"n": 0}
+
+    def stop_at_7() -> bool:
+        calls["n"] += 1
+        return calls["n"] == 7
+
+    result = train(cfg, self_comm(), verbose=False, should_stop=stop_at_7)
+    assert failed == ["ckpt_00000005.h5"]
+    assert result.stopped == "stop_requested" and result.steps == 7
+    assert atomic.latest(tmp_path / "ck") == tmp_path / "ck" / "ckpt_00000007.h5"
+
+
 def test_resume_errors_are_usage_errors(tmp_path: Path) -> None:
     from kfac_hpc.train.config import ConfigError
 

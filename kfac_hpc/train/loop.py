@@ -399,16 +399,19 @@ class Trainer:
             best=self.checkpoints.best, config=self.cfg.to_dict(),
             grad_scaler=None if self.scaler is None else self.scaler.state_dict())
 
-    def save_checkpoint(self, background: bool = False) -> None:
+    def save_checkpoint(self, background: bool = False, stopping: bool = False) -> None:
         """Write a checkpoint of the current state (all ranks call this together).
 
         The steps not read yet are read first (their losses checked: a NaN/Inf loss
         ends the run here, before anything is written), then the write in flight, if
-        any, is waited for (its failure raised here).
+        any, is waited for (its failure raised here, unless ``stopping``).
 
         Args:
             background: Snapshot the state and write it while training goes on (when
                 enabled); otherwise it is on disk when this returns.
+            stopping: The checkpoint a stop (a preemption) exits with: a failed write in
+                flight is reported and this one is written all the same, as the steps
+                since the last good checkpoint would be lost otherwise.
 
         Raises:
             TrainingDiverged: A loss or the state holds NaN/Inf (nothing written).
@@ -416,7 +419,13 @@ class Trainer:
         from kfac_hpc import checkpoint
 
         self._read_pending()  # a read point precedes every save
-        self.wait_for_checkpoint()  # at most one write in flight; its errors first
+        try:
+            self.wait_for_checkpoint()  # at most one write in flight; its errors first
+        except checkpoint.CheckpointError as exc:  # the same on every rank
+            if not stopping:
+                raise
+            self.progress.print(f"the checkpoint write in flight failed ({exc}); writing "
+                                f"the stop's checkpoint at step {self.step} all the same")
         try:
             with self.traffic.excluding():  # not training traffic
                 self.checkpoints.save(model=self.model, optimizer=self.opt,
@@ -728,7 +737,7 @@ class Trainer:
             if checkpoint:
                 # periodic: in the background; on a stop: in the foreground (after the
                 # write in flight), so that the process exits with it on disk
-                self.save_checkpoint(background=not stop)
+                self.save_checkpoint(background=not stop, stopping=stop)
                 self.checkpoints.restart_clock()
                 self.pending.restart_clock()  # not the steps' time
             if stop:
