@@ -221,6 +221,33 @@ def test_resume_without_rng_differs(tmp_path: Path, comm1: Any) -> None:
     assert not params_equal(ref, model)
 
 
+def test_load_says_which_generators_it_could_not_restore(
+        tmp_path: Path, comm1: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint saved where the rank saw one GPU, loaded where it sees another
+    number: the CUDA generator keeps its state, and ``LoadInfo.rng`` says so (a resume
+    that is not bitwise must not read as one)."""
+    from kfac_hpc.checkpoint import rng
+
+    capture = rng.capture
+
+    def on_one_gpu() -> Any:
+        arrays, attrs = capture()
+        arrays["cuda_0"] = np.zeros(16, np.uint8)
+        attrs["cuda_devices"] = 1
+        return arrays, attrs
+
+    model = Net()
+    opt = make_optimizer("sgd", model)
+    with monkeypatch.context() as m:
+        m.setattr(rng, "capture", on_one_gpu)
+        checkpoint.save(tmp_path, model=model, optimizer=opt, step=1, comm=comm1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    info = checkpoint.load(tmp_path, model=model, optimizer=opt, comm=comm1)
+    assert info.rng.startswith("restored: each rank its own state, but not every generator")
+    assert "rank 0: cuda not restored (saved 1 device(s), 2 here)" in info.rng
+
+
 # ---------------------------------------------------------------- preconditioner state
 @pytest.mark.parametrize("eigen", [False, True])
 def test_fake_preconditioner_round_trip(tmp_path: Path, comm1: Any, eigen: bool) -> None:

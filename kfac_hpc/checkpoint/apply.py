@@ -221,7 +221,8 @@ def _rng_state(comm: Communicator, plan: Plan, staged: dict[str, np.ndarray],
 # ------------------------------------------------------------------ apply
 def apply(comm: Communicator, plan: Plan, ready: Ready, model: nn.Module,
           optimizer: CheckpointOptimizer | None,
-          preconditioner: CheckpointPreconditioner | None, strict: bool) -> list[str]:
+          preconditioner: CheckpointPreconditioner | None, strict: bool
+          ) -> tuple[list[str], list[str]]:
     """Apply every prepared section, or (a failure on any rank) none (collective).
 
     Args:
@@ -234,7 +235,9 @@ def apply(comm: Communicator, plan: Plan, ready: Ready, model: nn.Module,
         strict: Load the model strictly (unless the plan found mismatches).
 
     Returns:
-        The sections applied, in :data:`ORDER`.
+        The sections applied, in :data:`ORDER`, and the generators whose saved states
+        were not restored, on every rank alike (``"rank R: cuda not restored (...)"``:
+        a rank that sees another number of GPUs than at save time).
 
     Raises:
         CheckpointError: On every rank, when applying failed on any rank; what was
@@ -242,6 +245,7 @@ def apply(comm: Communicator, plan: Plan, ready: Ready, model: nn.Module,
     """
     net = unwrap(model)
     sections = [s for s in ORDER if s in ready.sections]
+    unrestored: list[str] = []  # this rank's generators rng.restore() left as they were
 
     def take(section: str) -> object:
         if section == "kfac":
@@ -269,7 +273,9 @@ def apply(comm: Communicator, plan: Plan, ready: Ready, model: nn.Module,
         elif section == "model":
             net.load_state_dict(value, strict=strict and not plan.mismatches)
         elif value is not None:
-            rng.restore(*value)
+            notes = rng.restore(*value)
+            if not restoring:
+                unrestored.extend(note for note in notes if "not restored" in note)
 
     snapshots: dict[str, Any] = {}
     error = None
@@ -297,7 +303,8 @@ def apply(comm: Communicator, plan: Plan, ready: Ready, model: nn.Module,
             except Exception as exc:
                 restore_errors.append(f"restoring the {s} state: {type(exc).__name__}: {exc}")
         _agree(comm, plan, error, f"loading the {section} state", restore_errors)
-    return done
+    everyone = comm.allgather_object(unrestored) if "rng" in done else []
+    return done, [f"rank {r}: {note}" for r, notes in enumerate(everyone) for note in notes]
 
 
 def _copy_back(net: nn.Module, snapshot: dict[str, torch.Tensor]) -> None:

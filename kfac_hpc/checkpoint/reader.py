@@ -488,12 +488,14 @@ def load(directory_or_path: str | os.PathLike[str], *, model: nn.Module,
 
     ready = apply.prepare(comm, plan, staged, model, optimizer, preconditioner)
     del staged
-    done = apply.apply(comm, plan, ready, model, optimizer, preconditioner, strict)
+    done, unrestored = apply.apply(comm, plan, ready, model, optimizer, preconditioner, strict)
     root = plan.root
+    rng_note = plan.rng_note if not unrestored else (
+        f"{plan.rng_note}, but not every generator: {'; '.join(unrestored)}")
     return LoadInfo(
         path=Path(plan.path), step=int(root["step"]), world_size=int(root["world_size"]),
         strategy=str(root.get("strategy", "none")), extra=ready.extra, loaded=done,
-        mismatches=list(plan.mismatches) + plan.notes, rng=plan.rng_note,
+        mismatches=list(plan.mismatches) + plan.notes, rng=rng_note,
         created_utc=str(root.get("created_utc", "")),
         versions=json.loads(root.get("versions", "{}")),
         config=json.loads(root.get("config", "{}")))
