@@ -780,7 +780,9 @@ def _stage(comm: Communicator, directory_or_path: str | os.PathLike[str], *, mod
     if comm.rank == 0:
         try:
             final, is_dir = _target(Path(directory_or_path), step)
-            final.parent.mkdir(parents=True, exist_ok=True)
+            if not final.parent.is_dir():  # a new directory: its entry made durable too
+                final.parent.mkdir(parents=True, exist_ok=True)
+                atomic.fsync_dir(final.parent.parent)
             tmp = atomic.tmp_path(final)
             if is_dir:
                 atomic.remove_stale_tmp(final.parent)
