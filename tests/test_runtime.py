@@ -27,7 +27,13 @@ from kfac_hpc.runtime import (
     selected_device,
 )
 from kfac_hpc.runtime import device as device_module
-from kfac_hpc.runtime.discovery import banner, from_environment, from_mpi, time_left
+from kfac_hpc.runtime.discovery import (
+    banner,
+    from_environment,
+    from_mpi,
+    singleton_under_srun,
+    time_left,
+)
 from kfac_hpc.runtime.discovery import select_device as select_device_by_local_rank
 from kfac_hpc.runtime.preemption import REQUEUE_EXIT_CODE, PreemptionGuard, parse_signal
 
@@ -71,6 +77,39 @@ def test_time_left_and_banner():
     text = banner(from_environment(SLURM), device=torch.device("cpu"), mpi_library="Open MPI",
                   cuda_aware=False)
     assert "job 4242" in text and "8 rank(s) on 2 node(s)" in text and "restart 2" in text
+
+
+def test_a_task_alone_in_its_world_under_srun_is_named():
+    """srun started 4 tasks, MPI sees one rank (no PMIx plugin): said, with the fix;
+    not when MPI sees them all, when srun started one task, when mpirun started the
+    ranks inside the job (its variables), or outside srun."""
+    srun = {"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "2", "SLURM_NTASKS": "4"}
+    message = singleton_under_srun(1, srun)
+    assert message is not None and "--mpi=pmix" in message and "4 tasks" in message
+    assert singleton_under_srun(4, srun) is None
+    assert singleton_under_srun(1, {**srun, "SLURM_STEP_NUM_TASKS": "1"}) is None
+    assert singleton_under_srun(1, {**srun, "OMPI_COMM_WORLD_SIZE": "1"}) is None
+    assert singleton_under_srun(1, {"SLURM_NTASKS": "4"}) is None
+
+
+def test_train_refuses_tasks_that_srun_started_alone(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch):
+    """``kfac-hpc train`` on the world of a task srun started without the MPI plugin:
+    a ConfigError (exit 2), before anything is built or written."""
+    from kfac_hpc.train.config import ConfigError, TrainConfig
+    from kfac_hpc.train.loop import Trainer
+
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "FLUX_JOB_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_size() != 1:
+        pytest.skip("a world of one rank")
+    with pytest.raises(ConfigError, match="srun started 8 tasks"):
+        Trainer(TrainConfig(out=str(tmp_path / "run"), progress=False, epochs=1))
+    assert not (tmp_path / "run").exists()
 
 
 def test_mpi_launcher_variables_win_over_inherited_slurm_ones():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -154,6 +155,81 @@ def test_signal_after_the_step_ended_does_not_kill_the_batch_shell(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "got SIGUSR1 after the job step ended; ignored" in done.stdout
     assert (tmp_path / "requeues").read_text().split() == ["77"]
+
+
+def requeue_shell(tmp: Path, step: str, **env_vars: str) -> subprocess.Popen[str]:
+    """``run_with_requeue bash -c STEP`` in a batch shell of job 77 (fake scontrol)."""
+    env = dict(os.environ)
+    env.update({"PATH": f"{FAKE}{os.pathsep}{env['PATH']}", "FAKE_SLURM_DIR": str(tmp),
+                "SLURM_JOB_ID": "77", **env_vars})
+    script = f'source jobs/lib/requeue.sh && run_with_requeue bash -c {shlex.quote(step)}'
+    return subprocess.Popen(["bash", "-c", script], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen[str], timeout: float = 30) -> None:
+    start = time.monotonic()
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() - start < timeout, f"no {path} in {timeout} s"
+        time.sleep(0.05)
+
+
+def test_a_term_to_the_batch_shell_reaches_the_step_as_usr1(tmp_path):
+    """srun turns a TERM of its own into a SIGKILL of its tasks: the batch shell passes a
+    TERM on as USR1, so the step checkpoints (here: exits 75) and the job requeues."""
+    started = tmp_path / "started"
+    proc = requeue_shell(tmp_path, f'trap "exit 75" USR1; trap "exit 9" TERM; '
+                                   f'touch {started}; while :; do sleep 0.05; done')
+    wait_for_file(started, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "got SIGTERM; forwarding SIGUSR1 to the job step" in out
+    assert (tmp_path / "requeues").read_text().split() == ["77"]
+
+
+def test_a_signal_before_the_step_starts_requeues_without_starting_it(tmp_path):
+    """A preemption signal while the batch shell still scans the checkpoints (a slow
+    verification of a large one) is kept: the step is not started, the job requeues."""
+    scanning, ran = tmp_path / "scanning", tmp_path / "ran"
+    slow_python = tmp_path / "slow_python"
+    slow_python.write_text(f"#!/bin/bash\ncat > /dev/null; touch {scanning}; sleep 2; echo -1\n")
+    slow_python.chmod(0o755)
+    proc = requeue_shell(tmp_path, f"touch {ran}", KFAC_PYTHON=str(slow_python),
+                         KFAC_CHECKPOINT_DIR=str(tmp_path / "ckpt"))
+    wait_for_file(scanning, proc)
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "got SIGUSR1 before the job step started" in out
+    assert "not starting it" in out and not ran.exists()
+    assert (tmp_path / "requeues").read_text().split() == ["77"]
+
+
+def test_a_checkpoint_directory_of_another_queued_job_is_refused(tmp_path):
+    """Job 77 finds the checkpoint directory owned by job 66: refused (status 2) while
+    squeue lists 66, claimed once it does not."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "owner").write_text("66\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    squeue = bin_dir / "squeue"
+    for listed, status in (("66", 2), ("", 0)):
+        squeue.write_text(f"#!/bin/bash\necho {listed}\n")
+        squeue.chmod(0o755)
+        proc = requeue_shell(tmp_path, f"touch {ckpt / 'completed'}",  # done
+                             KFAC_CHECKPOINT_DIR=str(ckpt),
+                             PATH=f"{bin_dir}{os.pathsep}{FAKE}{os.pathsep}{os.environ['PATH']}")
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == status, out
+        owner = (ckpt / "owner").read_text().split()
+        if status == 2:
+            assert "checkpoint directory of job 66, which is still queued" in out
+            assert owner == ["66"]
+        else:
+            assert owner == ["77"]
 
 
 # ----------------------------------------------------------- crashes and node failures

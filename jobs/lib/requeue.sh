@@ -3,8 +3,14 @@
 # crashed (or ended without reporting completion) after making progress.
 #
 # Sourced by the sbatch scripts in jobs/. `run_with_requeue CMD...` starts CMD (an
-# `srun ...` line) in the background, forwards USR1/USR2/TERM that reach the batch shell
-# (`#SBATCH --signal=B:USR1@120` signals only the batch shell) to it, and waits. When
+# `srun ...` line) in the background, forwards USR1/USR2 that reach the batch shell
+# (`#SBATCH --signal=B:USR1@120` signals only the batch shell) to it, and waits. A TERM
+# is forwarded as USR1: srun turns a TERM of its own into a SIGKILL of every task
+# ("srun: forcing job termination"), which would leave no time for the checkpoint. (A
+# preemption that sends TERM to every task of the job at once cannot be caught that way:
+# use `--signal` or `PreemptParameters=send_user_signal`, docs/slurm.md.) A signal that
+# arrives before the step starts (the checkpoint scan below takes a while on a large
+# checkpoint) is kept: the step is not started, and the job requeues. When
 # the step exits with the requeue status (75, kfac_hpc.runtime.REQUEUE_EXIT_CODE: "all
 # ranks checkpointed, run me again") the job is requeued with `scontrol requeue`, up to
 # KFAC_MAX_RESTARTS times (SLURM_RESTART_COUNT counts them); the next run resumes from
@@ -46,7 +52,7 @@ kfac_checkpoint_step() {
         echo -1
         return 0
     fi
-    step=$("$KFAC_PYTHON" - "$dir" <<'PY' 2>/dev/null
+    if ! step=$("$KFAC_PYTHON" - "$dir" <<'PY'
 import sys
 from kfac_hpc.checkpoint.atomic import latest
 from kfac_hpc.checkpoint.layout import step_of_name
@@ -54,15 +60,50 @@ found = latest(sys.argv[1], valid=True)
 step = step_of_name(found.name) if found is not None else None
 print(-1 if step is None else step)
 PY
-) || step=-1
+    ); then
+        echo "kfac_hpc: warning: could not list the checkpoints of $dir with $KFAC_PYTHON" \
+             "(its error is above): a crash will count as one without progress" >&2
+        step=-1
+    fi
     [[ "$step" =~ ^-?[0-9]+$ ]] || step=-1
     echo "$step"
 }
 
+KFAC_OWNER_FILE=owner  # the id of the job that trains in KFAC_CHECKPOINT_DIR
+
+# Claim checkpoint directory $1 for this job, unless another job that is still queued
+# (pending, running, requeued) holds it: a second submission of the same script, or a
+# sweep without KFAC_RUN_TAG, would resume from and prune the same checkpoints. The
+# owner is the job id in $1/owner (a requeued job keeps its id); without squeue (or
+# outside a job) the claim is taken.
+kfac_claim_dir() {
+    local dir="$1" me="${SLURM_JOB_ID:-}" owner
+    [[ -n "$me" ]] || return 0
+    mkdir -p -- "$dir" || return 1
+    owner=$(cat -- "$dir/$KFAC_OWNER_FILE" 2>/dev/null) || owner=""
+    if [[ -n "$owner" && "$owner" != "$me" ]] && command -v squeue >/dev/null 2>&1 \
+            && [[ -n "$(squeue -h -j "$owner" -o %i 2>/dev/null)" ]]; then
+        echo "kfac_hpc: $dir is the checkpoint directory of job $owner, which is still" \
+             "queued: two jobs would resume from and prune the same checkpoints. Cancel" \
+             "job $owner, or give this one its own folder (KFAC_RUN_TAG=...)." >&2
+        return 1
+    fi
+    echo "$me" > "$dir/$KFAC_OWNER_FILE.$me" && mv -f -- "$dir/$KFAC_OWNER_FILE.$me" "$dir/$KFAC_OWNER_FILE"
+}
+
+_kfac_step=""      # the job step's pid, once started
+_kfac_pending=""   # a signal that reached the batch shell before the step started
+
 _kfac_forward() {
-    local sig="$1"
-    echo "kfac_hpc: batch shell got SIG$sig; forwarding it to the job step (pid $_kfac_step)"
-    kill -s "$sig" "$_kfac_step" 2>/dev/null || true
+    local sig="$1" to="$1"
+    [[ "$sig" == TERM ]] && to=USR1  # srun would SIGKILL its tasks on a TERM of its own
+    if [[ -z "$_kfac_step" ]]; then
+        echo "kfac_hpc: batch shell got SIG$sig before the job step started"
+        _kfac_pending="$to"
+        return
+    fi
+    echo "kfac_hpc: batch shell got SIG$sig; forwarding SIG$to to the job step (pid $_kfac_step)"
+    kill -s "$to" "$_kfac_step" 2>/dev/null || true
 }
 
 _kfac_late() {
@@ -70,26 +111,46 @@ _kfac_late() {
 }
 
 run_with_requeue() {
+    _kfac_step="" _kfac_pending=""
+    # from the start: a preemption may come during the checkpoint scan
+    trap '_kfac_forward USR1' USR1
+    trap '_kfac_forward USR2' USR2
+    trap '_kfac_forward TERM' TERM
     local restarts="${SLURM_RESTART_COUNT:-0}"
     echo "kfac_hpc: job ${SLURM_JOB_ID:-?} run $((restarts + 1)) (restarts so far: $restarts, cap $KFAC_MAX_RESTARTS)"
     local start_step=-1
     if [[ -n "${KFAC_CHECKPOINT_DIR:-}" ]]; then
+        kfac_claim_dir "$KFAC_CHECKPOINT_DIR" || return 2
         start_step=$(kfac_checkpoint_step "$KFAC_CHECKPOINT_DIR")
         echo "kfac_hpc: newest valid checkpoint at start: step $start_step (-1: none)"
         rm -f -- "$KFAC_CHECKPOINT_DIR/$KFAC_COMPLETED_MARKER"  # vouches for no later step
     fi
-    "$@" &
-    _kfac_step=$!
-    trap '_kfac_forward USR1' USR1
-    trap '_kfac_forward USR2' USR2
-    trap '_kfac_forward TERM' TERM
     local rc=0
-    while true; do
-        rc=0
-        wait "$_kfac_step" || rc=$?
-        # `wait` also returns when a trapped signal arrives: keep waiting while the step lives
-        kill -0 "$_kfac_step" 2>/dev/null || break
-    done
+    if [[ -n "$_kfac_pending" ]]; then
+        echo "kfac_hpc: preempted (SIG$_kfac_pending) before the job step started: not" \
+             "starting it"
+        rc=$KFAC_REQUEUE_EXIT_CODE
+    else
+        "$@" &
+        _kfac_step=$!
+        if [[ -n "$_kfac_pending" ]]; then  # it came as the step was being started
+            kill -s "$_kfac_pending" "$_kfac_step" 2>/dev/null || true
+        fi
+        while true; do
+            rc=0
+            wait "$_kfac_step" || rc=$?
+            # `wait` also returns when a trapped signal arrives: keep waiting while the
+            # step lives
+            kill -0 "$_kfac_step" 2>/dev/null || break
+        done
+        if (( rc > 128 )); then
+            # a trapped signal may have cut `wait` short just as the step ended: its
+            # status is the step's (bash keeps it; 127 where it does not)
+            local again=0
+            wait "$_kfac_step" || again=$?
+            (( again != 127 )) && rc=$again
+        fi
+    fi
     # From here on a repeated signal (SLURM may send it again) must not kill this shell
     # before it requeues: note it and carry on.
     trap '_kfac_late USR1' USR1

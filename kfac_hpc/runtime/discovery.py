@@ -147,6 +147,35 @@ def select_device(local_rank: int, *, prefer_cuda: bool = True) -> torch.device:
     return _device.select_device("auto" if prefer_cuda else "cpu", local_rank=local_rank)
 
 
+def singleton_under_srun(world_size: int, env: Mapping[str, str] | None = None) -> str | None:
+    """Say why this process is alone in its MPI world although srun started several.
+
+    ``srun`` without the MPI plugin its MPI needs (Open MPI 5: ``--mpi=pmix``) starts
+    every task as a singleton: N tasks that each think they are rank 0 of 1, train
+    alone and write one checkpoint directory. Only a task srun started itself is
+    checked (``SLURM_STEP_NUM_TASKS``, no other launcher's variables: ranks that
+    ``mpirun`` started inside a job carry its own).
+
+    Args:
+        world_size: The size of the MPI world.
+        env: The environment (default ``os.environ``).
+
+    Returns:
+        The message (what happened and the fix), or None when nothing is wrong.
+    """
+    env = os.environ if env is None else env
+    tasks = _int(env, "SLURM_STEP_NUM_TASKS", 1)
+    launched = any(_LAUNCHER_VARIABLES[name][1] in env for name in _LAUNCHER_VARIABLES
+                   if name != "slurm")
+    if world_size != 1 or tasks <= 1 or launched or "SLURM_PROCID" not in env:
+        return None
+    return (f"srun started {tasks} tasks for this step, but MPI sees 1 rank: every task "
+            "runs alone (srun lacks the MPI plugin your MPI needs), and all of them would "
+            "train and write the same checkpoints. Launch with the plugin: `srun "
+            "--mpi=pmix` for Open MPI 5 and most MPIs built with PMIx (`srun --mpi=list` "
+            "shows what this cluster has; jobs/lib/site.sh sets KFAC_SRUN_MPI)")
+
+
 def time_left(env: Mapping[str, str] | None = None, now: float | None = None) -> float | None:
     """Return the seconds until SLURM ends the job (``SLURM_JOB_END_TIME``), or None if unknown.
 

@@ -48,11 +48,12 @@ import numpy as np
 import torch
 
 from kfac_hpc.phases import Phase
+from kfac_hpc.runtime.discovery import singleton_under_srun
 from kfac_hpc.runtime.watchdog import Watchdog
 from kfac_hpc.shampoo.optimizer import DistributedShampoo
 from kfac_hpc.solves import default_device_streams
 from kfac_hpc.train.checkpoints import KFAC_DROPPED, CheckpointPolicy, Resumed, wants_checkpoints
-from kfac_hpc.train.config import GPU_READ_EVERY_STEPS, TrainConfig
+from kfac_hpc.train.config import GPU_READ_EVERY_STEPS, ConfigError, TrainConfig
 from kfac_hpc.train.data import ShardedLoader, rescaled_batch_size
 from kfac_hpc.train.divergence import (
     DIVERGED_EXIT_CODE,
@@ -205,6 +206,9 @@ class Trainer:
         t0 = time.perf_counter()
         self.cfg = cfg = cfg.resolved()
         self.comm = comm if comm is not None else world()
+        alone = singleton_under_srun(self.comm.size) if comm is None else None
+        if alone is not None:  # every task alike: each is its own world
+            raise ConfigError(alone)
         self.rank, self.size = self.comm.rank, self.comm.size
         self.verbose = verbose and self.rank == 0
         self.should_stop = should_stop
