@@ -300,6 +300,38 @@ def test_a_stop_after_a_failed_background_write_still_checkpoints(
     assert atomic.latest(tmp_path / "ck") == tmp_path / "ck" / "ckpt_00000007.h5"
 
 
+def test_a_run_resumed_after_a_crash_has_one_record_per_step(tmp_path: Path) -> None:
+    """A run that crashed after its checkpoint of step 10 had written the records of
+    the steps after it (here: the run went on to the end, and its later checkpoints and
+    completion are removed, as a crash would have left the directory). The resumed run
+    drops those records first: steps.csv, epochs.csv and metrics.jsonl hold each step
+    and each epoch once, as the uninterrupted run's do."""
+    from kfac_hpc.checkpoint import atomic
+    from kfac_hpc.checkpoint.layout import step_of_name
+
+    ck = tmp_path / "ck"
+    cfg = config(tmp_path, epochs=2, checkpoint_dir=str(ck), checkpoint_every_steps=10,
+                 checkpoint_keep=100)
+    first = train(cfg, self_comm(), verbose=False)
+    assert first.steps > 20
+    for path in atomic.list_checkpoints(ck):
+        if step_of_name(path.name) != 10:
+            path.unlink()
+    (ck / "completed").unlink()
+    (ck / "latest").write_text("ckpt_00000010.h5\n")
+    second = train(cfg, self_comm(), verbose=False)
+    assert second.steps == first.steps
+    run = tmp_path / "run"
+    steps = [int(line.split(",")[0]) for line in
+             (run / "steps.csv").read_text().splitlines()[1:]]
+    assert steps == list(range(1, first.steps + 1))
+    epochs = [line.split(",")[0] for line in (run / "epochs.csv").read_text().splitlines()[1:]]
+    assert epochs == ["1", "2"]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "step"] == steps
+    assert len([r for r in records if r["kind"] == "epoch"]) == 2
+
+
 def test_resume_errors_are_usage_errors(tmp_path: Path) -> None:
     from kfac_hpc.train.config import ConfigError
 

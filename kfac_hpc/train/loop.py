@@ -281,6 +281,7 @@ class Trainer:
             agreed(self.aux, self.checkpoints.clear_completed)  # vouches for no later run
             self.writer = MetricsWriter(self.out_dir, enabled=self.rank == 0,
                                         append=self.resumed is not None,
+                                        resumed_at=None if self.resumed is None else self.step,
                                         tensorboard_dir=cfg.tensorboard)
             self._resources.callback(self.writer.close)
         except BaseException:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import csv
 import datetime as _dt
+import io
 import json
 import math
 import time
@@ -126,13 +127,17 @@ class MetricsWriter:
     """
 
     def __init__(self, out_dir: str | Path | None, *, enabled: bool = True,
-                 append: bool = False, tensorboard_dir: str | Path | None = None) -> None:
+                 append: bool = False, resumed_at: int | None = None,
+                 tensorboard_dir: str | Path | None = None) -> None:
         """Open the files lazily, at their first record.
 
         Args:
             out_dir: The run directory (None: write nothing).
             enabled: Write on this rank (rank 0).
             append: Append to the files of an earlier run (a resumed run).
+            resumed_at: With ``append``, the step the run resumes from: the records of
+                later steps (written after that checkpoint by the run that was cut
+                short) are dropped first, so each step has one record.
             tensorboard_dir: Also write TensorBoard event files there.
         """
         self.enabled = enabled and out_dir is not None
@@ -143,6 +148,8 @@ class MetricsWriter:
         self._tb: Any = None
         if self.enabled and self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
+            if append and resumed_at is not None:
+                drop_records_after(self.out_dir, resumed_at)
         if enabled and tensorboard_dir is not None:
             self._tb = require_tensorboard()(log_dir=str(tensorboard_dir))
 
@@ -223,6 +230,52 @@ class MetricsWriter:
     def __exit__(self, *exc: object) -> None:
         """Close the files."""
         self.close()
+
+
+def drop_records_after(out_dir: Path, step: int) -> None:
+    """Drop the step and epoch records of steps after ``step`` from a run's files.
+
+    ``steps.csv``, ``epochs.csv`` and ``metrics.jsonl`` are each rewritten atomically
+    (records without a readable step are kept; a truncated last line is dropped).
+
+    Args:
+        out_dir: The run directory.
+        step: The last step whose records stay.
+    """
+    def later(value: Any) -> bool:
+        try:
+            return int(float(value)) > step
+        except (TypeError, ValueError):
+            return False
+
+    for name in ("steps.csv", "epochs.csv"):
+        path = out_dir / name
+        if not path.is_file():
+            continue
+        with open(path, encoding="utf-8", newline="") as f:
+            rows = list(csv.reader(f))
+        if not rows or "step" not in rows[0]:
+            continue
+        at = rows[0].index("step")
+        kept = [rows[0], *(r for r in rows[1:] if len(r) == len(rows[0])
+                           and not later(r[at]))]
+        if len(kept) != len(rows):
+            out = io.StringIO()
+            csv.writer(out, lineterminator="\r\n").writerows(kept)
+            write_text_atomic(path, out.getvalue())
+    path = out_dir / "metrics.jsonl"
+    if path.is_file():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        kept_lines = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by the crash
+            if not (isinstance(record, dict) and later(record.get("step"))):
+                kept_lines.append(line)
+        if kept_lines != lines:
+            write_text_atomic(path, "".join(f"{line}\n" for line in kept_lines))
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
