@@ -332,6 +332,51 @@ def test_a_run_resumed_after_a_crash_has_one_record_per_step(tmp_path: Path) -> 
     assert len([r for r in records if r["kind"] == "epoch"]) == 2
 
 
+def test_running_a_finished_run_again_changes_nothing(tmp_path: Path) -> None:
+    """The same command after the run finished: no epoch is ended twice (no record with
+    no training in it), the summary keeps the epoch's losses, the final checkpoint is not
+    written again; extended to 2 epochs, it trains the second one only."""
+    cfg = config(tmp_path, epochs=1, checkpoint_dir=str(tmp_path / "ck"))
+    first = train(cfg, self_comm(), verbose=False)
+    latest = tmp_path / "ck" / "latest"
+    written = (tmp_path / "ck" / latest.read_text().strip()).stat().st_mtime_ns
+    again = train(cfg, self_comm(), verbose=False)
+    assert again.steps == first.steps and again.stopped == "completed"
+    assert again.train_loss == first.train_loss and again.test_acc == first.test_acc
+    assert (tmp_path / "ck" / latest.read_text().strip()).stat().st_mtime_ns == written
+    epochs = tmp_path / "run" / "epochs.csv"
+    assert [row.split(",")[0] for row in epochs.read_text().splitlines()[1:]] == ["1"]
+    longer = train(config(tmp_path, epochs=2, checkpoint_dir=str(tmp_path / "ck")),
+                   self_comm(), verbose=False)
+    assert longer.steps == 2 * first.steps
+    assert [row.split(",")[0] for row in epochs.read_text().splitlines()[1:]] == ["1", "2"]
+
+
+def test_resuming_past_the_runs_end_is_a_usage_error(tmp_path: Path) -> None:
+    """A checkpoint of step 2N resumed by a run of N steps: one clear error, not a run
+    that reports completion at a step it never had."""
+    from kfac_hpc.train.config import ConfigError
+
+    train(config(tmp_path, epochs=2, checkpoint_dir=str(tmp_path / "ck")), self_comm(),
+          verbose=False)
+    with pytest.raises(ConfigError, match="past this run's last step"):
+        train(config(tmp_path, epochs=1, checkpoint_dir=str(tmp_path / "ck")), self_comm(),
+              verbose=False)
+
+
+def test_a_resume_that_changes_the_schedule_warns(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """--max-steps also ends the learning-rate schedule: a run stopped by it and resumed
+    without it has another schedule, and the resume says so."""
+    ck = str(tmp_path / "ck")
+    train(config(tmp_path, epochs=2, max_steps=10, checkpoint_dir=ck), self_comm(),
+          verbose=False)
+    capsys.readouterr()
+    train(config(tmp_path, epochs=2, checkpoint_dir=ck, max_steps=12), self_comm())
+    out = capsys.readouterr().out
+    assert "warning: the learning-rate schedule spans 12 steps in this run and spanned 10" in out
+
+
 def test_resume_errors_are_usage_errors(tmp_path: Path) -> None:
     from kfac_hpc.train.config import ConfigError
 

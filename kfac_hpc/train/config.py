@@ -134,7 +134,8 @@ class TrainConfig:
                      "target) -> mean loss; see docs/training.md)", "model")
     # -- run length and batches
     epochs: int = _opt(20, "training epochs", "run")
-    max_steps: int | None = _opt(None, "stop after this many optimizer steps", "run")
+    max_steps: int | None = _opt(None, "stop after this many optimizer steps (the learning-"
+                                 "rate schedule ends there too)", "run")
     batch_size: int = _opt(32, "samples per rank per optimizer step", "run")
     eval_batch_size: int = _opt(512, "samples per rank per evaluation batch", "run")
     accumulation_steps: int = _opt(

@@ -72,8 +72,9 @@ from kfac_hpc.train.metrics import (
     WeightedMean,
     format_table,
     global_sums,
+    recorded_means,
 )
-from kfac_hpc.train.optim import lr_schedule
+from kfac_hpc.train.optim import lr_schedule, saved_schedule_length, schedule_length
 from kfac_hpc.train.outdirs import check_output_dirs
 from kfac_hpc.train.pending import PendingMetrics, StepInfo, StepMetrics, read_columns
 from kfac_hpc.train.result import (
@@ -311,8 +312,7 @@ class Trainer:
             ``(steps per epoch, total steps, step -> learning rate)``.
         """
         steps_per_epoch = len(self.train_loader)
-        full = steps_per_epoch * self.cfg.epochs
-        total = min(full, self.cfg.max_steps) if self.cfg.max_steps else full
+        total = schedule_length(steps_per_epoch, self.cfg.epochs, self.cfg.max_steps)
         return steps_per_epoch, total, lr_schedule(self.cfg, steps_per_epoch, total)
 
     def _release_ddp(self) -> None:
@@ -338,6 +338,20 @@ class Trainer:
             return None
         extra = resumed.extra
         self.step = resumed.step
+        if self.step > self.total_steps:  # alike on every rank
+            raise ConfigError(
+                f"{resumed.path} is at step {self.step}, past this run's last step "
+                f"{self.total_steps} (--epochs {self.cfg.epochs}"
+                + (f", --max-steps {self.cfg.max_steps}" if self.cfg.max_steps else "")
+                + "): give at least as many epochs and steps, or resume from an earlier "
+                "checkpoint (--resume PATH)")
+        saved = saved_schedule_length(extra.config, self.steps_per_epoch)
+        if saved is not None and saved != self.total_steps:
+            self.progress.print(
+                f"warning: the learning-rate schedule spans {self.total_steps} steps in this "
+                f"run and spanned {saved} in the run that wrote {resumed.path} (--epochs or "
+                "--max-steps changed; --max-steps also ends the schedule): the rate jumps at "
+                "the resume, and the run is not the uninterrupted one")
         self.tally = RunTally(history=list(extra.history), train_time=extra.train_time,
                               train_samples=extra.train_samples,
                               epoch_stats=WeightedMean(*extra.epoch_stats))
@@ -669,6 +683,7 @@ class Trainer:
         target: tuple[float, int] | None = None  # (wall time, epochs) to the target
         last_eval: WeightedMean | None = None
         last_train = WeightedMean()
+        ended_here = False  # an epoch ended in this run (else: resumed at its end, or none)
         epoch = self.train_loader.epoch
         while epoch < cfg.epochs:
             self.train_loader.set_epoch(epoch)
@@ -681,12 +696,20 @@ class Trainer:
                         or self.train_loader.batch_index >= self.steps_per_epoch)
             if not (complete or ran_out):
                 break  # cannot happen: an epoch ends only at its end or at the last step
-            if self.tally.epoch_stats.count:
-                last_train = self.tally.epoch_stats
-            evaluation = self._evaluation(epoch, ran_out)
+            recorded = self._recorded_end()
+            if recorded is not None:  # resumed where this epoch had ended: not again
+                self.progress.print(f"epoch {recorded['epoch']:g} ended at step {self.step} "
+                                    "before the resume: nothing more to train in it")
+                last_train, evaluation = recorded_means(recorded)
+                record = recorded
+            else:
+                if self.tally.epoch_stats.count:
+                    last_train = self.tally.epoch_stats
+                evaluation = self._evaluation(epoch, ran_out)
+                record = self._end_epoch(epoch, complete, evaluation, t_epoch, span)
+                ended_here = True
             if evaluation is not None:
                 last_eval = evaluation
-            record = self._end_epoch(epoch, complete, evaluation, t_epoch, span)
             if (cfg.target_accuracy is not None and evaluation is not None
                     and evaluation.acc >= cfg.target_accuracy):
                 target = (record["wall_time"], epoch + 1)
@@ -703,9 +726,22 @@ class Trainer:
             if last_eval is None:
                 last_eval = self.evaluate()
             if cfg.checkpoint_dir:
-                self.save_checkpoint()
+                if self.step > span.steps_start or ended_here or self.resumed is None:
+                    self.save_checkpoint()  # else: the state resumed from, on disk
                 self.checkpoints.mark_completed(self.step)
         return self._result(stopped, last_train, last_eval or WeightedMean(), span, target)
+
+    def _recorded_end(self) -> dict[str, Any] | None:
+        """The epoch record of this very step, if the run resumed where one had ended.
+
+        That is a resume at the end of an epoch (or of the run) whose record the
+        checkpoint holds, with nothing trained since; else None.
+        """
+        history = self.tally.history
+        if history and not self.tally.epoch_stats.count and \
+                int(history[-1].get("step", -1)) == self.step:
+            return history[-1]
+        return None
 
     def _run_epoch(self, epoch: int) -> bool:
         """Run the steps of ``epoch`` from the loader's position.

@@ -50,10 +50,12 @@ __all__ = [
     "PhaseTimer",
     "ProgressReporter",
     "WeightedMean",
+    "drop_records_after",
     "format_bytes",
     "format_table",
     "global_sums",
     "read_jsonl",
+    "recorded_means",
     "require_tensorboard",
 ]
 
@@ -230,6 +232,26 @@ class MetricsWriter:
     def __exit__(self, *exc: object) -> None:
         """Close the files."""
         self.close()
+
+
+def recorded_means(record: Mapping[str, Any]) -> tuple[WeightedMean, WeightedMean | None]:
+    """The training and (if there was one) evaluation means of an epoch record.
+
+    Args:
+        record: An epoch record (``train_loss``, ``train_acc``, ``test_loss``,
+            ``test_acc``).
+
+    Returns:
+        ``(train, evaluation)``, each as a mean over one unit of weight.
+    """
+    def mean(loss: Any, acc: Any) -> WeightedMean | None:
+        if not isinstance(loss, (int, float)) or not math.isfinite(loss):
+            return None
+        return WeightedMean(float(loss), float(acc) if isinstance(acc, (int, float)) else 0.0,
+                            1.0)
+
+    train = mean(record.get("train_loss"), record.get("train_acc"))
+    return (train or WeightedMean()), mean(record.get("test_loss"), record.get("test_acc"))
 
 
 def drop_records_after(out_dir: Path, step: int) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -84,6 +84,28 @@ def lr_at(
         t = min(1.0, (step - warmup_steps) / span)
         return min_lr + (base_lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * t))
     raise ValueError(f"unknown lr schedule {schedule!r}; use cosine, step or constant")
+
+
+def schedule_length(steps_per_epoch: int, epochs: int, max_steps: int | None) -> int:
+    """The steps a run trains, which its learning-rate schedule spans.
+
+    Args:
+        steps_per_epoch: Optimizer steps per epoch.
+        epochs: ``--epochs``.
+        max_steps: ``--max-steps`` (None or 0: none): it also ends the schedule.
+    """
+    full = steps_per_epoch * epochs
+    return min(full, max_steps) if max_steps else full
+
+
+def saved_schedule_length(config: Mapping[str, Any], steps_per_epoch: int) -> int | None:
+    """:func:`schedule_length` of a checkpoint's stored configuration (None: not stored)."""
+    try:
+        max_steps = config.get("max_steps")
+        return schedule_length(steps_per_epoch, int(config["epochs"]),
+                               int(max_steps) if max_steps else None)
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def lr_schedule(cfg: TrainConfig, steps_per_epoch: int, total_steps: int) -> Callable[[int], float]:
