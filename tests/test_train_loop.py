@@ -377,6 +377,30 @@ def test_a_resume_that_changes_the_schedule_warns(tmp_path: Path,
     assert "warning: the learning-rate schedule spans 12 steps in this run and spanned 10" in out
 
 
+@pytest.mark.parametrize("dataset, model", [("stdlib-text", "mlp"), ("digits", "gpt")])
+def test_a_model_that_cannot_take_the_data_is_a_usage_error(tmp_path: Path, dataset: str,
+                                                           model: str) -> None:
+    """Token ids into an MLP, 8x8 images into a language model: one clear error naming
+    both options before training, not a traceback at the first step."""
+    from kfac_hpc.train.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"--model {model} cannot take the samples of "
+                                          f"--dataset {dataset}"):
+        train(config(tmp_path, dataset=dataset, model=model, max_steps=1), self_comm(),
+              verbose=False)
+
+
+def test_a_warm_up_as_long_as_the_run_warns(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """One epoch with the default warm-up of one epoch: the schedule never starts, and
+    the run says so; two epochs do not (a --max-steps cut is a run's choice)."""
+    train(config(tmp_path, epochs=1, max_steps=3), self_comm())
+    assert "warning: the warm-up (--warmup-epochs 1) lasts all --epochs 1" in \
+        capsys.readouterr().out
+    train(config(tmp_path, epochs=2, max_steps=3), self_comm())
+    assert "warm-up" not in capsys.readouterr().out
+
+
 def test_resume_errors_are_usage_errors(tmp_path: Path) -> None:
     from kfac_hpc.train.config import ConfigError
 

@@ -54,8 +54,9 @@ def test_resuming_kfac_without_a_preconditioner_warns_once(
     capsys.readouterr()
     train(config(tmp_path, checkpoint_dir=str(ck), max_steps=5), comm, verbose=True)
     out = capsys.readouterr().out
-    # one warning about the K-FAC state, one about the schedule (--max-steps 3 -> 5)
-    assert out.count("warning: ") == 2 and "learning-rate schedule spans 5" in out, out
+    # one warning about the K-FAC state, one about the schedule (--max-steps 3 -> 5), one
+    # about the warm-up (1 epoch of 1)
+    assert out.count("warning: ") == 3 and "learning-rate schedule spans 5" in out, out
     assert out.count(f"warning: {ck / 'ckpt_00000003.h5'} holds K-FAC state") == 1, out
     assert "--preconditioner none does not use: it is dropped" in out
     assert "resume with --preconditioner kfac" in out

@@ -266,6 +266,12 @@ class Trainer:
             self.phase_times = cfg.phase_times == "on" or (
                 cfg.phase_times == "auto" and self.device.type == "cpu")
             self.steps_per_epoch, self.total_steps, self.lr_fn = self._schedule()
+            if cfg.lr_schedule != "constant" and cfg.warmup_epochs >= cfg.epochs:
+                self.progress.print(
+                    f"warning: the warm-up (--warmup-epochs {cfg.warmup_epochs:g}) lasts all "
+                    f"--epochs {cfg.epochs}: the learning rate rises to --lr and the "
+                    f"{cfg.lr_schedule} schedule never starts; lower --warmup-epochs or train "
+                    "longer")
             self.out_dir = resolve_out_dir(cfg, self.aux)
             agreed(self.aux, lambda: check_output_dirs(self.rank, self.out_dir,
                                                        cfg.checkpoint_dir))

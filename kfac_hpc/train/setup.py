@@ -197,6 +197,7 @@ def build_core(cfg: TrainConfig, comm: Communicator, device: torch.device) -> Co
     else:
         model = build_model(cfg.model, **kwargs, **cfg.model_options)
     model = model.to(device)
+    _check_model_takes_data(model, splits, cfg, device)
     n = len(splits.train)  # type: ignore[arg-type]
     if cfg.batch_size * comm.size > n:
         raise ConfigError(
@@ -205,6 +206,38 @@ def build_core(cfg: TrainConfig, comm: Communicator, device: torch.device) -> Co
             f"{cfg.dataset!r}; lower --batch-size")
     return Core(data=splits, model=model, optimizer=build_optimizer(cfg, model, comm),
                 loss_fn=loss_fn)
+
+
+def _check_model_takes_data(model: nn.Module, splits: Any, cfg: TrainConfig,
+                            device: torch.device) -> None:
+    """Run one test sample through the model (eval mode, no gradient, random states kept).
+
+    A model that cannot take the data set's samples (token ids into an MLP, images
+    into a language model, another input size) is one clear error before training,
+    not a traceback at the first step.
+
+    Raises:
+        ConfigError: The forward failed.
+    """
+    sample = splits.test[0][0]
+    x = sample.unsqueeze(0).to(device) if isinstance(sample, torch.Tensor) else sample
+    training = model.training
+    devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            model.eval()
+            model(x)
+    except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            raise
+        shape = tuple(sample.shape) if isinstance(sample, torch.Tensor) else type(sample)
+        dtype = f", {sample.dtype}" if isinstance(sample, torch.Tensor) else ""
+        raise ConfigError(
+            f"--model {cfg.model} cannot take the samples of --dataset {cfg.dataset} "
+            f"(one is {shape}{dtype}): {type(exc).__name__}: {exc}; pick a model for this "
+            "data (`kfac-hpc train --help` lists both)") from exc
+    finally:
+        model.train(training)
 
 
 def sync_initial_state(model: nn.Module, aux: Communicator) -> None:
