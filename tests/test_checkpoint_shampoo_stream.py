@@ -257,3 +257,33 @@ def test_options_that_change_the_block_state_resume_bitwise(comm: Any, tmp_path:
     checkpoint.load(d, model=resumed, optimizer=again, comm=comm)
     train_steps(resumed, again, comm, 3, 8)
     assert weights_equal(straight, resumed)
+
+
+@pytest.mark.parametrize("saved, built", [(True, False), (False, True)])
+def test_a_checkpoint_of_the_other_vectors_setting_loads_every_block(
+        comm: Any, tmp_path: Path, saved: bool, built: bool) -> None:
+    """Saved with one ``precondition_vectors``, loaded into an optimizer built with the
+    other: the file hands each rank the blocks it owns, and the load keeps those owners,
+    so every saved block's state arrives (none starts again from zero)."""
+    from kfac_hpc.shampoo import DistributedShampoo
+
+    def make(model: torch.nn.Module, vectors: bool) -> Any:
+        return DistributedShampoo(model.named_parameters(), lr=0.01, comm=comm,
+                                  max_preconditioner_dim=8, precondition_vectors=vectors)
+
+    d = Path(comm.broadcast_object(str(tmp_path)))
+    torch.manual_seed(0)
+    model = Net()
+    opt = make(model, saved)
+    train_steps(model, opt, comm, 0, 3)
+    checkpoint.save(d, model=model, optimizer=opt, step=3, comm=comm)
+    reference = opt.state_dict()
+    torch.manual_seed(0)
+    resumed = Net()
+    again = make(resumed, built)
+    checkpoint.load(d, model=resumed, optimizer=again, comm=comm)
+    loaded = again.state_dict()
+    assert again.param_groups[0]["precondition_vectors"] is saved
+    assert {(n, i) for n in loaded["state"] for i in loaded["state"][n]} == \
+        {(n, i) for n in reference["state"] for i in reference["state"][n]}
+    assert _same_blocks(loaded["state"], reference["state"])

@@ -154,7 +154,7 @@ class DistributedShampoo(torch.optim.Optimizer):
                 or roots (ResNet-50 at max dim 1024: 107 of its 161 parameters, 115 of
                 its 250 factors, 49 % of a root step's ``sum(d**3)``). A group option
                 (``load_state_dict`` restores the saved groups' value, as for the
-                others, and rebalances the owners when it differs); a vector's factors,
+                others, and keeps the owners of the construction); a vector's factors,
                 roots and bases are dropped at its first step left to grafting, and
                 start from zero when it is preconditioned again (the bias correction
                 still counts all of its steps). Set by hand on a group later, the owners
@@ -842,7 +842,10 @@ class DistributedShampoo(torch.optim.Optimizer):
             if changed is not None:
                 state_dict = changed
         self._check_state_dict(state_dict)
-        balanced_by = [group["precondition_vectors"] for group in self.param_groups]
+        # the owners stay those of this optimizer's construction, whatever the saved
+        # groups' precondition_vectors (which balances them): a checkpoint load hands each
+        # rank the blocks it owns now (checkpoint_load_rank), so new owners would lack
+        # their state; only the balance differs, not the results
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             restored = dict(group)
             restored.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
@@ -850,8 +853,6 @@ class DistributedShampoo(torch.optim.Optimizer):
                 restored["betas"] = tuple(restored["betas"])
             hyper.validate_group(restored)
             group.update(restored)
-        if balanced_by != [group["precondition_vectors"] for group in self.param_groups]:
-            self._build()  # the saved setting changes what the owners are balanced by
         self._install_states(_normalise_states(state_dict["state"]))
         self._steps = int(state_dict.get("steps", 0))
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
