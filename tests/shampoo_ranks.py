@@ -2,7 +2,8 @@
 
 Gradients are identical on every rank (each rank computes the full-batch gradient
 itself) and per-block arithmetic does not depend on who computes it, so the two runs
-must agree bit for bit.
+must agree bit for bit. (Not yet for blocks whose bytes are not a multiple of 16, e.g.
+9x9, on the CPU: MKL rounds them by their place in a stack; docs/design.md, Shampoo.)
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ single-rank run) in the same process, on gradients that are identical on every
 rank (each rank computes the full-batch gradient itself). Per-block arithmetic does
 not depend on who computes it, so the results must be bitwise equal
 (``torch.equal``), not merely close; the one data-parallel test that averages
-shard gradients with an MPI allreduce states its tolerance.
+shard gradients with an MPI allreduce states its tolerance. (The blocks here are of
+sizes whose bytes are multiples of 16: on the CPU, MKL still rounds other sizes, e.g.
+9x9, by their place in a stack; docs/design.md, Shampoo.)
 """
 
 from __future__ import annotations
