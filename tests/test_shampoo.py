@@ -369,6 +369,24 @@ def test_add_param_group_keeps_state() -> None:
     assert "2.weight" in opt.state_dict()["state"]
 
 
+def test_blocking_set_on_a_group_later_keeps_its_blocks() -> None:
+    """``max_preconditioner_dim`` and ``merge_dims_from`` are read as a group is added:
+    set on it later, a rebuild (another group added) keeps its blocks and their state,
+    and the next step runs (it re-blocked the group and installed 16x16 state into
+    40-row blocks before)."""
+    model = mlp()
+    opt = DistributedShampoo(model[0].named_parameters(prefix="0"), lr=0.01,
+                             max_preconditioner_dim=64)
+    train(model, opt, steps=2)
+    blocks = list(opt.layout.blocks)
+    opt.param_groups[0]["max_preconditioner_dim"] = 4
+    opt.param_groups[0]["merge_dims_from"] = "first"
+    opt.add_param_group({"params": list(model[2].named_parameters(prefix="2"))})
+    assert [b for b in opt.layout.blocks if b.param_name.startswith("0.")] == blocks
+    train(model, opt, steps=1)
+    assert "2.weight" in opt.state_dict()["state"]
+
+
 def test_bfloat16_communication_rounds_the_update() -> None:
     """One step: the bf16 update is the fp32 update rounded to bf16 (relative error ≤ 2⁻⁹)."""
     a, b = mlp(torch.float32), mlp(torch.float32)

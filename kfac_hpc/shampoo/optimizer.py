@@ -16,7 +16,7 @@ local: each rank keeps the blocks it owns under the current world size.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any, cast
 
 import torch
@@ -255,6 +255,9 @@ class DistributedShampoo(torch.optim.Optimizer):
         self.step_graph: StepGraph | None = None
         self._graph_inputs: tuple[Hashable, Tensor, dict[int, BiasCorrections]] | None = None
         self._layout: Layout | None = None
+        # per group, (max_preconditioner_dim, merge_dims_from) as the group was added:
+        # its blocks, whatever is set on the group later
+        self._blocking: list[tuple[int, MergeOrder]] = []
         self._generation = 0  # counts rebuilds of the blocks and installs of their state
         self._steps = 0
         #: times the phases its methods declare (kfac_hpc.phases), when given one
@@ -286,14 +289,17 @@ class DistributedShampoo(torch.optim.Optimizer):
         if getattr(self, "_layout", None) is None:  # during __init__
             super().add_param_group(param_group)
             hyper.validate_group(self.param_groups[-1])
+            self._blocking.append(_blocking_of(self.param_groups[-1]))
             return
         saved = self._gather_states()
         super().add_param_group(param_group)
         try:
             hyper.validate_group(self.param_groups[-1])
+            self._blocking.append(_blocking_of(self.param_groups[-1]))
             self._build()
         except Exception:
             self.param_groups.pop()
+            del self._blocking[len(self.param_groups):]
             self._build()
             self._install_states(saved)
             raise
@@ -351,7 +357,7 @@ class DistributedShampoo(torch.optim.Optimizer):
                 self._name_of[p] = name
                 self._param_by_name[name] = p
                 self._blocks_of[p] = []
-                max_dim, merge_from = group["max_preconditioner_dim"], group["merge_dims_from"]
+                max_dim, merge_from = self._blocking[gi]
                 for spec in blocking.block_param(name, tuple(p.shape), max_dim, merge_from):
                     self._blocks_of[p].append(len(blocks))
                     blocks.append(spec)
@@ -992,6 +998,11 @@ def _block_index(key: Any) -> int:
     """A block index from ``3``, ``"3"`` or ``"block_3"`` (keys after a file round trip)."""
     text = str(key)
     return int(text.removeprefix("block_"))
+
+
+def _blocking_of(group: Mapping[str, Any]) -> tuple[int, MergeOrder]:
+    """What splits a group's parameters into blocks, read once, as the group is added."""
+    return int(group["max_preconditioner_dim"]), group["merge_dims_from"]
 
 
 def _normalise_states(state: dict[str, Any]) -> dict[tuple[str, int], BlockState]:
