@@ -387,6 +387,21 @@ def test_blocking_set_on_a_group_later_keeps_its_blocks() -> None:
     assert "2.weight" in opt.state_dict()["state"]
 
 
+def test_a_refused_state_dict_changes_no_group() -> None:
+    """Group 1 of the saved dict holds an invalid beta: the load raises, and group 0's
+    learning rate (valid, saved as 0.5) is not changed either."""
+    model = mlp()
+    opt = DistributedShampoo(model[0].named_parameters(prefix="0"), lr=0.01)
+    opt.add_param_group({"params": list(model[2].named_parameters(prefix="2"))})
+    train(model, opt, steps=1)
+    sd = opt.state_dict()
+    sd["param_groups"][0]["lr"] = 0.5
+    sd["param_groups"][1]["betas"] = (0.9, 1.5)
+    with pytest.raises(ValueError, match="betas"):
+        opt.load_state_dict(sd)
+    assert opt.param_groups[0]["lr"] == 0.01
+
+
 def test_bfloat16_communication_rounds_the_update() -> None:
     """One step: the bf16 update is the fp32 update rounded to bf16 (relative error ≤ 2⁻⁹)."""
     a, b = mlp(torch.float32), mlp(torch.float32)

@@ -852,12 +852,15 @@ class DistributedShampoo(torch.optim.Optimizer):
         # groups' precondition_vectors (which balances them): a checkpoint load hands each
         # rank the blocks it owns now (checkpoint_load_rank), so new owners would lack
         # their state; only the balance differs, not the results
+        restored_groups = []
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             restored = dict(group)
             restored.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
             if isinstance(restored.get("betas"), list):
                 restored["betas"] = tuple(restored["betas"])
-            hyper.validate_group(restored)
+            hyper.validate_group(restored)  # every group before any changes
+            restored_groups.append(restored)
+        for group, restored in zip(self.param_groups, restored_groups):
             group.update(restored)
         self._install_states(_normalise_states(state_dict["state"]))
         self._steps = int(state_dict.get("steps", 0))
