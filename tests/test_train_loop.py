@@ -401,6 +401,28 @@ def test_a_warm_up_as_long_as_the_run_warns(tmp_path: Path,
     assert "warm-up" not in capsys.readouterr().out
 
 
+def test_a_state_on_disk_is_not_written_again(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last step is due a periodic checkpoint, ends the epoch with a best accuracy
+    (a checkpoint with the epoch's record) and ends the run: two writes, not three (the
+    end finds its state on disk)."""
+    from kfac_hpc.train.checkpoints import CheckpointPolicy
+
+    saves: list[int] = []
+    save = CheckpointPolicy.save
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        saves.append(kwargs["step"])
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointPolicy, "save", counted)
+    result = train(config(tmp_path, epochs=1, checkpoint_dir=str(tmp_path / "ck"),
+                          checkpoint_every_steps=22, checkpoint_keep_best="test_acc"),
+                   self_comm(), verbose=False)
+    assert result.steps == 22
+    assert saves == [22, 22]
+
+
 def test_resume_errors_are_usage_errors(tmp_path: Path) -> None:
     from kfac_hpc.train.config import ConfigError
 

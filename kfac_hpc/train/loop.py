@@ -218,6 +218,8 @@ class Trainer:
         self._epoch = 0  # the epoch in progress (0-based)
         self._wall0 = time.perf_counter()  # the origin of the records' wall times (fit())
         self._step_loss: torch.Tensor | None = None  # this rank's loss sum of the step
+        # (step, epoch records) of the last checkpoint written or being written
+        self._written: tuple[int, int] | None = None
         self._numerical = numerical_errors()
         # What is acquired below is released by close(), in reverse order.
         self._resources = contextlib.ExitStack()
@@ -285,6 +287,8 @@ class Trainer:
             self.traffic = TrafficMeter(self.comm, ddp_bytes_per_step=(
                 0 if self.ddp is None else gradient_bytes(self.model)))
             self.resumed = self._resume()
+            if self.resumed is not None:  # the state resumed from is on disk
+                self._written = (self.step, len(self.tally.history))
             agreed(self.aux, self.checkpoints.clear_completed)  # vouches for no later run
             self.writer = MetricsWriter(self.out_dir, enabled=self.rank == 0,
                                         append=self.resumed is not None,
@@ -447,10 +451,15 @@ class Trainer:
         try:
             self.wait_for_checkpoint()  # at most one write in flight; its errors first
         except checkpoint.CheckpointError as exc:  # the same on every rank
+            self._written = None
             if not stopping:
                 raise
             self.progress.print(f"the checkpoint write in flight failed ({exc}); writing "
                                 f"the stop's checkpoint at step {self.step} all the same")
+        # the state changes with the steps, the driver's with its epoch records
+        state = (self.step, len(self.tally.history))
+        if self._written == state:
+            return  # this very state is on disk already (e.g. the last epoch's, then the end)
         try:
             with self.traffic.excluding():  # not training traffic
                 self.checkpoints.save(model=self.model, optimizer=self.opt,
@@ -459,6 +468,7 @@ class Trainer:
                                       background=background)
         except checkpoint.NonFiniteStateError as exc:  # alike on every rank, nothing written
             raise self._diverged(f"{exc.tensor} became NaN/Inf", self.step) from exc
+        self._written = state
 
     def wait_for_checkpoint(self) -> None:
         """Wait for the background checkpoint in flight, if any (collective).
@@ -689,7 +699,6 @@ class Trainer:
         target: tuple[float, int] | None = None  # (wall time, epochs) to the target
         last_eval: WeightedMean | None = None
         last_train = WeightedMean()
-        ended_here = False  # an epoch ended in this run (else: resumed at its end, or none)
         epoch = self.train_loader.epoch
         while epoch < cfg.epochs:
             self.train_loader.set_epoch(epoch)
@@ -713,7 +722,6 @@ class Trainer:
                     last_train = self.tally.epoch_stats
                 evaluation = self._evaluation(epoch, ran_out)
                 record = self._end_epoch(epoch, complete, evaluation, t_epoch, span)
-                ended_here = True
             if evaluation is not None:
                 last_eval = evaluation
             if (cfg.target_accuracy is not None and evaluation is not None
@@ -732,8 +740,7 @@ class Trainer:
             if last_eval is None:
                 last_eval = self.evaluate()
             if cfg.checkpoint_dir:
-                if self.step > span.steps_start or ended_here or self.resumed is None:
-                    self.save_checkpoint()  # else: the state resumed from, on disk
+                self.save_checkpoint()  # unless this very state is on disk already
                 self.checkpoints.mark_completed(self.step)
         return self._result(stopped, last_train, last_eval or WeightedMean(), span, target)
 
