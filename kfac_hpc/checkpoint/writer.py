@@ -565,6 +565,8 @@ def _write_parallel(comm: Communicator, plan: list[Entry], prep: _Prepared,
                 if e.owner == comm.rank and e.nbytes:
                     dsets[e.path][...] = prep.local[e.path]
             _finish_file(f, plan, prep.root)
+            # collective (MPI_File_sync): every rank's data durable before rank 0 commits
+            f.flush()
     except Exception as exc:
         error = f"parallel write of {tmp}: {exc}"
     return error
