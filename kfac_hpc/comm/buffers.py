@@ -45,13 +45,13 @@ def _half_type() -> Any | None:
 
 
 _HALF = _half_type()
-# dtypes without an MPI datatype here: reductions widen them to float32, data
-# movement sends their raw 16-bit words.
+# dtypes without an MPI datatype here: data movement sends their raw 16-bit words.
 WIDENED_DTYPES = (torch.bfloat16,) if _HALF is not None else (torch.bfloat16, torch.float16)
-# Reductions on device memory handed to MPI widen every 16-bit float, half type or not: no
-# CUDA-aware MPI documents arithmetic on 16-bit floats in device memory (the widening runs
-# on the device, before MPI sees the buffer; staged reductions keep the host half type).
-DEVICE_WIDENED_DTYPES = (torch.bfloat16, torch.float16)
+# Reductions widen every 16-bit float to float32, MPI half type or not, on every path: a
+# sum in float16 overflows at 65504 and rounds every partial sum (three ranks' average of
+# 30000 was inf), and the result would depend on the route (device-direct reductions
+# widen: no CUDA-aware MPI documents arithmetic on 16-bit floats in device memory).
+REDUCTION_WIDENED_DTYPES = (torch.bfloat16, torch.float16)
 
 _MPI_TYPES: dict[torch.dtype, Any] = {
     torch.float32: MPI.FLOAT,
@@ -296,8 +296,7 @@ def to_wire(
 
     Args:
         tensor: The caller's tensor.
-        reduction: The collective does arithmetic (bf16 is widened to fp32, and so is
-            fp16 where it has no MPI type or its device memory goes to MPI directly).
+        reduction: The collective does arithmetic (bf16 and fp16 are widened to fp32).
         device_ok: CUDA memory may be handed to MPI directly (else it is staged).
         need_input: The tensor's current values are sent (False for pure receive
             buffers).
@@ -319,12 +318,12 @@ def to_wire(
     data = tensor.detach()
     copy_back = False
     staged = data.is_cuda and not device_ok
-    widened = DEVICE_WIDENED_DTYPES if data.is_cuda and device_ok else WIDENED_DTYPES
     if staged:
         pool = pool if pool is not None else staging.pinned_pool()
     if staged and not need_input:  # a pure receive: nothing to convert on the device
-        wide = data.dtype in WIDENED_DTYPES
-        dtype = (torch.float32 if reduction else torch.int16) if wide else data.dtype
+        dtype = (torch.float32 if reduction and data.dtype in REDUCTION_WIDENED_DTYPES
+                 else torch.int16 if not reduction and data.dtype in WIDENED_DTYPES
+                 else data.dtype)
         assert pool is not None
         pinned = pool.acquire(data.shape, dtype)
         return Wire(user=user, data=pinned.tensor, copy_back=True, pinned=pinned)
@@ -332,7 +331,7 @@ def to_wire(
         data = data.contiguous() if need_input else torch.empty(
             data.shape, dtype=data.dtype, device=data.device)
         copy_back = True
-    if reduction and data.dtype in widened:
+    if reduction and data.dtype in REDUCTION_WIDENED_DTYPES:
         data = data.float() if need_input else torch.empty(
             data.shape, dtype=torch.float32, device=data.device)
         copy_back = True

@@ -36,7 +36,7 @@ from functools import cached_property
 
 import torch
 
-from kfac_hpc.comm.buffers import WIDENED_DTYPES
+from kfac_hpc.comm.buffers import REDUCTION_WIDENED_DTYPES
 from kfac_hpc.comm.communicator import AGREE_BYTES
 from kfac_hpc.comm.replicas import replica_check_bytes
 from kfac_hpc.kfac.decomposer import Decomposer, make_decomposer, message_numel
@@ -87,8 +87,8 @@ def wire_itemsize(dtype: str | torch.dtype, reduction: bool) -> int:
         Bytes per element.
     """
     dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    if dt in WIDENED_DTYPES:
-        return 4 if reduction else 2
+    if reduction and dt in REDUCTION_WIDENED_DTYPES:
+        return 4
     return int(dt.itemsize)
 
 
