@@ -236,6 +236,45 @@ def test_a_snapshot_that_fails_on_one_rank_fails_the_save_on_every_rank(
     comm.barrier()
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_background_saver_needs_thread_multiple(comm: Any,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below MPI_THREAD_MULTIPLE the writer thread's blocking sends and training's
+    blocking collectives would wait for each other (a deadlock under SERIALIZED's lock):
+    the saver is refused on every rank, saying why and what to do."""
+    from mpi4py import MPI
+
+    from kfac_hpc.comm import threads
+
+    monkeypatch.setattr(threads, "_provided", MPI.THREAD_SERIALIZED)
+    with pytest.raises(threads.ThreadLevelError, match="MPI_THREAD_SERIALIZED"):
+        BackgroundSaver(comm)
+
+
+def test_the_driver_writes_in_the_foreground_below_thread_multiple(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver's periodic checkpoints go to the foreground (said once) where the MPI
+    library provides less than MPI_THREAD_MULTIPLE, on more than one rank."""
+    from mpi4py import MPI
+
+    from kfac_hpc.comm import threads
+    from kfac_hpc.train.checkpoints import CheckpointPolicy
+    from kfac_hpc.train.config import TrainConfig
+
+    said: list[str] = []
+
+    class TwoRanks:
+        size = 2
+
+    policy = CheckpointPolicy(TrainConfig(checkpoint_dir="ck"), TwoRanks(),  # type: ignore[arg-type]
+                              TwoRanks(), enabled=True, say=said.append,  # type: ignore[arg-type]
+                              beat=lambda doing: None)
+    assert policy.background_enabled()
+    monkeypatch.setattr(threads, "_provided", MPI.THREAD_SERIALIZED)
+    assert not policy.background_enabled() and not policy.background_enabled()
+    assert len(said) == 1 and "written in the foreground" in said[0]
+
+
 def test_a_receive_that_fails_ends_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
     """Receiving a rank's dataset for the write fails (no memory for its buffer): its
     sender, and every later one, would wait forever, so the job is aborted, with the

@@ -56,11 +56,25 @@ class BackgroundSaver:
 
         Args:
             comm: The ranks that save together (default: the world).
+
+        Raises:
+            ThreadLevelError: Several ranks, and an MPI below ``MPI_THREAD_MULTIPLE``.
         """
-        from kfac_hpc.comm import Communicator
+        from mpi4py import MPI
+
+        from kfac_hpc.comm import Communicator, threads
 
         self.comm = resolve_comm(comm, None)
         self._wire: Communicator | None = None
+        level = threads.provided_level()
+        if self.comm.size > 1 and level < MPI.THREAD_MULTIPLE:  # alike on every rank
+            raise threads.ThreadLevelError(
+                "a background checkpoint write sends this rank's state from its own thread "
+                "while training runs collectives: that needs MPI_THREAD_MULTIPLE, and the "
+                f"MPI library provides {threads.level_name(level)} (under it the two "
+                "threads' blocking calls would wait for each other). Save in the "
+                "foreground (checkpoint.save), or use an MPI library built with thread "
+                "support (mpi4py requests MPI_THREAD_MULTIPLE by default)")
         if self.comm.size > 1:
             self._wire = Communicator(self.comm.mpi.Dup(), cuda=self.comm.cuda,
                                       name=f"{self.comm.name}/ckpt-background")

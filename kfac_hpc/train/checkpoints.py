@@ -112,6 +112,7 @@ class CheckpointPolicy:
         self.last: str | None = None
         self.best: Best | None = None
         self._bg: BackgroundSaver | None = None  # made at the first background save
+        self._said_threads = False  # the note on MPI's thread level, once
         self._last_time = time.monotonic()
 
     @property
@@ -185,7 +186,27 @@ class CheckpointPolicy:
         """
         env = os.environ.get("KFAC_HPC_CHECKPOINT_BACKGROUND", "1").strip().lower()
         on = self.cfg.checkpoint_background and env not in ("0", "false", "no", "off")
+        if on and self.enabled and self.comm.size > 1 and not self._threads_ok():
+            return False
         return on and self.enabled
+
+    def _threads_ok(self) -> bool:
+        """Whether the MPI library lets a writer thread run beside training (MULTIPLE).
+
+        Said once on rank 0 when not: the checkpoints are then written in the foreground.
+        """
+        from mpi4py import MPI
+
+        from kfac_hpc.comm import threads
+
+        level = threads.provided_level()
+        if level >= MPI.THREAD_MULTIPLE:
+            return True
+        if not self._said_threads:
+            self._said_threads = True
+            self.say(f"note: the MPI library provides {threads.level_name(level)}, not "
+                     "MPI_THREAD_MULTIPLE: checkpoints are written in the foreground")
+        return False
 
     def save(self, *, model: nn.Module, optimizer: torch.optim.Optimizer,
              preconditioner: KFACPreconditioner | None, step: int, extra: TrainExtra,
