@@ -270,6 +270,17 @@ def test_split_subcommunicators(comm):
     sub.free()
 
 
+def test_fused_messages_keep_every_value() -> None:
+    """A message of float32 and float64 tensors travels in float64; integers fused with
+    floating-point tensors (or integers of two widths) are refused, not rounded."""
+    from kfac_hpc.comm import flatten
+
+    mixed = flatten([torch.ones(2), torch.full((1,), 1 + 1e-12, dtype=torch.float64)])
+    assert mixed.dtype == torch.float64 and float(mixed[2]) == 1 + 1e-12
+    with pytest.raises(ValueError, match="without losing values"):
+        flatten([torch.ones(2), torch.tensor([2**40 + 1], dtype=torch.int64)])
+
+
 @mpi()
 def test_float16_reductions_add_in_float32() -> None:
     """A float16 sum or average over the ranks is the float32 one rounded once: no

@@ -10,13 +10,33 @@ import torch
 from kfac_hpc.comm.communicator import Communicator, Handle, ReduceOp
 
 
+def common_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    """The dtype that holds every tensor's values: theirs, or the widest floating one.
+
+    Args:
+        tensors: One or more tensors.
+
+    Raises:
+        ValueError: Integer and floating-point tensors, or integers of several widths
+            (no common dtype keeps every value).
+    """
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) == 1:
+        return dtypes.pop()
+    if all(d.is_floating_point for d in dtypes):
+        return functools.reduce(torch.promote_types, dtypes)
+    raise ValueError(f"cannot fuse tensors of dtypes {sorted(map(str, dtypes))} into one "
+                     "message without losing values: fuse tensors of one dtype (or give the "
+                     "message's dtype)")
+
+
 def flatten(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
     """Concatenate the tensors' elements into one 1-D tensor (a copy).
 
     Args:
         tensors: Tensors of any shapes, on one device.
-        dtype: The result's dtype (default: the first tensor's; float32 when there are
-            none).
+        dtype: The result's dtype (default: :func:`common_dtype`, e.g. float64 for a
+            float32 and a float64 tensor; float32 when there are none).
 
     Returns:
         A 1-D tensor of the tensors' elements, in order (empty on the CPU when there are
@@ -24,7 +44,7 @@ def flatten(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -
     """
     if not tensors:
         return torch.empty(0, dtype=dtype or torch.float32, device="cpu")
-    dtype = dtype or tensors[0].dtype
+    dtype = dtype or common_dtype(tensors)
     return torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
 
 
@@ -157,7 +177,8 @@ class FusedAllreduce:
             tensors: Reduced in place; the same sizes, in the same order, on every rank.
             op: The reduction (default ``"avg"``).
             cap_mb: The most MiB in one message.
-            dtype: The dtype the messages travel in (default: each group's first tensor's).
+            dtype: The dtype the messages travel in (default: each group's
+                :func:`common_dtype`).
         """
         self.comm, self.tensors, self.op = comm, list(tensors), op
         self.dtype = dtype
@@ -169,7 +190,8 @@ class FusedAllreduce:
     def layout(self) -> list[tuple[int, str]]:
         """List the elements and dtype of each fused message, in posting order."""
         return [(sum(self.tensors[i].numel() for i in group),
-                 str(self.dtype or self.tensors[group[0]].dtype)) for group in self.groups]
+                 str(self.dtype or common_dtype([self.tensors[i] for i in group])))
+                for group in self.groups]
 
     def start(self) -> FusedAllreduce:
         """Post the fused non-blocking reductions (collective; the first call also agrees on sizes).

@@ -10,7 +10,7 @@ from torch import nn
 
 from kfac_hpc.comm import replicas, threads
 from kfac_hpc.comm.communicator import Communicator, Handle
-from kfac_hpc.comm.fusion import buckets_by_size, flatten, unflatten_into
+from kfac_hpc.comm.fusion import buckets_by_size, common_dtype, flatten, unflatten_into
 
 
 class GradientAverager:
@@ -127,7 +127,7 @@ class GradientAverager:
     def _post(self, b: int) -> None:
         params = [self.params[i] for i in self.buckets[b]]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        dtype = self.dtype or params[0].dtype
+        dtype = self.dtype or common_dtype(params)  # float64 when one gradient is
         if all(p.grad is not None for p in params):  # the usual step: a fill, no copy
             flags = torch.ones(len(params), dtype=dtype, device=params[0].device)
         else:
