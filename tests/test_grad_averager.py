@@ -44,18 +44,21 @@ def test_average_equals_mean_of_rank_gradients(comm, cap_mb):
 def test_a_float64_layer_beside_a_float32_one_is_averaged_in_float64(comm):
     """One bucket holds a float64 layer's gradient after a float32 one's: it travels in
     float64 (it was cast to the first gradient's float32, losing its digits)."""
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2).double())
-    averager = GradientAverager(net, comm)
-    wide = 1.0 + (comm.rank + 1) * 1e-9  # not a float32 number
-    net[0].weight.grad = torch.ones_like(net[0].weight)
-    for p in (net[0].bias, net[1].bias):
-        p.grad = torch.zeros_like(p)
-    net[1].weight.grad = torch.full_like(net[1].weight, wide)
-    averager.synchronize()
-    expected = sum(1.0 + (r + 1) * 1e-9 for r in range(comm.size)) / comm.size
-    torch.testing.assert_close(net[1].weight.grad, torch.full_like(net[1].weight, expected),
-                               rtol=1e-15, atol=0)
+    for order in ("float32 first", "float64 first"):
+        torch.manual_seed(0)
+        layers = [nn.Linear(3, 2), nn.Linear(2, 2).double()]
+        net = nn.Sequential(*(layers if order == "float32 first" else layers[::-1]))
+        wide_layer = layers[1]
+        averager = GradientAverager(net, comm)
+        for p in net.parameters():
+            p.grad = torch.ones_like(p)
+        wide = 1.0 + (comm.rank + 1) * 1e-9  # not a float32 number
+        wide_layer.weight.grad = torch.full_like(wide_layer.weight, wide)
+        averager.synchronize()
+        expected = sum(1.0 + (r + 1) * 1e-9 for r in range(comm.size)) / comm.size
+        torch.testing.assert_close(wide_layer.weight.grad,
+                                   torch.full_like(wide_layer.weight, expected),
+                                   rtol=1e-15, atol=0, msg=order)
 
 
 @pytest.mark.mpi(min_size=2)
