@@ -270,6 +270,18 @@ def test_split_subcommunicators(comm):
     sub.free()
 
 
+def test_a_message_past_mpis_int_counts_is_refused_clearly(monkeypatch) -> None:
+    """Below MPI 4 a count is a C int: a larger message is one clear error naming the
+    fixes, not MPI_ERR_ARG (checked with the bound lowered: no 2**31-element tensor)."""
+    from kfac_hpc.comm import buffers
+
+    monkeypatch.setattr(buffers, "MAX_COUNT", 10)
+    comm = Communicator()
+    with pytest.raises(ValueError, match="more than this MPI library can send in one call"):
+        comm.allreduce(torch.ones(11))
+    comm.allreduce(torch.ones(10))
+
+
 def test_fused_messages_keep_every_value() -> None:
     """A message of float32 and float64 tensors travels in float64; integers fused with
     floating-point tensors (or integers of two widths) are refused, not rounded."""

@@ -190,6 +190,28 @@ def _from_cupy(obj: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
     return tensor, back
 
 
+#: The most elements one MPI call may send: a C ``int`` count below MPI 4 (mpi4py uses
+#: MPI 4's large counts where the library has them).
+MAX_COUNT = 2**31 - 1 if MPI.Get_version() < (4, 0) else None
+
+
+def check_count(elements: int) -> None:
+    """Refuse a message MPI's ``int`` counts cannot describe (below MPI 4).
+
+    Args:
+        elements: The message's elements (as it travels: widened or raw words).
+
+    Raises:
+        ValueError: More than :data:`MAX_COUNT` elements.
+    """
+    if MAX_COUNT is not None and elements > MAX_COUNT:
+        raise ValueError(
+            f"a message of {elements} elements is more than this MPI library can send in "
+            f"one call ({MAX_COUNT}: it implements MPI {'.'.join(map(str, MPI.Get_version()))}, "
+            "whose counts are C ints); split it: smaller buckets (bucket_cap_mb), a lower "
+            "message dtype, or an MPI 4 library")
+
+
 def check_device(tensor: torch.Tensor) -> None:
     """Refuse tensors MPI cannot read: no memory (meta) or an unsupported device.
 
@@ -314,6 +336,7 @@ def to_wire(
     if tensor.dtype not in SUPPORTED_DTYPES:
         mpi_datatype(tensor.dtype)  # raises the clear error
     check_device(tensor)
+    check_count(tensor.numel())  # widened or raw words: as many elements
     user = tensor
     data = tensor.detach()
     copy_back = False
