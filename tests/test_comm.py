@@ -282,6 +282,39 @@ def test_a_message_past_mpis_int_counts_is_refused_clearly(monkeypatch) -> None:
     comm.allreduce(torch.ones(10))
 
 
+@mpi(2)
+def test_a_failed_post_is_raised_by_its_own_wait(monkeypatch) -> None:
+    """Two calls queued behind unfinished device work; the first one's post fails (a
+    sum of bools: MPI refuses the op). The second's wait gives its own result, and the
+    first's wait raises its error every time (it returned the unreduced input, as if
+    done, on the second try)."""
+    comm = Communicator()
+
+    class NotYet:  # a CUDA event whose work has not completed
+        done = False
+
+        def query(self) -> bool:
+            return NotYet.done
+
+        def synchronize(self) -> None:
+            NotYet.done = True
+
+    wire = Communicator._wire
+
+    def pending(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        w = wire(self, *args, **kwargs)
+        w.ready = NotYet()
+        return w
+
+    monkeypatch.setattr(Communicator, "_wire", pending)
+    bad = comm.iallreduce(torch.tensor([True, comm.rank == 1]), "sum")
+    good = comm.iallreduce(torch.tensor([1.0 + comm.rank]), "sum")
+    assert float(good.wait()) == sum(1.0 + r for r in range(comm.size))
+    for _ in range(2):
+        with pytest.raises(Exception, match="MPI_ERR_OP"):
+            bad.wait()
+
+
 def test_fused_messages_keep_every_value() -> None:
     """A message of float32 and float64 tensors travels in float64; integers fused with
     floating-point tensors (or integers of two widths) are refused, not rounded."""

@@ -85,6 +85,7 @@ class Handle(Generic[T]):
         self._keep = keep  # buffers MPI reads or writes until completion
         self._done = False
         self._result: T | None = None
+        self._error: Exception | None = None  # the post failed: raised by wait()/test()
 
     # ------------------------------------------------------- posting (internal)
     def _ready(self) -> bool:
@@ -101,8 +102,10 @@ class Handle(Generic[T]):
         self._events = []
 
     def _ensure_posted(self, block: bool) -> bool:
-        if not self._posted and self._comm is not None:
+        if not self._posted and self._error is None and self._comm is not None:
             self._comm._flush(upto=self, block=block)
+        if self._error is not None:  # this call's own failure, whoever posted it
+            raise self._error
         return self._posted
 
     # ----------------------------------------------------------------- public
@@ -135,7 +138,8 @@ class Handle(Generic[T]):
             The collective's result (the same object on every call).
         """
         if not self._done:
-            self._ensure_posted(block=True)
+            if not self._ensure_posted(block=True):
+                raise RuntimeError("a collective was waited for but never posted")
             if self._request is not None:
                 if threads.provided_level() == MPI.THREAD_SERIALIZED:
                     # Test in a loop: the lock is free between tests for hook threads
@@ -255,6 +259,8 @@ class Communicator:
                     head._wait_ready()
                 try:
                     head._post()
+                except Exception as exc:  # its own wait() raises it, not another's
+                    head._error = exc
                 finally:  # posted, or refused (never to be posted): off the queue
                     self._pending.popleft()
                 if head is upto:
@@ -275,6 +281,8 @@ class Communicator:
         with self._queue_lock:
             self._pending.append(handle)
             self._flush(upto=handle, block=False)
+        if handle._error is not None:  # posted at once, and refused: raised by the call
+            raise handle._error
         return handle
 
     def _blocking(self, fn: Callable[[], T]) -> T:
