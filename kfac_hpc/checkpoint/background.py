@@ -66,8 +66,8 @@ class BackgroundSaver:
 
         self.comm = resolve_comm(comm, None)
         self._wire: Communicator | None = None
-        level = threads.provided_level()
-        if self.comm.size > 1 and level < MPI.THREAD_MULTIPLE:  # alike on every rank
+        level = threads.provided_level() if self.comm.size > 1 else MPI.THREAD_MULTIPLE
+        if level < MPI.THREAD_MULTIPLE:  # alike on every rank
             raise threads.ThreadLevelError(
                 "a background checkpoint write sends this rank's state from its own thread "
                 "while training runs collectives: that needs MPI_THREAD_MULTIPLE, and the "
