@@ -360,3 +360,48 @@ def test_a_batched_decomposition_that_raises_on_one_rank_hangs_no_rank(
         comm: Communicator, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     check_batched_failure(comm, monkeypatch, caplog)
+
+
+class _Skipping(nn.Module):
+    """``n`` equal layers in a chain; layer 1 is left out of the steps in ``skip``."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(n)])
+        self.skip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if not (self.skip and i == 1):
+                x = torch.tanh(layer(x))
+        return x
+
+
+def _train_skipping(comm: Communicator, strategy: str, n: int) -> nn.Module:
+    model = _Skipping(n).double()
+    pre = KFACPreconditioner(model, comm=comm, strategy=strategy, damping=0.01,
+                             inv_update_steps=2, inv_dtype=torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(5):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(6, 8, generator=g, dtype=torch.float64)
+        model.skip = step in (1, 3)
+        opt.zero_grad(set_to_none=True)
+        model(x).square().sum().backward()
+        pre.step()
+        opt.step()
+    pre.close()
+    return model
+
+
+@pytest.mark.mpi(min_size=2)
+def test_dp_kfac_goes_on_when_one_ranks_layers_do_not_run(comm):
+    """DP-KFAC: each rank hooks the layers it owns (one each here). At steps 1 and 3 the
+    layer of one rank does not run: that rank's statistics are empty while the others'
+    are not, which is no error (it raised on that rank alone, and the others waited).
+    The parameters equal a one-rank run's."""
+    model = _train_skipping(comm, "dp-kfac", comm.size)
+    reference = _train_skipping(Communicator(MPI.COMM_SELF), "dp-kfac", comm.size)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)

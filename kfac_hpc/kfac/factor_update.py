@@ -49,7 +49,8 @@ class FactorUpdate:
                  store: FactorStore, exchange: FactorExchange, dims: LayerDims, *,
                  reduce: bool, deferred: bool, accumulation_steps: int,
                  grad_scaler: torch.amp.GradScaler | None, precision: MatmulPrecision,
-                 active: Callable[[], bool], warn_unfired: bool) -> None:
+                 active: Callable[[], bool], warn_unfired: bool,
+                 own_layers_only: bool = False) -> None:
         """Build the hooks and the factor update.
 
         Args:
@@ -67,12 +68,17 @@ class FactorUpdate:
             active: Whether the current step captures statistics.
             warn_unfired: Whether this rank warns about hooks that never fired (rank 0,
                 or every rank under DP-KFAC).
+            own_layers_only: This rank's hooks capture the layers it owns only (DP-KFAC on
+                several ranks): a step whose statistics are missing is an error only when
+                they are missing on every rank (decided together; a rank whose layers did
+                not run, e.g. ``nn.MultiheadAttention.out_proj``, goes on).
         """
         self.comm, self.store, self.exchange, self.dims = comm, store, exchange, dims
         self.reduce, self.deferred = reduce, deferred
         self.accumulation_steps, self.grad_scaler = accumulation_steps, grad_scaler
         self.pipeline = exchange.pipeline
         self.warn_unfired = warn_unfired  # given once, at the first factor step
+        self.own_layers_only = own_layers_only
         self.phase_timer: PhaseTimer | None = None  # times the factor phase
         self.capture = StatisticsCapture(
             layers, dtype_of=lambda _: store.dtype, precision=precision, active=active,
@@ -99,7 +105,10 @@ class FactorUpdate:
         """
         self.capture.join()  # computes what the capture still holds: the counts are read
         stats = self.capture.stats
-        if stats and not any(s.captured for s in stats.values()):
+        nothing = bool(stats) and not any(s.captured for s in stats.values())
+        if self.own_layers_only:  # a rank whose layers did not run waits for the others'
+            nothing = agree(self.comm, nothing) == self.comm.size
+        if nothing:
             raise RuntimeError(
                 "KFACPreconditioner.step(): no statistics were captured since the last step; "
                 "run forward and backward in train mode (not under torch.no_grad()) before "

@@ -352,7 +352,8 @@ class KFACPreconditioner:
             deferred=cfg.deferred, accumulation_steps=cfg.accumulation_steps,
             grad_scaler=self.grad_scaler, precision=self.stats_precision,
             active=lambda: self._is_factor_step(self.steps),
-            warn_unfired=rank == 0 or not cfg.sends_factors)
+            warn_unfired=rank == 0 or not cfg.sends_factors,
+            own_layers_only=not cfg.sends_factors and self.comm.size > 1)
         return store, pipeline, update
 
     def _decomposition_parts(self) -> tuple[Decomposer, Decompositions, Renewal]:
