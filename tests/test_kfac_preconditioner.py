@@ -608,3 +608,36 @@ def test_local_decomposition_threshold_traffic_and_state(comm):
     fresh.load_state_dict(state)  # replicas come from their owners
     for key in small:
         assert torch.equal(fresh.factors[key].average, pre.factors[key].average)
+
+
+def test_a_frozen_bias_is_left_alone() -> None:
+    """A bias frozen before the layer is registered is no part of its curvature: K-FAC
+    writes no ``.grad`` for it (an optimizer over all parameters would move it), and the
+    weight is preconditioned as a layer without bias (its A has no bias column)."""
+    def train(bias: bool) -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4, bias=bias)).double()
+        if bias:
+            with torch.no_grad():
+                model[2].bias.zero_()
+            model[2].bias.requires_grad_(False)
+        pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), damping=0.01,
+                                 inv_dtype=torch.float64)
+        assert pre.layers["2"].a_dim == 8
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(16, 6, generator=g, dtype=torch.float64)
+            y = torch.randint(0, 4, (16,), generator=g)
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x), y).backward()
+            pre.step()
+            if bias:
+                assert model[2].bias.grad is None
+            opt.step()
+        return model
+
+    frozen, without = train(True), train(False)
+    assert torch.equal(frozen[2].bias, torch.zeros(4, dtype=torch.float64))
+    torch.testing.assert_close(frozen[2].weight, without[2].weight, rtol=1e-13, atol=1e-15)
+    torch.testing.assert_close(frozen[0].weight, without[0].weight, rtol=1e-13, atol=1e-15)

@@ -75,12 +75,13 @@ Hook = Callable[[int, nn.Module, KFACPreconditioner], None]
 
 
 def train(graphed: bool | None, *, steps: int = STEPS, before_step: Hook | None = None,
+          model: Callable[[], nn.Module] = Net,
           **options: Any) -> tuple[list[dict[str, Tensor]], KFACPreconditioner]:
-    """Train :class:`Net` in float64; every step's gradients after ``pre.step()``.
+    """Train ``model()`` (:class:`Net`) in float64; every step's gradients after ``step()``.
 
     Each step must leave every ``.grad`` that backward made the same tensor.
     """
-    model = Net().double()
+    model = model().double()
     settings: dict[str, Any] = dict(damping=0.01, lr=lambda k: 0.1 / (1 + k), kl_clip=1e-3,
                                     inv_update_steps=3, factor_dtype=torch.float64,
                                     inv_dtype=torch.float64)
@@ -188,6 +189,24 @@ def test_a_bias_without_gradient_runs_eagerly(gpu_path: None) -> None:
     assert "head.bias" in graphed[1]
     assert pre.step_graph is not None
     assert (pre.step_graph.captures, pre.step_graph.replays) == (4, 6)  # not steps 1, 3
+
+
+def test_a_frozen_bias_does_not_keep_the_steps_eager(gpu_path: None) -> None:
+    """The head's bias frozen: K-FAC does not write it, so its missing gradient is no
+    reason to run eagerly; every step runs from a graph (steps 0, 3 and 6 capture)."""
+    def freeze(k: int, model: nn.Module, pre: KFACPreconditioner) -> None:
+        model.head.bias.requires_grad_(False)  # type: ignore[union-attr]
+
+    def frozen_net() -> Net:
+        net = Net()
+        net.head.bias.requires_grad_(False)
+        return net
+
+    eager, _ = train(False, model=frozen_net)
+    graphed, pre = train(True, model=frozen_net)
+    assert_same(graphed, eager)
+    assert pre.step_graph is not None
+    assert (pre.step_graph.captures, pre.step_graph.replays) == (3, 8)
 
 
 def test_an_eager_step_with_another_damping_releases_the_graph(gpu_path: None) -> None:

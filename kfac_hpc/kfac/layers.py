@@ -201,7 +201,10 @@ class LayerCurvature(ABC):
             raise ValueError(f"approx must be one of {APPROXIMATIONS}, got {approx!r}")
         self.module = module
         self.approx = approx
-        self.has_bias: bool = getattr(module, "bias", None) is not None
+        # a frozen bias (requires_grad False when the layer is registered) is no part of
+        # the layer's curvature: no bias column in A, no .grad written for it
+        bias = getattr(module, "bias", None)
+        self.has_bias: bool = bias is not None and bool(bias.requires_grad)
 
     # ----- what a subclass provides ---------------------------------------------------
     @property

@@ -329,8 +329,9 @@ class KFACPreconditioner:
         self._graph_scalars: Tensor | None = None
         # each layer's weight and own parameters (in model order), for the graph's key: fixed
         # at construction, as an optimizer's parameters are
-        self._graph_layers = [(curv.module.weight, tuple(curv.module.parameters(recurse=False)))
-                              for curv in self.layers.values()]
+        # (the parameters step() writes: a frozen bias is not among them)
+        self._graph_layers = [(curv.module.weight, tuple(p for p, _ in curv.grad_targets(
+            torch.empty(curv.g_dim, curv.a_dim, device="meta")))) for curv in self.layers.values()]
 
     def _factor_parts(self) -> tuple[FactorStore, FactorPipeline | None, FactorUpdate]:
         """Build the factor side: the store, ``overlap``'s pipeline, the factor update."""
