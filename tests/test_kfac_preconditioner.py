@@ -641,3 +641,56 @@ def test_a_frozen_bias_is_left_alone() -> None:
     assert torch.equal(frozen[2].bias, torch.zeros(4, dtype=torch.float64))
     torch.testing.assert_close(frozen[2].weight, without[2].weight, rtol=1e-13, atol=1e-15)
     torch.testing.assert_close(frozen[0].weight, without[0].weight, rtol=1e-13, atol=1e-15)
+
+
+def test_a_state_saved_right_after_a_load_is_the_one_loaded() -> None:
+    """Between ``load_state_dict`` and the next step the loaded eigenbases wait to be
+    restored: a ``state_dict()`` taken then (a job preempted before its first step) holds
+    them, for a fresh preconditioner (it held none) and for one that ran on (it held
+    newer ones), and resuming from it is the uninterrupted run."""
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 20), nn.Tanh(), nn.Linear(20, 4)).double()
+
+    def make(model: nn.Module) -> KFACPreconditioner:
+        return KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), damping=0.01,
+                                  inv_update_steps=5, inv_dtype=torch.float64)
+
+    def steps(model: nn.Module, pre: KFACPreconditioner, opt: torch.optim.Optimizer,
+              span: range) -> None:
+        for s in span:
+            g = torch.Generator().manual_seed(s)
+            x = torch.randn(16, 6, generator=g, dtype=torch.float64)
+            y = torch.randint(0, 4, (16,), generator=g)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            pre.step()
+            opt.step()
+
+    reference = build()
+    steps(reference, make(reference), torch.optim.SGD(reference.parameters(), lr=0.1),
+          range(8))
+    model = build()
+    pre, opt = make(model), torch.optim.SGD(model.parameters(), lr=0.1)
+    steps(model, pre, opt, range(3))
+    saved, weights = pre.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
+    for fresh in (True, False):
+        other = build()
+        other.load_state_dict(weights)
+        again = make(other)
+        if not fresh:  # ran on to newer eigenbases first
+            steps(other, again, torch.optim.SGD(other.parameters(), lr=0.1), range(3, 7))
+            other.load_state_dict(weights)
+        again.load_state_dict(saved)
+        resaved = again.state_dict()
+        assert resaved["eigenbases"].keys() == saved["eigenbases"].keys()
+        for name, parts in saved["eigenbases"].items():
+            for part, value in parts.items():
+                assert torch.equal(resaved["eigenbases"][name][part], value), (fresh, name)
+    resumed = build()
+    resumed.load_state_dict(weights)
+    last = make(resumed)
+    last.load_state_dict(resaved)
+    steps(resumed, last, torch.optim.SGD(resumed.parameters(), lr=0.1), range(3, 8))
+    for p, q in zip(resumed.parameters(), reference.parameters()):
+        assert torch.equal(p, q)

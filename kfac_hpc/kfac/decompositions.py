@@ -73,6 +73,9 @@ class Decompositions:
         # from them): a captured step (kfac_hpc.step_graph) is valid while it stays
         self.generation = 0
         self.restored: dict[PieceKey, Tensor] | None = None  # loaded (owned), to restore
+        # the stored forms of a load, by factor name, until restored: what a state_dict()
+        # taken before the next step holds
+        self._loaded: dict[str, Mapping[str, Tensor]] = {}
         self.phase_timer: PhaseTimer | None = None  # times the decomposition phases
 
     @property
@@ -259,6 +262,7 @@ class Decompositions:
         if self.restored is not None and use:
             self.restore(step)
         self.restored = None
+        self._loaded = {}
 
     @timed(Phase.KFAC_DECOMPOSITIONS)
     def restore(self, step: int) -> None:
@@ -289,12 +293,17 @@ class Decompositions:
     def stored(self, keys: list[FactorKey]) -> dict[str, dict[str, Tensor]]:
         """The held decompositions of ``keys`` as ``state_dict()`` stores them.
 
+        Between a load and the next step, those the load brought (restored at that step):
+        a state saved then is the one loaded.
+
         Args:
             keys: The factors (those this rank owns).
 
         Returns:
             By factor name, the stored form.
         """
+        if self._loaded:
+            return {k.name: dict(self._loaded[k.name]) for k in keys if k.name in self._loaded}
         return {k.name: self.decomposer.stored(self.held[k]) for k in keys if k in self.held}
 
     def load(self, eigenbases: Mapping[str, Mapping[str, Tensor]],
@@ -310,6 +319,7 @@ class Decompositions:
         """
         restored: dict[PieceKey, Tensor] = {}
         unfit = []
+        loaded: dict[str, Mapping[str, Tensor]] = {}
         for key, state in owned.items():
             if eigenbases.get(key.name):
                 pieces = self.decomposer.restorable(key, state.dim, eigenbases[key.name])
@@ -317,11 +327,13 @@ class Decompositions:
                     unfit.append(key.name)
                 else:
                     restored.update(pieces)
+                    loaded[key.name] = eigenbases[key.name]
         self.decomposed_at = None  # restored or recomputed at the next step
-        self._forget_solves()  # rebuilt from whatever is installed next
+        self.held = {}  # those of before the load are not this state's (solves go too)
         # restoring is a collective path: decided together (a rank that owns nothing
         # has no decompositions of its own to restore)
         self.restored = restored if self.comm.any(bool(restored)) else None
+        self._loaded = loaded if self.restored is not None else {}
         return unfit
 
     def memory_bytes(self) -> int:
