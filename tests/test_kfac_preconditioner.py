@@ -694,3 +694,26 @@ def test_a_state_saved_right_after_a_load_is_the_one_loaded() -> None:
     steps(resumed, last, torch.optim.SGD(resumed.parameters(), lr=0.1), range(3, 8))
     for p, q in zip(resumed.parameters(), reference.parameters()):
         assert torch.equal(p, q)
+
+
+def test_overlap_refuses_a_module_called_twice_per_forward() -> None:
+    """With ``overlap`` a layer's statistics are sent after its expected calls; a module
+    used twice in one forward would send half of them (factors wrong by 2.2 in a
+    review's run): one clear error naming the layer and the fixes."""
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.inp, self.mid, self.out = nn.Linear(6, 12), nn.Linear(12, 12), nn.Linear(12, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.mid(torch.tanh(self.mid(torch.tanh(self.inp(x))))))
+            return self.out(h)
+
+    model = Twice().double()
+    pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), overlap=True,
+                             damping=0.01, inv_dtype=torch.float64)
+    x = torch.randn(16, 6, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="layer 'mid' ran 2 times"):
+        nn.functional.cross_entropy(model(x), torch.zeros(16, dtype=torch.long)).backward()
+        pre.step()

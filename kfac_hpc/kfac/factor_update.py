@@ -224,6 +224,12 @@ class FactorUpdate:
     def _on_factor_ready(self, stats: LayerStatistics, factor: str) -> None:
         """Hook callback (``overlap``): a factor's last micro-batch posts its bucket."""
         assert self.pipeline is not None
+        if stats.counts[factor] > self.accumulation_steps:  # alike on every rank
+            raise RuntimeError(
+                f"K-FAC overlap: layer {stats.name!r} ran {stats.counts[factor]} times in a "
+                f"step of {self.accumulation_steps} micro-batch(es), and its statistics were "
+                "sent after the first: a module called more than once per forward (shared "
+                "or reused) needs overlap=False, or list it in skip_layers")
         if stats.counts[factor] == self.accumulation_steps:
             self.pipeline.mark_ready(FactorKey(stats.name, factor), self._wire_pieces)
         else:

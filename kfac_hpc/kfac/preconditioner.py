@@ -760,6 +760,12 @@ class KFACPreconditioner:
         ranks' pending local averages are first folded into the owners' factors, as at an
         inverse-update step (without decomposing), so the state is complete on any number
         of ranks, and the saving run continues from exactly the state it saved.
+
+        With ``decomposition_lag`` it is collective too: a renewal still running in the
+        background is installed first (its broadcast and agreement run here), in the
+        saving run as in the resumed one. So a run that saves between a renewal's start
+        and its step ``k + L`` uses it earlier than a run that does not save: the
+        resumed run equals the saving run, not one that never saved.
         """
         self.factor_update.flush()
         # a pending background update is installed now, in the saving run as in the resumed
