@@ -405,3 +405,41 @@ def test_dp_kfac_goes_on_when_one_ranks_layers_do_not_run(comm):
     reference = _train_skipping(Communicator(MPI.COMM_SELF), "dp-kfac", comm.size)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_overlap_with_a_layer_that_runs_on_some_ranks_only(comm):
+    """``overlap`` posts a layer's statistics from its hooks. At step 1 the middle layer
+    does not run on rank 1 (a skipped block): rank 1 posts that bucket at step(), after
+    the others posted it from their hooks. Every rank posts the buckets before the
+    step's other collectives, in the same order (the ranks' calls crossed and MPI
+    aborted with a truncation), and the factors agree on every rank."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(),
+                          nn.Linear(12, 4)).double()
+
+    def forward(x: torch.Tensor, skip: bool) -> torch.Tensor:
+        h = model[1](model[0](x))
+        if not skip:
+            h = model[3](model[2](h))
+        return model[4](h)
+
+    pre = KFACPreconditioner(model, comm=comm, overlap=True, bucket_cap_mb=1e-5,
+                             damping=0.01, inv_dtype=torch.float64)
+    GradientAverager(model, comm)  # its hooks post on the same communicator (unsynchronised)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(16, 6, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 4, (16,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(forward(x, step == 1 and comm.rank == 1), y).backward()
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        pre.step()
+        opt.step()
+    norms = [round(float(s.average.norm()), 12) for s in pre.factors.values()
+             if s.average is not None]
+    assert len(set(map(tuple, comm.allgather_object(norms)))) == 1
+    pre.close()

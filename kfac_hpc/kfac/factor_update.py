@@ -127,6 +127,8 @@ class FactorUpdate:
         if not self.reduce:
             received = {key: self._local_sum(key) for key in self.store.states}
         else:
+            if self.pipeline is not None:  # buckets first, as on ranks whose hooks sent all
+                self.pipeline.post_remaining(self._wire_pieces)
             # the agreement on finiteness is posted before the factor reduction and
             # completes while it runs: one wait for three collectives
             agreement = post_agree(self.comm, bool(nonfinite(sums)))

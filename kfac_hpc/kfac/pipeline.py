@@ -78,10 +78,18 @@ class FactorPipeline:
             self._inflight.append((b, self.comm.ireduce_scatter(flat, layout.counts(), "sum")))
         self._next = b + 1
 
-    def finish(self, pieces: PieceFn) -> dict[PieceKey, Tensor]:
-        """Post the remaining buckets, wait for all; this rank's pieces."""
+    def post_remaining(self, pieces: PieceFn) -> None:
+        """Post the buckets the hooks did not (a layer that did not run on this rank).
+
+        Before any other collective of the step: every rank then posts the buckets in
+        their order ahead of it, whichever it posted from its hooks.
+        """
         while self._next < len(self.buckets):
             self._post(self._next, pieces)
+
+    def finish(self, pieces: PieceFn) -> dict[PieceKey, Tensor]:
+        """Post the remaining buckets, wait for all; this rank's pieces."""
+        self.post_remaining(pieces)
         out: dict[PieceKey, Tensor] = {}
         for b, handle in self._inflight:
             out.update(self.layouts[b].unpack(handle.wait(), self.comm.rank))
