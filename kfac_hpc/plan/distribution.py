@@ -20,7 +20,8 @@ in the datatype that travels, on every rank, nothing at world size 1):
 * gradients (every step, when there is more than one worker group): per non-empty
   group one broadcast of ``Σ (g·a + 1)`` inside the receiver group.
 * agreement: a 4-byte allreduce at every factor step (every rank's statistics are
-  finite) and one at every inverse step (every decomposition succeeded).
+  finite; DP-KFAC one more: statistics were captured on some rank) and one at every
+  inverse step (every decomposition succeeded).
 * construction: the replica check (:func:`kfac_hpc.comm.replicas.replica_check_bytes`).
 
 **Memory** is the K-FAC state a rank holds (:meth:`Distribution.memory`), as
@@ -51,7 +52,7 @@ from kfac_hpc.kfac.layouts import (
     local_factor_layout,
     readiness_order,
 )
-from kfac_hpc.kfac.options import low_rank_cap, reduces_factors
+from kfac_hpc.kfac.options import low_rank_cap, reduces_factors, sends_factors
 from kfac_hpc.kfac.placement import (
     FACTORS,
     FactorKey,
@@ -333,7 +334,9 @@ class Distribution:
         if self.n_groups > 1:
             groups = self.group_grad_numel
             out.add(Traffic.GRADIENTS, sum(groups) * isize, sum(1 for s in groups if s))
-        for agreed in (factor, inverse):  # kfac_hpc.kfac.agree.agree
+        # kfac_hpc.kfac.agree.agree: finite statistics (factor steps), decompositions
+        # (inverse steps), and under DP-KFAC whether any rank captured statistics
+        for agreed in (factor, inverse, factor and not sends_factors(o.strategy)):
             if agreed:
                 out.add(Traffic.AGREEMENT, AGREEMENT_BYTES, 1)
         return out
