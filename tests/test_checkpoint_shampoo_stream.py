@@ -9,6 +9,7 @@ Run under MPI (``launch/local -n 2|4 ... --with-mpi --only-mpi``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,12 +125,15 @@ def test_shampoo_save_streams_blocks_and_loads_on_one_rank(comm: Any, tmp_path: 
     assert all(comm.allgather_object(weights_equal(ref, resumed)))
 
 
-def _saved_after_three_steps(comm: Any, tmp_path: Path) -> tuple[Path, Any]:
-    """The checkpoint directory and the Shampoo optimizer saved in it after 3 steps."""
+def _saved_after_three_steps(comm: Any, tmp_path: Path,
+                             make: Callable[[torch.nn.Module, Any], Any] = _shampoo
+                             ) -> tuple[Path, Any]:
+    """The checkpoint directory and the Shampoo optimizer (``make(model, comm)``) saved
+    in it after 3 steps."""
     d = Path(comm.broadcast_object(str(tmp_path)))
     torch.manual_seed(0)
     model = Net()
-    opt = _shampoo(model, comm)
+    opt = make(model, comm)
     train_steps(model, opt, comm, 0, 3)
     checkpoint.save(d, model=model, optimizer=opt, step=3, comm=comm)
     return d, opt
@@ -271,12 +275,7 @@ def test_a_checkpoint_of_the_other_vectors_setting_loads_every_block(
         return DistributedShampoo(model.named_parameters(), lr=0.01, comm=comm,
                                   max_preconditioner_dim=8, precondition_vectors=vectors)
 
-    d = Path(comm.broadcast_object(str(tmp_path)))
-    torch.manual_seed(0)
-    model = Net()
-    opt = make(model, saved)
-    train_steps(model, opt, comm, 0, 3)
-    checkpoint.save(d, model=model, optimizer=opt, step=3, comm=comm)
+    d, opt = _saved_after_three_steps(comm, tmp_path, lambda model, _: make(model, saved))
     reference = opt.state_dict()
     torch.manual_seed(0)
     resumed = Net()
