@@ -4,7 +4,9 @@ On an H200 (benchmarks/RESULTS.md, GPU, fifth session) two runs of the narrow Re
 of tests/gpu/test_step_graph_gpu.py were bitwise equal with cuDNN's deterministic
 algorithms, but not under ``torch.use_deterministic_algorithms(True)`` with
 ``CUBLAS_WORKSPACE_CONFIG=:4096:8``: step 0 differed for one layer whose ``A`` (576 rows)
-is decomposed on a side stream. This script separates the candidates:
+is decomposed on a side stream. This script separates the candidates (the sixth session:
+the solves spread over streams, under that setting only; since then nothing is spread
+under deterministic algorithms, and its rows say "1 used"):
 
 * ``runs``: ``--runs`` one-step trainings per ``--streams`` value (K-FAC's
   ``decomposition_streams``), each compared with the first: the preconditioned gradients
@@ -47,7 +49,7 @@ from shared_cases import narrow_resnet50, narrow_resnet50_batches  # noqa: E402
 
 from kfac_hpc import KFACPreconditioner  # noqa: E402
 from kfac_hpc.comm import Communicator  # noqa: E402
-from kfac_hpc.solves import SolvePlacement, eigh_batches  # noqa: E402
+from kfac_hpc.solves import SolvePlacement, eigh_batches, spreads_over_streams  # noqa: E402
 
 
 def tensors(obj: Any, prefix: str = "") -> dict[str, Tensor]:
@@ -111,7 +113,8 @@ def eigh_section(device: torch.device, dtype: torch.dtype, args: argparse.Namesp
     batches = [spd(576, 3, 0, device, dtype), spd(288, 6, 1, device, dtype),
                spd(144, 8, 2, device, dtype), spd(65, 4, 3, device, dtype)]
     solvers: list[tuple[str, Any]] = [
-        (f"eigh_batches, {s} stream(s)",
+        (f"eigh_batches, {s} stream(s) asked"
+         f"{'' if spreads_over_streams(batches[0], s) or s == 1 else ', 1 used'}",
          lambda s=s: eigh_batches(batches, SolvePlacement(0, s))) for s in args.streams]
     solvers.append(("torch.linalg.eigh, calling stream",
                     lambda: [torch.linalg.eigh(b) for b in batches]))

@@ -20,8 +20,8 @@ a CPU):
 * ``kfac-10-100``: factors every 10 steps, inverses every 100;
 * ``kfac-lag``: the defaults with ``--kfac-decomposition-lag 5``;
 * ``kfac-graphs`` (CUDA only): the defaults with ``--kfac-cuda-graphs``;
-* ``kfac-eager``: the defaults with ``--no-kfac-cuda-graphs`` (the same as ``kfac`` while
-  ``kfac_hpc.step_graph.DEFAULT_DEVICES`` is empty);
+* ``kfac-eager``: the defaults with ``--no-kfac-cuda-graphs`` (``kfac`` captures on CUDA:
+  ``kfac_hpc.step_graph.DEFAULT_DEVICES``);
 * ``shampoo``: DistributedShampoo with the driver's defaults;
 * ``sgd-amp``, ``kfac-amp``: the same with ``--amp --amp-dtype bfloat16``.
 

@@ -2,7 +2,8 @@
 
     launch/local -n P python benchmarks/vs_kaisa.py [--models mlp cnn resnet20 resnet50]
         [--device cpu|cuda]
-        [--configs sgd kfac_hpc kfac_hpc-reduce kfac_hpc-subspace kfac_hpc-graphs kaisa]
+        [--configs sgd kfac_hpc kfac_hpc-reduce kfac_hpc-subspace kfac_hpc-graphs
+         kfac_hpc-eager kaisa]
         [--timing schedule|kinds] [--rounds 20] [--warmup 2] [--batch 32]
         [--image-size S] [--factor-steps 1] [--inv-steps 10] [--damping 0.003] [--lr 0.1]
         [--threads T] [--clock wall|cpu] [--max-seconds S] [--factor-warmup N [N ...]]
@@ -37,11 +38,13 @@ Configurations (``--configs``; each has its own copy of the model, same initial 
   the first renewed by one subspace-iteration step from the previous ones).
 * ``kfac_hpc-graphs`` (CUDA only): ``kfac_hpc`` with ``cuda_graphs=True`` (the
   preconditioning captured as a CUDA graph at each inverse update and replayed until
-  the next).
+  the next; ``kfac_hpc`` does so too on CUDA by default, below a memory bound:
+  ``kfac_hpc.step_graph.DEFAULT_DEVICES``).
+* ``kfac_hpc-eager``: ``kfac_hpc`` with ``cuda_graphs=False``.
 * ``kaisa``: KAISA's ``KFACPreconditioner``, eigen, COMM-OPT (``grad_worker_fraction=1.0``).
 
 Default: ``kfac_hpc kaisa`` with ``--timing schedule``, every one but
-``kfac_hpc-subspace`` and ``kfac_hpc-graphs`` with ``--timing kinds``.
+``kfac_hpc-subspace``, ``kfac_hpc-graphs`` and ``kfac_hpc-eager`` with ``--timing kinds``.
 The same model (same initial weights), the same fixed synthetic batch per rank, the same
 hyper-parameters (``damping``, ``factor_decay`` 0.95, ``kl_clip`` 0.001, ``lr``,
 eigendecomposition, fp32) and the same ranks go to every library. An iteration is
@@ -239,7 +242,7 @@ WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 
 CONFIGS = ("sgd", "kfac_hpc", "kfac_hpc-reduce", "kfac_hpc-subspace", "kfac_hpc-graphs",
-           "kaisa")
+           "kfac_hpc-eager", "kaisa")
 LEGACY_CONFIGS = ("kfac_hpc", "kaisa")  # the default with --timing schedule
 KINDS_CONFIGS = ("sgd", "kfac_hpc", "kfac_hpc-reduce", "kaisa")  # the default with kinds
 #: kfac_hpc's configurations other than the plain one: their table label and options
@@ -247,11 +250,12 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "kfac_hpc-reduce": ("reduce", {"kfac_approx": "reduce"}),
     "kfac_hpc-subspace": ("subspace", {"eigen_refresh": "subspace"}),
     "kfac_hpc-graphs": ("graphs", {"cuda_graphs": True}),
+    "kfac_hpc-eager": ("eager", {"cuda_graphs": False}),
 }
 #: labels in tables and JSON keys ("kfac_hpc" and "KAISA" as before the configurations)
 LABELS = {"sgd": "SGD", "kfac_hpc": "kfac_hpc", "kfac_hpc-reduce": "kfac_hpc-reduce",
           "kfac_hpc-subspace": "kfac_hpc-subspace", "kfac_hpc-graphs": "kfac_hpc-graphs",
-          "kaisa": "KAISA"}
+          "kfac_hpc-eager": "kfac_hpc-eager", "kaisa": "KAISA"}
 KINDS = ("fi", "f", "p")
 ITERATION = "it"  # the one kind of SGD, and of every configuration with --timing schedule
 SCHEDULES = ((1, 10), (10, 100))

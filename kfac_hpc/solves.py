@@ -28,9 +28,14 @@ from filling a large GPU with a 1024x1024 matrix (10.5 ms on an H200, against 25
 eight times the flops at 2048), so independent solves on separate streams may overlap.
 Every matrix is solved by the same call as on one stream, so the results are the same
 bits whatever the spread, as far as cuSOLVER is reproducible on concurrent streams: on an
-H200 two runs with 8 streams were bitwise equal by default, but not under
-``torch.use_deterministic_algorithms(True)`` with ``CUBLAS_WORKSPACE_CONFIG=:4096:8``
-(``benchmarks/reproducibility.py`` tells which part differs). The default is 8 streams
+H200 (torch 2.11, CUDA 13) repeated solves on 8 streams were bitwise equal by default and
+under ``torch.use_deterministic_algorithms(True)`` alone, but with
+``CUBLAS_WORKSPACE_CONFIG=:4096:8`` added (which deterministic mode asks for) 11 to 19
+of 19 repeats differed from the first, against none on one stream
+(``benchmarks/reproducibility.py``; benchmarks/RESULTS.md, GPU, sixth session). So under
+deterministic algorithms nothing is spread: every batch is solved on the calling
+stream, whatever ``device_streams`` says (:func:`spreads_over_streams`), and a
+deterministic run pays one stream's time for its inverse updates. The default is 8 streams
 (:data:`DEFAULT_DEVICE_STREAMS`; fewer on fewer cores, :func:`default_device_streams`):
 on an NVIDIA H200 (torch 2.11, CUDA 13), ResNet-50's K-FAC inverse update (108 factors)
 took 1279 ms on one stream, 1052 on 2, 932 on 4 and 881 on 8 (``gpu_profile.py``), and
@@ -253,9 +258,12 @@ def spreads_over_streams(batch: Tensor, device_streams: int) -> bool:
     Returns:
         True for a batch on a CUDA device with more than 32 rows (at most 32, cuSOLVER
         may solve a batch in one batched Jacobi call, which chunks would change) when
-        more than one stream is asked for.
+        more than one stream is asked for, unless PyTorch's deterministic algorithms are
+        on (``torch.use_deterministic_algorithms``): cuSOLVER on concurrent streams was
+        not reproducible under them (module docstring).
     """
-    return device_streams > 1 and batch.device.type == "cuda" and batch.shape[-1] > 32
+    return (device_streams > 1 and batch.device.type == "cuda" and batch.shape[-1] > 32
+            and not torch.are_deterministic_algorithms_enabled())
 
 
 def _submit_to_lanes(lanes: int, calls: Sequence[tuple[Callable[..., _T], tuple[object, ...]]]

@@ -45,10 +45,11 @@ PyTorch's caching allocator in capture mode, which is undone through torch's pri
 bindings, best effort).
 
 Default: ``cuda_graphs=None`` (both optimizers' default) captures on the device types in
-:data:`DEFAULT_DEVICES`, none yet: on an H200 the graphs gave the eager steps' bits and
+:data:`DEFAULT_DEVICES`: CUDA. On an H200 the graphs gave the eager steps' bits and
 paid (``kfac-hpc train`` 25 % more samples/s, Shampoo's plain step 21.6 → 15.1 ms;
-benchmarks/RESULTS.md, GPU, fifth session), and ``"cuda"`` joins once the whole GPU
-suite has run with them on (``KFAC_HPC_TEST_CUDA_GRAPHS=1``, tests/gpu/conftest.py).
+benchmarks/RESULTS.md, GPU, fifth session), and the whole GPU suite passed with them on
+by default at 1 and 2 ranks (sixth session; ``KFAC_HPC_TEST_CUDA_GRAPHS=0`` runs it with
+them off, tests/gpu/conftest.py).
 Under the default, a model whose static buffers would take more than
 :data:`DEFAULT_BUFFER_SHARE` of the device's memory runs eagerly (an info message; the
 report says why); ``cuda_graphs=True`` captures whatever the size.
@@ -80,8 +81,8 @@ log = logging.getLogger("kfac_hpc")
 Body = Callable[[], object]
 
 
-#: Device types on which ``cuda_graphs=None`` captures the steps (none yet: see above).
-DEFAULT_DEVICES: frozenset[str] = frozenset()
+#: Device types on which ``cuda_graphs=None`` captures the steps (see above).
+DEFAULT_DEVICES: frozenset[str] = frozenset({"cuda"})
 #: Under the default, the most of the device's memory the static gradient buffers may
 #: take: a larger model runs eagerly (``cuda_graphs=True`` captures whatever the size).
 DEFAULT_BUFFER_SHARE = 0.1

@@ -234,6 +234,19 @@ def test_only_cuda_batches_of_more_than_32_rows_spread_over_streams() -> None:
     assert not solves.spreads_over_streams(batch("cpu", 600), 4)
 
 
+def test_nothing_spreads_over_streams_under_deterministic_algorithms() -> None:
+    """cuSOLVER on concurrent streams was not reproducible under deterministic algorithms
+    (tests/gpu/test_solves_gpu.py checks the bits on a GPU)."""
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        assert not solves.spreads_over_streams(batch("cuda", 600), 8)
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    assert solves.spreads_over_streams(batch("cuda", 600), 8)
+
+
 @pytest.fixture
 def lanes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, list[tuple[int, int]]]]]:
     """CPU batches of more than 2 rows spread over the lanes, as CUDA ones of more than

@@ -241,7 +241,9 @@ class KFACPreconditioner:
                 results; :mod:`kfac_hpc.step_graph`). Where preconditioned gradients
                 are exchanged between ranks the step runs without one (with a warning
                 when asked for by True). None (default): on the device types of
-                ``kfac_hpc.step_graph.DEFAULT_DEVICES`` (none yet).
+                ``kfac_hpc.step_graph.DEFAULT_DEVICES`` (CUDA), unless the gradient
+                buffers would take more than its ``DEFAULT_BUFFER_SHARE`` of the device's
+                memory.
 
         Raises:
             ValueError: An option, or a combination of options, is invalid (the message

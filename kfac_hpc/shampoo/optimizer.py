@@ -211,7 +211,8 @@ class DistributedShampoo(torch.optim.Optimizer):
                 hyper-parameters and the gradients present stay the same (the same
                 results; :mod:`kfac_hpc.step_graph`). Root steps run eagerly. None
                 (default): on the device types of ``kfac_hpc.step_graph.DEFAULT_DEVICES``
-                (none yet).
+                (CUDA), unless the gradient buffers would take more than its
+                ``DEFAULT_BUFFER_SHARE`` of the device's memory.
 
         Raises:
             ValueError: A hyper-parameter is out of range, a parameter name repeats, a

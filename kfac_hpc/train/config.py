@@ -218,7 +218,7 @@ class TrainConfig:
         None, "on CUDA, capture K-FAC's preconditioning, KL clip and gradient writes as a "
         "CUDA graph between inverse updates and replay it (the same results, fewer "
         "launches; default: the library's, on the device types of "
-        "kfac_hpc.step_graph.DEFAULT_DEVICES, none yet)", "kfac")
+        "kfac_hpc.step_graph.DEFAULT_DEVICES: CUDA)", "kfac")
     kfac_stats_precision: str = _opt(
         "auto", "auto | full | tf32 | bf16: operands of the factor statistics' GEMMs (auto: "
         "tf32 for float32 factors on CUDA, full elsewhere)", "kfac")

@@ -86,12 +86,14 @@ def test_select_device_sets_the_current_device_from_the_local_rank() -> None:
                          ids=["kfac", "shampoo"])
 def test_train_on_two_ranks_agrees(tmp_path: Path, optimizer: list[str]) -> None:
     device = ["--device", "cuda", "--amp"] if KIND == "cuda" else ["--device", "cpu"]
-    # the suite with graphs by default (tests/gpu/conftest.py): the driver's ranks too
-    graphs = KIND == "cuda" and os.environ.get("KFAC_HPC_TEST_CUDA_GRAPHS", "0") == "1"
-    if graphs:
+    # the driver's ranks with the graphs on or off as the suite's (tests/gpu/conftest.py)
+    graphs = KIND == "cuda" and os.environ.get("KFAC_HPC_TEST_CUDA_GRAPHS", "1") != "0"
+    if KIND == "cuda":
         # (Shampoo's graph covers the steps that compute no root: roots every 4 steps)
-        shampoo = ["--shampoo-options", "cuda_graphs=true,precondition_frequency=4"]
-        optimizer = [*optimizer, *(shampoo if optimizer else ["--kfac-cuda-graphs"])]
+        shampoo = ["--shampoo-options", f"cuda_graphs={str(graphs).lower()},"
+                   "precondition_frequency=4"]
+        kfac = ["--kfac-cuda-graphs" if graphs else "--no-kfac-cuda-graphs"]
+        optimizer = [*optimizer, *(shampoo if optimizer else kfac)]
     out = tmp_path / "run"
     cmd = [str(ROOT / "launch" / "local"), "-n", "2", "--timeout", "400", sys.executable, "-m",
            "kfac_hpc", "train", *device, *optimizer, "--dataset", "synthetic", "--epochs", "1",
@@ -106,6 +108,8 @@ def test_train_on_two_ranks_agrees(tmp_path: Path, optimizer: list[str]) -> None
     assert summary["device"].startswith(KIND)
     if graphs:
         assert summary["step_graph"]["replays"] > 0 and not summary["step_graph"]["disabled"]
+    elif KIND == "cuda":
+        assert summary["step_graph"] is None
     assert len(summary["checksum"]) == 64 and math.isfinite(summary["train_loss"])
     config = json.loads((out / "config.json").read_text())["config"]
     assert config["amp"] is (KIND == "cuda") and config["device"] == KIND
