@@ -377,6 +377,19 @@ def test_a_resume_that_changes_the_schedule_warns(tmp_path: Path,
     assert "warning: the learning-rate schedule spans 12 steps in this run and spanned 10" in out
 
 
+def test_a_resume_with_another_seed_warns(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """The sample order keeps the checkpoint's seed, the augmentation follows --seed: a
+    resume that changes it is not the uninterrupted run, and says so."""
+    ck = str(tmp_path / "ck")
+    train(config(tmp_path, epochs=2, max_steps=4, checkpoint_dir=ck), self_comm(),
+          verbose=False)
+    capsys.readouterr()
+    train(config(tmp_path, epochs=2, max_steps=6, checkpoint_dir=ck, seed=7), self_comm())
+    out = capsys.readouterr().out
+    assert "warning: --seed 7 differs from the seed 0 of the run" in out
+
+
 @pytest.mark.parametrize("dataset, model", [("stdlib-text", "mlp"), ("digits", "gpt")])
 def test_a_model_that_cannot_take_the_data_is_a_usage_error(tmp_path: Path, dataset: str,
                                                            model: str) -> None:

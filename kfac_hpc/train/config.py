@@ -374,6 +374,8 @@ class TrainConfig:
         elif self.data_path is not None:
             need(False, "data_path", f"is only used by {' and '.join(PATH_DATASETS)}; the "
                  f"{self.dataset!r} data set takes no path (remove --data-path)")
+        need(not (self.augment and self.dataset == "stdlib-text"), "augment",
+             "the 'stdlib-text' data set has no augmentation; leave --augment off")
         need(self.image_size is None or self.image_size >= 1, "image_size", "must be >= 1")
         need(len(self.synthetic_shape) in (1, 3) and all(d >= 1 for d in self.synthetic_shape),
              "synthetic_shape", f"must be C,H,W or FEATURES with positive sizes, got "

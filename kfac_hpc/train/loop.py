@@ -90,6 +90,7 @@ from kfac_hpc.train.setup import (
     build_core,
     build_ddp,
     build_distributed,
+    check_same_data,
     local_cores,
     node_rank,
     pipeline_options,
@@ -245,6 +246,7 @@ class Trainer:
             core, wanted = agreed(self.aux, lambda: (build_core(cfg, self.comm, self.device),
                                                      wants_checkpoints(cfg)))
             self.data, self.model, self.opt = core.data, core.model, core.optimizer
+            check_same_data(self.aux, self.data)
             self.loss_fn = core.loss_fn
             sync_initial_state(self.model, self.aux)
             self.train_loader = ShardedLoader(
@@ -362,6 +364,13 @@ class Trainer:
                 f"run and spanned {saved} in the run that wrote {resumed.path} (--epochs or "
                 "--max-steps changed; --max-steps also ends the schedule): the rate jumps at "
                 "the resume, and the run is not the uninterrupted one")
+        saved_seed = extra.config.get("seed")
+        if saved_seed is not None and saved_seed != self.cfg.seed:
+            self.progress.print(
+                f"warning: --seed {self.cfg.seed} differs from the seed {saved_seed} of the run "
+                f"that wrote {resumed.path}: the sample order keeps the saved seed, but the "
+                "augmentation (and synthetic data) follow the new one, so the run is not "
+                f"the uninterrupted one; resume with --seed {saved_seed} to continue it")
         self.tally = RunTally(history=list(extra.history), train_time=extra.train_time,
                               train_samples=extra.train_samples,
                               epoch_stats=WeightedMean(*extra.epoch_stats))
@@ -622,12 +631,12 @@ class Trainer:
         n = len(test)  # type: ignore[arg-type]
         bs = max(1, min(self.cfg.eval_batch_size, n // self.size))
         loader = ShardedLoader(test, batch_size=bs, rank=self.rank, world_size=self.size,
-                               seed=0, shuffle=False, drop_last=False,
+                               seed=0, shuffle=False, drop_last=False, augment=False,
                                **pipeline_options(self.cfg, self.device))
         losses: list[torch.Tensor] = []
         correct: list[torch.Tensor] = []
         counts: list[int] = []
-        for i, (x, y) in enumerate(loader):  # epoch 0, un-augmented; empty batches skipped
+        for i, (x, y) in enumerate(loader):  # un-augmented; empty batches skipped
             self._beat(f"evaluation batch {i + 1} after step {self.step}")
             if y.numel() == 0:
                 continue

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import math
 import os
 import sys
 from collections.abc import Callable
@@ -59,7 +58,10 @@ def load_factory(spec: str, flag: str) -> Callable[..., Any]:
     module_name, _, attr = spec.partition(":")
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
-        sys.path.append(cwd)  # like `python -m`: modules next to the job script import
+        # first, as `python -m` puts it: a module next to the job script is found before
+        # a module of the same name elsewhere on the path (the console script's path has
+        # no current directory, and `test:build` would find the standard library's)
+        sys.path.insert(0, cwd)
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -157,10 +159,9 @@ def load_plugin_dataset(spec: str, *, seed: int, path: str | None, augment: bool
         raise ConfigError(f"--dataset {spec!r}: num_classes must be a positive int, got "
                           f"{num_classes!r}")
     x, _ = train[0]
-    shape = tuple(torch.as_tensor(x).shape)
-    if len(shape) not in (1, 3):
-        shape = (math.prod(shape),)
-    return DatasetSplits(spec, train, test, num_classes, shape)
+    # one sample's shape as served (the shape-only passes build inputs of it; the model's
+    # keyword arguments flatten what is not (C, H, W): DatasetSplits.model_kwargs)
+    return DatasetSplits(spec, train, test, num_classes, tuple(torch.as_tensor(x).shape))
 
 
 def resolve_loss(spec: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

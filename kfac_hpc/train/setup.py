@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 __all__ = ["USAGE_ERRORS", "Core", "agreed", "build_core", "build_ddp", "build_distributed",
-           "local_cores", "node_rank",
+           "check_same_data", "local_cores", "node_rank",
            "pipeline_options", "resolve_out_dir", "select_device", "sync_initial_state"]
 
 #: Exceptions raised by setup that mean "bad input", reported without a traceback.
@@ -80,6 +80,45 @@ def agreed(aux: Communicator, fn: Callable[[], _T]) -> _T:
         r, rep = crashes[0]
         raise RuntimeError(f"rank {r} failed during setup: {rep[1]}")
     raise ConfigError(failed[0][1][2])
+
+
+def check_same_data(aux: Communicator, splits: DatasetSplits) -> None:
+    """Refuse data that differs between ranks, on every rank alike (collective).
+
+    Every rank loads its own copy and shards its own sample count: a copy that differs
+    (a node-local copy lacking files, a plugin that reads per-rank data) would hang the
+    ranks' collectives or silently duplicate and drop samples. Compares the sizes and
+    :func:`~kfac_hpc.train.data.fingerprint.fingerprint` of the training and test sets.
+
+    Args:
+        aux: The driver's communicator.
+        splits: This rank's data.
+
+    Raises:
+        ConfigError: Some rank's data differs from rank 0's (naming the ranks).
+    """
+    from kfac_hpc.train.data.fingerprint import fingerprint
+
+    def identity() -> tuple[int, int, str, str]:
+        train, test = splits.train, splits.test
+        return (len(train), len(test),  # type: ignore[arg-type]
+                fingerprint(train), fingerprint(test))
+
+    everyone = aux.allgather_object(agreed(aux, identity))
+    differ = [rank for rank, seen in enumerate(everyone) if seen != everyone[0]]
+    if differ:
+        def describe(rank: int) -> str:
+            n_train, n_test, f_train, f_test = everyone[rank]
+            return (f"rank {rank}: {n_train} training samples (digest {f_train}), {n_test} "
+                    f"test samples (digest {f_test})")
+
+        shown = ", ".join(describe(r) for r in differ[:4]) + (
+            f" and {len(differ) - 4} more rank(s)" if len(differ) > 4 else "")
+        raise ConfigError(
+            f"the ranks read different data for {splits.name!r}: {describe(0)}; {shown}. "
+            "Every rank must read the same data: check that each node's copy (--data-path) "
+            "is complete and equal, or that a --dataset plugin returns the same data on "
+            "every rank")
 
 
 def node_rank(aux: Communicator) -> tuple[int, int]:

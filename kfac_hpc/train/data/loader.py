@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from kfac_hpc.train.data.datasets import BatchDataset
-from kfac_hpc.train.data.seeds import STREAM_ORDER, generator
+from kfac_hpc.train.data.seeds import STREAM_LOADER, STREAM_ORDER, generator
 
 __all__ = ["ShardedBatchSampler", "ShardedLoader", "fetch_batch", "rescaled_batch_size"]
 
@@ -70,6 +70,7 @@ class ShardedLoader:
         num_workers: int = 0,
         pin_memory: bool = False,
         prefetch_factor: int = 2,
+        augment: bool = True,
     ) -> None:
         """Shard ``dataset``; the position is the start of epoch 0.
 
@@ -85,6 +86,8 @@ class ShardedLoader:
             num_workers: DataLoader worker processes (0: decode here).
             pin_memory: Batches in pinned memory (for CUDA).
             prefetch_factor: Batches each worker decodes ahead.
+            augment: Fetch a :class:`BatchDataset`'s batches with the epoch's
+                augmentation (False: ``epoch=None``, none; evaluation).
 
         Raises:
             ValueError: A bad rank, size, batch or pipeline option.
@@ -120,6 +123,7 @@ class ShardedLoader:
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         self.prefetch_factor = prefetch_factor
+        self.augment = augment
         self._n = n
         self._epoch = 0
         self._batch_index = 0
@@ -170,7 +174,7 @@ class ShardedLoader:
 
     # -- iteration
     def _fetch(self, idx: Tensor, epoch: int) -> tuple[Tensor, Tensor]:
-        return fetch_batch(self.dataset, idx, epoch)
+        return fetch_batch(self.dataset, idx, epoch if self.augment else None)
 
     def sampler(self, epoch: int | None = None, start: int | None = None) -> ShardedBatchSampler:
         """Return this rank's batches of ``epoch`` from batch ``start`` (default: the position)."""
@@ -182,11 +186,16 @@ class ShardedLoader:
         """Build the ``DataLoader`` (workers, pinning, prefetch) that :meth:`__iter__` reads."""
         epoch = self._epoch if epoch is None else epoch
         workers = self.num_workers
+        # An iterator draws a base seed for its workers: from its own generator, not
+        # torch's global one, which the model's own draws (dropout) would then follow
+        # otherwise (a resumed run, or one with evaluations or workers, drawing other bits).
         return torch.utils.data.DataLoader(
-            _EpochBatches(self.dataset, epoch), sampler=self.sampler(epoch, start),
-            batch_size=None, num_workers=workers, pin_memory=self.pin_memory,
+            _EpochBatches(self.dataset, epoch if self.augment else None),
+            sampler=self.sampler(epoch, start), batch_size=None, num_workers=workers,
+            pin_memory=self.pin_memory,
             prefetch_factor=self.prefetch_factor if workers else None,
-            persistent_workers=False)
+            persistent_workers=False,
+            generator=generator(self.seed, epoch, STREAM_LOADER))
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         """Yield this rank's batches from the position to the end of the epoch.
@@ -218,7 +227,7 @@ class ShardedLoader:
                               world_size=self.world_size, seed=self.seed,
                               shuffle=self.shuffle, drop_last=self.drop_last,
                               num_workers=self.num_workers, pin_memory=self.pin_memory,
-                              prefetch_factor=self.prefetch_factor)
+                              prefetch_factor=self.prefetch_factor, augment=self.augment)
         other._epoch = self._epoch
         return other
 
@@ -290,7 +299,7 @@ class ShardedLoader:
 
 
 def fetch_batch(dataset: torch.utils.data.Dataset[Any], idx: Tensor,
-                epoch: int) -> tuple[Tensor, Tensor]:
+                epoch: int | None) -> tuple[Tensor, Tensor]:
     """Return the batch of data set indices ``idx``.
 
     ``get_batch`` of a :class:`BatchDataset`, else the stacked ``dataset[i]`` (any
@@ -299,7 +308,7 @@ def fetch_batch(dataset: torch.utils.data.Dataset[Any], idx: Tensor,
     Args:
         dataset: The data set.
         idx: Data set indices.
-        epoch: The epoch whose augmentation to draw.
+        epoch: The epoch whose augmentation to draw (None: none).
 
     Returns:
         ``(inputs, targets)``.
@@ -348,7 +357,7 @@ class ShardedBatchSampler(torch.utils.data.Sampler[Tensor]):
 class _EpochBatches(torch.utils.data.Dataset[tuple[Tensor, Tensor]]):
     """``dataset`` seen by a ``DataLoader`` worker: an index tensor -> its batch."""
 
-    def __init__(self, dataset: torch.utils.data.Dataset[Any], epoch: int) -> None:
+    def __init__(self, dataset: torch.utils.data.Dataset[Any], epoch: int | None) -> None:
         self.dataset, self.epoch = dataset, epoch
 
     def __len__(self) -> int:

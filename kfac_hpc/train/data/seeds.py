@@ -12,6 +12,7 @@ import torch
 
 __all__ = [
     "STREAM_AUGMENT",
+    "STREAM_LOADER",
     "STREAM_ORDER",
     "STREAM_RESIZED_CROP",
     "STREAM_SYNTHETIC",
@@ -23,6 +24,8 @@ STREAM_ORDER = 1
 STREAM_AUGMENT = 2
 STREAM_SYNTHETIC = 3
 STREAM_RESIZED_CROP = 4
+#: The seed a ``DataLoader`` iterator draws for its workers (never the global generator)
+STREAM_LOADER = 5
 
 
 def _mix_seed(*parts: int) -> int:

@@ -235,17 +235,32 @@ def _load_cifar10(
     return DatasetSplits("cifar10", train, test, 10, train.sample_shape, CIFAR10_CLASSES)
 
 
-def _list_images(split_dir: Path, class_index: Mapping[str, int]) -> list[tuple[str, int]]:
+def _class_folders(split_dir: Path) -> list[str]:
+    """The class folders of ``split_dir``, sorted; hidden ones (``.ipynb_checkpoints``) skipped."""
+    return sorted(d.name for d in split_dir.iterdir() if d.is_dir() and not d.name.startswith("."))
+
+
+def _list_images(split_dir: Path, class_index: Mapping[str, int], *,
+                 every_class: bool) -> list[tuple[str, int]]:
+    """``(file, label)`` of the images under ``split_dir`` (hidden files skipped).
+
+    ``every_class``: a class folder without images is an error (the training split:
+    its label would never be seen).
+    """
     samples: list[tuple[str, int]] = []
-    for cls in sorted(d.name for d in split_dir.iterdir() if d.is_dir()):
+    for cls in _class_folders(split_dir):
         if cls not in class_index:
             raise ValueError(
                 f"imagefolder: class folder {split_dir / cls} has no counterpart in "
                 f"{split_dir.parent / 'train'}; val classes must be a subset of train classes"
             )
         files = sorted(
-            f for f in (split_dir / cls).iterdir() if f.suffix.lower() in _IMAGE_EXTENSIONS
+            f for f in (split_dir / cls).iterdir()
+            if f.suffix.lower() in _IMAGE_EXTENSIONS and not f.name.startswith(".")
         )
+        if every_class and not files:
+            raise ValueError(f"imagefolder: class folder {split_dir / cls} has no "
+                             ".png/.jpg/.jpeg files; remove it or add its images")
         samples += [(str(f), class_index[cls]) for f in files]
     return samples
 
@@ -269,12 +284,12 @@ def _load_imagefolder(
     for split in ("train", "val"):
         if not (root / split).is_dir():
             raise ValueError(f"imagefolder: missing directory {root / split}; {layout}")
-    classes = tuple(sorted(d.name for d in (root / "train").iterdir() if d.is_dir()))
+    classes = tuple(_class_folders(root / "train"))
     if not classes:
         raise ValueError(f"imagefolder: no class folders in {root / 'train'}; {layout}")
     class_index = {c: i for i, c in enumerate(classes)}
-    train_samples = _list_images(root / "train", class_index)
-    val_samples = _list_images(root / "val", class_index)
+    train_samples = _list_images(root / "train", class_index, every_class=True)
+    val_samples = _list_images(root / "val", class_index, every_class=False)
     for split, samples in (("train", train_samples), ("val", val_samples)):
         if not samples:
             raise ValueError(f"imagefolder: no .png/.jpg/.jpeg files under {root / split}")
