@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from mpi4py import MPI
@@ -120,3 +122,42 @@ def test_refresh_beats_the_stale_basis_on_a_changed_factor():
     stale = (q * (new @ q)).sum(dim=0)
     assert reconstruction_error(new, q2, lam2) < 0.6 * reconstruction_error(new, q, stale)
     assert bool((lam2[1:] >= lam2[:-1]).all()), "eigenvalues come back ascending"
+
+
+@pytest.mark.parametrize("options", [{}, {"low_rank": 4, "low_rank_min_dim": 8}],
+                         ids=["full", "low-rank"])
+@pytest.mark.parametrize("saved_at", [3, 4], ids=["before-plain-step", "before-inverse-step"])
+def test_a_resumed_subspace_run_is_bitwise_the_uninterrupted_one(saved_at: int,
+                                                                  options: dict) -> None:
+    """State saved after ``saved_at`` steps (4: the next step is an inverse step, which
+    refreshes the bases the load restores; a fresh ``eigh`` there gave 5e-3 before)."""
+    comm = Communicator(MPI.COMM_SELF)
+    batches = list(small_cnn_batches(7))
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer, KFACPreconditioner]:
+        model = small_cnn()
+        pre = KFACPreconditioner(model, comm=comm, damping=0.01, inv_update_steps=2,
+                                 inv_dtype=torch.float64, eigen_refresh="subspace", **options)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), pre
+
+    def run(model: nn.Module, opt: torch.optim.Optimizer, pre: KFACPreconditioner,
+            steps: list) -> None:
+        for x, y in steps:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            pre.step()
+            opt.step()
+
+    model, opt, pre = build()
+    run(model, opt, pre, batches[:saved_at])
+    states = copy.deepcopy((model.state_dict(), opt.state_dict(), pre.state_dict()))
+    run(model, opt, pre, batches[saved_at:])
+    model2, opt2, pre2 = build()
+    model2.load_state_dict(states[0])
+    opt2.load_state_dict(states[1])
+    pre2.load_state_dict(states[2])
+    run(model2, opt2, pre2, batches[saved_at:])
+    for (name, p), q in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(p, q), f"{name}: {float((p - q).abs().max()):.3e}"
+    pre.close()
+    pre2.close()

@@ -201,6 +201,10 @@ class InverseSolve:
 class Decomposer(Protocol):
     """What the preconditioner needs of a compute method (see the module docstring)."""
 
+    #: Whether :meth:`decompose` starts from the decompositions held (a subspace
+    #: refresh): after a load, an inverse step must first restore the stored ones.
+    reads_previous: bool
+
     def parts(self, n: int) -> tuple[tuple[Part, int], ...]:
         """The parts of an ``n x n`` factor's decomposition in a message, with sizes."""
         ...
@@ -300,6 +304,7 @@ class _Full:
 
     def __init__(self, *, dtype: torch.dtype, device: torch.device) -> None:
         self.dtype, self.device = dtype, device
+        self.reads_previous = False
 
     def parts(self, n: int) -> tuple[tuple[Part, int], ...]:
         raise NotImplementedError
@@ -422,6 +427,7 @@ class EigenDecomposer(_Full):
         """
         super().__init__(dtype=dtype, device=device)
         self.precision, self.refresh, self.placement = precision, refresh, placement
+        self.reads_previous = refresh == "subspace"
 
     def parts(self, n: int) -> tuple[tuple[Part, int], ...]:
         """``Q`` (``n x n``) and ``λ`` (``n``)."""

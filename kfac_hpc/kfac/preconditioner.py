@@ -574,8 +574,10 @@ class KFACPreconditioner:
             renewal.install(self.decomps, k)
         # after a load, the stored (stale) decompositions are what an uninterrupted run
         # uses now: restored instead of recomputed (with a lag, until the background
-        # update started at this inverse step is installed)
-        self.decomps.restore_loaded(k, use=not inverse or renewal.lagged)
+        # update started at this inverse step is installed; with a subspace refresh, as
+        # the bases this inverse step refreshes)
+        self.decomps.restore_loaded(k, use=not inverse or renewal.lagged
+                                    or self.decomps.decomposer.reads_previous)
         if inverse or self.decomps.decomposed_at is None:
             self.factor_update.at_inverse_step()
             renewal.renew(self.decomps, k)
