@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -93,3 +94,62 @@ def test_auto_in_preconditioner_mpi(prof: Profile, kwargs: dict[str, int],
     F.cross_entropy(model(x), torch.zeros(8, dtype=torch.long)).backward()
     pre.step()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_profile_rank_0_cannot_read_fails_every_rank_alike(tmp_path_factory) -> None:
+    """Rank 0 plans and sends the choice on; its failure (a profile missing on its node)
+    is every rank's error, not a hang of the others in the next collective."""
+    comm = Communicator(MPI.COMM_WORLD.Dup())
+    missing = tmp_path_factory.mktemp("profiles") / "only-elsewhere.json"
+    with pytest.raises(ValueError, match=r"rank 0 could not plan: .*only-elsewhere\.json"):
+        KFACPreconditioner(mlp(), comm=comm, strategy="auto",
+                           plan_profile=missing if comm.rank == 0 else SLOW_LATENCY)
+
+
+def test_step_kinds_weigh_the_schedule_in_closed_form() -> None:
+    """The kinds' shares equal a count over one period, and a period of any length costs
+    four kinds (lcm(3, 50000) = 150000 steps was refused before)."""
+    from kfac_hpc.plan.distribution import Distribution
+    from kfac_hpc.plan.model_shapes import model_spec
+    from kfac_hpc.plan.options import KFACOptions
+
+    spec = model_spec(mlp())
+    for f, i in ((1, 1), (1, 10), (10, 100), (4, 6), (7, 1000), (3, 50_000)):
+        dist = Distribution(spec, KFACOptions(factor_update_steps=f, inv_update_steps=i), 4)
+        kinds = dict(dist.step_kinds())
+        assert sum(kinds.values()) == pytest.approx(1.0, abs=1e-15)
+        length = math.lcm(f, i)
+        if length <= 10_000:
+            counted: dict[tuple[bool, bool], int] = {}
+            for k in range(length):
+                kind = (k % f == 0, k % i == 0)
+                counted[kind] = counted.get(kind, 0) + 1
+            assert kinds == pytest.approx({k: n / length for k, n in counted.items()},
+                                          rel=1e-14)
+    _, _, best, _ = resolve_auto(mlp(), 4, profile=SLOW_LATENCY, factor_update_steps=3,
+                                 inv_update_steps=50_000)
+    assert best is not None
+
+
+def test_a_forward_that_reads_values_is_planned_with_one_row_per_sample(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The shape probe runs on the meta device; a forward that reads values cannot, and
+    the planner goes on with one row per sample (a warning says so)."""
+    from kfac_hpc.plan.model_shapes import model_spec
+
+    class ReadsValues(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            if h.abs().max() > 1e4:
+                h = h / 1e4
+            return self.b(h)
+
+    with caplog.at_level(logging.WARNING, logger="kfac_hpc"):
+        spec = model_spec(ReadsValues(), input_shape=(5, 8))
+    assert [layer.rows_per_sample for layer in spec.layers] == [1, 1]
+    assert any("shape probe of ReadsValues" in r.getMessage() for r in caplog.records)

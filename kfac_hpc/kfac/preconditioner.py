@@ -871,21 +871,42 @@ class KFACPreconditioner:
 def _resolve_auto(model: nn.Module, comm: Communicator,
                   profile: Profile | str | os.PathLike[str] | None,
                   **options: Any) -> tuple[Strategy, float | None]:
-    """strategy='auto': the planner's fastest exact strategy (same on every rank)."""
+    """strategy='auto': the planner's fastest exact strategy (collective).
+
+    Rank 0 plans (its profile, its model) and sends the choice to the others, or the
+    reason it could not plan, which every rank then raises alike (a profile that one
+    rank cannot read never leaves the others waiting in the next collective).
+
+    Raises:
+        ValueError: Rank 0 could not plan (the message names its error).
+    """
     from kfac_hpc.plan.auto import resolve_auto
 
     model = getattr(model, "module", model) if _is_wrapper(model) else model
-    strategy, fraction, best, _ = resolve_auto(model, comm.size, profile=profile, **options)
+    outcome: tuple[Strategy, float | None] | str | None = None
+    error: Exception | None = None
     if comm.rank == 0:
-        if best is None:
-            log.info("K-FAC strategy='auto': one rank, using comm-opt")
+        try:
+            strategy, fraction, best, _ = resolve_auto(model, comm.size, profile=profile,
+                                                       **options)
+        except Exception as exc:  # sent on, raised by every rank
+            error, outcome = exc, f"{type(exc).__name__}: {exc}"
         else:
-            log.info("K-FAC strategy='auto' chose %s on %d ranks (profile %s): predicted "
-                     "%.4f s/iteration, %.1f MiB K-FAC traffic per rank per step",
-                     best.options.label(), comm.size, best.profile, best.total_s,
-                     best.kfac_bytes / 2**20)
-    assert strategy in STRATEGIES
-    return strategy, fraction
+            outcome = (cast(Strategy, strategy), fraction)
+            if best is None:
+                log.info("K-FAC strategy='auto': one rank, using comm-opt")
+            else:
+                log.info("K-FAC strategy='auto' chose %s on %d ranks (profile %s): predicted "
+                         "%.4f s/iteration, %.1f MiB K-FAC traffic per rank per step",
+                         best.options.label(), comm.size, best.profile, best.total_s,
+                         best.kfac_bytes / 2**20)
+    if comm.size > 1:
+        outcome = comm.broadcast_object(outcome)
+    if isinstance(outcome, str) or outcome is None:
+        raise ValueError(f"K-FAC strategy='auto': rank 0 could not plan: {outcome}; give "
+                         "a concrete strategy, or fix the plan profile") from error
+    assert outcome[0] in STRATEGIES
+    return outcome
 
 
 def _as_key(key: str | FactorKey) -> FactorKey:

@@ -22,8 +22,8 @@ DEFAULTS = KFACOptions()
 def hybrid_fractions(world: int, limit: int = 6) -> list[float]:
     """List the gradient-worker fractions ``g/P`` strictly between MEM-OPT and COMM-OPT.
 
-    ``g`` runs over the divisors of ``P`` in ``(1, P)``; at most ``limit`` of them, spread
-    evenly on a log scale.
+    ``g`` runs over the divisors of ``P`` in ``(1, P)``; at most ``limit`` of them, evenly
+    spaced over their sorted list (the first and the last included).
 
     Args:
         world: The number of ranks ``P``.

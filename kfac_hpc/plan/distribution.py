@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from fractions import Fraction
 from functools import cached_property
 
 import torch
@@ -272,13 +273,20 @@ class Distribution:
                                factor_step=self.is_factor_step(step),
                                inverse_step=self.is_inverse_step(step))
 
-    def period(self) -> list[tuple[bool, bool]]:
-        """List (factor step, inverse step) of every step of one steady-state period."""
+    def step_kinds(self) -> list[tuple[tuple[bool, bool], float]]:
+        """The kinds of steady-state steps, (factor step, inverse step), with their shares.
+
+        In closed form over one period of ``L = lcm(f, i)`` steps: one step of both, ``L/f
+        - 1`` factor-only, ``L/i - 1`` inverse-only steps, the rest plain (kinds that never
+        occur are left out), so any schedule costs four kinds, whatever its period.
+        """
         f, i = self.options.factor_update_steps, self.options.inv_update_steps
         length = math.lcm(f, i)
-        if length > 100_000:
-            raise ValueError(f"update steps {f}, {i}: period {length} is too long to average")
-        return [(k % f == 0, k % i == 0) for k in range(length, 2 * length)]
+        both = Fraction(1, length)
+        shares = {(True, True): both, (True, False): Fraction(1, f) - both,
+                  (False, True): Fraction(1, i) - both}
+        shares[(False, False)] = 1 - sum(shares.values(), Fraction(0))
+        return [(kind, float(share)) for kind, share in shares.items() if share > 0]
 
     # -------------------------------------------------------------- bytes
     def step_traffic(self, step: int, rank: int) -> StepTraffic:
@@ -343,11 +351,10 @@ class Distribution:
 
     def mean_traffic(self, rank: int) -> dict[str, float]:
         """Return the bytes per step on ``rank`` by phase, averaged over the update schedule."""
-        period = self.period()
         total = dict.fromkeys(BYTE_PHASES, 0.0)
-        for factor, inverse in period:
+        for (factor, inverse), share in self.step_kinds():
             for k, v in self.kind_traffic(factor, inverse, rank).bytes.items():
-                total[k] += v / len(period)
+                total[k] += v * share
         return total
 
     # -------------------------------------------------------------- memory

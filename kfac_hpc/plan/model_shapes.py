@@ -10,6 +10,7 @@ the compute terms need.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,6 +18,8 @@ from torch import nn
 
 from kfac_hpc.kfac.layers import curvature_for, register_layers
 from kfac_hpc.kfac.shapes import rows_per_sample
+
+log = logging.getLogger("kfac_hpc")
 
 __all__ = ["LayerSpec", "ModelSpec", "model_spec"]
 
@@ -71,9 +74,11 @@ def model_spec(model: nn.Module, *, input_shape: Sequence[int] | None = None,
 
     Args:
         model: The model.
-        input_shape: One sample's shape (e.g. ``(3, 224, 224)``), for a shape probe;
-            without it every layer has one row per sample (enough for communication and
-            memory, which do not depend on the batch).
+        input_shape: One sample's shape (e.g. ``(3, 224, 224)``), for a shape probe on
+            the ``meta`` device; without it, or where the probe fails (a forward that
+            reads values, as ``if x.max() > 1:``; a warning says so), every layer has one
+            row per sample (enough for communication and memory, which do not depend on
+            the batch).
         skip_layers: Names or types of layers left out of K-FAC, as the preconditioner's.
         name: The model's name in reports (default: its class name).
 
@@ -85,8 +90,14 @@ def model_spec(model: nn.Module, *, input_shape: Sequence[int] | None = None,
     if isinstance(model, DistributedDataParallel):
         model = model.module
     layers = _registered(model, tuple(skip_layers))
-    rows = (rows_per_sample(model, [m for _, m in layers], input_shape)
-            if input_shape is not None else {})
+    rows: dict[int, int] = {}
+    if input_shape is not None:
+        try:
+            rows = rows_per_sample(model, [m for _, m in layers], input_shape)
+        except Exception as exc:  # the forward reads values: no shapes without data
+            log.warning("planner: the shape probe of %s with samples of shape %s failed "
+                        "(%s: %s); every layer is planned with one row per sample",
+                        type(model).__name__, tuple(input_shape), type(exc).__name__, exc)
     specs = []
     for layer_name, module in layers:
         curv = curvature_for(module)

@@ -505,14 +505,12 @@ def _schedule_average(ctx: _Context, *, stats: float, folds: float, reduction: f
     """Average the seconds per iteration by phase over one period of the schedule.
 
     The factor/inverse terms are weighted by how often they run
-    (:meth:`Distribution.period`).
+    (:meth:`Distribution.step_kinds`).
     """
     o = ctx.options
-    period = ctx.dist.period()
     t = dict.fromkeys(PHASES, 0.0)
     t.update(ctx.base)
-    for factor, inverse in period:
-        w = 1 / len(period)
+    for (factor, inverse), w in ctx.dist.step_kinds():
         reduce = reduces_factors(o.strategy, o.factor_sync, factor_step=factor,
                                  inverse_step=inverse)
         if factor:
