@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,25 @@ def test_write_replaces_the_file_and_leaves_no_temporary(tmp_path: Path) -> None
     write_text_atomic(target, "two\n")
     assert target.read_text() == "two\n"
     assert sorted(p.name for p in target.parent.iterdir()) == ["profile.json"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o007, 0o077])
+def test_a_new_file_gets_the_mode_open_gives_and_a_replaced_one_keeps_its_own(
+        tmp_path: Path, umask: int) -> None:
+    """0666 less the umask, as ``open`` gives (a temporary file's 0600 would hide a
+    shared profile from the group); a file replaced keeps its mode."""
+    before = os.umask(umask)
+    try:
+        new = write_text_atomic(tmp_path / "new.json", "{}\n")
+        plain = tmp_path / "plain.json"
+        plain.write_text("{}\n")
+        assert stat.S_IMODE(new.stat().st_mode) == stat.S_IMODE(plain.stat().st_mode)
+        assert stat.S_IMODE(new.stat().st_mode) == 0o666 & ~umask
+        new.chmod(0o640)
+        write_text_atomic(new, "[]\n")
+        assert stat.S_IMODE(new.stat().st_mode) == 0o640
+    finally:
+        os.umask(before)
 
 
 def test_a_failed_write_keeps_the_old_file(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -248,6 +249,34 @@ def test_plan_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--model", "nope"]) == 2
 
 
+@pytest.mark.parametrize("bad", [["--ranks", "0"], ["--factor-update-steps", "0"],
+                                 ["--bucket-cap-mb", "0"], ["--factor-dtype", "bogus"],
+                                 ["--local-thresholds", "-5"], ["--batch", "-1"],
+                                 ["--top", "-1"], ["--low-rank", "0"]])
+def test_plan_cli_bad_options_exit_2(bad: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Each is one usage message and exit 2 (a traceback, or a silent plan, before)."""
+    with pytest.raises(SystemExit) as stop:
+        main(["plan", "--model", "mlp", "--ranks", "4", *bad])
+    assert stop.value.code == 2
+    assert bad[0] in capsys.readouterr().err
+
+
+def test_plan_cli_plans_the_other_worlds_and_always_shows_the_pick(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """hybrid-opt alone has no candidate on a prime world: said, and the next world is
+    planned; ``--top`` never hides the chosen row."""
+    assert main(["plan", "--model", "mlp", "--ranks", "3", "8",
+                 "--strategies", "hybrid-opt"]) == 0
+    text = capsys.readouterr().out
+    assert "== 3 ranks ==  no configuration to plan" in text and "== 8 ranks ==" in text
+    assert main(["plan", "--model", "resnet50", "--ranks", "64", "--factor-update-steps",
+                 "10", "--inv-update-steps", "100", "--memory-budget", "1300MiB",
+                 "--top", "3"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines()
+            if line.startswith(("* ", "  ")) and "iter s" not in line]
+    assert len(rows) == 4 and sum(r.startswith("* ") for r in rows) == 1
+
+
 def test_calibrate_cli_world_of_one(tmp_path: Path) -> None:
     """Without a GPU, the default device (auto) measures the CPU: its probes' sizes, no
     memory budget, the device named in the description."""
@@ -261,6 +290,27 @@ def test_calibrate_cli_world_of_one(tmp_path: Path) -> None:
         assert prof.description.endswith("(CPU)") and prof.memory_per_rank_bytes is None
         assert prof.measured_on == "CPU"
         assert prof.compute.decomposition_concurrency == 1.0  # one after another on a CPU
+    # one rank measures no network: the bundled default's, recorded as an assumption,
+    # never costs of zero (communication planned as free at every world size)
+    assert "network" not in prof.by_ranks[1]
+    assert prof.at(64).network == load_profile("a100-ib200").network
+    assert any("network is not measured" in a for a in prof.assumptions)
+
+
+def test_a_one_rank_entry_brings_no_network(caplog: pytest.LogCaptureFixture) -> None:
+    """Files of an older calibrate hold a 1-rank network of zero costs: never applied;
+    a profile whose collectives all cost nothing warns when planning several ranks."""
+    measured = {k: LinkCost(2e-6, 1e-10, "ring") for k in COLLECTIVES}
+    free = {k: LinkCost(0.0, 0.0, "ring") for k in COLLECTIVES}
+    prof = Profile(name="merged", network=measured, compute=load_profile("a100-ib200").compute,
+                   by_ranks={1: {"network": free}, 8: {"network": measured}})
+    assert prof.at(4).network == measured and prof.at(1).network == measured
+    zero = replace(prof, network=free, by_ranks={})
+    with caplog.at_level(logging.WARNING, logger="kfac_hpc"):
+        zero.at(1)
+        assert not caplog.records
+        zero.at(16)
+    assert any("every collective costs nothing" in r.getMessage() for r in caplog.records)
 
 
 def test_calibrate_merges_measurements_of_one_device_only(

@@ -54,7 +54,7 @@ from torch import nn
 from kfac_hpc.comm import Communicator
 from kfac_hpc.files import write_text_atomic
 from kfac_hpc.plan.collectives import COLLECTIVES, LinkCost, coefficients
-from kfac_hpc.plan.profile import ComputeRates, Profile, load_profile
+from kfac_hpc.plan.profile import DEFAULT_PROFILE, ComputeRates, Profile, load_profile
 from kfac_hpc.runtime.device import synchronizer
 
 __all__ = ["PROBES", "ProbeSizes", "add_arguments", "calibration_device", "describe_device",
@@ -574,22 +574,31 @@ def run(args: argparse.Namespace) -> int:
         for kind, link in network.items():
             say(f"{kind:>15}: alpha {link.alpha * 1e6:8.2f} us, "
                 f"beta {link.beta * 1e9:8.4f} s/GB ({1 / max(link.beta, 1e-30) / 1e9:.2f} GB/s)")
-    else:
-        network = {k: LinkCost(0.0, 0.0, "ring") for k in COLLECTIVES}
-        say("one rank: no network measured (collectives cost nothing at world size 1)")
+    else:  # nothing to measure: the network of the profile extended, or an assumed one
+        network = {}
+        say("one rank: no network measured; the profile keeps the network it extends "
+            f"(--merge), or the bundled {DEFAULT_PROFILE!r} profile's as an assumption; "
+            "calibrate on 2 or more ranks (one per node) to measure it")
     host = comm.mpi.bcast(socket.gethostname(), 0)
     memory = gpu_memory_per_rank(comm.mpi, device)
-    entry = {"network": network, "compute": compute}
+    entry: dict[str, Any] = {"compute": compute}
+    if network:
+        entry["network"] = network
     if rank == 0:
         base: Profile | None = None
         if args.merge and args.out.is_file():
             base = load_profile(args.out)
         if base is None:
+            assumed: tuple[str, ...] = ("overlap_efficiency is not measured "
+                                        f"(set to {args.overlap_efficiency})",)
+            if not network:
+                network = dict(load_profile(DEFAULT_PROFILE).network)
+                assumed += (f"the network is not measured (calibrated on one rank): the "
+                            f"bundled {DEFAULT_PROFILE!r} profile's",)
             base = Profile(name=args.name or f"calibrated-{host}", network=network,
                            compute=compute, source="calibrated",
                            description=f"measured by kfac-hpc calibrate on {host} ({where})",
-                           assumptions=("overlap_efficiency is not measured "
-                                        f"(set to {args.overlap_efficiency})",),
+                           assumptions=assumed,
                            memory_per_rank_bytes=memory, measured_on=where)
         else:  # a profile of this device (or an assumed one): the smaller memory share
             shares = [m for m in (base.memory_per_rank_bytes, memory) if m is not None]

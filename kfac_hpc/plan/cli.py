@@ -23,7 +23,7 @@ from typing import Any
 from torch import nn
 
 from kfac_hpc.files import write_text_atomic
-from kfac_hpc.kfac.options import DEFAULT_LOW_RANK_MIN_DIM, STRATEGIES
+from kfac_hpc.kfac.options import DEFAULT_LOW_RANK_MIN_DIM, DTYPES, STRATEGIES
 from kfac_hpc.plan.choose import baselines, plan
 from kfac_hpc.plan.model_shapes import model_spec
 from kfac_hpc.plan.options import KFACOptions
@@ -33,6 +33,24 @@ from kfac_hpc.units import parse_bytes
 
 __all__ = ["add_arguments", "builtin_model", "run"]
 
+
+def _bounded(kind: type, low: float, what: str) -> Any:
+    """An argparse type: a ``kind`` number of at least ``low`` (else exit 2 saying so)."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value >= low:  # NaN too
+            raise argparse.ArgumentTypeError(f"{text!r}: must be {what}")
+        return value
+
+    return parse
+
+
+_positive_int = _bounded(int, 1, "an integer >= 1")
+_count = _bounded(int, 0, "an integer >= 0")
+_positive_float = _bounded(float, 1e-300, "a number > 0")
 
 
 #: builtin model -> (build_model keyword arguments, per-sample input shape)
@@ -78,24 +96,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="resnet50",
                         help="model of the training driver's zoo: resnet50 (ImageNet), "
                              "resnet20/32/56 (CIFAR), mlp (default resnet50)")
-    parser.add_argument("--ranks", type=int, nargs="+", default=[64, 128],
+    parser.add_argument("--ranks", type=_positive_int, nargs="+", default=[64, 128],
                         help="world sizes to plan for (default 64 128)")
-    parser.add_argument("--batch", type=int, default=32, help="batch per rank (default 32)")
+    parser.add_argument("--batch", type=_positive_int, default=32,
+                        help="batch per rank (default 32)")
     parser.add_argument("--profile", default=None,
                         help=f"profile JSON or bundled name ({', '.join(bundled_profiles())}); "
                              "default $KFAC_HPC_PLAN_PROFILE or a100-ib200")
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
     parser.add_argument("--compute-method", choices=("eigen", "inverse"), default="eigen")
-    parser.add_argument("--factor-update-steps", type=int, default=1)
-    parser.add_argument("--inv-update-steps", type=int, default=1)
-    parser.add_argument("--local-thresholds", type=int, nargs="+", default=[16],
+    parser.add_argument("--factor-update-steps", type=_positive_int, default=1)
+    parser.add_argument("--inv-update-steps", type=_positive_int, default=1)
+    parser.add_argument("--local-thresholds", type=_count, nargs="+", default=[16],
                         help="local_decomposition_threshold values to try (default 16)")
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    parser.add_argument("--factor-dtype", default="float32")
-    parser.add_argument("--low-rank", type=int, default=None, metavar="K",
+    parser.add_argument("--bucket-cap-mb", type=_positive_float, default=25.0)
+    parser.add_argument("--factor-dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--low-rank", type=_positive_int, default=None, metavar="K",
                         help="price low-rank decompositions of rank K for factors with at "
                              "least --low-rank-min-dim rows (default: full eigh)")
-    parser.add_argument("--low-rank-min-dim", type=int, default=DEFAULT_LOW_RANK_MIN_DIM)
+    parser.add_argument("--low-rank-min-dim", type=_positive_int,
+                        default=DEFAULT_LOW_RANK_MIN_DIM)
     parser.add_argument("--no-options", action="store_true",
                         help="strategies only: no packing/overlap/factor_sync variants")
     parser.add_argument("--memory-budget", type=parse_bytes, default=None,
@@ -105,7 +125,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="add D-KFAC, MPD-KFAC, SPD-KFAC, DP-KFAC and S-SGD as modelled")
     parser.add_argument("--breakdown", action="store_true",
                         help="print the time per phase of the chosen configuration")
-    parser.add_argument("--top", type=int, default=0, help="rows per world size (0: all)")
+    parser.add_argument("--top", type=_count, default=0,
+                        help="rows per world size (0: all; the chosen row is always shown)")
     parser.add_argument("--json", type=Path, default=None, help="also write the plan as JSON")
 
 
@@ -168,17 +189,24 @@ def run(args: argparse.Namespace) -> int:
           f"{args.inv_update_steps}; {args.compute_method}; memory budget "
           f"{'none' if budget is None else f'{budget / 2**30:.1f} GiB'} per rank "
           f"(peak = K-FAC state + transient buffers + weights/grads/momentum)")
-    choices = plan(spec, args.ranks, args.batch, profile, base, strategies=args.strategies,
-                   vary_options=not args.no_options, local_thresholds=args.local_thresholds[1:],
-                   budget=budget)
     out: dict[str, Any] = {"model": args.model, "batch": args.batch,
                            "profile": profile.name, "worlds": []}
-    for choice in choices:
-        world = choice.world
+    for world in args.ranks:
+        try:
+            choice, = plan(spec, [world], args.batch, profile, base,
+                           strategies=args.strategies, vary_options=not args.no_options,
+                           local_thresholds=args.local_thresholds[1:], budget=budget)
+        except ValueError as err:  # no candidate here: hybrid-opt alone on a prime world
+            print(f"\n== {world} ranks ==  no configuration to plan ({err}; hybrid-opt "
+                  "needs a world size with a divisor other than 1 and itself)")
+            continue
         best_s = choice.estimates[0].total_s
+        shown = list(choice.estimates[:args.top] if args.top else choice.estimates)
+        if not any(e is choice.best for e in shown):  # the pick, always
+            shown = [*shown, choice.best]
         rows = [_row(e.options.label(), e, best_s, "* " if e is choice.best else "  ",
                      choice.fits(e))
-                for e in (choice.estimates[:args.top] if args.top else choice.estimates)]
+                for e in shown]
         extra: dict[str, Any] = {}
         if args.baselines:
             for name, opts in baselines(base).items():

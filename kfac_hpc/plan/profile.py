@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -34,6 +35,8 @@ from typing import Any
 
 from kfac_hpc.files import write_text_atomic
 from kfac_hpc.plan.collectives import COLLECTIVES, LinkCost
+
+log = logging.getLogger("kfac_hpc")
 
 __all__ = ["PROFILE_DIR", "ComputeRates", "Profile", "bundled_profiles", "default_profile",
            "load_profile"]
@@ -185,22 +188,31 @@ class Profile:
 
         Returns:
             This profile with the entry of the largest measured world size not above
-            ``ranks`` (the smallest if none) merged in; itself when there are none.
+            ``ranks`` (the smallest if none) merged in; itself when there are none. An
+            entry of one rank brings no network (a file written by an older calibrate
+            may hold one of zero costs: nothing was measured).
         """
-        if not self.by_ranks:
-            return self
-        keys = sorted(self.by_ranks)
-        chosen = max((k for k in keys if k <= ranks), default=keys[0])
-        entry = self.by_ranks[chosen]
-        network = dict(self.network)
-        for kind, link in entry.get("network", {}).items():
-            network[kind] = _link(link)
-        compute = self.compute
-        if "compute" in entry:
-            merged = {**self.compute.to_json(), **entry["compute"]}
-            compute = ComputeRates.from_json(merged)
-        return replace(self, network=network, compute=compute, by_ranks={},
-                       measured_at_ranks=chosen)
+        resolved = self
+        if self.by_ranks:
+            keys = sorted(self.by_ranks)
+            chosen = max((k for k in keys if k <= ranks), default=keys[0])
+            entry = self.by_ranks[chosen]
+            network = dict(self.network)
+            for kind, link in (entry.get("network", {}) if chosen > 1 else {}).items():
+                network[kind] = _link(link)
+            compute = self.compute
+            if "compute" in entry:
+                merged = {**self.compute.to_json(), **entry["compute"]}
+                compute = ComputeRates.from_json(merged)
+            resolved = replace(self, network=network, compute=compute, by_ranks={},
+                               measured_at_ranks=chosen)
+        if ranks > 1 and all(link.alpha == 0 and link.beta == 0
+                             for link in resolved.network.values()):
+            log.warning("profile %r: every collective costs nothing (a network calibrated "
+                        "on one rank?), so %d ranks are planned without communication "
+                        "time; calibrate on 2 or more ranks, one per node",
+                        self.name, ranks)
+        return resolved
 
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> dict[str, Any]:
