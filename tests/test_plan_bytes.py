@@ -179,3 +179,31 @@ def test_configs_cover_every_strategy_and_option() -> None:
     assert any(o.inv_update_steps > 1 for o in CONFIGS.values())
     assert len({o.local_decomposition_threshold for o in CONFIGS.values()}) >= 3
     assert replace(CONFIGS["comm-opt"]) == KFACOptions()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gradient_averaging_bytes_exact_with_a_frozen_backbone_mpi(dtype: torch.dtype) -> None:
+    """GradientAverager sends the trainable gradients in their dtype, one flag each: the
+    planner's ``grad_avg_bytes`` (it counted every parameter in fp32, 26x too many here)."""
+    from kfac_hpc import GradientAverager
+    from kfac_hpc.plan.profile import default_profile
+    from kfac_hpc.plan.timing import estimate
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5)).to(dtype)
+    model[0].requires_grad_(False)
+    comm = Communicator(MPI.COMM_WORLD.Dup())
+    averager = GradientAverager(model, comm)
+    for _ in range(2):  # the second: the first also agrees on the buckets' order
+        comm.stats.reset()
+        model.zero_grad()
+        F.cross_entropy(model(torch.randn(4, 64, dtype=dtype)),
+                        torch.zeros(4, dtype=torch.long)).backward()
+        averager.synchronize()
+    spec = model_spec(model)
+    assert comm.stats.total_bytes == spec.gradient_average_bytes, comm.stats.snapshot()
+    est = estimate(spec, KFACOptions(), comm.size, 4, default_profile())
+    assert est.grad_avg_bytes == spec.gradient_average_bytes
+    size = dtype.itemsize
+    assert est.model_bytes == (64 * 65 + 5 * 65) * size + 2 * 5 * 65 * size

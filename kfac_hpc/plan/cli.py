@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
             extra["S-SGD"] = sgd
             rows.append(["  [S-SGD] no K-FAC", f"{sum(sgd.values()):.4f}",
                          f"{sum(sgd.values()) / best_s:.2f}", "0.0", "0.0", "0.0", "0.0",
-                         _mb(3 * spec.param_numel * 4), "-"])
+                         _mb(spec.weight_bytes + 2 * spec.trained_bytes), "-"])
         print(f"\n== {world} ranks ==" + ("" if choice.fits_budget else
                                            "  (nothing fits the budget: smallest marked)"))
         print(_table(rows))

@@ -71,7 +71,7 @@ class Estimate:
     grad_avg_bytes: int  # gradient averaging per rank per step (DDP/GradientAverager)
     construction_bytes: int
     memory: dict[str, int]  # per rank (max over ranks) by kind, bytes
-    model_bytes: int  # weights + gradients + momentum (fp32), for the memory budget
+    model_bytes: int  # weights + the trainable ones' gradients and momentum (memory budget)
 
     @property
     def total_s(self) -> float:
@@ -124,7 +124,7 @@ def _training_terms(model: ModelSpec, batch: int, world: int,
         link = profile.link("allreduce")
         sizes = _grad_buckets(model)
         times = [link.time("allreduce", b, world) for b in sizes]
-        copies = 4 * model.param_numel * 4 / c.mem_bandwidth  # flatten + write back
+        copies = 4 * model.gradient_average_bytes / c.mem_bandwidth  # flatten + write back
         total = sum(times) + copies + len(sizes) * (_OPS["collective"] * c.op_overhead_s
                                                     + c.sync_overhead_s)
         avg = max(times[-1] if times else 0.0, total - c.overlap_efficiency * bwd)
@@ -132,8 +132,8 @@ def _training_terms(model: ModelSpec, batch: int, world: int,
 
 
 def _grad_buckets(model: ModelSpec, cap_mb: float = 25.0) -> list[int]:
-    """Bytes per gradient-averaging bucket (one bucket per 25 MB of fp32 parameters)."""
-    total = model.param_numel * 4
+    """Bytes per gradient-averaging bucket (one per 25 MB of trainable gradients)."""
+    total = model.gradient_average_bytes
     cap = int(cap_mb * 2**20)
     full, rest = divmod(total, cap)
     return [cap] * full + ([rest] if rest else [])
@@ -158,7 +158,7 @@ def estimate_sgd(model: ModelSpec, world: int, batch: int, profile: Profile,
     leaves = leaf_modules if leaf_modules is not None else model.leaf_modules
     t = _training_terms(model, batch, world, prof, leaves)
     c = prof.compute
-    t["other"] = (3 * model.param_numel * 4 / c.mem_bandwidth
+    t["other"] = (3 * model.trained_bytes / c.mem_bandwidth
                   + model.param_tensors * (c.param_overhead_s or 3 * c.op_overhead_s))
     return t
 
@@ -236,9 +236,10 @@ def estimate(model: ModelSpec, options: KFACOptions, world: int, batch: int,
     return Estimate(
         model=model.name, options=o, world=world, batch=batch, profile=ctx.prof.name, time=t,
         bytes_per_step=per_step,
-        grad_avg_bytes=model.param_numel * FP32_BYTES if world > 1 else 0,
+        grad_avg_bytes=model.gradient_average_bytes if world > 1 else 0,
         construction_bytes=construction_traffic(model, o, world).total,
-        memory=memory, model_bytes=MODEL_STATE_COPIES * model.param_numel * FP32_BYTES)
+        memory=memory,
+        model_bytes=model.weight_bytes + (MODEL_STATE_COPIES - 1) * model.trained_bytes)
 
 
 # ------------------------------------------------------------ estimate: the steps
@@ -490,12 +491,12 @@ def _other_s(ctx: _Context) -> float:
     """Price KL clipping, ``.grad`` writes and the optimizer's update.
 
     ``KL_CLIP_PASSES`` fp32 passes over the K-FAC weights, and ``OPTIMIZER_PASSES`` over
-    every parameter.
+    the trainable parameters.
     """
     c, model = ctx.c, ctx.model
     return (KL_CLIP_PASSES * model.kfac_param_numel * FP32_BYTES / c.mem_bandwidth
             + len(model.layers) * _OPS["other_layer"] * c.op_overhead_s
-            + OPTIMIZER_PASSES * model.param_numel * FP32_BYTES / c.mem_bandwidth
+            + OPTIMIZER_PASSES * model.trained_bytes / c.mem_bandwidth
             + model.param_tensors * (c.param_overhead_s or 3 * c.op_overhead_s))
 
 
