@@ -127,3 +127,9 @@ def test_precondition_lowrank_checks_and_dtype() -> None:
     with pytest.raises(ValueError):
         precondition_lowrank(grad, a, g, -1.0)
     assert isinstance(a, LowRankFactor)
+    # damping 0: fine where every complement has a remainder, refused where one has none
+    finite = precondition_lowrank(grad.float(), a, g, 0.0)
+    assert bool(torch.isfinite(finite).all())
+    zero = randomized_eigh(decaying_factor(20, gen).float(), rank=4, remainder="zero")
+    with pytest.raises(ValueError, match="damping 0 with a remainder rho of 0"):
+        precondition_lowrank(grad, zero, g, 0.0)

@@ -250,13 +250,16 @@ def test_stored_decompositions_that_do_not_fit_are_recomputed() -> None:
     _, low = run(1, **LOW)
     _, dense = run(1, inv_update_steps=4)
     for source, kwargs in ((low, {"inv_update_steps": 4}), (dense, LOW),
-                           (low, {**LOW, "low_rank": 3})):
+                           (low, {**LOW, "low_rank": 3}), (low, {**LOW, "low_rank": 8})):
         model = net()
         pre = build(model, **kwargs)
         pre.load_state_dict(source.state_dict())
         train_steps(model, pre, torch.optim.SGD(model.parameters(), lr=0.1), range(1, 2))
         q = pre.decompositions["0/A"]["Q"]
-        assert q.shape == (64, kwargs.get("low_rank", 64))
+        k = kwargs.get("low_rank", 64)
+        assert q.shape == (64, k)
+        # orthonormal columns: a rank-4 decomposition is not padded with zeros to 8
+        torch.testing.assert_close(q.T @ q, torch.eye(k, dtype=q.dtype), atol=1e-5, rtol=0)
 
 
 def test_every_low_rank_tensor_names_its_device(meta_default_device: Any) -> None:

@@ -677,6 +677,8 @@ class LowRankDecomposer(EigenDecomposer):
         """Return a stored decomposition as message pieces, low rank padded to the cap.
 
         The stored ``Q`` (``d x k``, ``1 <= k <= cap``) zero-padded back to the message's ``c x d``.
+        Without the energy rule ``k`` must be the cap (a decomposition stored under another
+        ``low_rank`` is recomputed: zero columns would pass for eigenvectors).
         """
         cap = self.cap(n)
         if cap is None:
@@ -687,6 +689,7 @@ class LowRankDecomposer(EigenDecomposer):
         k = int(q.shape[1]) if q.dim() == 2 else -1
         stored_rank = stored.get(Part.RANK.value)
         if (q.dim() != 2 or q.shape[0] != n or not 1 <= k <= cap
+                or (self.energy is None and k != cap)
                 or tuple(stored[Part.LAMBDA.value].shape) != (k,)
                 or stored[Part.RHO.value].numel() != 1
                 or (stored_rank is not None and int(stored_rank.reshape(-1)[0]) != k)):

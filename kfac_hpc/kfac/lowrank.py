@@ -395,16 +395,21 @@ def lowrank_solve(a: LowRankFactor, g: LowRankFactor, damping: float) -> LowRank
     Args:
         a: ``A``'s decomposition.
         g: ``G``'s decomposition (same dtype and device).
-        damping: ``γ``, finite and ``>= 0``.
+        damping: ``γ``, finite and ``>= 0`` (``> 0`` where a factor has a complement with
+            ``ρ = 0``).
 
     Returns:
         The solve; call it with a ``g x a`` gradient.
 
     Raises:
-        ValueError: ``damping`` negative or not finite.
+        ValueError: ``damping`` negative or not finite, or 0 with a remainder of 0.
     """
     if damping < 0 or not math.isfinite(damping):
         raise ValueError(f"damping must be finite and >= 0, got {damping}")
+    if damping == 0 and any(f.rank < f.dim and bool(f.rho == 0) for f in (a, g)):
+        raise ValueError("damping 0 with a remainder rho of 0 (remainder='zero', or a factor "
+                         "of rank k exactly) leaves directions of zero curvature: 1/0; give "
+                         "damping > 0")
     with torch.autocast(device_type=a.q.device.type, enabled=False):
         s, u, v, w = _coefficients(a, g, damping)
         if g.rank == g.dim and a.rank == a.dim:
