@@ -52,10 +52,15 @@ def test_auto_rejects_a_fraction_and_profile_needs_auto() -> None:
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_resolver_extremes(world: int) -> None:
-    # bandwidth-bound, decompositions every step: gradients (g·a) beat eigenbases (n²+n)
+    # bandwidth-bound, decompositions every step: gradients (g·a) beat eigenbases (n²+n),
+    # so comm-opt loses and mem-opt broadcasts least (the factor reduce-scatter, priced by
+    # its largest owner's segment, depends on each strategy's placement: it may decide)
     s, f, best, ests = resolve_auto(mlp(), world, profile=SLOW_BANDWIDTH)
-    assert (s, f) == ("mem-opt", None)
+    assert s != "comm-opt"
     assert best is not None and best.total_s == min(e.total_s for e in ests)
+    broadcasts = {e.options.label(): e.time["decomp bcast"] + e.time["grad bcast"]
+                  for e in ests}
+    assert min(broadcasts, key=broadcasts.__getitem__) == "mem-opt"
     # latency-bound, decompositions rarely: comm-opt sends no per-step gradient messages
     s, f, _, _ = resolve_auto(mlp(), world, profile=SLOW_LATENCY, inv_update_steps=100)
     assert (s, f) == ("comm-opt", None)

@@ -207,3 +207,40 @@ def test_gradient_averaging_bytes_exact_with_a_frozen_backbone_mpi(dtype: torch.
     assert est.grad_avg_bytes == spec.gradient_average_bytes
     size = dtype.itemsize
     assert est.model_bytes == (64 * 65 + 5 * 65) * size + 2 * 5 * 65 * size
+
+
+@pytest.mark.parametrize("name", ["comm-opt", "comm-opt+overlap-small-buckets",
+                                  "comm-opt+local0+pack+overlap"])
+def test_reduce_scatters_are_priced_by_their_largest_segment(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Owners hold whole factors, so segments are uneven; a ring reduce-scatter takes
+    P - 1 rounds of the largest: priced as an even call of P times it (the total before,
+    8.9x too cheap for ResNet-50 on 64 ranks)."""
+    from kfac_hpc.kfac.layouts import factor_layout
+    from kfac_hpc.plan.collectives import LinkCost
+    from kfac_hpc.plan.profile import default_profile
+    from kfac_hpc.plan.timing import estimate
+
+    options, world = CONFIGS[name], 3
+    spec = model_spec(tiny_net(), input_shape=(3, 8, 8))
+    dist = Distribution(spec, options, world)
+    if options.overlap:
+        assert len(dist.reduce_segments) == len(dist.buckets)
+        assert all(s <= b for s, b in zip(dist.reduce_segments, dist.buckets))
+    else:
+        counts = factor_layout(dist.placement, dist.dims, options.symmetric_packing).counts()
+        assert dist.reduce_segments == [max(counts)] and max(counts) * world > sum(counts)
+    priced: list[float] = []
+    time = LinkCost.time
+
+    def spy(self: LinkCost, kind: str, nbytes: float, p: int) -> float:
+        if kind == "reduce_scatter":
+            priced.append(nbytes)
+        return time(self, kind, nbytes, p)
+
+    monkeypatch.setattr(LinkCost, "time", spy)
+    estimate(spec, options, world, 2, default_profile())
+    size = 4  # float32 factors
+    want = [max(b, world * s) * size for b, s in zip(
+        dist.buckets if options.overlap else [dist.reduce_numel[0]], dist.reduce_segments)]
+    assert priced[:len(want)] == want

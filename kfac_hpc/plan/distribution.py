@@ -211,17 +211,46 @@ class Distribution:
                 sum(local_factor_layout(self.placement, self.dims, sym).counts()))
 
     @cached_property
-    def buckets(self) -> list[int]:
-        """Count the elements of each overlap bucket (readiness order: A fwd, G bwd).
+    def _bucket_plan(self) -> tuple[list[list[FactorKey]], dict[FactorKey, int]]:
+        """The pipeline's overlap buckets and each factor's wire elements.
 
-        The buckets are the pipeline's (:func:`~kfac_hpc.kfac.layouts.bucket_plan`).
+        The buckets of :func:`~kfac_hpc.kfac.layouts.bucket_plan`; the elements without
+        the ``#count``.
         """
         order = [k for k in readiness_order(self.dims)
                  if k not in self.placement.local_factors]
         numel = {k: self.wire_numel(factor_dim(self.dims, k)) for k in order}
         plan = bucket_plan(order, numel, int(self.options.bucket_cap_mb * 2**20),
                            itemsize(self.options.factor_dtype))
+        return [list(bucket) for bucket in plan], numel
+
+    @cached_property
+    def buckets(self) -> list[int]:
+        """Count the elements of each overlap bucket (readiness order: A fwd, G bwd)."""
+        plan, numel = self._bucket_plan
         return [sum(numel[k] + 1 for k in bucket) for bucket in plan]
+
+    @cached_property
+    def reduce_segments(self) -> list[int]:
+        """The largest rank's segment (elements) of each factor reduce-scatter call.
+
+        One call, or one per overlap bucket. The owners' segments are uneven (a rank
+        owns whole factors), and a ring or pairwise reduce-scatter takes ``P - 1`` rounds
+        of the largest segment: its time is that of an even call of ``P`` times it.
+        """
+        owner = self.placement.factor_owner
+        if not self.options.overlap:
+            counts = factor_layout(self.placement, self.dims,
+                                   self.options.symmetric_packing).counts()
+            return [max(counts, default=0)]
+        plan, numel = self._bucket_plan
+        out = []
+        for bucket in plan:
+            per_rank: dict[int, int] = {}
+            for k in bucket:
+                per_rank[owner[k]] = per_rank.get(owner[k], 0) + numel[k] + 1
+            out.append(max(per_rank.values(), default=0))
+        return out
 
     def low_rank_cap(self, n: int) -> int | None:
         """Return the most eigenpairs an ``n x n`` factor keeps (``None``: all of them)."""

@@ -325,7 +325,9 @@ def _factor_reduction_s(ctx: _Context, hidden_behind: float) -> float:
     """Price the factor messages of :meth:`Distribution.kind_traffic`.
 
     The reduce-scatter, or buckets with ``overlap``; local factors: one allreduce; each
-    ``α–β`` priced, plus packing them. With ``overlap`` ``overlap_efficiency ·
+    ``α–β`` priced (a reduce-scatter as an even one of ``P`` times its largest segment,
+    :attr:`Distribution.reduce_segments`, or as an allreduce of the whole where that is
+    cheaper), plus packing them. With ``overlap`` ``overlap_efficiency ·
     hidden_behind`` is hidden (never less than the last bucket).
     """
     o, d, c, world, prof = ctx.options, ctx.dist, ctx.c, ctx.world, ctx.prof
@@ -340,7 +342,15 @@ def _factor_reduction_s(ctx: _Context, hidden_behind: float) -> float:
         sizes = d.buckets if o.factor_reduction != "allreduce" or not ar else [*d.buckets, ar]
     else:
         sizes = [rs + ar] if o.factor_reduction == "allreduce" else [rs]
-    times = [link.time(kind, e * fsize, world) for e in sizes]
+    if kind == "reduce_scatter":
+        # uneven segments: a ring sets its pace by the largest; an MPI may instead reduce
+        # the whole and scatter it, no slower than an allreduce of the whole
+        whole = prof.link("allreduce")
+        times = [min(link.time(kind, max(e, world * s) * fsize, world),
+                     whole.time("allreduce", e * fsize, world))
+                 for e, s in zip(sizes, d.reduce_segments, strict=True)]
+    else:
+        times = [link.time(kind, e * fsize, world) for e in sizes]
     if ar and o.factor_reduction != "allreduce":
         times.append(prof.link("allreduce").time("allreduce", ar * fsize, world))
     keys = len(FACTORS) * len(ctx.model.layers)
