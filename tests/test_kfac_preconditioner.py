@@ -197,6 +197,36 @@ def test_skip_layers_unsupported_and_frozen(caplog):
         KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), skip_layers=["Linear"])
 
 
+def test_layers_with_tied_weights_are_left_to_the_base_optimizer(caplog):
+    """A language model's embedding and output layer share one weight: its gradient is
+    the sum of both layers' contributions, and each layer's preconditioned gradient
+    overwrote the other's. Both are left out, with a warning; the others precondition."""
+    torch.manual_seed(0)
+
+    class TiedLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.mid = nn.Embedding(11, 6), nn.Linear(6, 6)
+            self.head = nn.Linear(6, 11, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.relu(self.mid(self.emb(x))))
+
+    model = TiedLM()
+    with caplog.at_level("INFO", logger="kfac_hpc"):
+        pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), damping=0.1)
+    assert list(pre.layers) == ["mid"]
+    assert "emb (tied weights: a parameter shared with head)" in caplog.text
+    assert any(r.levelname == "WARNING" and "tied weights" in r.getMessage()
+               for r in caplog.records)
+    x = torch.randint(0, 11, (4, 5))
+    nn.functional.cross_entropy(model(x).reshape(-1, 11), x.reshape(-1)).backward()
+    tied = model.emb.weight.grad.clone()
+    pre.step()
+    assert torch.equal(model.emb.weight.grad, tied)  # the base optimizer's, as it was
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"damping": 0}, "damping must be > 0"),
     ({"factor_decay": 1.0}, r"factor_decay must be in \[0, 1\)"),

@@ -913,6 +913,10 @@ def approx_for(name: str, module: nn.Module, approx: ApproxOption) -> str:
     return chosen
 
 
+#: The reason given for layers left out because they share a parameter with another.
+TIED = "tied weights: a parameter shared"
+
+
 def register_layers(model: nn.Module, skip: Sequence[str] = (),
                     approx: ApproxOption = "expand",
                     ) -> tuple[dict[str, LayerCurvature], list[str]]:
@@ -921,9 +925,13 @@ def register_layers(model: nn.Module, skip: Sequence[str] = (),
     ``skip`` matches module names or class names: each entry is an exact name or a
     regular expression that must match the whole name (``re.fullmatch``), e.g.
     ``"blocks[.][0-9]+[.]attn[.].*"`` or ``"Embedding"``. Unsupported modules (grouped
-    convolutions, ...) and frozen layers (weight without grad) are skipped with a reason.
-    ``approx`` picks expand or reduce per layer (:func:`approx_for`).
-    The preconditioner and the planner both use this rule.
+    convolutions, ...) and frozen layers (weight without grad) are skipped with a reason,
+    and so are layers that share a parameter with another layer (tied weights, e.g. a
+    language model's embedding and output layer: :data:`TIED`): the shared gradient is
+    the sum of both layers' contributions, whose curvature is not one Kronecker product,
+    and each layer would overwrite the other's preconditioned gradient; the base
+    optimizer updates them as they are. ``approx`` picks expand or reduce per layer
+    (:func:`approx_for`). The preconditioner and the planner both use this rule.
     """
     layers: dict[str, LayerCurvature] = {}
     skipped: list[str] = []
@@ -946,6 +954,15 @@ def register_layers(model: nn.Module, skip: Sequence[str] = (),
             skipped.append(f"{name} (frozen)")
             continue
         layers[name or type(module).__name__] = curv
+    sharing: dict[int, list[str]] = {}
+    for name, curv in layers.items():
+        for param in curv.module.parameters(recurse=False):
+            sharing.setdefault(id(param), []).append(name)
+    tied = {name: [n for n in names if n != name] for names in sharing.values()
+            if len(names) > 1 for name in names}
+    for name, others in tied.items():
+        del layers[name]
+        skipped.append(f"{name} ({TIED} with {', '.join(dict.fromkeys(others))})")
     return layers, skipped
 
 

@@ -57,7 +57,7 @@ from kfac_hpc.kfac.factor_store import FactorState, FactorStore
 from kfac_hpc.kfac.factor_sync import LocalAverage
 from kfac_hpc.kfac.factor_update import FactorUpdate
 from kfac_hpc.kfac.hyperparams import Scalar, Schedule
-from kfac_hpc.kfac.layers import ApproxOption, LayerCurvature, register_layers
+from kfac_hpc.kfac.layers import TIED, ApproxOption, LayerCurvature, register_layers
 from kfac_hpc.kfac.layouts import factor_dim, factor_keys, factor_wire_numel, readiness_order
 from kfac_hpc.kfac.options import (
     AUTO,
@@ -924,6 +924,10 @@ def _register_layers(model: nn.Module, skip: tuple[str, ...], rank: int,
     layers, skipped = register_layers(model, skip, approx=approx)
     if skipped and rank == 0:
         log.info("K-FAC skips %d layer(s): %s", len(skipped), "; ".join(skipped))
+        tied = [s for s in skipped if TIED in s]
+        if tied:
+            log.warning("K-FAC leaves layers with tied weights to the base optimizer: %s "
+                        "(skip_layers names them to silence this)", "; ".join(tied))
     return layers
 
 

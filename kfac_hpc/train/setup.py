@@ -242,7 +242,9 @@ def build_core(cfg: TrainConfig, comm: Communicator, device: torch.device) -> Co
         raise ConfigError(
             f"--batch-size {cfg.batch_size} x {comm.size} ranks = global batch "
             f"{cfg.batch_size * comm.size} exceeds the {n} training samples of "
-            f"{cfg.dataset!r}; lower --batch-size")
+            f"{cfg.dataset!r}; lower --batch-size (resuming a checkpoint on more ranks: "
+            "give the per-rank batch that keeps its global batch, the global batch "
+            "divided by the ranks)")
     return Core(data=splits, model=model, optimizer=build_optimizer(cfg, model, comm),
                 loss_fn=loss_fn)
 
