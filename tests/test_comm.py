@@ -381,6 +381,12 @@ def test_unsupported_dtype_is_refused():
     comm = Communicator()
     with pytest.raises(TypeError, match="cannot travel over MPI"):
         comm.allreduce(torch.ones(2, dtype=torch.complex64))
+    # bool moves (a broadcast), but is never reduced: MPI has no sum of C_BOOL (an
+    # MPI_ERR_OP from inside MPI before, on every rank that got that far)
+    with pytest.raises(TypeError, match="bool tensor cannot be reduced"):
+        comm.allreduce(torch.ones(2, dtype=torch.bool))
+    flags = torch.tensor([True, False])
+    assert torch.equal(comm.broadcast(flags.clone()), flags)
 
 
 def test_numpy_and_cupy_adapter():

@@ -328,11 +328,15 @@ def to_wire(
         The wire; its ``ready`` event must complete before MPI touches ``data``.
 
     Raises:
-        TypeError: Not a tensor, or a dtype or device MPI cannot take.
+        TypeError: Not a tensor, a dtype or device MPI cannot take, or a bool tensor in a
+            reduction (MPI sums and compares no ``C_BOOL``).
         ValueError: A tensor on the meta device.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if reduction and tensor.dtype == torch.bool:
+        raise TypeError("a bool tensor cannot be reduced over MPI (no sum, max or min of "
+                        "C_BOOL); reduce tensor.to(torch.uint8) or .to(torch.int32) instead")
     if tensor.dtype not in SUPPORTED_DTYPES:
         mpi_datatype(tensor.dtype)  # raises the clear error
     check_device(tensor)
