@@ -740,8 +740,11 @@ class Communicator:
         return self._adopt(child)
 
     def free(self) -> None:
-        """Release a sub-communicator (never the world); posts its queued calls first."""
-        if self.mpi not in (MPI.COMM_WORLD, MPI.COMM_SELF):
+        """Release a sub-communicator (never the world); posts its queued calls first.
+
+        A second call does nothing (MPI's handle is then ``COMM_NULL``).
+        """
+        if self.mpi != MPI.COMM_NULL and self.mpi not in (MPI.COMM_WORLD, MPI.COMM_SELF):
             self._flush()
             _forget_queue(self.mpi)
             self.mpi.Free()
