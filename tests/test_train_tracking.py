@@ -60,6 +60,28 @@ def test_missing_tensorboard_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -
         require_tensorboard()
 
 
+def test_a_resumed_run_purges_the_tensorboard_events_after_its_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the CSV and JSON records of later steps are dropped, so are the events: the
+    writer opens with ``purge_step`` one past the step resumed from (a fresh run: none)."""
+    from kfac_hpc.train import metrics
+
+    opened: list[dict[str, object]] = []
+
+    class Writer:
+        def __init__(self, **kwargs: object) -> None:
+            opened.append(kwargs)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(metrics, "require_tensorboard", lambda: Writer)
+    MetricsWriter(tmp_path / "run", tensorboard_dir=tmp_path / "tb").close()
+    MetricsWriter(tmp_path / "run", append=True, resumed_at=40,
+                  tensorboard_dir=tmp_path / "tb").close()
+    assert [o["purge_step"] for o in opened] == [None, 41]
+
+
 def test_missing_tensorboard_stops_the_driver_with_exit_2(tmp_path: Path) -> None:
     """Every rank checks during setup: a ConfigError (exit 2), one message, no traceback."""
     code = ("import sys; sys.modules['torch.utils.tensorboard'] = None; "

@@ -140,7 +140,8 @@ class MetricsWriter:
             resumed_at: With ``append``, the step the run resumes from: the records of
                 later steps (written after that checkpoint by the run that was cut
                 short) are dropped first, so each step has one record.
-            tensorboard_dir: Also write TensorBoard event files there.
+            tensorboard_dir: Also write TensorBoard event files there (resumed: the events
+                of steps after ``resumed_at`` are purged, as the records are).
         """
         self.enabled = enabled and out_dir is not None
         self.out_dir = Path(out_dir) if out_dir is not None else None
@@ -153,7 +154,8 @@ class MetricsWriter:
             if append and resumed_at is not None:
                 drop_records_after(self.out_dir, resumed_at)
         if enabled and tensorboard_dir is not None:
-            self._tb = require_tensorboard()(log_dir=str(tensorboard_dir))
+            purge = resumed_at + 1 if append and resumed_at is not None else None
+            self._tb = require_tensorboard()(log_dir=str(tensorboard_dir), purge_step=purge)
 
     def _scalars(self, prefix: str, record: Mapping[str, Any]) -> None:
         if self._tb is None or record.get("step") is None:
