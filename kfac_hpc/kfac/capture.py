@@ -2,8 +2,13 @@
 
 A in the forward hook, G in a hook on the layer's output gradient. Each micro-batch
 adds its factor to a running sum, so only ``a_dim²`` and ``g_dim²`` numbers are kept per
-layer (never the activations). Nothing is captured in eval mode, under ``no_grad``, or
-when the owner of the capture says this step does not update factors.
+layer; on the GPU path the statistics groups hold a layer's input until its output's
+gradient comes, to compute same-shaped layers' factors together
+(:mod:`kfac_hpc.kfac.statistics_groups`; :meth:`StatisticsCapture.clear` and
+:meth:`StatisticsCapture.remove` drop what they hold). Nothing is captured in eval mode,
+under ``no_grad``, for an input without rows (an expert routed no token), or when the
+owner of the capture says this step does not update factors. The input is the first
+positional argument, or the ``input`` keyword (``layer(input=x)``).
 """
 
 from __future__ import annotations
@@ -95,16 +100,23 @@ class StatisticsCapture:
             self._run_group, precision)
         self._handles: list[RemovableHandle] = []
         for name, curv in layers.items():
-            self._handles.append(curv.module.register_forward_hook(self._forward_hook(name)))
+            self._handles.append(curv.module.register_forward_hook(self._forward_hook(name),
+                                                                   with_kwargs=True))
 
-    def _forward_hook(self, name: str) -> Callable[[nn.Module, tuple[Tensor, ...], Tensor], None]:
+    def _forward_hook(self, name: str) -> Callable[[nn.Module, tuple[Tensor, ...],
+                                                    dict[str, object], Tensor], None]:
         stats = self.stats[name]
 
-        def hook(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+        def hook(module: nn.Module, args: tuple[Tensor, ...], kwargs: dict[str, object],
+                 output: Tensor) -> None:
             if not (module.training and torch.is_grad_enabled() and self._active()):
                 return
             if not isinstance(output, Tensor) or not output.requires_grad:
                 return
+            given = args[0] if args else kwargs.get("input")
+            if not isinstance(given, Tensor) or given.numel() == 0:  # no rows: nothing to add
+                return
+            inputs = (given,)
             dtype = self._dtype_of(name)
             groups = self._groups
             if groups is None or not groups.hold_a(stats.curvature, stats.add, inputs[0],
@@ -153,7 +165,9 @@ class StatisticsCapture:
             stats.clear()
 
     def remove(self) -> None:
-        """Detach every hook from the model."""
+        """Detach every hook from the model; drop the inputs the groups hold."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._groups is not None:
+            self._groups.drop()

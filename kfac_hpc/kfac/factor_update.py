@@ -74,6 +74,7 @@ class FactorUpdate:
                 not run, e.g. ``nn.MultiheadAttention.out_proj``, goes on).
         """
         self.comm, self.store, self.exchange, self.dims = comm, store, exchange, dims
+        self._warned_partial: set[FactorKey] = set()  # factor_sync="inverse" (synchronise)
         self.reduce, self.deferred = reduce, deferred
         self.accumulation_steps, self.grad_scaler = accumulation_steps, grad_scaler
         self.pipeline = exchange.pipeline
@@ -164,7 +165,18 @@ class FactorUpdate:
             return self.exchange.pieces(key, delta, 1.0 if updated else 0.0)
 
         mine = self.exchange.reduce(pieces)
-        self.store.fold_synchronised(self.exchange.received(mine, self.store.states))
+        received = self.exchange.received(mine, self.store.states)
+        partial = [key for key, (_, ranks) in received.items()
+                   if 0 < ranks < self.comm.size and key not in self._warned_partial]
+        if partial:  # the owner sees it: c·F + mean_r D_r assumes the same steps everywhere
+            self._warned_partial.update(partial)
+            log.warning("K-FAC factor_sync='inverse': %s got statistics on some ranks only "
+                        "since the last synchronisation (a layer that is not used on every "
+                        "rank); the deferred average then differs from the per-step one "
+                        "(the factor's weight is this rank's), so use factor_sync='step' for "
+                        "models whose layers run on some ranks only",
+                        ", ".join(k.name for k in partial))
+        self.store.fold_synchronised(received)
 
     def _usable(self, k: int, sums: Mapping[FactorKey, Tensor],
                 ranks: int | None = None) -> bool:
@@ -198,10 +210,12 @@ class FactorUpdate:
                    if s.counts["A"] == 0 or s.counts["G"] == 0]
         if unfired:
             log.warning(
-                "K-FAC: the hooks of %d registered layer(s) never fired in the first factor "
-                "step: %s. Their forward is not called in training (e.g. a parent module "
-                "uses the weight directly, as nn.MultiheadAttention does with out_proj), so "
-                "they are not preconditioned; list them in skip_layers to silence this",
+                "K-FAC: %d registered layer(s) got no statistics in the first factor step "
+                "(no forward, or no output gradient): %s. Either their forward is not "
+                "called in training (e.g. a parent module uses the weight directly, as "
+                "nn.MultiheadAttention does with out_proj) or their output does not reach "
+                "the loss; they are not preconditioned until both statistics come; list "
+                "them in skip_layers to silence this",
                 len(unfired), ", ".join(unfired))
 
     def _captured_sums(self) -> dict[FactorKey, Tensor]:

@@ -499,7 +499,13 @@ def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _write_grad(param: Tensor, value: Tensor) -> None:
-    """Copy ``value`` into ``param.grad`` in place, or create it in ``param``'s dtype."""
+    """Copy ``value`` into ``param.grad`` in place, or create it in ``param``'s dtype.
+
+    A parameter frozen since its layer was registered (``requires_grad`` False) is left
+    alone: a new ``.grad`` would have the optimizer move it.
+    """
+    if not param.requires_grad:
+        return
     if param.grad is None:
         param.grad = value.reshape(param.shape).to(param.dtype, copy=True)
     else:
