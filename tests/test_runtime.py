@@ -110,6 +110,16 @@ def test_train_refuses_tasks_that_srun_started_alone(tmp_path: Path,
     with pytest.raises(ConfigError, match="srun started 8 tasks"):
         Trainer(TrainConfig(out=str(tmp_path / "run"), progress=False, epochs=1))
     assert not (tmp_path / "run").exists()
+    # the command line passes the world communicator: refused there too (it was not)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PMI_", "MV2_", "FLUX_"))}
+    env.update(SLURM_STEP_NUM_TASKS="8", SLURM_NTASKS="8", SLURM_PROCID="3")
+    done = subprocess.run([sys.executable, "-m", "kfac_hpc", "train", "--max-steps", "2",
+                           "--no-progress", "--checkpoint-dir", str(tmp_path / "ck")],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                          check=False)
+    assert done.returncode == 2 and "srun started 8 tasks" in done.stderr, done.stderr
+    assert not (tmp_path / "ck").exists()
 
 
 def test_mpi_launcher_variables_win_over_inherited_slurm_ones():

@@ -110,11 +110,24 @@ STALLING_MODEL = """
 
     def build_model(*, num_classes: int, input_dim: int) -> nn.Module:
         return Stalls(input_dim, num_classes)
+
+
+    def build_model_slowly(*, num_classes: int, input_dim: int) -> nn.Module:
+        '''Never returns on rank 1: a hang during the setup.'''
+        rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK"))
+        if rank == "1":
+            time.sleep(600)
+        return Stalls(input_dim, num_classes)
 """
 
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
-def test_a_rank_that_hangs_ends_the_job_with_exit_4(tmp_path: Path) -> None:
+@pytest.mark.parametrize("factory, last", [
+    ("build_model", "last: step 3 (epoch 1)"),
+    # the setup is watched too (it was not: the job waited for the launcher's limit)
+    ("build_model_slowly", "last: building the data, the model and the optimizer")])
+def test_a_rank_that_hangs_ends_the_job_with_exit_4(tmp_path: Path, factory: str,
+                                                    last: str) -> None:
     import os
 
     (tmp_path / "stalling_model.py").write_text(textwrap.dedent(STALLING_MODEL))
@@ -125,12 +138,12 @@ def test_a_rank_that_hangs_ends_the_job_with_exit_4(tmp_path: Path) -> None:
     t0 = time.monotonic()
     p = subprocess.run([str(ROOT / "launch" / "local"), "-n", "2", "--timeout", "200",
                         sys.executable, "-m", "kfac_hpc", "train", "--model",
-                        "stalling_model:build_model", "--optimizer", "sgd", "--epochs", "1",
-                        "--hang-timeout-minutes", "0.05", "--out", str(tmp_path / "run")],
+                        f"stalling_model:{factory}", "--optimizer", "sgd", "--epochs", "1",
+                        "--hang-timeout-minutes", "0.25", "--out", str(tmp_path / "run")],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
                        check=False)
     took = time.monotonic() - t0
     assert p.returncode == HANG_EXIT_CODE, p.stdout + p.stderr
-    assert "no progress for" in p.stderr and "last: step 3 (epoch 1)" in p.stderr, p.stderr
+    assert "no progress for" in p.stderr and last in p.stderr, p.stderr
     assert "Thread" in p.stderr or "File" in p.stderr  # the stacks of the rank
     assert took < 150  # ended by the watchdog, not by the launcher's timeout

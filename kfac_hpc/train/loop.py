@@ -208,14 +208,18 @@ class Trainer:
         t0 = time.perf_counter()
         self.cfg = cfg = cfg.resolved()
         self.comm = comm if comm is not None else world()
-        alone = singleton_under_srun(self.comm.size) if comm is None else None
+        from mpi4py import MPI
+
+        # on MPI's world (kfac-hpc train passes it): a task srun started alone
+        alone = (singleton_under_srun(self.comm.size) if self.comm.mpi == MPI.COMM_WORLD
+                 else None)
         if alone is not None:  # every task alike: each is its own world
             raise ConfigError(alone)
         self.rank, self.size = self.comm.rank, self.comm.size
         self.verbose = verbose and self.rank == 0
         self.should_stop = should_stop
         self.progress = Progress(cfg, verbose=self.verbose)
-        self._watchdog: Watchdog | None = None  # during fit()
+        self._watchdog: Watchdog | None = None  # from setup on (hang_timeout_minutes)
         self._epoch = 0  # the epoch in progress (0-based)
         self._wall0 = time.perf_counter()  # the origin of the records' wall times (fit())
         self._step_loss: torch.Tensor | None = None  # this rank's loss sum of the step
@@ -224,6 +228,9 @@ class Trainer:
         self._numerical = numerical_errors()
         # What is acquired below is released by close(), in reverse order.
         self._resources = contextlib.ExitStack()
+        if cfg.hang_timeout_minutes is not None:  # setup and resume hang too (collectives)
+            self._watchdog = Watchdog(60 * cfg.hang_timeout_minutes, rank=self.rank).start()
+            self._resources.callback(self._watchdog.stop)
         self._resources.callback(self.progress.close)
         self._resources.callback(torch.set_num_threads, torch.get_num_threads())
         # Metrics, flags and setup agreement travel on a duplicate: never counted as
@@ -243,9 +250,11 @@ class Trainer:
                     cfg, decomposition_streams=default_device_streams(share))
             self.device = select_device(cfg, self.comm, self.aux, self.local_rank,
                                         verbose=self.verbose)
+            self._beat("building the data, the model and the optimizer")
             core, wanted = agreed(self.aux, lambda: (build_core(cfg, self.comm, self.device),
                                                      wants_checkpoints(cfg)))
             self.data, self.model, self.opt = core.data, core.model, core.optimizer
+            self._beat("comparing the ranks' data")
             check_same_data(self.aux, self.data)
             self.loss_fn = core.loss_fn
             sync_initial_state(self.model, self.aux)
@@ -288,6 +297,7 @@ class Trainer:
             self.loss_range = LossRange()
             self.traffic = TrafficMeter(self.comm, ddp_bytes_per_step=(
                 0 if self.ddp is None else gradient_bytes(self.model)))
+            self._beat("looking for a checkpoint to resume from, and loading it")
             self.resumed = self._resume()
             if self.resumed is not None:  # the state resumed from is on disk
                 self._written = (self.step, len(self.tally.history))
@@ -667,20 +677,15 @@ class Trainer:
     def fit(self) -> TrainResult:
         """Run the configured epochs (or until ``max_steps``/target/stop) and summarise.
 
-        Under a :class:`~kfac_hpc.runtime.watchdog.Watchdog` (``hang_timeout_minutes``):
-        a rank that makes no progress for that long ends the job with exit status 4.
+        Under the :class:`~kfac_hpc.runtime.watchdog.Watchdog` started with the setup
+        (``hang_timeout_minutes``): a rank that makes no progress for that long ends the
+        job with exit status 4.
 
         Returns:
             What the run achieved (the same on every rank).
         """
-        minutes = self.cfg.hang_timeout_minutes
-        if minutes is None:
-            return self._fit()
-        with Watchdog(60 * minutes, rank=self.rank) as self._watchdog:
-            try:
-                return self._fit()
-            finally:
-                self._watchdog = None
+        self._beat("starting the training loop")
+        return self._fit()
 
     def _beat(self, doing: str) -> None:
         """Progress for the watchdog (no-op without one).
