@@ -300,6 +300,31 @@ def test_a_stop_after_a_failed_background_write_still_checkpoints(
     assert atomic.latest(tmp_path / "ck") == tmp_path / "ck" / "ckpt_00000007.h5"
 
 
+def test_a_crash_resumed_at_an_epochs_last_step_records_that_epoch_once(tmp_path: Path) -> None:
+    """The checkpoint of an epoch's last step is written before that epoch's record: a
+    run resumed from it records the epoch again, and the first record must go (it was
+    kept: two records of epoch 1)."""
+    from kfac_hpc.checkpoint import atomic
+    from kfac_hpc.checkpoint.layout import step_of_name
+
+    ck = tmp_path / "ck"
+    cfg = config(tmp_path, epochs=2, checkpoint_dir=str(ck), checkpoint_every_steps=1,
+                 checkpoint_keep=1000)
+    first = train(cfg, self_comm(), verbose=False)
+    end_of_first = first.steps // 2
+    for path in atomic.list_checkpoints(ck):
+        if step_of_name(path.name) != end_of_first:
+            path.unlink()
+    (ck / "completed").unlink()
+    (ck / "latest").write_text(f"ckpt_{end_of_first:08d}.h5\n")
+    train(cfg, self_comm(), verbose=False)
+    run = tmp_path / "run"
+    epochs = [line.split(",")[:2] for line in (run / "epochs.csv").read_text().splitlines()[1:]]
+    assert epochs == [["1", str(end_of_first)], ["2", str(first.steps)]]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "epoch"] == [end_of_first, first.steps]
+
+
 def test_a_run_resumed_after_a_crash_has_one_record_per_step(tmp_path: Path) -> None:
     """A run that crashed after its checkpoint of step 10 had written the records of
     the steps after it (here: the run went on to the end, and its later checkpoints and

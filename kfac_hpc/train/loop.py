@@ -305,6 +305,7 @@ class Trainer:
             self.writer = MetricsWriter(self.out_dir, enabled=self.rank == 0,
                                         append=self.resumed is not None,
                                         resumed_at=None if self.resumed is None else self.step,
+                                        resumed_epochs=len(self.tally.history),
                                         tensorboard_dir=cfg.tensorboard)
             self._resources.callback(self.writer.close)
         except BaseException:

@@ -130,6 +130,7 @@ class MetricsWriter:
 
     def __init__(self, out_dir: str | Path | None, *, enabled: bool = True,
                  append: bool = False, resumed_at: int | None = None,
+                 resumed_epochs: int | None = None,
                  tensorboard_dir: str | Path | None = None) -> None:
         """Open the files lazily, at their first record.
 
@@ -140,6 +141,8 @@ class MetricsWriter:
             resumed_at: With ``append``, the step the run resumes from: the records of
                 later steps (written after that checkpoint by the run that was cut
                 short) are dropped first, so each step has one record.
+            resumed_epochs: With ``resumed_at``, the epoch records the checkpoint holds:
+                later ones are dropped too.
             tensorboard_dir: Also write TensorBoard event files there (resumed: the events
                 of steps after ``resumed_at`` are purged, as the records are).
         """
@@ -152,7 +155,7 @@ class MetricsWriter:
         if self.enabled and self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             if append and resumed_at is not None:
-                drop_records_after(self.out_dir, resumed_at)
+                drop_records_after(self.out_dir, resumed_at, resumed_epochs)
         if enabled and tensorboard_dir is not None:
             purge = resumed_at + 1 if append and resumed_at is not None else None
             self._tb = require_tensorboard()(log_dir=str(tensorboard_dir), purge_step=purge)
@@ -256,21 +259,29 @@ def recorded_means(record: Mapping[str, Any]) -> tuple[WeightedMean, WeightedMea
     return (train or WeightedMean()), mean(record.get("test_loss"), record.get("test_acc"))
 
 
-def drop_records_after(out_dir: Path, step: int) -> None:
+def drop_records_after(out_dir: Path, step: int, epochs: int | None = None) -> None:
     """Drop the step and epoch records of steps after ``step`` from a run's files.
 
     ``steps.csv``, ``epochs.csv`` and ``metrics.jsonl`` are each rewritten atomically
     (records without a readable step are kept; a truncated last line is dropped).
+    With ``epochs``, epoch records beyond the first ``epochs`` go too: a checkpoint
+    written at an epoch's last step, before that epoch's record, resumes to record it
+    again.
 
     Args:
         out_dir: The run directory.
         step: The last step whose records stay.
+        epochs: The epoch records the checkpoint resumed from holds (None: any).
     """
     def later(value: Any) -> bool:
         try:
             return int(float(value)) > step
         except (TypeError, ValueError):
             return False
+
+    def extra_epoch(seen: list[int]) -> bool:  # counts the epoch records kept so far
+        seen[0] += 1
+        return epochs is not None and seen[0] > epochs
 
     for name in ("steps.csv", "epochs.csv"):
         path = out_dir / name
@@ -281,8 +292,10 @@ def drop_records_after(out_dir: Path, step: int) -> None:
         if not rows or "step" not in rows[0]:
             continue
         at = rows[0].index("step")
+        seen = [0]
         kept = [rows[0], *(r for r in rows[1:] if len(r) == len(rows[0])
-                           and not later(r[at]))]
+                           and not later(r[at])
+                           and not (name == "epochs.csv" and extra_epoch(seen)))]
         if len(kept) != len(rows):
             out = io.StringIO()
             csv.writer(out, lineterminator="\r\n").writerows(kept)
@@ -291,12 +304,15 @@ def drop_records_after(out_dir: Path, step: int) -> None:
     if path.is_file():
         lines = path.read_text(encoding="utf-8").splitlines()
         kept_lines = []
+        seen = [0]
         for line in lines:
             try:
                 record = json.loads(line)
             except ValueError:
                 continue  # a line cut short by the crash
-            if not (isinstance(record, dict) and later(record.get("step"))):
+            if not isinstance(record, dict) or not (
+                    later(record.get("step"))
+                    or (record.get("kind") == "epoch" and extra_epoch(seen))):
                 kept_lines.append(line)
         if kept_lines != lines:
             write_text_atomic(path, "".join(f"{line}\n" for line in kept_lines))
