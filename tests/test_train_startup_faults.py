@@ -185,9 +185,30 @@ def test_startup_signals_hand_over_and_restore() -> None:
         assert signal.getsignal(signal.SIGINT) == before_int
     finally:
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)
-    names = {s.name for s in train_cli.StartupSignals.from_argv(
-        ["--preempt-signals", "USR2,HUP"]).signals}
-    assert names == {"SIGINT", "SIGUSR1", "SIGTERM", "SIGUSR2", "SIGHUP"}
+
+
+def test_startup_handles_the_signals_the_run_will(tmp_path: Path) -> None:
+    """The run's own signals from the first second: the flag's, else the config file's
+    (read without the config machinery), else USR1 and TERM; ``none`` or nothing: none
+    but Ctrl-C. (The defaults were always added, and a config file was never read: a
+    USR2 named there killed the starting job, exit 140, which a requeue counts as a
+    crash.)"""
+    def names(argv: list[str]) -> set[str]:
+        return {s.name for s in train_cli.StartupSignals.from_argv(argv).signals}
+
+    assert names([]) == {"SIGINT", "SIGUSR1", "SIGTERM"}
+    assert names(["--preempt-signals", "USR2,HUP"]) == {"SIGINT", "SIGUSR2", "SIGHUP"}
+    assert names(["--preempt-signals=none"]) == {"SIGINT"}
+    assert names(["--preempt-signals="]) == {"SIGINT"}
+    config = tmp_path / "run.toml"
+    config.write_text('[checkpoint]\npreempt-signals = ["USR2"]\n')
+    assert names(["--config", str(config)]) == {"SIGINT", "SIGUSR2"}
+    assert names([f"--config={config}", "--preempt-signals", "TERM"]) == {"SIGINT", "SIGTERM"}
+    config.write_text("preempt_signals = this is not toml\n")
+    assert names(["--config", str(config)]) == {"SIGINT", "SIGUSR1", "SIGTERM"}
+    from kfac_hpc.train.config import TrainConfig
+
+    assert TrainConfig.from_dict({"preempt_signals": "none"}).preempt_signals == ()
 
 
 # ------------------------------------------------------------------------ Ctrl-C

@@ -137,6 +137,29 @@ def agree_on_usage(problem: str | None) -> int:
     return 2
 
 
+def _config_value(path: str, key: str) -> Any:
+    """``key`` of a TOML config file (None: absent, or not a TOML file this can read).
+
+    At the top or in a table one level deep, as
+    :func:`~kfac_hpc.train.config.load_config_file` flattens them.
+    """
+    import tomllib
+
+    if not path.lower().endswith(".toml"):
+        return None
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except (OSError, ValueError):
+        return None
+    tables = [data, *(v for v in data.values() if isinstance(v, dict))]
+    for table in tables:
+        for name in (key, key.replace("_", "-")):
+            if name in table:
+                return table[name]
+    return None
+
+
 class StartupSignals:
     """Signal handlers for the first seconds of a job, before its preemption guard exists.
 
@@ -169,17 +192,35 @@ class StartupSignals:
 
     @classmethod
     def from_argv(cls, argv: Sequence[str]) -> StartupSignals:
-        """Take the defaults plus the signals of a ``--preempt-signals`` flag in ``argv``."""
-        names: list[str] = ["USR1", "TERM"]
+        """The signals the run will handle, as named by ``argv``.
+
+        ``--preempt-signals`` in ``argv``, else the ``preempt_signals`` of its ``--config``
+        file, else ``USR1`` and ``TERM``. Read without the config's machinery (no torch
+        yet); what cannot be read here is left to the config's validation. ``none`` (or
+        nothing) handles none of them.
+        """
+        given: Any = None
+        config: str | None = None
         for i, arg in enumerate(argv):
-            value = None
-            if arg == "--preempt-signals" and i + 1 < len(argv):
-                value = argv[i + 1]
-            elif arg.startswith("--preempt-signals="):
+            if arg in ("--preempt-signals", "--config") and i + 1 < len(argv):
+                value: str | None = argv[i + 1]
+            elif arg.startswith(("--preempt-signals=", "--config=")):
                 value = arg.split("=", 1)[1]
-            if value is not None:
-                names += [v.strip() for v in value.split(",") if v.strip()]
-        return cls(names)
+            else:
+                continue
+            if arg.startswith("--config"):
+                config = value
+            else:
+                given = value
+        if given is None and config is not None:
+            given = _config_value(config, "preempt_signals")
+        if given is None:
+            return cls(["USR1", "TERM"])
+        items = given.split(",") if isinstance(given, str) else given
+        if not isinstance(items, list | tuple):
+            return cls(["USR1", "TERM"])
+        names = [str(v).strip() for v in items if str(v).strip()]
+        return cls([n for n in names if n.lower() != "none"])
 
     def install(self) -> StartupSignals:
         """Install the handlers (main thread only; elsewhere nothing is done)."""

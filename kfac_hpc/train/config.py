@@ -292,7 +292,8 @@ class TrainConfig:
     resume: str = _opt("auto", "auto (latest in --checkpoint-dir) | never | PATH", "checkpoint")
     preempt_signals: tuple[str, ...] = _opt(
         ("USR1", "TERM"), "signals that checkpoint and exit with the requeue status 75 "
-        "(none: ignore signals)", "checkpoint")
+        "(none: no preemption handling; the signals keep their default action)",
+        "checkpoint")
     time_limit_margin_minutes: float | None = _opt(
         None, "checkpoint and exit 75 when SLURM's remaining wall time "
         "(SLURM_JOB_END_TIME) is below this", "checkpoint")
@@ -704,6 +705,8 @@ def coerce(tp: Any, value: Any) -> Any:
         item = typing.get_args(inner)[0]
         if isinstance(value, str):
             value = [v for v in (s.strip() for s in value.split(",")) if v]
+            if [v.lower() for v in value] == ["none"]:  # none: the empty list
+                value = []
         if not isinstance(value, list | tuple):
             raise ValueError(f"expected a list, got {value!r}")
         return tuple(coerce(item, v) for v in value)
