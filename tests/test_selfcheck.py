@@ -172,6 +172,24 @@ def test_cuda_selfcheck_runs_or_skips_clearly(comm: Communicator,
             assert "PASS" not in out
 
 
+@pytest.mark.mpi(min_size=2)
+def test_cuda_selfcheck_fails_where_some_ranks_see_no_gpu(
+        comm: Communicator, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node whose GPUs are missing (a fault, a wrong GPU request) fails the check,
+    naming the ranks; it was reported as SKIPPED with status 0, as if no rank had one."""
+    if torch.cuda.is_available():
+        pytest.skip("the ranks' view of CUDA is simulated on CPU-only ranks")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: comm.rank == comm.size - 1)
+    args = argparse.Namespace(sizes=[8], repeat=0, no_timing=True, device="cuda")
+    assert run(args) == 1
+    out = capsys.readouterr().out
+    if comm.rank == 0:
+        assert (f"FAILED: rank(s) {', '.join(map(str, range(min(comm.size - 1, 8))))}"
+                in out), out
+        assert f"while rank(s) {comm.size - 1} do" in out and "SKIPPED" not in out
+
+
 @pytest.mark.mpi(min_size=1)
 def test_checks_take_a_device(comm: Communicator) -> None:
     """The checks bind the device they run on (CPU here; CUDA under --device cuda)."""

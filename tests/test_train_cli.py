@@ -220,3 +220,15 @@ def test_plot_writes_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert main(["plot", str(tmp_path / "missing"), "--out", str(out)]) == 2
     assert "no such metrics file" in capsys.readouterr().err
 
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exit 2 and one line naming the package (a traceback before)."""
+    write_run(tmp_path / "a", "sgd", 0.0)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["plot", str(tmp_path / "a"), "--out", str(tmp_path / "c.png")]) == 2
+    err = capsys.readouterr().err
+    assert "plotting needs matplotlib: pip install matplotlib" in err and "Traceback" not in err
+

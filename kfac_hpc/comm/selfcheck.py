@@ -722,6 +722,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "takes device memory); skipped with a message without a GPU")
 
 
+def _ranks_text(ranks: list[int], shown: int = 8) -> str:
+    """``0, 1, 2`` (the first ``shown``, then how many more)."""
+    more = len(ranks) - shown
+    return ", ".join(map(str, ranks[:shown])) + (f" and {more} more" if more > 0 else "")
+
+
 def run(args: argparse.Namespace) -> int:
     """Check every collective, time them, and print on rank 0 (collective).
 
@@ -750,7 +756,15 @@ def run(args: argparse.Namespace) -> int:
     passes: list[tuple[str, Communicator]] = [("", comm)]
     if getattr(args, "device", "cpu") == "cuda":
         if not cuda_on_every_rank(comm.mpi):
-            say("selfcheck --device cuda: SKIPPED: no CUDA device visible to every rank "
+            seeing = [r for r, sees in enumerate(comm.mpi.allgather(torch.cuda.is_available()))
+                      if sees]
+            if seeing:  # a node's GPU is missing (a fault, a wrong --gpus request): fail
+                blind = sorted(set(range(comm.size)) - set(seeing))
+                say(f"selfcheck --device cuda: FAILED: rank(s) {_ranks_text(blind)} see no "
+                    f"CUDA device while rank(s) {_ranks_text(seeing)} do; check those "
+                    "nodes' GPUs and the job's GPU request")
+                return 1
+            say("selfcheck --device cuda: SKIPPED: no CUDA device visible to any rank "
                 f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); run it on GPU "
                 "nodes, or without --device to check CPU tensors")
             return 0

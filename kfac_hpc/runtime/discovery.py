@@ -203,14 +203,16 @@ def banner(job: JobEnvironment, *, device: torch.device, mpi_library: str,
 
     Args:
         job: The job's ranks, nodes, id and restart count.
-        device: This rank's device (``cuda`` devices are counted per node).
+        device: This rank's device (``cuda``: the GPUs rank 0 sees; with one GPU bound
+            per task, as ``--gpus-per-task=1`` binds it, that is one per rank).
         mpi_library: The MPI library's name and version.
         cuda_aware: Whether MPI takes CUDA device memory.
 
     Returns:
         One line, without a newline.
     """
-    gpus = f"{torch.cuda.device_count()} GPU(s) per node" if device.type == "cuda" else "CPU"
+    gpus = (f"{torch.cuda.device_count()} GPU(s) visible to rank 0" if device.type == "cuda"
+            else "CPU")
     job_id = f" job {job.job_id}" if job.job_id else ""
     restart = f", restart {job.restart_count}" if job.restart_count else ""
     return (f"kfac_hpc{job_id}: {job.size} rank(s) on {job.nodes} node(s), {gpus}, "

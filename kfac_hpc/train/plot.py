@@ -75,8 +75,16 @@ def _series(records: list[dict[str, Any]], x: str, y: str) -> tuple[list[float],
 
 def plot_runs(paths: list[str | Path], out: str | Path, *, labels: list[str] | None = None,
               x: str = "epoch", title: str | None = None, log_loss: bool = False) -> Path:
-    """Draw every run onto one figure and save it as ``out`` (PNG); returns the path."""
-    import matplotlib
+    """Draw every run onto one figure and save it as ``out`` (PNG); returns the path.
+
+    Raises:
+        PlotInputError: Unusable input, or matplotlib is missing (saying how to get it).
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotInputError("plotting needs matplotlib: pip install matplotlib (or "
+                             "pip install 'kfac_hpc[train]')") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
