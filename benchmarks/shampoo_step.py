@@ -70,7 +70,13 @@ How it is measured:
   before (its own model, gradients, optimizer state, activations and workspaces; the
   configurations built earlier and the shared batch are not counted; max over ranks).
 * Configurations/kinds run round-robin, one iteration each per round, with a
-  barrier before each, so drifts of a shared, oversubscribed machine hit all alike.
+  barrier before each, so drifts of a shared, oversubscribed machine hit all alike. A
+  ``plain`` iteration is the last of :data:`PLAIN_RUN` plain steps in a row (the others
+  untimed), as a schedule's plain steps follow each other: with ``cuda_graphs`` the
+  step after a root step waits for its key to repeat, the next captures, and the steady
+  plain steps replay (one plain step after each root step, as this script timed before,
+  never replayed: its "graphed" plain steps were eager). Every configuration runs the
+  same steps. A run with the graphs on whose plain steps never replayed says so.
 * Per iteration, per rank: *fwd+bwd* (forward, loss, backward, gradient averaging)
   and *step* (``optimizer.step()``); on CUDA the device is synchronised before,
   between and after them (``torch.cuda.synchronize()``), so each part is charged its
@@ -80,7 +86,8 @@ How it is measured:
   optimizer's communicator (kfac_hpc's Shampoo: one ``allgatherv``; Meta's sends
   nothing) and of the averager's, divided by the steps; the counters are deterministic.
 * State memory per rank: kfac_hpc's ``DistributedShampoo.memory_bytes()`` (block state
-  this rank owns, plus the two gather buffers), max over ranks; "all blocks" is the sum
+  this rank owns, plus the two gather buffers, or on one rank the directions the step
+  keeps), max over ranks; "all blocks" is the sum
   over ranks of the state, i.e. what every rank would hold if every block's state were
   replicated. Adam(W) and Meta: the distinct tensor storages in ``optimizer.state``
   (Meta: factor matrices, roots, grafting and filtered-gradient state; it stores
@@ -157,6 +164,9 @@ CONFIGS = ("adam", "adamw", "shampoo", "meta")
 SHAMPOOS = ("shampoo", "meta")
 BASELINES = ("adam", "adamw")
 ROOT, PLAIN, STEP = "root", "plain", "step"
+#: Plain steps in a row per timed plain iteration (the last is timed): a schedule's steady
+#: plain step (with cuda_graphs: after the eager one and the capture, a replay).
+PLAIN_RUN = 3
 FWD_BWD = "fwd+bwd"  # a profiled forward and backward, not a kind of step
 CUDA_DEFAULTS = {"steps": 8, "warmup": 0, "max_seconds": 100.0}  # the set-up steps warm up
 #: seconds on an H200, ResNet-50, batch 32, fp32 (the nominal wall-time estimate): fwd+bwd,
@@ -374,7 +384,8 @@ def run_model(name: str, args: argparse.Namespace, comm: Communicator, device: t
         runner.grad_comm.reset_traffic()
         runners[config] = runner
     round_s = float(MPI.COMM_WORLD.allreduce(
-        sum(sum(r.first_s.values()) for r in runners.values()), op=MPI.MAX))
+        sum(s * (PLAIN_RUN if kind == PLAIN else 1) for r in runners.values()
+            for kind, s in r.first_s.items()), op=MPI.MAX))
     total = process_seconds() + (args.warmup + args.steps) * round_s
     say(f"# estimated wall time: {process_seconds():.0f} s so far + {args.warmup + args.steps} "
         f"rounds x {round_s:.2f} s (set-up steps) = {total:.0f} s"
@@ -389,6 +400,9 @@ def run_model(name: str, args: argparse.Namespace, comm: Communicator, device: t
         this_round = 0.0
         for config, kind in items:
             runner = runners[config]
+            for _ in range(PLAIN_RUN - 1 if kind == PLAIN else 0):  # the run's lead, untimed
+                comm.barrier()
+                runner.iteration(x, y, kind)
             comm.barrier()
             parts = runner.iteration(x, y, kind)
             counted[config] += 1
@@ -449,8 +463,9 @@ def run_model(name: str, args: argparse.Namespace, comm: Communicator, device: t
     ours = runners["shampoo"].opt if "shampoo" in runners else None
     if ours is not None:
         own = ours.memory_bytes()
-        state = sum(v for k, v in own.items() if k != "buffers")
-        gathered = comm.allgather_object((state, own["buffers"]))
+        moved = own["buffers"] + own.get("directions", 0)  # what the exchange holds
+        state = sum(v for k, v in own.items() if k not in ("buffers", "directions"))
+        gathered = comm.allgather_object((state, moved))
         memory.update({"shampoo_state_max_rank": max(s for s, _ in gathered),
                        "shampoo_state_all_blocks": sum(s for s, _ in gathered),
                        "shampoo_buffers": gathered[0][1],
@@ -470,6 +485,9 @@ def run_model(name: str, args: argparse.Namespace, comm: Communicator, device: t
     layout = getattr(ours, "layout", None)
     blocks = list(getattr(layout, "blocks", []))
     graph = getattr(ours, "step_graph", None)  # whether the plain steps replayed
+    if graph is not None and graph.replays == 0:
+        say("# WARNING: the graphs were on but no plain step replayed one: the plain "
+            f"steps were eager ({graph.report()})")
     profiles = {c: profile_steps(r, x, y) for c, r in runners.items() if args.profile}
     return {
         "profiles": profiles,
@@ -559,7 +577,8 @@ def nominal_estimate(args: argparse.Namespace) -> float:
     """Seconds for ResNet-50 at batch 32 on an H200 from :data:`NOMINAL_H200_S`."""
     nominal = NOMINAL_H200_S
     round_s = sum(nominal["fwd_bwd"] + nominal["adam"] if c in BASELINES
-                  else 2 * nominal["fwd_bwd"] + nominal[ROOT] + nominal[PLAIN]
+                  else (1 + PLAIN_RUN) * nominal["fwd_bwd"] + nominal[ROOT]
+                  + PLAIN_RUN * nominal[PLAIN]
                   for c in args.configs)
     total = STARTUP_S + (1 + args.warmup + args.steps) * round_s  # + the set-up steps
     return float(min(total, args.max_seconds)) if args.max_seconds > 0 else float(total)

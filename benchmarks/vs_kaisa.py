@@ -3,7 +3,7 @@
     launch/local -n P python benchmarks/vs_kaisa.py [--models mlp cnn resnet20 resnet50]
         [--device cpu|cuda]
         [--configs sgd kfac_hpc kfac_hpc-reduce kfac_hpc-subspace kfac_hpc-graphs
-         kfac_hpc-eager kaisa]
+         kfac_hpc-eager kfac_hpc-fp32 kaisa]
         [--timing schedule|kinds] [--rounds 20] [--warmup 2] [--batch 32]
         [--image-size S] [--factor-steps 1] [--inv-steps 10] [--damping 0.003] [--lr 0.1]
         [--threads T] [--clock wall|cpu] [--max-seconds S] [--factor-warmup N [N ...]]
@@ -41,13 +41,20 @@ Configurations (``--configs``; each has its own copy of the model, same initial 
   the next; ``kfac_hpc`` does so too on CUDA by default, below a memory bound:
   ``kfac_hpc.step_graph.DEFAULT_DEVICES``).
 * ``kfac_hpc-eager``: ``kfac_hpc`` with ``cuda_graphs=False``.
+* ``kfac_hpc-fp32``: ``kfac_hpc`` with ``stats_precision`` and ``precondition_precision``
+  ``"full"`` (fp32 products, as KAISA's; the default rounds them to TF32 on CUDA).
 * ``kaisa``: KAISA's ``KFACPreconditioner``, eigen, COMM-OPT (``grad_worker_fraction=1.0``).
 
 Default: ``kfac_hpc kaisa`` with ``--timing schedule``, every one but
-``kfac_hpc-subspace``, ``kfac_hpc-graphs`` and ``kfac_hpc-eager`` with ``--timing kinds``.
+``kfac_hpc-subspace``, ``kfac_hpc-graphs``, ``kfac_hpc-eager`` and ``kfac_hpc-fp32`` with
+``--timing kinds``.
 The same model (same initial weights), the same fixed synthetic batch per rank, the same
 hyper-parameters (``damping``, ``factor_decay`` 0.95, ``kl_clip`` 0.001, ``lr``,
-eigendecomposition, fp32) and the same ranks go to every library. An iteration is
+eigendecomposition, fp32 model) and the same ranks go to every library. The products'
+precision differs unless asked: kfac_hpc's defaults round the statistics' and the
+preconditioning's operands to TF32 on CUDA (``stats_precision``/``precondition_precision``
+``"auto"``), KAISA's run in fp32 (torch's TF32 switch is off); ``kfac_hpc-fp32`` is
+kfac_hpc with full fp32 products, the like-for-like row. An iteration is
 ``zero_grad``, forward, cross-entropy, backward, gradient averaging, the
 preconditioner's ``step()``, ``SGD.step()``. Gradient averaging: kfac_hpc's
 :class:`kfac_hpc.GradientAverager` over MPI (``sgd`` and the kfac_hpc configurations);
@@ -75,8 +82,9 @@ Timing (``--timing``; default ``kinds`` with ``--device cuda``, ``schedule`` on 
   configuration: ms per kind, the composed (1,10) and (10,100) ms per iteration, their
   ratio to SGD and (kfac_hpc configurations) to KAISA.
 
-Configurations and kinds alternate round-robin, one iteration each per round (the order
-reversed every other round), after an MPI barrier; an iteration's time is the slowest
+Configurations and kinds alternate round-robin, one iteration each per round (the
+configurations' order reversed every other round, each one's kinds always fi, f, p, as a
+schedule runs them), after an MPI barrier; an iteration's time is the slowest
 rank's (MPI max; wall time, or with ``--clock cpu`` the process's CPU time, which other
 users' load on a shared machine barely moves: meaningful at 1 rank, since MPI waits
 spin; CPU only). On CUDA every timed iteration is bracketed by
@@ -242,7 +250,7 @@ WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 
 CONFIGS = ("sgd", "kfac_hpc", "kfac_hpc-reduce", "kfac_hpc-subspace", "kfac_hpc-graphs",
-           "kfac_hpc-eager", "kaisa")
+           "kfac_hpc-eager", "kfac_hpc-fp32", "kaisa")
 LEGACY_CONFIGS = ("kfac_hpc", "kaisa")  # the default with --timing schedule
 KINDS_CONFIGS = ("sgd", "kfac_hpc", "kfac_hpc-reduce", "kaisa")  # the default with kinds
 #: kfac_hpc's configurations other than the plain one: their table label and options
@@ -251,11 +259,13 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "kfac_hpc-subspace": ("subspace", {"eigen_refresh": "subspace"}),
     "kfac_hpc-graphs": ("graphs", {"cuda_graphs": True}),
     "kfac_hpc-eager": ("eager", {"cuda_graphs": False}),
+    "kfac_hpc-fp32": ("fp32", {"stats_precision": "full", "precondition_precision": "full"}),
 }
 #: labels in tables and JSON keys ("kfac_hpc" and "KAISA" as before the configurations)
 LABELS = {"sgd": "SGD", "kfac_hpc": "kfac_hpc", "kfac_hpc-reduce": "kfac_hpc-reduce",
           "kfac_hpc-subspace": "kfac_hpc-subspace", "kfac_hpc-graphs": "kfac_hpc-graphs",
-          "kfac_hpc-eager": "kfac_hpc-eager", "kaisa": "KAISA"}
+          "kfac_hpc-eager": "kfac_hpc-eager", "kfac_hpc-fp32": "kfac_hpc-fp32",
+          "kaisa": "KAISA"}
 KINDS = ("fi", "f", "p")
 ITERATION = "it"  # the one kind of SGD, and of every configuration with --timing schedule
 SCHEDULES = ((1, 10), (10, 100))
@@ -739,13 +749,19 @@ def run_rounds(libs: list[Lib], x: torch.Tensor, y: torch.Tensor, args: argparse
                say: Callable[[str], None], limit: float = 0.0) -> int:
     """Warm-up and timed rounds, round-robin; returns the number of timed rounds (fewer
     than ``--rounds`` when the rounds would end after ``limit`` seconds of the process,
-    0: no limit; see :func:`round_limit`)."""
-    items = [(lib, kind) for lib in libs for kind in lib.kinds]
+    0: no limit; see :func:`round_limit`).
+
+    Every other round takes the configurations in reverse order (drifts of a shared
+    machine hit all alike), each configuration's kinds always in their order (fi, f,
+    p), as a schedule runs them: an inverse update followed by another one (the kinds
+    reversed) made the graphed preconditioner capture at ``f`` every other round.
+    """
     timed = 0
     for lib in libs:
         lib.begin_rounds()
     for r in range(args.warmup + args.rounds):
-        order = items if r % 2 == 0 else items[::-1]
+        ordered = libs if r % 2 == 0 else libs[::-1]
+        order = [(lib, kind) for lib in ordered for kind in lib.kinds]
         round_s = sum(lib.iteration(x, y, kind, record=r >= args.warmup) for lib, kind in order)
         timed += int(r >= args.warmup)
         left = args.warmup + args.rounds - r - 1
@@ -894,7 +910,9 @@ def kinds_tables(res: dict[str, Any], markdown: bool, cuda: bool) -> str:
             key = f"({f},{i})"
             ms = r["composed_ms"][key]
             row += [fmt_ms(ms), ratio(ms, sgd, key) if label != "SGD" else "1",
-                    ratio(ms, kaisa, key) if label.startswith("kfac_hpc") else "–"]
+                    # (reduce: another approximation than KAISA's, no like-for-like ratio)
+                    ratio(ms, kaisa, key) if label.startswith("kfac_hpc")
+                    and label != LABELS["kfac_hpc-reduce"] else "–"]
         if cuda:
             row.append(format_bytes(r["cuda_peak_bytes"], digits=2)
                        if "cuda_peak_bytes" in r else "–")

@@ -46,10 +46,10 @@ bindings, best effort).
 
 Default: ``cuda_graphs=None`` (both optimizers' default) captures on the device types in
 :data:`DEFAULT_DEVICES`: CUDA. On an H200 the graphs gave the eager steps' bits and
-paid (``kfac-hpc train`` 25 % more samples/s, Shampoo's plain step 21.6 → 15.1 ms;
-benchmarks/RESULTS.md, GPU, fifth session), and the whole GPU suite passed with them on
-by default at 1 and 2 ranks (sixth session; ``KFAC_HPC_TEST_CUDA_GRAPHS=0`` runs it with
-them off, tests/gpu/conftest.py).
+paid for K-FAC (``kfac-hpc train`` 25 % more samples/s; benchmarks/RESULTS.md, GPU,
+fifth session; Shampoo's gain is not measured yet), and the whole GPU suite passed with
+them on by default at 1 and 2 ranks (sixth session; ``KFAC_HPC_TEST_CUDA_GRAPHS=0`` runs
+it with them off, tests/gpu/conftest.py).
 Under the default, a model whose static buffers would take more than
 :data:`DEFAULT_BUFFER_SHARE` of the device's memory runs eagerly (an info message; the
 report says why); ``cuda_graphs=True`` captures whatever the size.

@@ -193,6 +193,9 @@ def test_one_rank_steps_without_any_collective() -> None:
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
     assert opt.memory_bytes()["buffers"] == 0  # no gather buffers either
+    # but the last step's directions, one per parameter with a gradient, until the next
+    held = opt.memory_bytes()["directions"]
+    assert held >= sum(p.numel() * 4 for p in model.parameters() if p.grad is not None)
     model[1].bias.grad = torch.full_like(model[1].bias, float("nan"))
     with pytest.raises(Exception, match=r"'1\.bias' block"):
         opt.step()

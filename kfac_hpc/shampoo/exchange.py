@@ -109,6 +109,13 @@ class DirectionExchange(ABC):
         """Return the buffers it holds, by name."""
         return {}
 
+    def held_directions_bytes(self) -> int:
+        """Bytes of the last step's directions it holds until the next step.
+
+        Besides :meth:`tensors`.
+        """
+        return 0
+
     def kept(self) -> object:
         """What the step's :meth:`put` and flag calls left on the host (None: nothing).
 
@@ -137,6 +144,12 @@ class LocalExchange(DirectionExchange):
         self._rows.clear()
         self._flags.clear()
         self._failed.clear()
+
+    def held_directions_bytes(self) -> int:
+        """Bytes of the storages of the directions kept (each storage once)."""
+        storages = {row.untyped_storage().data_ptr(): row.untyped_storage().nbytes()
+                    for row in self._rows.values()}
+        return sum(storages.values())
 
     def put(self, run: Run, direction: Tensor) -> Tensor:
         """Keep the directions, rounded through ``communication_dtype`` as they would travel."""

@@ -950,9 +950,11 @@ class DistributedShampoo(torch.optim.Optimizer):
 
         Returns:
             Bytes of ``factors``, ``roots``, ``bases`` (the eigenbases ``SubspaceRoots``
-            keeps), ``grafting``, ``filtered_grad``, ``momentum`` and ``buffers`` (the two
-            gather buffers), and with ``cuda_graphs`` ``graph buffers`` (the step
-            graph's copies of the gradients; its pool's intermediates are not counted).
+            keeps), ``grafting``, ``filtered_grad``, ``momentum``, ``buffers`` (the two
+            gather buffers), ``directions`` (on one rank, the last step's directions,
+            kept until the next step in place of the buffers), and with ``cuda_graphs``
+            ``graph buffers`` (the step graph's copies of the gradients; its pool's
+            intermediates are not counted).
         """
         kinds = {"factors": 0, "roots": 0, "bases": 0, "grafting": 0, "filtered_grad": 0,
                  "momentum": 0}
@@ -967,6 +969,7 @@ class DistributedShampoo(torch.optim.Optimizer):
                         kinds[kind] += value.numel() * value.element_size()
         kinds["buffers"] = sum(self._exchange.tensors().get(name, torch.empty(0)).nbytes
                                for name in ("send buffer", "receive buffer"))
+        kinds["directions"] = self._exchange.held_directions_bytes()
         if self.step_graph is not None:
             kinds["graph buffers"] = self.step_graph.buffer_bytes()
         return kinds
