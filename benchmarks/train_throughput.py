@@ -28,7 +28,10 @@ a CPU):
 Prints a table (samples/s, ms per step, ratio to SGD's samples/s, and to the
 same-precision SGD for AMP runs, the step graph's captures and replays from the run's
 ``summary.json``) and writes ``train_throughput_<model>_<device>.json``
-under ``--out``.
+under ``--out``. With ``--repeats N`` every configuration runs N times, the order of
+the configurations reversed every other pass (drifts of the machine hit all alike): the
+table gives the median run and the spread (lowest to highest samples/s); one run each
+(the default) is a single sample per configuration.
 
 Example (one GPU, the issue's setting)::
 
@@ -70,6 +73,21 @@ CONFIGS: dict[str, list[str]] = {
 }
 #: The baseline a configuration's ratio is taken against (besides plain SGD).
 BASELINE = {"sgd-amp": "sgd-amp", "kfac-amp": "sgd-amp"}
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median throughput (the lower middle one of an even count), its spread.
+
+    A failed run makes the configuration failed.
+    """
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
+    ordered = sorted(runs, key=lambda r: r["samples_per_s"])
+    chosen = dict(ordered[(len(ordered) - 1) // 2])
+    chosen["spread"] = (ordered[0]["samples_per_s"], ordered[-1]["samples_per_s"])
+    chosen["runs"] = len(runs)
+    return chosen
 
 
 def run_one(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -126,6 +144,8 @@ def main() -> None:
                    help=f"comma-separated, of {', '.join(CONFIGS)} (default: all; no AMP or graphs "
                    "on a CPU)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per configuration")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per configuration, in alternating order (median and spread)")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                    help="further kfac-hpc train arguments for every configuration (last)")
     p.add_argument("--markdown", action="store_true")
@@ -142,14 +162,19 @@ def main() -> None:
     if args.device == "cpu" and any(n.endswith("-graphs") for n in names):
         print("kfac-graphs: CUDA graphs need --device cuda; skipped")
         names = [n for n in names if not n.endswith("-graphs")]
-    results: dict[str, dict[str, Any]] = {}
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="train_throughput_") as tmp:
-        for name in names:
-            results[name] = run_one(name, args, Path(tmp))
-            r = results[name]
-            print(f"{name}: " + (f"{r['samples_per_s']:.1f} samples/s" if "error" not in r
-                                 else f"FAILED ({r['error']}): " + " | ".join(r["output"][-3:])
-                                 if "output" in r else r["error"]), flush=True)
+        for rep in range(args.repeats):
+            for name in names if rep % 2 == 0 else names[::-1]:
+                r = run_one(name, args, Path(tmp) / f"{rep}")
+                runs[name].append(r)
+                print(f"{name}: " + (f"{r['samples_per_s']:.1f} samples/s" if "error" not in r
+                                     else f"FAILED ({r['error']}): "
+                                     + " | ".join(r["output"][-3:])
+                                     if "output" in r else r["error"]), flush=True)
+    results = {name: median_run(rs) for name, rs in runs.items()}
     rows = []
     for name, r in results.items():
         if "error" in r:
@@ -167,6 +192,10 @@ def main() -> None:
     print(title)
     print(format_table(["config", "samples/s", "ms/step", "vs SGD", "vs same-precision SGD",
                         "step graph"], rows, args.markdown))
+    if args.repeats > 1:
+        print("spread (samples/s, lowest-highest of the runs): " + ", ".join(
+            f"{name} {r['spread'][0]:.1f}-{r['spread'][1]:.1f}" for name, r in results.items()
+            if "spread" in r))
     path = write_json(args.out / f"train_throughput_{args.model}_{args.device}.json",
                       {"settings": {k: v for k, v in vars(args).items() if k != "out"}
                        | {"out": str(args.out)}, "results": results})
