@@ -12,6 +12,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from mpi4py import MPI
 
 from kfac_hpc.comm import Communicator, wait_all
 
@@ -285,9 +286,10 @@ def test_a_message_past_mpis_int_counts_is_refused_clearly(monkeypatch) -> None:
 @mpi(2)
 def test_a_failed_post_is_raised_by_its_own_wait(monkeypatch) -> None:
     """Two calls queued behind unfinished device work; the first one's post fails (a
-    sum of bools: MPI refuses the op). The second's wait gives its own result, and the
-    first's wait raises its error every time (it returned the unreduced input, as if
-    done, on the second try)."""
+    bitwise AND of floats: MPI refuses the op; bool sums, used here before, are refused
+    before any post now). The second's wait gives its own result, and the first's wait
+    raises its error every time (it returned the unreduced input, as if done, on the
+    second try)."""
     comm = Communicator()
 
     class NotYet:  # a CUDA event whose work has not completed
@@ -307,7 +309,10 @@ def test_a_failed_post_is_raised_by_its_own_wait(monkeypatch) -> None:
         return w
 
     monkeypatch.setattr(Communicator, "_wire", pending)
-    bad = comm.iallreduce(torch.tensor([True, comm.rank == 1]), "sum")
+    op = Communicator._op
+    monkeypatch.setattr(Communicator, "_op", lambda self, name, tensor: (
+        MPI.BAND if name == "max" else op(self, name, tensor)))
+    bad = comm.iallreduce(torch.tensor([1.0, 2.0]), "max")
     good = comm.iallreduce(torch.tensor([1.0 + comm.rank]), "sum")
     assert float(good.wait()) == sum(1.0 + r for r in range(comm.size))
     for _ in range(2):

@@ -58,6 +58,27 @@ def test_beats_keep_it_quiet_and_silence_ends_the_job_once() -> None:
     assert f"exit status {HANG_EXIT_CODE}" in text
 
 
+def test_a_beat_with_patience_allows_longer_until_the_next() -> None:
+    """A setup stage may take longer than a step (ten times the timeout, at most ten
+    minutes: ``setup_patience``); the next plain beat is held to the timeout again."""
+    from kfac_hpc.train.loop import setup_patience
+
+    clock, fired, out = FakeClock(), [], io.StringIO()
+    dog = Watchdog(5.0, rank=0, abort=fired.append, exit=fired.append, poll=0.01,
+                   grace=0.05, stream=out, clock=clock)
+    with dog:
+        dog.beat("loading", patience=setup_patience(5.0))
+        clock.now += 40  # 40 s into a 50 s allowance
+        time.sleep(0.1)
+        assert not fired
+        dog.beat("step 1")
+        clock.now += 6  # 6 s after the step's beat: over the timeout
+        assert _wait_until(lambda: bool(fired))
+    assert "no progress for 6 s (limit 5 s" in out.getvalue()
+    assert setup_patience(6.0) == 60.0 and setup_patience(1800.0) == 1800.0
+    assert setup_patience(120.0) == 600.0
+
+
 def test_stop_ends_the_thread_without_firing() -> None:
     clock, aborted = FakeClock(), []
     dog = Watchdog(1, rank=0, abort=aborted.append, exit=aborted.append, poll=0.01,
@@ -122,12 +143,13 @@ STALLING_MODEL = """
 
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
-@pytest.mark.parametrize("factory, last", [
-    ("build_model", "last: step 3 (epoch 1)"),
-    # the setup is watched too (it was not: the job waited for the launcher's limit)
-    ("build_model_slowly", "last: building the data, the model and the optimizer")])
+@pytest.mark.parametrize("factory, minutes, last", [
+    ("build_model", "0.25", "last: step 3 (epoch 1)"),
+    # the setup is watched too (it was not: the job waited for the launcher's limit), with
+    # ten times the timeout's patience (3 s: 30 s)
+    ("build_model_slowly", "0.05", "last: building the data, the model and the optimizer")])
 def test_a_rank_that_hangs_ends_the_job_with_exit_4(tmp_path: Path, factory: str,
-                                                    last: str) -> None:
+                                                    minutes: str, last: str) -> None:
     import os
 
     (tmp_path / "stalling_model.py").write_text(textwrap.dedent(STALLING_MODEL))
@@ -139,7 +161,7 @@ def test_a_rank_that_hangs_ends_the_job_with_exit_4(tmp_path: Path, factory: str
     p = subprocess.run([str(ROOT / "launch" / "local"), "-n", "2", "--timeout", "200",
                         sys.executable, "-m", "kfac_hpc", "train", "--model",
                         f"stalling_model:{factory}", "--optimizer", "sgd", "--epochs", "1",
-                        "--hang-timeout-minutes", "0.25", "--out", str(tmp_path / "run")],
+                        "--hang-timeout-minutes", minutes, "--out", str(tmp_path / "run")],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
                        check=False)
     took = time.monotonic() - t0

@@ -81,18 +81,23 @@ class Watchdog:
         self._stream = stream
         self._last = clock()
         self._doing = "starting"
+        self._allowed = self.timeout  # seconds the current beat may last
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.fired = False
 
-    def beat(self, doing: str) -> None:
+    def beat(self, doing: str, *, patience: float | None = None) -> None:
         """Record progress: this rank is now ``doing`` this (e.g. ``"step 120"``).
 
         Args:
             doing: What the rank does now; the message names the last one.
+            patience: Seconds this one may take, when longer than the timeout (a run's
+                setup: loading data sets and checkpoints, whatever the timeout that
+                guards its steps); until the next beat.
         """
-        self._last = self._clock()
+        self._last = self._clock()  # first (the watcher reads the allowance first)
         self._doing = doing
+        self._allowed = self.timeout if patience is None else max(self.timeout, patience)
 
     def start(self) -> Watchdog:
         """Start the watching thread (a daemon), counting from now.
@@ -124,17 +129,18 @@ class Watchdog:
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll):
-            idle = self._clock() - self._last
-            if idle > self.timeout:
-                self._fire(idle)
+            allowed = self._allowed  # before the time of the beat (beat() sets them in
+            idle = self._clock() - self._last  # the other order): never a stale pair
+            if idle > allowed:
+                self._fire(idle, allowed)
                 return
 
-    def _fire(self, idle: float) -> None:
+    def _fire(self, idle: float, allowed: float) -> None:
         self.fired = True
         stream = self._stream or sys.stderr
         stream.write(
             f"kfac_hpc: rank {self.rank}: no progress for {idle:.0f} s (limit "
-            f"{self.timeout:.0f} s, --hang-timeout-minutes); last: {self._doing}. A collective "
+            f"{allowed:.0f} s, --hang-timeout-minutes); last: {self._doing}. A collective "
             f"is probably waiting for a rank that hangs or died. Python stacks of rank "
             f"{self.rank} follow; ending the job with exit status {HANG_EXIT_CODE} (the last "
             "complete checkpoint stays the newest; requeued only after progress).\n")

@@ -179,6 +179,20 @@ def step_graph_of(pre: KFACPreconditioner | None, opt: torch.optim.Optimizer
     return opt.step_graph if isinstance(opt, DistributedShampoo) else None
 
 
+#: The longest a setup stage may take, at most (:func:`setup_patience`).
+SETUP_PATIENCE_S = 600.0
+
+
+def setup_patience(timeout: float) -> float:
+    """Seconds a stage of the setup may take under a watchdog of ``timeout`` seconds.
+
+    Ten times the timeout, at most :data:`SETUP_PATIENCE_S`, never less than the timeout:
+    reading a data set's listing or a large checkpoint takes longer than a step, and a
+    timeout short enough to catch a hung step soon would end a sound setup.
+    """
+    return max(timeout, min(SETUP_PATIENCE_S, 10 * timeout))
+
+
 class Trainer:
     """One run on every rank of ``comm``: built in ``__init__``, trained by :meth:`fit`.
 
@@ -231,6 +245,7 @@ class Trainer:
         if cfg.hang_timeout_minutes is not None:  # setup and resume hang too (collectives)
             self._watchdog = Watchdog(60 * cfg.hang_timeout_minutes, rank=self.rank).start()
             self._resources.callback(self._watchdog.stop)
+            self._beat("setting up the communicators and the device", setup=True)
         self._resources.callback(self.progress.close)
         self._resources.callback(torch.set_num_threads, torch.get_num_threads())
         # Metrics, flags and setup agreement travel on a duplicate: never counted as
@@ -250,11 +265,11 @@ class Trainer:
                     cfg, decomposition_streams=default_device_streams(share))
             self.device = select_device(cfg, self.comm, self.aux, self.local_rank,
                                         verbose=self.verbose)
-            self._beat("building the data, the model and the optimizer")
+            self._beat("building the data, the model and the optimizer", setup=True)
             core, wanted = agreed(self.aux, lambda: (build_core(cfg, self.comm, self.device),
                                                      wants_checkpoints(cfg)))
             self.data, self.model, self.opt = core.data, core.model, core.optimizer
-            self._beat("comparing the ranks' data")
+            self._beat("comparing the ranks' data", setup=True)
             check_same_data(self.aux, self.data)
             self.loss_fn = core.loss_fn
             sync_initial_state(self.model, self.aux)
@@ -297,7 +312,7 @@ class Trainer:
             self.loss_range = LossRange()
             self.traffic = TrafficMeter(self.comm, ddp_bytes_per_step=(
                 0 if self.ddp is None else gradient_bytes(self.model)))
-            self._beat("looking for a checkpoint to resume from, and loading it")
+            self._beat("looking for a checkpoint to resume from, and loading it", setup=True)
             self.resumed = self._resume()
             if self.resumed is not None:  # the state resumed from is on disk
                 self._written = (self.step, len(self.tally.history))
@@ -688,14 +703,17 @@ class Trainer:
         self._beat("starting the training loop")
         return self._fit()
 
-    def _beat(self, doing: str) -> None:
+    def _beat(self, doing: str, *, setup: bool = False) -> None:
         """Progress for the watchdog (no-op without one).
 
         Args:
             doing: What this rank is about to do.
+            setup: A stage of the setup (data, model, checkpoint load): it may take
+                :func:`setup_patience` of the timeout.
         """
         if self._watchdog is not None:
-            self._watchdog.beat(doing)
+            self._watchdog.beat(doing, patience=setup_patience(self._watchdog.timeout)
+                                if setup else None)
 
     def _fit(self) -> TrainResult:
         """Run the epochs, then the final evaluation, checkpoint, completion marker and summary.
