@@ -270,3 +270,67 @@ def test_user_setting_products_wait_for_a_running_precision_block():
         worker.join(timeout=0.3)  # it waits for this block to end
     worker.join(timeout=10)
     assert seen == [user]
+
+
+def test_a_script_that_ends_with_a_renewal_pending_exits_cleanly(tmp_path) -> None:
+    """No close(), a background renewal still running at the end of the script: the
+    process exits 0 (its daemon thread was killed inside torch: abort, status 134)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "lag_exit.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from mpi4py import MPI
+        from torch import nn
+        from kfac_hpc import KFACPreconditioner
+        from kfac_hpc.comm import Communicator
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(600, 600), nn.Tanh(), nn.Linear(600, 3))
+        pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), inv_update_steps=2,
+                                 decomposition_lag=1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for k in range(3):  # step 2 is an inverse step: its renewal is pending at the end
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(torch.randn(32, 600)),
+                                        torch.randint(0, 3, (32,))).backward()
+            pre.step()
+            opt.step()
+        print("done", flush=True)
+        """))
+    for _ in range(2):
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                              timeout=240, check=False)
+        assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr[-2000:]
+
+
+def test_a_refused_load_keeps_the_pending_renewal() -> None:
+    """A load_state_dict that every rank refuses changes nothing: the renewal started at
+    step 4 still lands at step 6 (it was cancelled first: 5e-2 off the run without it)."""
+    from mpi4py import MPI
+
+    from kfac_hpc.comm import Communicator
+
+    def run(bad_load_at: int | None = None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 20), nn.Tanh(), nn.Linear(20, 3)).double()
+        pre = KFACPreconditioner(model, comm=Communicator(MPI.COMM_SELF), inv_update_steps=4,
+                                 decomposition_lag=2, damping=0.01, inv_dtype=torch.float64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for k in range(8):
+            if k == bad_load_at:
+                with pytest.raises(KeyError, match="factor state missing"):
+                    pre.load_state_dict({"step": k, "factors": {}, "factor_updates": {},
+                                         "config": {}})  # not a K-FAC checkpoint
+            g = torch.Generator().manual_seed(k)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(torch.randn(8, 6, generator=g, dtype=torch.float64)),
+                                        torch.randint(0, 3, (8,), generator=g)).backward()
+            pre.step()
+            opt.step()
+        pre.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(run(), run(bad_load_at=5)):
+        assert torch.equal(a, b)

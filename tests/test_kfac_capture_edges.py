@@ -145,3 +145,14 @@ def test_deferred_sync_warns_about_a_layer_used_on_some_ranks_only(
     assert "aux/A" in named and "aux/G" in named, everyone  # by the ranks that hold them
     assert "trunk" not in named
     pre.close()
+
+
+def test_a_step_after_remove_hooks_says_so() -> None:
+    """Not "run forward and backward in train mode": the hooks are gone."""
+    model = nn.Sequential(nn.Linear(4, 3)).double()
+    pre = _pre(model)
+    pre.remove_hooks()
+    model(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"after remove_hooks\(\)"):
+        pre.step()
+    pre.close()

@@ -157,3 +157,18 @@ def test_agree_names_the_differing_ranks(comm):
     with pytest.raises(ValueError, match=rf"ranks disagree on x \(rank 0: \[1, 2\]; other "
                                          rf"ranks that differ: \{{{comm.size - 1}: '\[1, 3\]'\}}"):
         comm.agree(mine, "x")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("check_replicas", [True, False])
+@pytest.mark.parametrize("option, mine", [("inv_update_steps", lambda rank: 2 + rank % 2),
+                                          ("factor_update_steps", lambda rank: 1 + rank % 2),
+                                          ("decomposition_lag", lambda rank: rank % 2)])
+def test_update_schedules_are_agreed(comm, check_replicas, option, mine):
+    """Ranks with other update steps or lags post other collectives at a step: one error
+    on every rank at construction (an MPI_ERR_TRUNCATE and a hang at step 2 before)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    with pytest.raises(ValueError, match=r"ranks (hold different models|disagree)"):
+        KFACPreconditioner(model, comm=comm, damping=0.01, lr=0.1,
+                           check_replicas=check_replicas, **{option: mine(comm.rank)})

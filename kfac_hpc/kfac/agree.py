@@ -92,6 +92,7 @@ def decomposition_failure(step: int, ranks: int,
         message += (f"; on this rank: {', '.join(key.name for key in failures)} "
                     f"({type(first).__name__}: {first})")
     return KFACNumericalError(
-        message + ". Decompositions were not updated; increase damping, check for "
-        "diverging training, or restore the last checkpoint.",
+        message + ". Decompositions were not updated (the factors hold this step's "
+        "statistics already); restore the last checkpoint, with more damping or after "
+        "checking for diverging training.",
         step=step, ranks=ranks, local=[key.name for key in failures])

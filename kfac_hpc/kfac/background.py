@@ -76,8 +76,11 @@ class BackgroundJob:
             for t in inputs:
                 if t.device.type == "cuda":
                     t.record_stream(stream)
+        # not a daemon: the interpreter's exit joins it (a daemon thread killed inside
+        # torch's solvers at exit aborted the process, status 134, when a script ended
+        # with a renewal pending and no close())
         self._thread = threading.Thread(target=self._run, args=(compute,),
-                                        name="kfac-decompositions", daemon=True)
+                                        name="kfac-decompositions", daemon=False)
         self._thread.start()
 
     def _run(self, compute: Callable[[], Decomposed]) -> None:

@@ -196,8 +196,18 @@ class KFACConfig:
         return self.factor_sync == "inverse"
 
     def message_settings(self, factor_dtype: torch.dtype) -> dict[str, Any]:
-        """The options that fix placement and message layouts (agreed by all ranks)."""
-        return {"input_shape": self.input_shape, "strategy": self.strategy,
+        """The options that fix placement, message layouts and which steps send what.
+
+        Agreed by all ranks; a schedule given as a callable is agreed as one.
+        """
+
+        def steps(value: Any) -> Any:
+            return "<schedule>" if callable(value) else value
+
+        return {"factor_update_steps": steps(self.factor_update_steps),
+                "inv_update_steps": steps(self.inv_update_steps),
+                "decomposition_lag": self.decomposition_lag,
+                "input_shape": self.input_shape, "strategy": self.strategy,
                 "grad_worker_fraction": self.grad_worker_fraction,
                 "factor_dtype": str(factor_dtype), "overlap": self.overlap,
                 "bucket_cap_mb": self.bucket_cap_mb, "factor_sync": self.factor_sync,

@@ -290,6 +290,7 @@ class KFACPreconditioner:
         self.grad_scaler = grad_scaler
         self.steps = 0
         self._closed = False
+        self._unhooked = False  # remove_hooks() (close() too): no statistics any more
         self._phase_timer: PhaseTimer | None = None
 
         model = getattr(model, "module", model) if _is_wrapper(model) else model
@@ -442,6 +443,9 @@ class KFACPreconditioner:
         k = self.steps
         if self._closed:
             raise RuntimeError("KFACPreconditioner.step() after close(); build a new one")
+        if self._unhooked:
+            raise RuntimeError("KFACPreconditioner.step() after remove_hooks(): it captures "
+                               "no statistics any more; build a new one")
         self._check_device()
         folds = self._is_factor_step(k)
         folds_last = folds and self._folds_after_preconditioning(k)
@@ -791,12 +795,12 @@ class KFACPreconditioner:
         (the same failure on every rank, nothing half-loaded), and owners of local (small)
         factors send them to the layer's other gradient workers.
         """
-        self.renewal.cancel()  # superseded by the loaded state
         problem = self.store.load_problem(state)
         # every rank decides together before anything collective or anything is changed
         if self.comm.any(problem is not None):
             raise problem if problem is not None else RuntimeError(
                 "load_state_dict failed on another rank (see its message); nothing loaded")
+        self.renewal.cancel()  # superseded by the loaded state (a refused load keeps it)
         self.store.load_state_dict(state)
         self.replica_exchange.share(self.store)
         self.steps = int(state["step"])
@@ -850,6 +854,7 @@ class KFACPreconditioner:
     def remove_hooks(self) -> None:
         """Detach from the model (the preconditioner can no longer step)."""
         self.capture.remove()
+        self._unhooked = True
 
     def close(self) -> None:
         """Detach from the model and free the sub-communicators this preconditioner made.
