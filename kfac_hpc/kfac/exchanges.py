@@ -236,6 +236,9 @@ class GradientExchange:
         self.comm, self.dims, self.dtype, self.device = comm, dims, dtype, device
         self.layout = gradient_layout(placement, dims)
         self.needed = placement.n_groups > 1
+        # the layers of this rank's slot: the only pieces it packs (and zero-fills)
+        self._slot_layers = ([str(key.subject) for key, _ in self.layout.parts[comm.rank]
+                              if key.part == Part.GRADIENT] if self.needed else [])
         self.phase_timer: PhaseTimer | None = None  # times share() (kfac_hpc.phases)
 
     @timed(Phase.KFAC_GRADIENTS)
@@ -252,7 +255,8 @@ class GradientExchange:
         if not self.needed:
             return dict(mine)
         values: dict[PieceKey, Piece] = {}
-        for name, (a, g) in self.dims.items():
+        for name in self._slot_layers:
+            a, g = self.dims[name]
             v = mine.get(name)
             values[PieceKey(name, Part.GRADIENT)] = v if v is not None else torch.zeros(
                 g, a, dtype=self.dtype, device=self.device)
