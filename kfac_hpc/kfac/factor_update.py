@@ -214,7 +214,8 @@ class FactorUpdate:
                 "(no forward, or no output gradient): %s. Either their forward is not "
                 "called in training (e.g. a parent module uses the weight directly, as "
                 "nn.MultiheadAttention does with out_proj) or their output does not reach "
-                "the loss; they are not preconditioned until both statistics come; list "
+                "the loss; they are not preconditioned until the first inverse update "
+                "after both statistics came; list "
                 "them in skip_layers to silence this",
                 len(unfired), ", ".join(unfired))
 
