@@ -71,9 +71,12 @@ def test_link_cut_then_node_killed_then_resumed(tmp_path: Path) -> None:
     job.link(2, "down")
     rc, out, _ = job.finish(timeout=170, fault_at=cut)  # rc: Open MPI's, 0 or 1 (docstring)
     ended = time.monotonic() - cut
-    for rank in (0, 1):
-        assert re.search(rf"kfac_hpc: rank {rank}: no progress for \d+ s .*ending the job "
-                         rf"with exit status {HANG_EXIT_CODE}", out), out[-5000:]
+    # node1's ranks wait in a collective; the first watchdog to fire aborts the job, which
+    # kills the other rank before its own fires when their last beats were more than a poll
+    # apart (rank 0 was still writing a checkpoint: CI saw rank 1 alone report)
+    assert any(re.search(rf"kfac_hpc: rank {rank}: no progress for \d+ s .*ending the job "
+                         rf"with exit status {HANG_EXIT_CODE}", out) for rank in (0, 1)), \
+        out[-5000:]
     assert LOST_NODE2.search(out), out[-5000:]
     assert ended < HANG_MINUTES * 60 * 1.2 + GRACE + 10, f"ended {ended:.1f} s after the cut"
     first = latest(ck)
