@@ -443,3 +443,43 @@ def test_overlap_with_a_layer_that_runs_on_some_ranks_only(comm):
              if s.average is not None]
     assert len(set(map(tuple, comm.allgather_object(norms)))) == 1
     pre.close()
+
+
+def _preconditioned_after_an_overflow_at_step_0(comm: Communicator) -> list[bool]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 20), nn.Tanh(), nn.Linear(20, 3))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    pre = KFACPreconditioner(model, comm=comm, grad_scaler=scaler, damping=0.01,
+                             inv_update_steps=10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    preconditioned = []
+    for k in range(4):
+        g = torch.Generator().manual_seed(100 * comm.rank + k)
+        opt.zero_grad()
+        boost = 1e36 if k == 0 else 1.0  # step 0 overflows
+        loss = boost * nn.functional.cross_entropy(model(torch.randn(8, 6, generator=g)),
+                                                   torch.randint(0, 3, (8,), generator=g))
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        raw = model[0].weight.grad.clone()
+        pre.step()
+        preconditioned.append(not torch.equal(raw, model[0].weight.grad))
+        scaler.step(opt)
+        scaler.update()
+    pre.close()
+    return preconditioned
+
+
+def test_an_overflow_at_the_first_step_does_not_leave_kfac_off() -> None:
+    """fp16 AMP often overflows at its first steps: the decompositions of step 0 then
+    come from no factor update, and the next factor update renews them (K-FAC was off
+    until the next inverse step, steps 1 to 9 here)."""
+    # (step 0's gradients are not finite: what happens to them is the scaler's business)
+    assert _preconditioned_after_an_overflow_at_step_0(Communicator(MPI.COMM_SELF))[1:] == [
+        True, True, True]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_overflow_at_the_first_step_renews_on_every_rank_alike() -> None:
+    comm = Communicator(MPI.COMM_WORLD.Dup())
+    assert _preconditioned_after_an_overflow_at_step_0(comm)[1:] == [True, True, True]

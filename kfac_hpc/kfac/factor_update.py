@@ -79,6 +79,9 @@ class FactorUpdate:
         self.accumulation_steps, self.grad_scaler = accumulation_steps, grad_scaler
         self.pipeline = exchange.pipeline
         self.warn_unfired = warn_unfired  # given once, at the first factor step
+        #: factor updates applied in this process (agreed: every rank skips an overflow
+        #: alike), or 1 after a load of a state with factors (see KFACPreconditioner)
+        self.folds = 0
         self.own_layers_only = own_layers_only
         self.phase_timer: PhaseTimer | None = None  # times the factor phase
         self.capture = StatisticsCapture(
@@ -122,6 +125,7 @@ class FactorUpdate:
             if self._usable(k, sums):
                 self.store.fold_local({key: (total, stats[key.layer].counts[key.factor])
                                        for key, total in sums.items()}, decay)
+                self.folds += 1
             self.capture.clear()
             return
         agreed: int | None = None  # ranks with non-finite statistics, if already agreed
@@ -138,6 +142,7 @@ class FactorUpdate:
             received = self.exchange.received(mine, self.store.states)
         if self._usable(k, sums, agreed):
             self.store.fold(received, decay)
+            self.folds += 1
         self.capture.clear()
 
     def at_inverse_step(self) -> None:

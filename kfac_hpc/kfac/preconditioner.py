@@ -291,6 +291,7 @@ class KFACPreconditioner:
         self.steps = 0
         self._closed = False
         self._unhooked = False  # remove_hooks() (close() too): no statistics any more
+        self._renewed_without_factors = False  # the last renewal came before any update
         self._phase_timer: PhaseTimer | None = None
 
         model = getattr(model, "module", model) if _is_wrapper(model) else model
@@ -564,7 +565,8 @@ class KFACPreconditioner:
         """
         return (not self.factor_update.sends_factors and not self._is_inverse_step(k)
                 and self.decomps.decomposed_at is not None  # None: first step, or a load
-                and not self.renewal.due(k, False))
+                and not self.renewal.due(k, False)
+                and not self._renewed_without_factors)  # renews after this step's fold
 
     # ----------------------------------------------------------- decompositions
     def _renew_decompositions(self, k: int) -> None:
@@ -582,9 +584,14 @@ class KFACPreconditioner:
         # the bases this inverse step refreshes)
         self.decomps.restore_loaded(k, use=not inverse or renewal.lagged
                                     or self.decomps.decomposer.reads_previous)
-        if inverse or self.decomps.decomposed_at is None:
+        # the decompositions in place were made before any factor update (every update so
+        # far an AMP overflow): renewed at the first step that updates the factors, not at
+        # the next inverse step (all ranks alike: the updates are agreed)
+        first_statistics = self._renewed_without_factors and self.factor_update.folds > 0
+        if inverse or self.decomps.decomposed_at is None or first_statistics:
             self.factor_update.at_inverse_step()
             renewal.renew(self.decomps, k)
+            self._renewed_without_factors = self.factor_update.folds == 0
 
     # ------------------------------------------------------------ preconditioning
     @timed(Phase.KFAC_PRECONDITION)
@@ -802,6 +809,9 @@ class KFACPreconditioner:
                 "load_state_dict failed on another rank (see its message); nothing loaded")
         self.renewal.cancel()  # superseded by the loaded state (a refused load keeps it)
         self.store.load_state_dict(state)
+        if int(state["step"]) > 0:  # the factors come with the state
+            self.factor_update.folds = max(self.factor_update.folds, 1)
+        self._renewed_without_factors = False
         self.replica_exchange.share(self.store)
         self.steps = int(state["step"])
         unfit = self.decomps.load(state.get("eigenbases") or {}, self.store.owned())
