@@ -113,17 +113,15 @@ class StatisticsCapture:
                 return
             if not isinstance(output, Tensor) or not output.requires_grad:
                 return
-            given = args[0] if args else kwargs.get("input")
-            if not isinstance(given, Tensor) or given.numel() == 0:  # no rows: nothing to add
+            x = args[0] if args else kwargs.get("input")
+            if not isinstance(x, Tensor) or x.numel() == 0:  # no rows: nothing to add
                 return
-            inputs = (given,)
             dtype = self._dtype_of(name)
             groups = self._groups
-            if groups is None or not groups.hold_a(stats.curvature, stats.add, inputs[0],
-                                                   output, dtype):
+            if groups is None or not groups.hold_a(stats.curvature, stats.add, x, output, dtype):
                 with profiler_range(STATISTICS_RANGE):
-                    self.stream.run(inputs[:1], lambda: stats.add("A", stats.curvature.a_factor(
-                        inputs[0], dtype=dtype, precision=self._precision)))
+                    self.stream.run([x], lambda: stats.add("A", stats.curvature.a_factor(
+                        x, dtype=dtype, precision=self._precision)))
                 self._ready(stats, "A")
 
             def grad_hook(grad: Tensor) -> None:

@@ -432,7 +432,9 @@ class LayerCurvature(ABC):
             matrix: A preconditioned gradient of this layer.
 
         Returns:
-            ``[(weight, part), (bias, part)]`` (without bias: the weight's only).
+            ``[(weight, part), (bias, part)]`` (without bias: the weight's only). A
+            parameter frozen since the layer was registered (``requires_grad`` False) is
+            left out: a new ``.grad`` would have the optimizer move it.
         """
         if tuple(matrix.shape) != (self.g_dim, self.a_dim):
             raise ValueError(
@@ -444,7 +446,7 @@ class LayerCurvature(ABC):
         if self.has_bias:
             bias: Tensor = self.module.bias  # type: ignore[assignment]
             out.append((bias, matrix[:, self.weight_cols]))
-        return out
+        return [(p, part) for p, part in out if p.requires_grad]
 
     def grad_blocks(self) -> list[Tensor | None]:
         """``∇W̄``'s column blocks as the ``.grad`` fields hold them (views, no copy).
@@ -499,13 +501,7 @@ def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _write_grad(param: Tensor, value: Tensor) -> None:
-    """Copy ``value`` into ``param.grad`` in place, or create it in ``param``'s dtype.
-
-    A parameter frozen since its layer was registered (``requires_grad`` False) is left
-    alone: a new ``.grad`` would have the optimizer move it.
-    """
-    if not param.requires_grad:
-        return
+    """Copy ``value`` into ``param.grad`` in place, or create it in ``param``'s dtype."""
     if param.grad is None:
         param.grad = value.reshape(param.shape).to(param.dtype, copy=True)
     else:

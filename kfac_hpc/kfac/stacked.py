@@ -120,8 +120,6 @@ def write_grads(targets: Iterable[tuple[Tensor, Tensor]]) -> None:
     """
     groups: dict[bool, tuple[list[Tensor], list[Tensor]]] = {True: ([], []), False: ([], [])}
     for param, value in targets:
-        if not param.requires_grad:  # frozen since registration: no .grad to move it
-            continue
         grad = param.grad
         if grad is None:
             param.grad = value.to(param.dtype, copy=True)

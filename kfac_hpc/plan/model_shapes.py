@@ -53,31 +53,13 @@ class ModelSpec:
     layers: tuple[LayerSpec, ...]
     param_tensors: int  # len(list(model.parameters())): the replica check's message
     param_numel: int  # every parameter, frozen ones included
+    weight_bytes: int  # every parameter in its own dtype, frozen ones included
+    #: the trainable parameters' gradients in their own dtypes, one flag each: what
+    #: gradient averaging sends per step
+    gradient_average_bytes: int
+    trained_bytes: int  # the trainable parameters (their gradients and momentum as many)
     input_shape: tuple[int, ...] | None = None  # per-sample input shape of the shape probe
     leaf_modules: int = 0  # modules without children (framework overhead per pass)
-    #: bytes of every parameter in its own dtype (None: fp32, ``param_numel`` of them)
-    param_bytes: int | None = None
-    #: bytes of the trainable parameters' gradients in their own dtypes, one flag each
-    #: included: what gradient averaging sends (None: every parameter in fp32)
-    averaged_bytes: int | None = None
-    #: bytes of the trainable parameters (None: every parameter in fp32)
-    trainable_bytes: int | None = None
-
-    @property
-    def weight_bytes(self) -> int:
-        """Bytes of every parameter (frozen ones included)."""
-        return self.param_bytes if self.param_bytes is not None else 4 * self.param_numel
-
-    @property
-    def gradient_average_bytes(self) -> int:
-        """Bytes gradient averaging sends per step (trainable gradients and their flags)."""
-        return (self.averaged_bytes if self.averaged_bytes is not None
-                else 4 * self.param_numel)
-
-    @property
-    def trained_bytes(self) -> int:
-        """Bytes of the trainable parameters (gradients and optimizer state are as many)."""
-        return self.trainable_bytes if self.trainable_bytes is not None else 4 * self.param_numel
 
     @property
     def kfac_param_numel(self) -> int:
@@ -131,8 +113,11 @@ def model_spec(model: nn.Module, *, input_shape: Sequence[int] | None = None,
     trained = [p for p in params if p.requires_grad]
     return ModelSpec(name or type(model).__name__, tuple(specs), len(params),
                      sum(p.numel() for p in params),
-                     None if input_shape is None else tuple(int(s) for s in input_shape),
-                     sum(1 for m in model.modules() if not any(True for _ in m.children())),
-                     param_bytes=sum(p.numel() * p.element_size() for p in params),
-                     averaged_bytes=sum((p.numel() + 1) * p.element_size() for p in trained),
-                     trainable_bytes=sum(p.numel() * p.element_size() for p in trained))
+                     weight_bytes=sum(p.numel() * p.element_size() for p in params),
+                     gradient_average_bytes=sum((p.numel() + 1) * p.element_size()
+                                                for p in trained),
+                     trained_bytes=sum(p.numel() * p.element_size() for p in trained),
+                     input_shape=(None if input_shape is None
+                                  else tuple(int(s) for s in input_shape)),
+                     leaf_modules=sum(1 for m in model.modules()
+                                      if not any(True for _ in m.children())))
